@@ -1,0 +1,237 @@
+"""Pure transforms over state dicts and full checkpoints: find the model entries, rename their keys.
+
+Nothing here does I/O or imports torch at module level: the same functions run on real tensors and on the
+inert tensor records of the streaming path (any object with a true ``__ckptfix_tensor__`` attribute).
+Inputs are never mutated; every transform returns new containers that share the tensor objects.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptfix import layouts
+from ckptfix.errors import LayoutError
+
+# Where full checkpoints keep model state dicts, most common first (the first found is the "primary").
+MODEL_ENTRY_NAMES: tuple[str, ...] = (
+    "state_dict",
+    "model",
+    "model_state_dict",
+    "module",
+    "net",
+    "network",
+    "model_ema",
+    "state_dict_ema",
+    "ema",
+    "ema_state_dict",
+    "ema_model",
+)
+# Other entries that hold a state dict of a model, by name: EMA copies, GAN halves, distillation pairs.
+_MODEL_ENTRY_PATTERN = re.compile(r"(model|net|state_dict|ema|encoder|decoder|generator|discriminator|teacher|student)")
+# Entries that are never model weights even when they hold tensors.
+_NOT_MODEL = re.compile(r"(optim|sched|scaler|rng|random|sampler|loss)", re.IGNORECASE)
+
+
+def is_tensor(value: object) -> bool:
+    """True for a torch.Tensor or an inert tensor record of the streaming reader."""
+    if getattr(value, "__ckptfix_tensor__", False):
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def is_state_dict(value: object) -> bool:
+    """A mapping of string keys to tensors with at least one tensor and no nested mappings."""
+    if not isinstance(value, Mapping) or not value:
+        return False
+    if not all(isinstance(k, str) for k in value):
+        return False
+    return any(is_tensor(v) for v in value.values()) and not any(isinstance(v, Mapping) for v in value.values())
+
+
+def model_entries(obj: object) -> list[str]:
+    """Names of the model state dicts inside a checkpoint; ``[""]`` when ``obj`` is itself a state dict."""
+    if is_state_dict(obj):
+        return [""]
+    if not isinstance(obj, Mapping):
+        return []
+    found = [
+        key
+        for key, value in obj.items()
+        if isinstance(key, str)
+        and not _NOT_MODEL.search(key)
+        and (key in MODEL_ENTRY_NAMES or _MODEL_ENTRY_PATTERN.search(key.lower()))
+        and is_state_dict(value)
+    ]
+    return sorted(found, key=lambda k: MODEL_ENTRY_NAMES.index(k) if k in MODEL_ENTRY_NAMES else len(found) + 99)
+
+
+def get_entry(obj: Any, entry: str) -> Any:
+    """The model state dict stored under ``entry`` (``""`` means ``obj`` itself)."""
+    return obj if entry == "" else obj[entry]
+
+
+def rename(state: Mapping[str, Any], key_map: layouts.KeyMap, *, source: str = "state dict") -> OrderedDict[str, Any]:
+    """Apply ``key_map`` to every key; keys mapped to None keep their name.
+
+    Two keys that end with one name is an error naming both: a silent overwrite loses weights.
+    ``_metadata`` (per-module versions, keyed by module path) is renamed along; entries the map does not
+    cover are dropped, since they describe the wrapper that was removed.
+    """
+    out: OrderedDict[str, Any] = OrderedDict()
+    origin: dict[str, str] = {}
+    for key, value in state.items():
+        new = key_map(key)
+        new = key if new is None else new
+        if new in origin:
+            raise LayoutError(
+                f"{source}: '{origin[new]}' and '{key}' would both become '{new}'; "
+                f"drop one of them or use a different --rename"
+            )
+        origin[new] = key
+        out[new] = value
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = _rename_metadata(metadata, key_map)  # type: ignore[attr-defined]
+    return out
+
+
+def _rename_metadata(metadata: Mapping[str, Any], key_map: layouts.KeyMap) -> OrderedDict[str, Any]:
+    # Module paths have no trailing dot ("" is the root); key maps speak in key prefixes ("module.").
+    renamed: OrderedDict[str, Any] = OrderedDict()
+    for path, value in metadata.items():
+        new = key_map(f"{path}." if path else "")
+        if new is None:
+            continue
+        renamed[new[:-1] if new.endswith(".") else new] = value
+    if "" not in renamed:
+        renamed[""] = {"version": 1}
+        renamed.move_to_end("", last=False)
+    return renamed
+
+
+def apply_maps(
+    state: Mapping[str, Any], maps: Sequence[layouts.KeyMap], *, source: str = "state dict"
+) -> OrderedDict[str, Any]:
+    """Apply key maps in order (a copy even when there are none)."""
+    out = rename(state, lambda key: key, source=source)
+    for key_map in maps:
+        out = rename(out, key_map, source=source)
+    return out
+
+
+@dataclass
+class EntryChange:
+    """What :func:`convert_checkpoint` did to one model entry."""
+
+    entry: str
+    layout_from: str
+    layout_to: str
+    keys: int
+    renamed: int
+
+
+@dataclass
+class Conversion:
+    """The result of :func:`convert_checkpoint`: the new object and a record of what changed."""
+
+    obj: Any
+    changes: list[EntryChange] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+
+
+def convert_checkpoint(
+    obj: Any,
+    *,
+    to: str | None = "single",
+    strip_prefixes: Iterable[str] = (),
+    add_prefixes: Iterable[str] = (),
+    renames: Iterable[str] = (),
+    model_only: bool = False,
+    entries: Iterable[str] | None = None,
+    source: str = "checkpoint",
+) -> Conversion:
+    """Convert the model entries of a checkpoint; keep every other entry untouched.
+
+    Custom maps run first (``--strip-prefix``, ``--rename``), then the layout change, then ``--add-prefix``.
+    """
+    names = list(entries) if entries is not None else model_entries(obj)
+    if not names:
+        raise LayoutError(
+            f"{source}: found no model state dict (a mapping of names to tensors) at the top level or under "
+            f"{', '.join(repr(n) for n in MODEL_ENTRY_NAMES[:6])}; name it with --entry"
+        )
+    if entries is not None:
+        _check_entries(obj, names, source=source)
+    strips = list(strip_prefixes)
+    custom = [layouts.strip_prefix(p) for p in strips] + [layouts.parse_rename(r) for r in renames]
+    result = Conversion(obj=None)
+    converted: dict[str, Any] = {}
+    for name in names:
+        where = f"{source}[{name!r}]" if name else source
+        state = get_entry(obj, name)
+        before = layouts.detect(state.keys(), source=where)
+        _check_strips(state.keys(), strips, source=where)
+        staged = apply_maps(state, custom, source=where)
+        _, maps = layouts.conversion_maps(list(staged.keys()), to=to, source=where)
+        maps += [layouts.add_prefix(p) for p in add_prefixes]
+        new = apply_maps(staged, maps, source=where)
+        after = layouts.detect(new.keys(), source=where)
+        renamed = sum(1 for a, b in zip(state.keys(), new.keys(), strict=True) if a != b)
+        converted[name] = new
+        result.changes.append(EntryChange(name, before.name, after.name, len(new), renamed))
+    if names == [""]:
+        result.obj = converted[""]
+        return result
+    out = type(obj)() if isinstance(obj, OrderedDict) else {}
+    for key, value in obj.items():
+        if key in converted:
+            out[key] = converted[key]
+        elif model_only:
+            result.dropped.append(str(key))
+        else:
+            out[key] = value
+            result.kept.append(str(key))
+    if model_only and len(names) == 1:
+        out = converted[names[0]]
+    result.obj = out
+    return result
+
+
+def convert(obj: Any, to: str = "single", **options: Any) -> Any:
+    """Convert a state dict or full checkpoint to layout ``to``; returns a new object.
+
+    >>> sd = convert(ddp_model.state_dict(), to="single")
+    >>> plain_model.load_state_dict(sd)
+    """
+    return convert_checkpoint(obj, to=to, **options).obj
+
+
+def _check_strips(keys: Iterable[str], prefixes: Sequence[str], *, source: str) -> None:
+    # Strip-prefix is all-or-nothing like layout detection: a partial match means the prefix is wrong.
+    keys = list(keys)
+    for prefix in prefixes:
+        stray = next((k for k in keys if not k.startswith(prefix)), None)
+        if stray is not None:
+            raise LayoutError(
+                f"{source}: --strip-prefix '{prefix}' does not match key '{stray}'; every key must start with "
+                f"it (use --rename '^{re.escape(prefix)}=' to strip it only where present)"
+            )
+        keys = [k[len(prefix) :] for k in keys]
+
+
+def _check_entries(obj: Any, names: Sequence[str], *, source: str) -> None:
+    for name in names:
+        if name == "" and is_state_dict(obj):
+            continue
+        if not isinstance(obj, Mapping) or name not in obj:
+            available = ", ".join(repr(k) for k in obj) if isinstance(obj, Mapping) else "none"
+            raise LayoutError(f"{source}: no entry '{name}' (entries: {available})")
+        if not is_state_dict(obj[name]):
+            raise LayoutError(f"{source}: entry '{name}' is not a state dict of tensors; pick another --entry")

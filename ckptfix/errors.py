@@ -1,0 +1,62 @@
+"""The one error hierarchy of ckptfix.
+
+Every error a user can cause is a :class:`CkptfixError`. Messages are one line and name the file, the key,
+what was expected and the fix. ``exit_code`` follows the CLI contract: 1 when a check found a problem,
+2 when the input cannot be used or the command was misused.
+"""
+
+from __future__ import annotations
+
+
+class CkptfixError(Exception):
+    """Base of every error ckptfix raises for bad input or bad usage."""
+
+    exit_code = 2
+
+
+class FormatError(CkptfixError):
+    """A file is missing, truncated, corrupt, or in a format ckptfix does not read."""
+
+
+class UnsafeCheckpointError(CkptfixError):
+    """A checkpoint needs pickle globals outside the weights-only allowlist; nothing was executed."""
+
+    def __init__(self, message: str, *, globals_needed: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.globals_needed = list(globals_needed or [])
+
+
+class LayoutError(CkptfixError):
+    """Key layout is ambiguous, collides after conversion, or cannot be mapped to the requested one."""
+
+
+class OutputError(CkptfixError):
+    """The output cannot be written (same as input, folder missing or read-only, unsupported entries)."""
+
+
+class MismatchError(CkptfixError):
+    """A state dict does not fit a model or another state dict (missing, unexpected, shape, dtype)."""
+
+    exit_code = 1
+
+
+class MergeError(CkptfixError):
+    """Per-rank checkpoints cannot be merged (parameters diverged, incompatible buffers)."""
+
+    exit_code = 1
+
+
+class DistributedError(CkptfixError):
+    """A collective load or save failed on some rank; every rank raises it with the failing rank's message."""
+
+
+__all__ = [
+    "CkptfixError",
+    "DistributedError",
+    "FormatError",
+    "LayoutError",
+    "MergeError",
+    "MismatchError",
+    "OutputError",
+    "UnsafeCheckpointError",
+]

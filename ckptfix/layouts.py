@@ -1,0 +1,173 @@
+"""Key layouts: which wrapper put which prefix on a state dict's keys, and how to move between them.
+
+Everything here works on key strings only, so it serves the torch path and the streaming path alike and
+never imports torch. All layout knowledge lives in :data:`WRAPPERS`; detection and conversion read it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from ckptfix.errors import LayoutError
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A module wrapper that prefixes its child's keys."""
+
+    name: str
+    prefix: str
+    added_by: str
+    # Outer wrappers sit in front of every key (DDP, compile). Inner ones wrap submodules and appear at any
+    # depth (FSDP1 per-layer wrapping, activation checkpointing); they are only ever removed, never added.
+    inner: bool = False
+
+
+WRAPPERS: tuple[Wrapper, ...] = (
+    Wrapper("ddp", "module.", "nn.DataParallel(m) / DistributedDataParallel(m)"),
+    Wrapper("compiled", "_orig_mod.", "torch.compile(m)"),
+    Wrapper("fsdp", "_fsdp_wrapped_module.", "FullyShardedDataParallel (FSDP1) submodule wrapping", inner=True),
+    Wrapper("checkpoint", "_checkpoint_wrapped_module.", "activation checkpoint_wrapper(m)", inner=True),
+)
+_OUTER = {w.name: w for w in WRAPPERS if not w.inner}
+_INNER = tuple(w for w in WRAPPERS if w.inner)
+
+# Layout names as users type them, outermost wrapper first, mapped to the wrapper chain.
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "single": (),
+    "dp": ("ddp",),
+    "ddp": ("ddp",),
+    "compiled": ("compiled",),
+    "ddp-compiled": ("ddp", "compiled"),  # DDP(torch.compile(m)): module._orig_mod.x
+    "compiled-ddp": ("compiled", "ddp"),  # torch.compile(DDP(m)): _orig_mod.module.x
+}
+TARGETS: tuple[str, ...] = tuple(LAYOUTS)
+
+
+def layout_name(chain: Sequence[str]) -> str:
+    """The user-facing name of a wrapper chain (``("ddp",)`` is reported as ``ddp``, alias ``dp``)."""
+    for name, value in LAYOUTS.items():
+        if tuple(chain) == value and name != "dp":
+            return name
+    return "+".join(chain)
+
+
+def chain_prefix(chain: Sequence[str]) -> str:
+    """The key prefix a wrapper chain produces: ``("ddp", "compiled")`` -> ``module._orig_mod.``."""
+    return "".join(_OUTER[name].prefix for name in chain)
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What :func:`detect` found: the outer wrapper chain and the inner wrapper tokens present."""
+
+    chain: tuple[str, ...]
+    inner: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        base = layout_name(self.chain)
+        return base if not self.inner else f"{base} (+{', '.join(self.inner)} inside)"
+
+
+def detect(keys: Iterable[str], *, source: str = "state dict") -> Detected:
+    """Find the wrapper chain that every key shares, outermost first.
+
+    A prefix is peeled only when every key has it. A state dict holding both ``module.x`` and ``x`` is an
+    error that names both keys, since loading it either way would silently drop one of them.
+    """
+    current = list(keys)
+    chain: list[str] = []
+    while current:
+        _check_no_shadowing(current, source=source)
+        wrapper = next((w for w in _OUTER.values() if all(k.startswith(w.prefix) for k in current)), None)
+        if wrapper is None:
+            break
+        chain.append(wrapper.name)
+        current = [k[len(wrapper.prefix) :] for k in current]
+    inner = tuple(w.name for w in _INNER if any(_has_inner(k, w) for k in current))
+    return Detected(tuple(chain), inner)
+
+
+def _check_no_shadowing(keys: Sequence[str], *, source: str) -> None:
+    present = set(keys)
+    for key in keys:
+        for wrapper in _OUTER.values():
+            if key.startswith(wrapper.prefix) and key[len(wrapper.prefix) :] in present:
+                bare = key[len(wrapper.prefix) :]
+                raise LayoutError(
+                    f"{source}: holds both '{key}' and '{bare}', a mix of wrapped and plain keys; "
+                    f"remove one of them (e.g. with --rename) before converting"
+                )
+
+
+def _has_inner(key: str, wrapper: Wrapper) -> bool:
+    return key.startswith(wrapper.prefix) or f".{wrapper.prefix}" in key
+
+
+KeyMap = Callable[[str], "str | None"]
+"""Maps a key to its new name, or None when the key does not take part (see :func:`apply_key_map`)."""
+
+
+def strip_prefix(prefix: str) -> KeyMap:
+    """A key map that removes ``prefix`` (None for keys without it)."""
+    return lambda key: key[len(prefix) :] if key.startswith(prefix) else None
+
+
+def add_prefix(prefix: str) -> KeyMap:
+    """A key map that puts ``prefix`` in front of every key."""
+    return lambda key: prefix + key
+
+
+def regex_rename(pattern: str, repl: str) -> KeyMap:
+    """A key map from ``REGEX=REPL`` (Python ``re.sub`` syntax); keys it does not match keep their name."""
+    try:
+        compiled = re.compile(pattern)
+    except re.error as e:
+        raise LayoutError(f"--rename '{pattern}={repl}': not a valid regular expression ({e})") from e
+    return lambda key: compiled.sub(repl, key)
+
+
+def remove_inner(key: str) -> str:
+    """Drop FSDP1 and activation-checkpoint wrapper tokens wherever they sit in a key."""
+    for wrapper in _INNER:
+        key = key.replace(f".{wrapper.prefix}", ".")
+        if key.startswith(wrapper.prefix):
+            key = key[len(wrapper.prefix) :]
+    return key
+
+
+def parse_rename(spec: str) -> KeyMap:
+    """Parse the CLI's ``REGEX=REPL`` form; the first ``=`` not escaped as ``\\=`` splits the two."""
+    match = re.match(r"^((?:[^=\\]|\\.)*)=(.*)$", spec)
+    if match is None:
+        raise LayoutError(f"--rename '{spec}': expected REGEX=REPL, e.g. --rename '^model\\.=' ")
+    return regex_rename(match.group(1).replace("\\=", "="), match.group(2))
+
+
+def conversion_maps(
+    keys: Sequence[str],
+    *,
+    to: str | None,
+    source: str = "state dict",
+) -> tuple[Detected, list[KeyMap]]:
+    """Key maps that move ``keys`` from their detected layout to layout ``to`` (None keeps the layout).
+
+    Returns the detected layout and the maps to apply in order.
+    """
+    if to is not None and to not in LAYOUTS:
+        raise LayoutError(f"unknown layout '{to}': choose one of {', '.join(TARGETS)}")
+    found = detect(keys, source=source)
+    if to is None:
+        return found, []
+    maps: list[KeyMap] = []
+    if found.chain:
+        maps.append(strip_prefix(chain_prefix(found.chain)))
+    if found.inner:
+        maps.append(remove_inner)
+    target = chain_prefix(LAYOUTS[to])
+    if target:
+        maps.append(add_prefix(target))
+    return found, maps
