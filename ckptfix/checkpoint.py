@@ -144,6 +144,8 @@ class Conversion:
     changes: list[EntryChange] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    method: str = "memory"  # "stream" (no tensor loaded), "torch" (load and save) or "memory" (no file)
+    notes: list[str] = field(default_factory=list)
 
 
 def convert_checkpoint(

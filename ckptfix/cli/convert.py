@@ -1,0 +1,7 @@
+"""ckptfix convert (being written)."""
+
+from __future__ import annotations
+
+import click
+
+COMMANDS: list[click.Command] = []

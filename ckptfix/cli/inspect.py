@@ -1,0 +1,7 @@
+"""ckptfix inspect (being written)."""
+
+from __future__ import annotations
+
+import click
+
+COMMANDS: list[click.Command] = []

@@ -1,0 +1,172 @@
+"""Safe readers and atomic writers for .pt/.pth/.bin and .safetensors, and file-to-file conversion.
+
+The input format is decided by content (magic bytes), the output format by OUT's extension.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from typing import Any
+
+from ckptfix.checkpoint import Conversion, convert_checkpoint
+from ckptfix.errors import FormatError, OutputError
+from ckptfix.formats.atomic import PathLike, check_output
+
+TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+SAFETENSORS_EXTENSIONS = (".safetensors",)
+# The legacy torch format opens with a pickled magic number: PROTO 2, then LONG1 of this value.
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+
+
+def detect_format(path: PathLike) -> str:
+    """``torch-zip``, ``torch-legacy`` or ``safetensors``, from the first bytes of the file."""
+    source = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError as e:
+        raise FormatError(f"{source}: no such file; check the path") from e
+    except IsADirectoryError as e:
+        raise FormatError(f"{source}: is a folder, not a checkpoint file") from e
+    except OSError as e:
+        raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
+    if not head:
+        raise FormatError(f"{source}: file is empty; re-download or re-save it")
+    if head.startswith(b"PK\x03\x04"):
+        return "torch-zip"
+    if head[:2] == b"\x80\x02" and _LEGACY_MAGIC in head:
+        return "torch-legacy"
+    if len(head) >= 9 and head[8:9] == b"{":
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if header_len + 8 > size:
+            raise FormatError(f"{source}: safetensors header runs past the end of the file; it is truncated")
+        return "safetensors"
+    raise FormatError(
+        f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
+        f"found bytes {head[:8]!r})"
+    )
+
+
+def output_format(path: PathLike) -> str:
+    """``torch`` or ``safetensors`` from OUT's extension."""
+    name = os.fspath(path).lower()
+    if name.endswith(SAFETENSORS_EXTENSIONS):
+        return "safetensors"
+    if name.endswith(TORCH_EXTENSIONS):
+        return "torch"
+    raise OutputError(
+        f"{os.fspath(path)}: unknown output extension; use .pt, .pth or .bin (torch) or .safetensors"
+    )
+
+
+def load(
+    path: PathLike,
+    *,
+    unsafe: bool = False,
+    allow_globals: Iterable[str] = (),
+    mmap: bool = True,
+    verify: bool = True,
+) -> Any:
+    """Load a checkpoint safely: weights-only, onto the CPU, memory-mapped where the format allows.
+
+    ``allow_globals`` names extra classes the pickle may build (``argparse.Namespace``); never ``os.system``
+    and the like. ``unsafe=True`` runs the full unpickler: only for files you fully trust.
+
+    >>> ckpt = ckptfix.load("run/last.pt")
+    """
+    source = os.fspath(path)
+    fmt = detect_format(path)
+    if fmt == "safetensors":
+        from ckptfix.formats.st import load_safetensors
+
+        return load_safetensors(path, source=source)
+    from ckptfix.formats.torchfile import load_torch
+
+    return load_torch(path, fmt=fmt, source=source, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify)
+
+
+def save(obj: Any, path: PathLike) -> None:
+    """Write ``obj`` atomically in the format OUT's extension names (temp file, fsync, rename).
+
+    >>> ckptfix.save({"model": model.state_dict(), "epoch": 3}, "run/last.pt")
+    """
+    fmt = output_format(path)
+    check_output(path)
+    if fmt == "safetensors":
+        from ckptfix.formats.st import save_safetensors
+
+        save_safetensors(obj, path)
+    else:
+        from ckptfix.formats.torchfile import save_torch
+
+        save_torch(obj, path)
+
+
+def cast_floating(conversion: Conversion, dtype: str) -> None:
+    """Cast floating-point tensors of the converted model entries to ``dtype`` (integer buffers stay)."""
+    import torch
+
+    target = getattr(torch, dtype, None)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise OutputError(f"--dtype {dtype}: not a floating-point torch dtype (float32, float16, bfloat16, float64)")
+    obj = conversion.obj
+    for change in conversion.changes:
+        state = obj if change.entry == "" or change.entry not in obj else obj[change.entry]
+        for key, t in list(state.items()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                state[key] = t.to(target)
+
+
+def convert_file(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    to: str | None = "single",
+    dtype: str | None = None,
+    unsafe: bool = False,
+    allow_globals: Iterable[str] = (),
+    fast: bool = True,
+    **options: Any,
+) -> Conversion:
+    """Convert checkpoint file ``src`` into ``dst``; every check runs before the first byte is written."""
+    source = os.fspath(src)
+    out_fmt = output_format(dst)
+    check_output(dst, inputs=(src,))
+    detect_format(src)
+    allow = list(allow_globals)
+    notes: list[str] = []
+    if fast and dtype is None and not unsafe and not allow:
+        try:
+            from ckptfix.stream import Fallback, fast_convert
+        except ImportError:
+            notes.append("fast path not available")
+        else:
+            try:
+                result: Conversion = fast_convert(
+                    src, dst, transform=lambda tree: convert_checkpoint(tree, to=to, source=source, **options)
+                )
+                result.method = "stream"
+                return result
+            except Fallback as e:
+                notes.append(f"fast path not taken: {e}")
+    obj = load(src, unsafe=unsafe, allow_globals=allow)
+    conversion = convert_checkpoint(obj, to=to, source=source, **options)
+    if dtype is not None:
+        cast_floating(conversion, dtype)
+    if out_fmt == "safetensors":
+        from ckptfix.formats.st import save_safetensors
+
+        save_safetensors(conversion.obj, dst)
+    else:
+        from ckptfix.formats.torchfile import save_torch
+
+        save_torch(conversion.obj, dst)
+    conversion.method = "torch"
+    conversion.notes.extend(notes)
+    return conversion
+
+
+__all__ = ["convert_file", "detect_format", "load", "output_format", "save"]

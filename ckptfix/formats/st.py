@@ -1,0 +1,165 @@
+"""Read and write .safetensors, carrying what a full checkpoint needs in the header's metadata.
+
+ckptfix writes the format itself (header, then each tensor's bytes) so memory stays at one tensor at a time,
+and records in ``__metadata__["ckptfix"]`` (JSON): the model entry's name, the other JSON-simple entries,
+aliases of tied tensors (stored once) and the module versions of ``_metadata``. Reading restores all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
+from ckptfix.errors import FormatError, OutputError
+from ckptfix.formats.atomic import PathLike, atomic_output
+
+META_KEY = "ckptfix"
+
+# torch dtype name -> safetensors dtype code
+DTYPES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+}  # fmt: skip
+
+
+def dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sharing_groups(state: Mapping[str, Any]) -> list[list[str]]:
+    """Groups of keys whose tensors share one storage (tied weights, views), in key order."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for key, t in state.items():
+        if is_tensor(t) and t.numel() > 0:
+            storage = t.untyped_storage()
+            groups.setdefault((str(t.device), storage.data_ptr()), []).append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
+
+
+def _is_simple(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(_is_simple(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_simple(v) for k, v in value.items())
+    return False
+
+
+def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """Split a checkpoint into the one state dict a safetensors file can hold and its ckptfix metadata."""
+    if is_state_dict(obj):
+        return obj, {"entry": ""}
+    entries = model_entries(obj)
+    if len(entries) != 1:
+        what = f"several model state dicts ({', '.join(entries)})" if entries else "no model state dict"
+        raise OutputError(
+            f"{out}: the checkpoint holds {what}; a .safetensors file holds one: write a .pt file, or pick "
+            f"one with --entry NAME --model-only"
+        )
+    entry = entries[0]
+    extras: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key == entry:
+            continue
+        if not isinstance(key, str) or not _is_simple(value):
+            raise OutputError(
+                f"{out}: entry '{key}' ({type(value).__name__}) cannot go into .safetensors metadata; "
+                f"write a .pt file to keep it, or pass --model-only to keep only '{entry}'"
+            )
+        extras[key] = value
+    return obj[entry], {"entry": entry, "extras": extras, "order": [str(k) for k in obj]}
+
+
+def save_safetensors(obj: Any, out: PathLike) -> None:
+    """Write ``obj`` (a state dict, or a checkpoint with one model entry) atomically as .safetensors."""
+    import torch
+
+    out_s = str(out)
+    state, meta = split_checkpoint(obj, out=out_s)
+    tensors: OrderedDict[str, Any] = OrderedDict()
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    for key, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            raise OutputError(f"{out_s}: key '{key}' holds a {type(t).__name__}, not a tensor; write a .pt file")
+        if dtype_name(t.dtype) not in DTYPES:
+            raise OutputError(f"{out_s}: key '{key}' has dtype {dtype_name(t.dtype)}, which safetensors cannot store; write a .pt file")
+        if t.layout != torch.strided:
+            raise OutputError(f"{out_s}: key '{key}' is a {t.layout} tensor; densify it or write a .pt file")
+        # Tied weights are one tensor under two names: store it once and record the alias.
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        if t.numel() > 0 and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        tensors[key] = t.detach().to("cpu")
+    meta["aliases"] = aliases
+    if aliases:  # restoring aliases appends them; keep the original key order to put them back in place
+        meta["keys"] = list(state.keys())
+    versions = getattr(state, "_metadata", None)
+    if versions is not None:
+        meta["module_versions"] = {k: dict(v) for k, v in versions.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", META_KEY: json.dumps(meta)}}
+    offset = 0
+    for key, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[key] = {"dtype": DTYPES[dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
+    with atomic_output(out) as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def load_safetensors(path: PathLike, *, source: str) -> Any:
+    """Read a .safetensors file; a ckptfix-written one comes back as the checkpoint it was made from."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise FormatError(f"{source}: corrupt safetensors file ({e}); re-download or re-save it") from e
+    return restore(tensors, metadata, source=source)
+
+
+def restore(tensors: Mapping[str, Any], metadata: Mapping[str, str], *, source: str) -> Any:
+    """Rebuild the checkpoint that :func:`save_safetensors` split, from the tensors and header metadata."""
+    state: OrderedDict[str, Any] = OrderedDict(tensors)
+    raw = metadata.get(META_KEY)
+    if raw is None:
+        return state
+    try:
+        meta = json.loads(raw)
+        aliases: dict[str, str] = meta.get("aliases", {})
+        for alias, target in aliases.items():
+            state[alias] = state[target]
+        if "keys" in meta:
+            state = OrderedDict((k, state[k]) for k in meta["keys"])
+        versions = meta.get("module_versions")
+        if versions is not None:
+            state._metadata = OrderedDict(versions)  # type: ignore[attr-defined]
+        entry = meta.get("entry", "")
+        if not entry:
+            return state
+        extras = meta.get("extras", {})
+        out = {k: (state if k == entry else extras[k]) for k in meta.get("order", [entry, *extras])}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{source}: its '{META_KEY}' metadata is damaged ({e}); load it with plain safetensors") from e
+    return out

@@ -1,0 +1,141 @@
+"""Read and write torch checkpoint files (.pt/.pth/.bin): zip and legacy formats, weights-only always."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+import zipfile
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+from ckptfix.errors import FormatError, UnsafeCheckpointError
+from ckptfix.formats import safety
+from ckptfix.formats.atomic import PathLike, atomic_output
+
+_CRC_CHUNK = 1 << 22
+
+
+def pickle_member(zf: zipfile.ZipFile, *, source: str) -> str:
+    """The name of the one ``<folder>/data.pkl`` record, refusing archives with stray pickles."""
+    names = zf.namelist()
+    pickles = [n for n in names if n.endswith(".pkl")]
+    data = [n for n in pickles if n.count("/") == 1 and n.endswith("/data.pkl")]
+    if any(n.endswith(("/constants.pkl", "/code/")) or "/code/" in n for n in names):
+        raise FormatError(f"{source}: is a TorchScript archive, not a checkpoint; load it with torch.jit.load")
+    if len(data) != 1 or len(pickles) != 1:
+        raise FormatError(
+            f"{source}: expected exactly one data.pkl record, found {pickles or 'none'}; the archive was not "
+            f"written by torch.save or has been tampered with"
+        )
+    folder = data[0].split("/")[0] + "/"
+    stray = [n for n in names if not n.startswith(folder)]
+    if stray or len(set(names)) != len(names):
+        raise FormatError(f"{source}: archive has records outside '{folder}' or duplicated names; refusing it")
+    return data[0]
+
+
+def verify_zip(path: PathLike, *, source: str) -> str:
+    """Check structure and every record's CRC (torch does not); return the data.pkl record name."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            member = pickle_member(zf, source=source)
+            for info in zf.infolist():
+                if info.flag_bits & 0x1:
+                    raise FormatError(f"{source}: record '{info.filename}' is encrypted; refusing it")
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise FormatError(
+                        f"{source}: record '{info.filename}' is compressed; torch.save never compresses, "
+                        f"so the file was altered; refusing it before decompressing"
+                    )
+                _check_crc(zf, info, source=source)
+            return member
+    except zipfile.BadZipFile as e:
+        raise FormatError(f"{source}: corrupt or truncated zip archive ({e}); re-download or re-save it") from e
+    except (OSError, EOFError, ValueError) as e:
+        raise FormatError(f"{source}: cannot read the archive ({e}); re-download or re-save it") from e
+
+
+def _check_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str) -> None:
+    crc = 0
+    with zf.open(info) as rec:
+        # zipfile checks the CRC itself at EOF and raises BadZipFile; computing it here too names the record.
+        rec._expected_crc = None  # type: ignore[attr-defined]
+        while chunk := rec.read(_CRC_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    if crc != info.CRC:
+        raise FormatError(
+            f"{source}: record '{info.filename}' fails its CRC check (stored {info.CRC:08x}, actual {crc:08x}); "
+            f"the file is corrupt: re-download or re-save it"
+        )
+
+
+def needed_globals(path: PathLike, *, fmt: str, source: str) -> list[str]:
+    """Globals the checkpoint's pickle refers to, found without executing it."""
+    try:
+        if fmt == "torch-zip":
+            with zipfile.ZipFile(path) as zf:
+                return safety.scan_globals(zf.read(pickle_member(zf, source=source)))
+        with open(path, "rb") as f:
+            # magic number, protocol version, system info, the object itself, storage keys
+            return safety.scan_globals(f, max_pickles=5)
+    except (ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
+        raise FormatError(f"{source}: corrupt or truncated pickle ({e}); re-download or re-save it") from e
+
+
+def load_torch(
+    path: PathLike,
+    *,
+    fmt: str,
+    source: str,
+    unsafe: bool = False,
+    allow_globals: Iterable[str] = (),
+    mmap: bool = True,
+    verify: bool = True,
+) -> Any:
+    """Load a torch file weights-only onto the CPU; the unpickler never calls anything off the allowlist."""
+    import torch
+
+    if unsafe:
+        warnings.warn(f"{source}: loading with --unsafe-pickle: this can run code from the file", stacklevel=3)
+        return _torch_load(path, source=source, weights_only=False, mmap=False)
+    allowed_names = list(allow_globals)
+    allowed = safety.resolve_allowed(allowed_names, source=source)
+    if fmt == "torch-zip" and verify:
+        verify_zip(path, source=source)
+    needed = needed_globals(path, fmt=fmt, source=source)
+    safety.refuse_unknown(needed, allowed=safety.torch_allowed() | set(allowed_names), source=source)
+    with torch.serialization.safe_globals(allowed):
+        return _torch_load(path, source=source, weights_only=True, mmap=mmap and fmt == "torch-zip")
+
+
+def _torch_load(path: PathLike, *, source: str, weights_only: bool, mmap: bool) -> Any:
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(os.fspath(path), map_location="cpu", weights_only=weights_only, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if weights_only:
+            reason = str(e).split("\n")[0].removeprefix("Weights only load failed. ")
+            raise UnsafeCheckpointError(f"{source}: refused by the weights-only unpickler: {reason}") from e
+        raise FormatError(f"{source}: corrupt pickle ({_first_line(e)}); re-download or re-save it") from e
+    except MemoryError as e:
+        raise FormatError(f"{source}: not enough memory to load it; free memory or use a smaller file") from e
+    except Exception as e:  # torch reports corruption as RuntimeError, EOFError, KeyError, ...
+        raise FormatError(f"{source}: corrupt or truncated torch file ({_first_line(e)}); re-download or re-save it") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().split("\n")[0] or type(e).__name__
+    return text if len(text) < 200 else text[:197] + "..."
+
+
+def save_torch(obj: Any, out: PathLike) -> None:
+    """``torch.save`` into a temp file beside OUT, then an atomic rename."""
+    import torch
+
+    with atomic_output(out) as f:
+        torch.save(obj, f)
