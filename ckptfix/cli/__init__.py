@@ -16,7 +16,7 @@ from ckptfix import __version__
 from ckptfix.errors import CkptfixError
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
-_COMMAND_MODULES: list[str] = ["convert", "inspect"]
+_COMMAND_MODULES: list[str] = ["convert", "inspect", "train"]
 
 INTERNAL_ERROR = 3
 
@@ -40,7 +40,8 @@ class _Group(click.Group):
             if debug:
                 raise
             click.echo(
-                f"ckptfix: internal error: {type(e).__name__}: {e} (rerun with --debug and report it)", err=True
+                f"ckptfix: internal error: {type(e).__name__}: {e} (rerun with --debug and report it)",
+                err=True,
             )
             ctx.exit(INTERNAL_ERROR)
 

@@ -1,7 +1,108 @@
-"""ckptfix convert (being written)."""
+"""``ckptfix convert`` and the options shared by commands that read checkpoints."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import click
 
-COMMANDS: list[click.Command] = []
+from ckptfix.layouts import TARGETS
+
+
+def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--allow-global`` and ``--unsafe-pickle``, for every command that reads a .pt file."""
+    f = click.option(
+        "--unsafe-pickle",
+        is_flag=True,
+        help="UNSAFE: run the full pickle machinery. Only for a file you made yourself; it can run code.",
+    )(f)
+    return click.option(
+        "--allow-global",
+        "allow_globals",
+        multiple=True,
+        metavar="module.Name",
+        help="Let the weights-only loader build this class (repeatable), e.g. argparse.Namespace.",
+    )(f)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+@click.command()
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
+@click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False))
+@click.option("--to", type=click.Choice(TARGETS), default="single", show_default=True, help="Target key layout.")
+@click.option("--keep-layout", is_flag=True, help="Do not change the layout (only rename, cast or change format).")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove P from every key (all keys must have it).")
+@click.option("--add-prefix", multiple=True, metavar="P", help="Put P in front of every key, after the layout change.")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename keys with re.sub (repeatable).")
+@click.option("--entry", "entries", multiple=True, metavar="NAME", help="Model entry to convert (default: detected).")
+@click.option("--model-only", is_flag=True, help="Keep only the model state dict, drop optimizer, epoch, …")
+@click.option("--dtype", metavar="DTYPE", help="Cast floating-point tensors (float16, bfloat16, float32, float64).")
+@click.option("--no-fast", is_flag=True, help="Always load and save through torch (the reference path).")
+@click.option("-v", "--verbose", is_flag=True, help="Say which path ran and why.")
+@safety_options
+def convert(
+    src: str,
+    dst: str,
+    to: str,
+    keep_layout: bool,
+    strip_prefix: tuple[str, ...],
+    add_prefix: tuple[str, ...],
+    rename: tuple[str, ...],
+    entries: tuple[str, ...],
+    model_only: bool,
+    dtype: str | None,
+    no_fast: bool,
+    verbose: bool,
+    allow_globals: tuple[str, ...],
+    unsafe_pickle: bool,
+) -> None:
+    """Convert checkpoint IN to layout --to and write OUT (format from OUT's extension).
+
+    \b
+    Layouts: single (conv1.weight), dp/ddp (module.conv1.weight), compiled (_orig_mod.conv1.weight),
+    ddp-compiled (module._orig_mod.…), compiled-ddp (_orig_mod.module.…).
+    Full checkpoints keep every other entry (epoch, optimizer, …) untouched.
+
+    \b
+    Example: ckptfix convert ddp_run.pt model.safetensors --to single --model-only
+    """
+    from ckptfix.formats import convert_file
+
+    result = convert_file(
+        src,
+        dst,
+        to=None if keep_layout else to,
+        dtype=dtype,
+        unsafe=unsafe_pickle,
+        allow_globals=allow_globals,
+        fast=not no_fast,
+        strip_prefixes=strip_prefix,
+        add_prefixes=add_prefix,
+        renames=rename,
+        entries=list(entries) if entries else None,
+        model_only=model_only,
+    )
+    for change in result.changes:
+        where = f"'{change.entry}'" if change.entry else "state dict"
+        click.echo(
+            f"{where}: {change.layout_from} -> {change.layout_to}, {change.keys} keys ({change.renamed} renamed)"
+            + (f", cast to {dtype}" if dtype else "")
+        )
+    if result.kept:
+        click.echo(f"kept unchanged: {', '.join(result.kept)}")
+    if result.dropped:
+        click.echo(f"dropped (--model-only): {', '.join(result.dropped)}")
+    if verbose:
+        click.echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
+    click.echo(f"wrote {dst}")
+
+
+COMMANDS: list[click.Command] = [convert]

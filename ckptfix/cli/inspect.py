@@ -1,7 +1,65 @@
-"""ckptfix inspect (being written)."""
+"""``ckptfix inspect``: what a checkpoint holds, for people or (``--json``) for programs."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import click
 
-COMMANDS: list[click.Command] = []
+from ckptfix.cli.convert import human_bytes, safety_options
+
+
+def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
+    lines = [
+        f"{summary['path']}: {summary['format']} {summary['kind']}, {human_bytes(summary['file_bytes'])}",
+    ]
+    for name, model in summary["models"].items():
+        label = f"model entry '{name}'" if name else "state dict"
+        dtypes = ", ".join(f"{d} ×{n}" for d, n in model["dtypes"].items())
+        lines.append(
+            f"{label}: layout {model['layout']}, {model['tensors']} tensors, {model['parameters']:,} parameters, "
+            f"{human_bytes(model['bytes'])} ({dtypes})"
+        )
+        if model["batchnorm_buffers"]:
+            lines.append(
+                f"  BatchNorm statistics: {model['batchnorm_buffers']} buffers in {model['batchnorm_modules']} modules"
+            )
+        for group in model["shared_storage"]:
+            lines.append(f"  shared storage: {', '.join(group)}")
+        if model["non_tensor_keys"]:
+            lines.append(f"  non-tensor values: {', '.join(model['non_tensor_keys'])}")
+        groups = model["groups"]
+        width = min(max((len(g["keys"]) for g in groups), default=0), 80)
+        for group in groups[:max_groups]:
+            shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
+            count = f"{group['count']} × " if group["count"] > 1 else ""
+            lines.append(f"  {group['keys']:<{width}}  {count}{group['dtype']} {shape}")
+        if len(groups) > max_groups:
+            lines.append(f"  … {len(groups) - max_groups} more groups (--all shows them)")
+    for key, text in summary["other_entries"].items():
+        lines.append(f"entry '{key}': {text}")
+    return lines
+
+
+@click.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for programs.")
+@click.option("--all", "show_all", is_flag=True, help="Show every key group, however many.")
+@safety_options
+def inspect(path: str, as_json: bool, show_all: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool) -> None:
+    """Show format, layout, sizes, dtypes, BatchNorm buffers, shared storage and grouped keys of PATH.
+
+    \b
+    Example: ckptfix inspect run/last.pt --json | jq .models
+    """
+    from ckptfix.summary import summarize
+
+    summary = summarize(path, allow_globals=allow_globals, unsafe=unsafe_pickle)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    click.echo("\n".join(_render(summary, max_groups=10**9 if show_all else 60)))
+
+
+COMMANDS: list[click.Command] = [inspect]

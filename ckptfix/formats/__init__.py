@@ -57,9 +57,7 @@ def output_format(path: PathLike) -> str:
         return "safetensors"
     if name.endswith(TORCH_EXTENSIONS):
         return "torch"
-    raise OutputError(
-        f"{os.fspath(path)}: unknown output extension; use .pt, .pth or .bin (torch) or .safetensors"
-    )
+    raise OutputError(f"{os.fspath(path)}: unknown output extension; use .pt, .pth or .bin (torch) or .safetensors")
 
 
 def load(
@@ -85,7 +83,9 @@ def load(
         return load_safetensors(path, source=source)
     from ckptfix.formats.torchfile import load_torch
 
-    return load_torch(path, fmt=fmt, source=source, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify)
+    return load_torch(
+        path, fmt=fmt, source=source, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify
+    )
 
 
 def save(obj: Any, path: PathLike) -> None:
@@ -140,7 +140,7 @@ def convert_file(
     notes: list[str] = []
     if fast and dtype is None and not unsafe and not allow:
         try:
-            from ckptfix.stream import Fallback, fast_convert
+            from ckptfix.stream import Fallback, fast_convert  # type: ignore[attr-defined,unused-ignore]
         except ImportError:
             notes.append("fast path not available")
         else:

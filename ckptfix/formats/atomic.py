@@ -29,9 +29,7 @@ def check_output(out: PathLike, *, inputs: tuple[PathLike, ...] = ()) -> None:
         raise OutputError(f"{out_s}: is a folder; give a file name such as {os.path.join(out_s, 'model.pt')}")
     for src in inputs:
         if _same_file(src, out_s):
-            raise OutputError(
-                f"{out_s}: is the input file; write to a new path (the input is never modified in place)"
-            )
+            raise OutputError(f"{out_s}: is the input file; write to a new path (the input is never modified in place)")
 
 
 def _same_file(a: PathLike, b: PathLike) -> bool:

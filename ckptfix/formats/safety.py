@@ -61,9 +61,9 @@ def scan_globals(data: bytes | IO[bytes], *, max_pickles: int = 1) -> list[str]:
             elif isinstance(arg, str) and "UNICODE" in name:
                 strings.append(arg)
             elif name in ("BINPUT", "LONG_BINPUT", "PUT") and strings:
-                memo[int(arg)] = strings[-1]
-            elif name in ("BINGET", "LONG_BINGET", "GET") and isinstance(memo.get(int(arg)), str):
-                strings.append(memo[int(arg)])
+                memo[int(str(arg))] = strings[-1]
+            elif name in ("BINGET", "LONG_BINGET", "GET") and isinstance(memo.get(int(str(arg))), str):
+                strings.append(memo[int(str(arg))])
             elif name == "MEMOIZE" and strings:
                 memo[len(memo)] = strings[-1]
     return list(dict.fromkeys(found))
@@ -73,7 +73,7 @@ def torch_allowed() -> set[str]:
     """Globals torch's weights-only unpickler accepts by default or through add_safe_globals."""
     from torch import _weights_only_unpickler as wo
 
-    return set(wo._get_allowed_globals()) | set(wo._get_user_allowed_globals())
+    return set(wo._get_allowed_globals()) | set(wo._get_user_allowed_globals())  # type: ignore[no-untyped-call]
 
 
 def resolve_allowed(names: Iterable[str], *, source: str) -> list[Any]:

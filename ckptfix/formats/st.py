@@ -88,16 +88,25 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
     state, meta = split_checkpoint(obj, out=out_s)
     tensors: OrderedDict[str, Any] = OrderedDict()
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     for key, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise OutputError(f"{out_s}: key '{key}' holds a {type(t).__name__}, not a tensor; write a .pt file")
         if dtype_name(t.dtype) not in DTYPES:
-            raise OutputError(f"{out_s}: key '{key}' has dtype {dtype_name(t.dtype)}, which safetensors cannot store; write a .pt file")
+            raise OutputError(
+                f"{out_s}: key '{key}' has dtype {dtype_name(t.dtype)}, which safetensors cannot store; "
+                f"write a .pt file"
+            )
         if t.layout != torch.strided:
             raise OutputError(f"{out_s}: key '{key}' is a {t.layout} tensor; densify it or write a .pt file")
         # Tied weights are one tensor under two names: store it once and record the alias.
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        ident = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            str(t.dtype),
+        )
         if t.numel() > 0 and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -113,7 +122,11 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
     offset = 0
     for key, t in tensors.items():
         size = t.numel() * t.element_size()
-        header[key] = {"dtype": DTYPES[dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        header[key] = {
+            "dtype": DTYPES[dtype_name(t.dtype)],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
@@ -128,7 +141,8 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
 def load_safetensors(path: PathLike, *, source: str) -> Any:
     """Read a .safetensors file; a ckptfix-written one comes back as the checkpoint it was made from."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
+    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -161,5 +175,7 @@ def restore(tensors: Mapping[str, Any], metadata: Mapping[str, str], *, source: 
         extras = meta.get("extras", {})
         out = {k: (state if k == entry else extras[k]) for k in meta.get("order", [entry, *extras])}
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise FormatError(f"{source}: its '{META_KEY}' metadata is damaged ({e}); load it with plain safetensors") from e
+        raise FormatError(
+            f"{source}: its '{META_KEY}' metadata is damaged ({e}); load it with plain safetensors"
+        ) from e
     return out

@@ -125,7 +125,9 @@ def _torch_load(path: PathLike, *, source: str, weights_only: bool, mmap: bool) 
     except MemoryError as e:
         raise FormatError(f"{source}: not enough memory to load it; free memory or use a smaller file") from e
     except Exception as e:  # torch reports corruption as RuntimeError, EOFError, KeyError, ...
-        raise FormatError(f"{source}: corrupt or truncated torch file ({_first_line(e)}); re-download or re-save it") from e
+        raise FormatError(
+            f"{source}: corrupt or truncated torch file ({_first_line(e)}); re-download or re-save it"
+        ) from e
 
 
 def _first_line(e: BaseException) -> str:

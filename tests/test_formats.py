@@ -1,0 +1,278 @@
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ckptfix
+from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
+from ckptfix.formats import convert_file, detect_format
+from tests.conftest import PROBE, WRAPPERS, make_net, wrap
+
+FORMATS = {"zip": ".pt", "legacy": ".pth", "safetensors": ".safetensors"}
+
+
+def write(obj: Any, path: Path, fmt: str) -> None:
+    if fmt == "legacy":
+        torch.save(obj, path, _use_new_zipfile_serialization=False)
+    elif fmt == "zip":
+        torch.save(obj, path)
+    else:
+        ckptfix.save(obj, path)
+
+
+def full_checkpoint(kind: str) -> dict[str, Any]:
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(PROBE).sum().backward()
+    optimizer.step()
+    net.load_state_dict(make_net().state_dict())
+    return {
+        "epoch": 7,
+        "model": wrap(kind, net).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "args": {"lr": 0.1},
+    }
+
+
+@pytest.mark.parametrize("src_fmt", list(FORMATS))
+@pytest.mark.parametrize("dst_fmt", ["zip", "safetensors"])
+@pytest.mark.parametrize("kind", ["dp", "compiled", "ddp-compiled"])
+def test_every_format_pair_loads_strictly_with_equal_outputs(
+    tmp_path: Path, src_fmt: str, dst_fmt: str, kind: str, wrapped_state: Callable[[str], Any]
+) -> None:
+    src = tmp_path / f"in{FORMATS[src_fmt]}"
+    dst = tmp_path / f"out{FORMATS[dst_fmt]}"
+    write(wrapped_state(kind), src, src_fmt)
+    before = src.read_bytes()
+    convert_file(src, dst, to="single")
+    assert src.read_bytes() == before
+    for target_kind in ("single", "ddp"):
+        net = make_net(seed=99)
+        model = wrap(target_kind, net)
+        ckptfix.load_into(model, dst, strict=True)
+        assert torch.equal(net(PROBE), make_net()(PROBE))
+
+
+@pytest.mark.parametrize("src_fmt", ["zip", "legacy"])
+def test_full_checkpoint_keeps_other_entries_and_optimizer(tmp_path: Path, src_fmt: str, gloo_world: None) -> None:
+    ckpt = full_checkpoint("ddp")
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    write(ckpt, src, src_fmt)
+    convert_file(src, dst, to="single")
+    out = ckptfix.load(dst)
+    assert list(out) == list(ckpt)
+    assert out["epoch"] == 7 and out["args"] == {"lr": 0.1}
+    assert set(out["model"]) == {k.removeprefix("module.") for k in ckpt["model"]}
+    assert out["optimizer"]["param_groups"] == ckpt["optimizer"]["param_groups"]
+    for index, state in ckpt["optimizer"]["state"].items():
+        assert torch.equal(out["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
+    # The optimizer state still drives the same parameters after the layout change.
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    optimizer.load_state_dict(out["optimizer"])
+
+
+def test_convert_never_mutates_its_input(wrapped_state: Callable[[str], Any]) -> None:
+    ckpt = {"model": wrapped_state("ddp"), "epoch": 1}
+    keys = list(ckpt["model"])
+    metadata = dict(ckpt["model"]._metadata)
+    out = ckptfix.convert(ckpt, to="single")
+    assert list(ckpt["model"]) == keys and dict(ckpt["model"]._metadata) == metadata
+    assert out is not ckpt and out["model"] is not ckpt["model"]
+    assert list(out["model"]._metadata) == ["", "features", "features.0", "features.1", "features.2", "head"]
+
+
+def test_safetensors_ties_are_stored_once_and_restored(tmp_path: Path) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.out = nn.Linear(4, 10, bias=False)
+            self.out.weight = self.embed.weight
+
+    state = Tied().state_dict()
+    state["transposed"] = torch.arange(6.0).reshape(2, 3).t()  # non-contiguous
+    path = tmp_path / "tied.safetensors"
+    ckptfix.save(state, path)
+    from safetensors.torch import load_file
+
+    assert set(load_file(path)) == {"embed.weight", "transposed"}
+    back = ckptfix.load(path)
+    assert list(back) == list(state)
+    assert back["out.weight"] is back["embed.weight"]
+    assert torch.equal(back["transposed"], state["transposed"])
+
+
+def test_safetensors_refuses_optimizer_state_with_a_way_out(tmp_path: Path, gloo_world: None) -> None:
+    src, dst = tmp_path / "in.pt", tmp_path / "out.safetensors"
+    torch.save(full_checkpoint("single"), src)
+    with pytest.raises(OutputError, match=r"entry 'optimizer'.*write a \.pt file.*--model-only"):
+        convert_file(src, dst)
+    assert not dst.exists()
+    convert_file(src, dst, model_only=True)
+    assert set(ckptfix.load(dst)) == set(make_net().state_dict())
+
+
+def test_safetensors_keeps_simple_entries_and_module_versions(tmp_path: Path) -> None:
+    ckpt = {"epoch": 3, "model": make_net().state_dict(), "config": {"lr": 0.1, "layers": [1, 2]}}
+    path = tmp_path / "full.safetensors"
+    ckptfix.save(ckpt, path)
+    back = ckptfix.load(path)
+    assert list(back) == ["epoch", "model", "config"]
+    assert back["epoch"] == 3 and back["config"] == {"lr": 0.1, "layers": [1, 2]}
+    assert dict(back["model"]._metadata) == dict(ckpt["model"]._metadata)
+
+
+class Marker:
+    """A payload that would create a file if it were ever unpickled for real."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("force_unsafe_env", [False, True])
+def test_malicious_pickle_is_refused_and_never_runs(
+    tmp_path: Path, legacy: bool, force_unsafe_env: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "evil.pt"
+    payload = {"model": make_net().state_dict(), "extra": [{"deep": Marker(marker)}]}
+    torch.save(payload, path, _use_new_zipfile_serialization=not legacy)
+    if force_unsafe_env:
+        monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(UnsafeCheckpointError, match=r"system, which can run code; nothing was executed"):
+        ckptfix.load(path)
+    with pytest.raises(UnsafeCheckpointError):
+        convert_file(path, tmp_path / "out.pt")
+    assert not marker.exists()
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_dangerous_globals_cannot_be_allowed(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pt"
+    torch.save({"x": Marker(tmp_path / "PWNED")}, path)
+    for name in (
+        "os.system",
+        "posix.system",
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.getattr",
+        "sys.modules",
+    ):
+        with pytest.raises(UnsafeCheckpointError, match="no option allows it"):
+            ckptfix.load(path, allow_globals=[name])
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_namespace_args_need_allow_global(tmp_path: Path) -> None:
+    path = tmp_path / "ns.pt"
+    torch.save({"model": make_net().state_dict(), "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"argparse\.Namespace.*--allow-global argparse\.Namespace"):
+        ckptfix.load(path)
+    assert ckptfix.load(path, allow_globals=["argparse.Namespace"])["args"].lr == 0.1
+
+
+def damaged(tmp_path: Path, how: str) -> Path:
+    good = tmp_path / "good.pt"
+    torch.save({"model": make_net().state_dict(), "epoch": 1}, good)
+    data = bytearray(good.read_bytes())
+    path = tmp_path / f"{how}.pt"
+    if how == "empty":
+        data = bytearray()
+    elif how == "text":
+        data = bytearray(b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\n")
+    elif how.startswith("truncated"):
+        data = data[: len(data) * int(how.removeprefix("truncated")) // 100]
+    elif how == "bitflip":
+        # Flip a bit inside a tensor record: torch itself would load this without complaint.
+        import zipfile
+
+        with zipfile.ZipFile(good) as zf:
+            info = next(i for i in zf.infolist() if i.filename.endswith("/data/0"))
+        name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26 : info.header_offset + 30])
+        data[info.header_offset + 30 + name_len + extra_len + 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("how", ["empty", "text", "truncated1", "truncated50", "truncated90", "truncated99", "bitflip"])
+def test_damaged_files_give_one_line_errors_and_no_output(tmp_path: Path, how: str) -> None:
+    path = damaged(tmp_path, how)
+    with pytest.raises(FormatError) as info:
+        convert_file(path, tmp_path / "out.pt")
+    message = str(info.value)
+    assert message.startswith(str(path)) and "\n" not in message
+    assert not (tmp_path / "out.pt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_format_is_decided_by_content(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    ckptfix.save(make_net().state_dict(), tmp_path / "w.safetensors")
+    path.write_bytes((tmp_path / "w.safetensors").read_bytes())
+    assert detect_format(path) == "safetensors"
+    assert set(ckptfix.load(path)) == set(make_net().state_dict())
+
+
+def test_output_gets_umask_mode_not_0600(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        ckptfix.save(make_net().state_dict(), tmp_path / "a.pt")
+        ckptfix.save(make_net().state_dict(), tmp_path / "a.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.pt").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_failed_write_leaves_previous_file(tmp_path: Path) -> None:
+    out = tmp_path / "out.pt"
+    ckptfix.save({"a": torch.zeros(2)}, out)
+    before = out.read_bytes()
+
+    class Unpicklable:
+        def __reduce__(self) -> Any:
+            raise pickle.PicklingError("cannot pickle this")
+
+    with pytest.raises(pickle.PicklingError):
+        ckptfix.save({"a": torch.ones(2), "b": Unpicklable()}, out)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pt"]
+
+
+def test_writing_onto_the_input_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "a.pt"
+    torch.save(make_net().state_dict(), path)
+    before = path.read_bytes()
+    with pytest.raises(OutputError, match="is the input file"):
+        convert_file(path, path)
+    link = tmp_path / "link.pt"
+    link.symlink_to(path)
+    with pytest.raises(OutputError, match="is the input file"):
+        convert_file(path, link)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_load_into_adapts_to_the_models_own_layout(
+    tmp_path: Path, kind: str, wrapped_state: Callable[[str], Any], gloo_world: None
+) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save({"model": make_net().state_dict(), "epoch": 2}, path)
+    net = make_net(seed=5)
+    report = ckptfix.load_into(wrap(kind, net), path)
+    assert report.ok
+    assert torch.equal(net(PROBE), make_net()(PROBE))

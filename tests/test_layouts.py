@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from ckptfix import layouts
+from ckptfix.checkpoint import convert
+from ckptfix.errors import LayoutError
+from tests.conftest import PREFIX, WRAPPERS, make_net
+
+
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_detect_real_wrappers(kind: str, wrapped_state: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    state = wrapped_state(kind)
+    assert all(k.startswith(PREFIX[kind]) for k in state)
+    expected = "ddp" if kind == "dp" else kind
+    assert layouts.detect(state.keys()).name == expected
+
+
+@pytest.mark.parametrize("source", WRAPPERS)
+@pytest.mark.parametrize("target", WRAPPERS)
+def test_convert_every_pair(source: str, target: str, wrapped_state: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    state = wrapped_state(source)
+    out = convert(state, to=target)
+    want = wrapped_state(target)
+    assert list(out) == list(want)
+    for key in want:
+        assert torch.equal(out[key], want[key])
+
+
+def test_converted_state_loads_strictly_and_matches_output(
+    wrapped_state: Callable[[str], dict[str, torch.Tensor]],
+) -> None:
+    from tests.conftest import PROBE
+
+    reference = make_net()
+    for kind in WRAPPERS:
+        fresh = make_net(seed=123)
+        fresh.load_state_dict(convert(wrapped_state(kind), to="single"), strict=True)
+        assert torch.equal(fresh(PROBE), reference(PROBE))
+
+
+def test_mixed_wrapped_and_plain_keys_is_an_error_naming_both() -> None:
+    with pytest.raises(LayoutError, match=r"'module\.x' and 'x'"):
+        layouts.detect(["module.x", "x", "module.y"])
+
+
+def test_partial_prefix_is_not_stripped() -> None:
+    # A model whose submodule is really called "module" keeps its keys.
+    assert layouts.detect(["module.weight", "head.weight"]).chain == ()
+    assert list(convert({"module.weight": torch.zeros(1), "head.weight": torch.zeros(1)}, to="single")) == [
+        "module.weight",
+        "head.weight",
+    ]
+
+
+def test_double_module_prefix_peels_twice() -> None:
+    found = layouts.detect(["module.module.a", "module.module.b"])
+    assert found.chain == ("ddp", "ddp")
+    assert list(convert({"module.module.a": torch.zeros(1)}, to="single")) == ["a"]
+
+
+def test_inner_wrappers_are_removed() -> None:
+    state = {
+        "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.weight": torch.zeros(1),
+        "_fsdp_wrapped_module.layers.0._checkpoint_wrapped_module.bias": torch.zeros(1),
+    }
+    assert layouts.detect(state).inner == ("fsdp", "checkpoint")
+    assert list(convert(state, to="single")) == ["layers.0.weight", "layers.0.bias"]
+
+
+def test_unknown_target_lists_choices() -> None:
+    with pytest.raises(LayoutError, match="choose one of single, dp, ddp"):
+        convert({"a": torch.zeros(1)}, to="fsdp")

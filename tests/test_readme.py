@@ -1,0 +1,23 @@
+"""The README's two commands are the ones CI runs, word for word."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    return [line for block in blocks[:2] for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_ci_runs_the_readme_commands_verbatim() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "pip install torch==2.13.0" in commands[0]
+    assert commands[0].index("torch==2.13.0") < commands[0].index("pip install -e")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    for command in commands:
+        assert command in ci
