@@ -53,6 +53,8 @@ class KeyReport:
     renamed: list[tuple[str, str]] = field(default_factory=list)
     # ``--rename`` rules that turn every renamed pair into its model key and break nothing else.
     rename_rules: list[str] = field(default_factory=list)
+    # The same rules as (old prefix, new prefix) pairs in the model's layout.
+    rename_swaps: list[tuple[str, str]] = field(default_factory=list)
     target_layout: str = "single"
     entry: str = ""
 
@@ -87,16 +89,15 @@ class KeyReport:
             parts.append(f"{len(self.unexpected)} unexpected (e.g. '{self.unexpected[0]}')")
         for key, (got, want) in list(self.wrong_shape.items())[:1]:
             parts.append(f"{len(self.wrong_shape)} wrong shape (e.g. '{key}': {list(got)} vs model {list(want)})")
-        for key, (got, want) in list(self.wrong_dtype.items())[:1]:
-            parts.append(f"{len(self.wrong_dtype)} wrong dtype (e.g. '{key}': {got} vs model {want})")
+        for key, (dtype_got, dtype_want) in list(self.wrong_dtype.items())[:1]:
+            parts.append(f"{len(self.wrong_dtype)} wrong dtype (e.g. '{key}': {dtype_got} vs model {dtype_want})")
         return "; ".join(parts) if parts else "ok"
 
     def raise_if_failed(self) -> None:
         """Raise :class:`MismatchError` with a one-line summary unless the state dict fits."""
         if not self.ok:
             raise MismatchError(
-                f"{self.source}: does not fit the model: {self.summary()}; "
-                f"run 'ckptfix validate' for the full report"
+                f"{self.source}: does not fit the model: {self.summary()}; run 'ckptfix validate' for the full report"
             )
 
     def strict(self) -> KeyReport:
@@ -154,12 +155,16 @@ def check(state: Mapping[str, Any], model: torch.nn.Module, *, source: str = "st
         if tuple(got.shape) != tuple(want.shape):
             report.wrong_shape[key] = (tuple(got.shape), tuple(want.shape))
         elif got.dtype != want.dtype:
-            report.wrong_dtype[key] = (str(got.dtype).removeprefix("torch."), str(want.dtype).removeprefix("torch."))
+            report.wrong_dtype[key] = (
+                str(got.dtype).removeprefix("torch."),
+                str(want.dtype).removeprefix("torch."),
+            )
     if report.missing and report.unexpected:
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         shapes.update({k: tuple(v.shape) for k, v in expected.items() if k not in state})
         report.renamed = likely_renames(report.missing, report.unexpected, shapes)
-        report.rename_rules = _rules_that_fix(report, state.keys(), expected.keys())
+        report.rename_swaps = _swaps_that_fix(report, state.keys(), expected.keys())
+        report.rename_rules = _format_rules(report.rename_swaps)
     return report
 
 
@@ -197,9 +202,18 @@ def likely_renames(
     return pairs
 
 
-def _rules_that_fix(report: KeyReport, state_keys: Iterable[str], model_keys: Iterable[str]) -> list[str]:
-    """``--rename`` rules (one per distinct prefix swap) when applying them makes the key sets equal."""
-    if not report.renamed or len(report.renamed) != len(report.missing) or len(report.renamed) != len(report.unexpected):
+def _format_rules(swaps: Sequence[tuple[str, str]], prefix: str = "") -> list[str]:
+    """``--rename REGEX=REPL`` rules for prefix swaps, under a wrapper ``prefix`` that stays in place."""
+    return [f"^{re.escape(prefix + old)}={prefix}{new}" for old, new in swaps]
+
+
+def _swaps_that_fix(report: KeyReport, state_keys: Iterable[str], model_keys: Iterable[str]) -> list[tuple[str, str]]:
+    """Prefix swaps (old, new) for the renamed pairs, when applying them makes the key sets equal."""
+    if (
+        not report.renamed
+        or len(report.renamed) != len(report.missing)
+        or len(report.renamed) != len(report.unexpected)
+    ):
         return []
     swaps: dict[str, str] = {}
     for got, want in report.renamed:
@@ -219,7 +233,7 @@ def _rules_that_fix(report: KeyReport, state_keys: Iterable[str], model_keys: It
 
     if sorted(apply(k) for k in state_keys) != sorted(model_keys):
         return []
-    return [f"^{re.escape(old)}={new}" for old, new in ordered]
+    return ordered
 
 
 def adapt_to_model(
@@ -241,12 +255,12 @@ def adapt_to_model(
     report.layout_from, report.layout_to = found.name, target.name
     report.target_layout = layouts.layout_name(target.chain)
     if report.rename_rules and (found.chain != target.chain or found.inner):
-        # convert applies --rename before the layout change, i.e. to the checkpoint's own (prefixed) keys.
+        # convert applies --rename before the layout change, to the checkpoint's own keys; the wrapper prefix
+        # must stay on every key so the layout is still detected (all-or-nothing) afterwards.
         if found.inner or target.chain:
             report.rename_rules = []
         else:
-            prefix = re.escape(layouts.chain_prefix(found.chain))
-            report.rename_rules = [f"^{prefix}{rule[1:]}" for rule in report.rename_rules]
+            report.rename_rules = _format_rules(report.rename_swaps, layouts.chain_prefix(found.chain))
     return adapted, report
 
 
@@ -316,7 +330,7 @@ def build_model(spec: str, *, kwargs: str | Mapping[str, Any] | None = None) -> 
         except json.JSONDecodeError as e:
             raise CkptfixError(f"--kwargs: not valid JSON ({e.msg} at column {e.colno})") from e
         if not isinstance(kwargs, dict):
-            raise CkptfixError('--kwargs: expected a JSON object such as \'{"in_features": 2}\'')
+            raise CkptfixError("--kwargs: expected a JSON object such as '{\"in_features\": 2}'")
     try:
         factory: Any = importlib.import_module(module_name)
     except ImportError as e:

@@ -16,7 +16,7 @@ from ckptfix.formats.atomic import PathLike, check_output
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
-# The legacy torch format opens with a pickled magic number: PROTO 2, then LONG1 of this value.
+# The legacy torch format opens with a pickled magic number (PROTO, maybe FRAME, then LONG1 of this value).
 _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
@@ -25,7 +25,7 @@ def detect_format(path: PathLike) -> str:
     source = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            head = f.read(16)
+            head = f.read(32)
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError as e:
         raise FormatError(f"{source}: no such file; check the path") from e
@@ -37,9 +37,10 @@ def detect_format(path: PathLike) -> str:
         raise FormatError(f"{source}: file is empty; re-download or re-save it")
     if head.startswith(b"PK\x03\x04"):
         return "torch-zip"
-    if head[:2] == b"\x80\x02" and _LEGACY_MAGIC in head:
+    if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
         return "torch-legacy"
-    if len(head) >= 9 and head[8:9] == b"{":
+    if len(head) >= 9 and head[8:9] in (b"{", b"[", b" "):
+        # safetensors: an 8-byte little-endian header length, then the JSON header
         (header_len,) = struct.unpack("<Q", head[:8])
         if header_len + 8 > size:
             raise FormatError(f"{source}: safetensors header runs past the end of the file; it is truncated")

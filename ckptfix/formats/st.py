@@ -139,18 +139,31 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
 
 
 def load_safetensors(path: PathLike, *, source: str) -> Any:
-    """Read a .safetensors file; a ckptfix-written one comes back as the checkpoint it was made from."""
-    from safetensors import SafetensorError
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    """Read a .safetensors file memory-mapped (copy-on-write); a ckptfix-written one comes back as the checkpoint
+    it was made from. The header is checked in full before any tensor is built."""
+    import mmap
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise FormatError(f"{source}: corrupt safetensors file ({e}); re-download or re-save it") from e
-    return restore(tensors, metadata, source=source)
+    import torch
+
+    from ckptfix.formats.st_header import read_header
+
+    header = read_header(path)
+    codes = {code: getattr(torch, name) for name, code in DTYPES.items() if hasattr(torch, name)}
+    tensors: OrderedDict[str, Any] = OrderedDict()
+    with open(path, "rb") as f:
+        if header.tensors:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for name, info in header.tensors.items():
+        if info.dtype not in codes:
+            raise FormatError(f"{source}: tensor '{name}' has dtype {info.dtype}, which this torch cannot represent")
+        if info.end == info.begin:
+            tensors[name] = torch.empty(info.shape, dtype=codes[info.dtype])
+            continue
+        raw = torch.frombuffer(
+            mapped, dtype=torch.uint8, count=info.end - info.begin, offset=header.data_start + info.begin
+        )
+        tensors[name] = raw.view(codes[info.dtype]).reshape(info.shape)
+    return restore(tensors, header.metadata, source=source)
 
 
 def restore(tensors: Mapping[str, Any], metadata: Mapping[str, str], *, source: str) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import struct
 import warnings
 import zipfile
 import zlib
@@ -49,12 +51,29 @@ def verify_zip(path: PathLike, *, source: str) -> str:
                         f"{source}: record '{info.filename}' is compressed; torch.save never compresses, "
                         f"so the file was altered; refusing it before decompressing"
                     )
+                _check_local_header(path, info, source=source)
                 _check_crc(zf, info, source=source)
             return member
     except zipfile.BadZipFile as e:
         raise FormatError(f"{source}: corrupt or truncated zip archive ({e}); re-download or re-save it") from e
     except (OSError, EOFError, ValueError) as e:
         raise FormatError(f"{source}: cannot read the archive ({e}); re-download or re-save it") from e
+
+
+def _check_local_header(path: PathLike, info: zipfile.ZipInfo, *, source: str) -> None:
+    # zipfile trusts the central directory for flags and method; a local header that disagrees is a sign of
+    # tampering (readers differ on which one they believe).
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        raise FormatError(f"{source}: record '{info.filename}' has no local header; the archive is corrupt")
+    flags, method = struct.unpack("<HH", local[6:10])
+    if flags & 0x1 or method != info.compress_type or (flags & ~0x808) != (info.flag_bits & ~0x808):
+        raise FormatError(
+            f"{source}: record '{info.filename}': local header disagrees with the central directory (flags "
+            f"{flags:#x} vs {info.flag_bits:#x}, method {method} vs {info.compress_type}); refusing it"
+        )
 
 
 def _check_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str) -> None:
@@ -119,8 +138,7 @@ def _torch_load(path: PathLike, *, source: str, weights_only: bool, mmap: bool) 
             return torch.load(os.fspath(path), map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as e:
         if weights_only:
-            reason = str(e).split("\n")[0].removeprefix("Weights only load failed. ")
-            raise UnsafeCheckpointError(f"{source}: refused by the weights-only unpickler: {reason}") from e
+            raise _weights_only_error(str(e), source=source) from e
         raise FormatError(f"{source}: corrupt pickle ({_first_line(e)}); re-download or re-save it") from e
     except MemoryError as e:
         raise FormatError(f"{source}: not enough memory to load it; free memory or use a smaller file") from e
@@ -128,6 +146,21 @@ def _torch_load(path: PathLike, *, source: str, weights_only: bool, mmap: bool) 
         raise FormatError(
             f"{source}: corrupt or truncated torch file ({_first_line(e)}); re-download or re-save it"
         ) from e
+
+
+def _weights_only_error(text: str, *, source: str) -> Exception:
+    # torch wraps the unpickler's reason in a long preamble; the reason follows "WeightsUnpickler error:".
+    reason = text.split("WeightsUnpickler error:", 1)[-1].strip().split("\n")[0].strip()
+    name = re.search(r"<class '([\w.]+)'>|GLOBAL ([\w.]+)|function ([\w.]+)", reason)
+    if name is None:
+        return FormatError(f"{source}: corrupt pickle ({reason[:200]}); re-download or re-save it")
+    needed = next(g for g in name.groups() if g)
+    if safety.never_allowable(needed):
+        return UnsafeCheckpointError(f"{source}: refused: its pickle builds {needed}; nothing was executed")
+    return UnsafeCheckpointError(
+        f"{source}: the weights-only unpickler also needs {needed}; if you trust the file, add --allow-global {needed}",
+        globals_needed=[needed],
+    )
 
 
 def _first_line(e: BaseException) -> str:

@@ -1,0 +1,84 @@
+"""ckptfix.diff: layout-normalised comparison of two checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch import nn
+
+from ckptfix.diff import diff, tensor_diff
+from tests.checks_models import SmallCNN
+
+
+def _ckpt(state: dict[str, torch.Tensor], epoch: int = 3) -> dict[str, object]:
+    return {"model": state, "epoch": epoch, "args": {"lr": 0.1}}
+
+
+def test_identical_and_layout_only_different_are_equal() -> None:
+    state = SmallCNN().state_dict()
+    assert diff(_ckpt(state), _ckpt(dict(state))).equal
+    report = diff(_ckpt(state), _ckpt(nn.DataParallel(SmallCNN()).state_dict()))
+    assert report.equal and report.layouts_differ
+    assert (report.entries[0].layout_a, report.entries[0].layout_b) == ("single", "ddp")
+    assert report.entries[0].compared == 16
+
+
+def test_value_shape_dtype_and_key_differences() -> None:
+    a = SmallCNN().state_dict()
+    b = dict(a)
+    b["head.weight"] = a["head.weight"] + 0.25
+    b["head.bias"] = a["head.bias"].half()
+    b["features.0.weight"] = torch.zeros(2, 2)
+    del b["features.0.bias"]
+    b["extra.weight"] = torch.ones(1)
+    report = diff(_ckpt(a), _ckpt(b, epoch=4), names=("a.pt", "b.pt"))
+    entry = report.entries[0]
+    assert not report.equal
+    assert entry.only_a == ["features.0.bias"] and entry.only_b == ["extra.weight"]
+    assert entry.shape == {"features.0.weight": ([4, 3, 3, 3], [2, 2])}
+    assert entry.dtype == {"head.bias": ("float32", "float16")}
+    by_key = {v.key: v for v in entry.values}
+    assert set(by_key) == {"head.weight", "head.bias"}  # the fp16 cast also changed the values a little
+    assert by_key["head.weight"].max_abs == 0.25
+    assert [(o.path, o.a, o.b) for o in report.other] == [("epoch", "3", "4")]
+    parsed = json.loads(json.dumps(report.to_dict()))
+    assert parsed["entries"][0]["shape"]["features.0.weight"] == {"a": [4, 3, 3, 3], "b": [2, 2]}
+
+
+def test_tolerances() -> None:
+    a = {"w": torch.tensor([1.0, 2.0])}
+    b = {"w": torch.tensor([1.0, 2.001])}
+    assert not diff(a, b).equal
+    assert diff(a, b, atol=0.01).equal
+    assert diff(a, b, rtol=1e-3).equal
+    assert not diff(a, b, rtol=1e-4).equal
+    found = tensor_diff(torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0]), atol=0, rtol=0)
+    assert found == (1.0, 1.0)
+    found = tensor_diff(torch.tensor([1.0]), torch.tensor([0.0]), atol=0, rtol=0)
+    assert found is not None and math.isinf(found[1])
+    nan = torch.tensor([float("nan"), 1.0])
+    assert tensor_diff(nan, nan.clone(), atol=0, rtol=0) is None
+    assert tensor_diff(nan, torch.tensor([1.0, 1.0]), atol=10, rtol=0) is not None
+    report = diff({"w": torch.tensor([1.0])}, {"w": torch.tensor([0.0])})
+    assert json.loads(json.dumps(report.to_dict()))["entries"][0]["values"][0]["max_rel"] == "inf"
+
+
+def test_non_model_entries_compared_as_data() -> None:
+    state = {"w": torch.ones(2)}
+    a = {"model": state, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}}, "tags": ["x"]}
+    b = {"model": state, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}}, "note": "hi"}
+    report = diff(a, b)
+    assert [(o.path, o.b) for o in report.other] == [
+        ("optimizer.state.0.step", "values differ (max |Δ| 1)"),
+        ("tags", "(absent)"),
+        ("note", "'hi'"),
+    ]
+
+
+def test_bare_state_against_full_checkpoint_pairs_the_lone_entry() -> None:
+    state = SmallCNN().state_dict()
+    report = diff(state, {"state_dict": state, "epoch": 1})
+    assert report.entries[0].equal
+    assert [(o.path, o.a) for o in report.other] == [("epoch", "(absent)")]

@@ -1,0 +1,141 @@
+"""ckptfix.merge on per-rank checkpoints of a real 2-process gloo DDP run with buffer sync off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfix
+from ckptfix.checks import load_into
+from ckptfix.errors import MergeError
+from ckptfix.merging import plan_merge
+from tests.checks_models import SmallCNN, ddp_rank_files
+
+BN = ["features.1.", "features.4."]
+
+
+@pytest.fixture(scope="module")
+def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return ddp_rank_files(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture
+def ranks(rank_files: list[Path]) -> list[Any]:
+    return [ckptfix.load(f) for f in rank_files]
+
+
+def _bare(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def test_fixture_really_has_per_rank_statistics(ranks: list[Any]) -> None:
+    a, b = _bare(ranks[0]["model"]), _bare(ranks[1]["model"])
+    for prefix in BN:
+        assert not torch.equal(a[prefix + "running_mean"], b[prefix + "running_mean"])
+    assert torch.equal(a["head.weight"], b["head.weight"])
+
+
+@pytest.mark.parametrize("strategy", ["pooled", "mean", "rank0"])
+def test_merged_statistics_follow_the_formulas(ranks: list[Any], strategy: str) -> None:
+    merged = ckptfix.merge(ranks, buffers=strategy)
+    states = [_bare(r["model"]) for r in ranks]
+    out = merged["model"]
+    for prefix in BN:
+        m = torch.stack([s[prefix + "running_mean"].double() for s in states])
+        v = torch.stack([s[prefix + "running_var"].double() for s in states])
+        mean = (m[0] + m[1]) / 2
+        if strategy == "pooled":
+            var = (v[0] + v[1]) / 2 + ((m[0] - mean) ** 2 + (m[1] - mean) ** 2) / 2
+        elif strategy == "mean":
+            var = (v[0] + v[1]) / 2
+        else:
+            mean, var = m[0], v[0]
+        assert out[prefix + "running_mean"].dtype == torch.float32
+        torch.testing.assert_close(out[prefix + "running_mean"], mean.float(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out[prefix + "running_var"], var.float(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(out[prefix + "num_batches_tracked"], states[0][prefix + "num_batches_tracked"])
+    if strategy == "pooled":  # the spread of the shard means is real here, so pooled differs from mean
+        assert not torch.allclose(out["features.1.running_var"], ((v[0] + v[1]) / 2).float())
+
+
+def test_parameters_are_bit_identical_to_rank0_and_the_result_loads(ranks: list[Any]) -> None:
+    merged = ckptfix.merge(ranks)
+    rank0 = _bare(ranks[0]["model"])
+    assert set(merged["model"]) == set(rank0)
+    for key in ["features.0.weight", "features.1.weight", "head.bias"]:
+        assert torch.equal(merged["model"][key], rank0[key])
+    assert merged["epoch"] == ranks[0]["epoch"] and merged["rank"] == 0  # non-model entries from rank 0
+    model = SmallCNN()
+    report = load_into(model, merged)
+    assert report.ok and report.layout_from == "single"
+    assert torch.equal(model.features[4].running_mean, merged["model"]["features.4.running_mean"])
+
+
+def test_mixed_layouts_and_formats(ranks: list[Any], tmp_path: Path) -> None:
+    st = tmp_path / "rank1.safetensors"
+    ckptfix.save(ckptfix.convert(ranks[1]["model"], to="compiled"), st)
+    merged = ckptfix.merge([ranks[0], ckptfix.load(st)], to="ddp")
+    reference = ckptfix.merge(ranks, to="ddp")
+    assert list(merged["model"]) == list(reference["model"])
+    assert all(k.startswith("module.") for k in merged["model"])
+    for key, value in reference["model"].items():
+        assert torch.equal(merged["model"][key], value), key
+
+
+def test_tampered_rank_is_refused_with_a_per_key_report(ranks: list[Any]) -> None:
+    tampered = dict(ranks[1])
+    tampered["model"] = dict(ranks[1]["model"])
+    tampered["model"]["module.head.weight"] = ranks[1]["model"]["module.head.weight"] + 0.5
+    result = plan_merge([ranks[0], tampered], names=["r0.pt", "r1.pt"])
+    assert result.obj is None
+    assert [(d.key, d.ranks) for d in result.diverged] == [("head.weight", ["r1.pt"])]
+    assert result.diverged[0].max_abs == pytest.approx(0.5, abs=1e-6)
+    with pytest.raises(MergeError, match=r"'head\.weight'.*max \|Δ\| 0\.5 on rank1"):
+        ckptfix.merge([ranks[0], tampered])
+    assert (
+        ckptfix.merge([ranks[0], tampered], atol=0.6)["model"]["head.weight"] is ranks[0]["model"]["module.head.weight"]
+    )
+
+
+def test_num_batches_tracked_differs_keeps_the_maximum_with_a_warning(ranks: list[Any]) -> None:
+    other = {**ranks[1]["model"], "module.features.1.num_batches_tracked": torch.tensor(7)}
+    with pytest.warns(UserWarning, match=r"num_batches_tracked differs .* 'features\.1\.num_batches_tracked'"):
+        merged = ckptfix.merge([ranks[0]["model"], other])
+    assert merged["features.1.num_batches_tracked"].item() == 7
+    assert merged["features.1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_duplicate_rank_and_lone_input_warn(ranks: list[Any]) -> None:
+    result = plan_merge([ranks[0], ranks[1], ranks[0]], names=["a", "b", "c"])
+    assert result.warnings == [
+        "c is identical to a (the same file twice, or buffers were synced); it adds nothing to the merge"
+    ]
+    lone = plan_merge([ranks[0]])
+    assert lone.warnings[0].startswith("only one input (rank0): nothing to merge")
+    assert torch.equal(lone.obj["model"]["features.1.running_var"], ranks[0]["model"]["module.features.1.running_var"])
+    assert lone.kept_from_first == ["epoch", "optimizer", "rank"]
+
+
+def test_other_buffers_follow_the_strategy_only_when_named() -> None:
+    a = {"w": torch.ones(2), "ema": torch.tensor([1.0, 3.0]), "steps": torch.tensor([1])}
+    b = {"w": torch.ones(2), "ema": torch.tensor([3.0, 5.0]), "steps": torch.tensor([2])}
+    with pytest.raises(MergeError, match="'ema'"):
+        ckptfix.merge([a, b])
+    merged = ckptfix.merge([a, b], buffer_keys=["ema"], atol=1)  # steps differ by 1: within atol
+    assert torch.equal(merged["ema"], torch.tensor([2.0, 4.0]))
+    assert ckptfix.merge([a, b], buffer_keys=["ema"], buffers="rank0", atol=1)["ema"] is a["ema"]
+    result = plan_merge([a, b], buffer_keys=["ema", "steps"])
+    assert [d.key for d in result.diverged] == ["steps"]  # integer buffers are never averaged
+
+
+def test_inputs_that_cannot_be_merged() -> None:
+    a = {"w": torch.ones(2)}
+    with pytest.raises(MergeError, match=r"rank1: keys differ from rank0"):
+        ckptfix.merge([a, {"v": torch.ones(2)}])
+    with pytest.raises(MergeError, match=r"rank1: 'w' is \[3\]"):
+        ckptfix.merge([a, {"w": torch.ones(3)}])
+    with pytest.raises(MergeError, match="unknown buffer strategy 'median'"):
+        ckptfix.merge([a, a], buffers="median")

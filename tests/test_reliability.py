@@ -1,0 +1,316 @@
+"""Hostile and broken inputs: nothing runs, nothing crashes, nothing half-written, the input untouched."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import pickle
+import struct
+import subprocess
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfix
+from ckptfix.errors import CkptfixError, FormatError, OutputError, UnsafeCheckpointError
+from ckptfix.formats import convert_file
+from tests.conftest import make_net
+
+PAYLOADS = {
+    "os.system": lambda marker: (os.system, (f"touch {marker}",)),
+    "eval": lambda marker: (eval, (f"open({str(marker)!r}, 'w')",)),
+    "subprocess": lambda marker: (subprocess.call, (["touch", str(marker)],)),
+    "importlib": lambda marker: (__import__("importlib").import_module, ("this",)),
+}
+
+
+class Payload:
+    def __init__(self, kind: str, marker: Path) -> None:
+        self.kind, self.marker = kind, marker
+
+    def __reduce__(self) -> Any:
+        return PAYLOADS[self.kind](self.marker)
+
+
+def torch_zip(path: Path, data_pkl: bytes, *, extra: dict[str, bytes] | None = None) -> Path:
+    """A torch-style archive around a hand-made data.pkl (for opcodes torch.save never writes)."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", data_pkl)
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/version", b"3\n")
+        for name, data in (extra or {}).items():
+            zf.writestr(name, data)
+    return path
+
+
+@pytest.mark.parametrize("kind", list(PAYLOADS))
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_reduce_payloads_never_run(tmp_path: Path, kind: str, protocol: int, legacy: bool) -> None:
+    marker = tmp_path / "PWNED"
+    obj = {"model": {"w": torch.zeros(2)}, "nested": [{"x": Payload(kind, marker)}]}
+    path = tmp_path / "evil.pt"
+    torch.save(obj, path, pickle_protocol=protocol, _use_new_zipfile_serialization=not legacy)
+    with pytest.raises(UnsafeCheckpointError):
+        ckptfix.load(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
+def test_hand_made_pickles_in_every_protocol_are_refused(tmp_path: Path, protocol: int) -> None:
+    marker = tmp_path / "PWNED"
+    data = pickle.dumps({"x": Payload("os.system", marker)}, protocol=protocol)
+    with pytest.raises(UnsafeCheckpointError, match="system"):
+        ckptfix.load(torch_zip(tmp_path / "evil.pt", data))
+    assert not marker.exists()
+
+
+def test_inst_opcode_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    data = f"(S'touch {marker}'\nios\nsystem\n.".encode()  # MARK, arg, INST os.system
+    with pytest.raises(UnsafeCheckpointError, match=r"os\.system"):
+        ckptfix.load(torch_zip(tmp_path / "evil.pt", data))
+    assert not marker.exists()
+
+
+def test_archive_tricks_are_refused(tmp_path: Path) -> None:
+    good = pickle.dumps({"a": 1}, protocol=2)
+    evil = pickle.dumps(Payload("os.system", tmp_path / "PWNED"), protocol=2)
+    cases = {
+        "extra_pickle": {"archive/extra.pkl": evil},
+        "outside": {"other/data.pkl": evil},
+        "outside_plain": {"../escape": b"x"},
+    }
+    for name, extra in cases.items():
+        with pytest.raises(FormatError, match=r"data\.pkl|outside"):
+            ckptfix.load(torch_zip(tmp_path / f"{name}.pt", good, extra=extra))
+    dup = tmp_path / "dup.pt"
+    torch_zip(dup, good)
+    with pytest.warns(UserWarning), zipfile.ZipFile(dup, "a") as zf:
+        zf.writestr("archive/data.pkl", evil)
+    with pytest.raises(FormatError):
+        ckptfix.load(dup)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_compressed_and_encrypted_records_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"a": 1}, protocol=2))
+        zf.writestr("archive/data/0", b"\0" * 10_000_000)
+    with pytest.raises(FormatError, match="compressed"):
+        ckptfix.load(path)
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.zeros(3)}, good)
+    data = bytearray(good.read_bytes())
+    data[6] |= 0x01  # general-purpose flag bit 0: encrypted
+    (tmp_path / "enc.pt").write_bytes(bytes(data))
+    with pytest.raises(FormatError):
+        ckptfix.load(tmp_path / "enc.pt")
+
+
+def test_other_archives_named_pt_are_refused(tmp_path: Path) -> None:
+    tar_path = tmp_path / "model.pt"
+    with tarfile.open(tar_path, "w") as tf:
+        info = tarfile.TarInfo("data.pkl")
+        payload = pickle.dumps({"a": 1})
+        info.size = len(payload)
+        tf.addfile(info, io.BytesIO(payload))
+    (tmp_path / "seven.pt").write_bytes(b"7z\xbc\xaf\x27\x1c" + b"\0" * 100)
+    for path in (tar_path, tmp_path / "seven.pt"):
+        with pytest.raises(FormatError, match="not a checkpoint ckptfix can read"):
+            ckptfix.load(path)
+
+
+def test_broken_pickles_are_corrupt_not_crashes(tmp_path: Path) -> None:
+    cases = {
+        "memo": b"\x80\x02h\x05.",  # BINGET of a memo slot never written
+        "truncated": pickle.dumps({"a": [1, 2, 3]}, protocol=2)[:-4],
+        "garbage": b"\x80\x02\xff\xfe.",
+    }
+    for name, data in cases.items():
+        with pytest.raises(FormatError, match="corrupt"):
+            ckptfix.load(torch_zip(tmp_path / f"{name}.pt", data))
+
+
+def test_storage_shorter_than_tensor_is_corrupt(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(100.0)}, good)
+    src = zipfile.ZipFile(good)
+    bad = tmp_path / "short.pt"
+    with zipfile.ZipFile(bad, "w") as zf:
+        for info in src.infolist():
+            data = src.read(info)
+            zf.writestr(info.filename, data[:40] if info.filename.endswith("/data/0") else data)
+    with pytest.raises(FormatError):
+        ckptfix.load(bad)
+
+
+def make_file(tmp_path: Path, fmt: str) -> Path:
+    state = {"model": make_net().state_dict(), "epoch": 1}
+    path = tmp_path / f"good-{fmt}{'.safetensors' if fmt == 'safetensors' else '.pt'}"
+    if fmt == "safetensors":
+        ckptfix.save(state, path)
+    else:
+        torch.save(state, path, _use_new_zipfile_serialization=fmt == "zip")
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
+@pytest.mark.parametrize("percent", [0, 1, 10, 50, 90, 99])
+def test_truncation_anywhere_is_one_line_and_no_output(tmp_path: Path, fmt: str, percent: int) -> None:
+    good = make_file(tmp_path, fmt)
+    data = good.read_bytes()
+    bad = tmp_path / f"cut{good.suffix}"
+    bad.write_bytes(data[: len(data) * percent // 100])
+    out = tmp_path / "out.pt"
+    with pytest.raises(FormatError) as info:
+        convert_file(bad, out)
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)
+    assert not out.exists()
+    assert bad.read_bytes() == data[: len(data) * percent // 100]
+
+
+def st_file(tmp_path: Path, header: Any, data: bytes = b"", *, raw: bytes | None = None) -> Path:
+    body = raw if raw is not None else json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return path
+
+
+F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("case", "header", "data", "message"),
+    [
+        ("not_object", [1, 2], b"", "not a JSON object"),
+        ("overlap", {"a": F32, "b": {**F32, "data_offsets": [4, 12]}}, b"\0" * 12, "overlaps"),
+        ("hole", {"a": {**F32, "data_offsets": [4, 12]}}, b"\0" * 12, "gap"),
+        ("trailing", {"a": F32}, b"\0" * 9, "after the last tensor"),
+        ("past_end", {"a": {**F32, "data_offsets": [0, 16]}}, b"\0" * 8, "outside the data buffer"),
+        ("size_mismatch", {"a": {**F32, "shape": [3]}}, b"\0" * 8, "needs 12 bytes"),
+        ("overflow", {"a": {**F32, "shape": [2**62, 2**62]}}, b"\0" * 8, "needs"),
+        ("bad_dtype", {"a": {**F32, "dtype": "F128"}}, b"\0" * 8, "unknown dtype"),
+        ("bad_shape", {"a": {**F32, "shape": [-2]}}, b"\0" * 8, "shape"),
+        ("bad_metadata", {"__metadata__": {"x": 1}, "a": F32}, b"\0" * 8, "metadata"),
+        ("nul_name", {"a\x00b": F32}, b"\0" * 8, "NUL"),
+    ],
+)
+def test_safetensors_header_rules(tmp_path: Path, case: str, header: Any, data: bytes, message: str) -> None:
+    with pytest.raises(FormatError, match=message):
+        ckptfix.load(st_file(tmp_path, header, data))
+
+
+def test_safetensors_header_encoding_and_size(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match="UTF-8 JSON"):
+        ckptfix.load(st_file(tmp_path, None, raw=b'{"a": "\xff\xfe"}'))
+    with pytest.raises(FormatError, match="UTF-8 JSON"):
+        ckptfix.load(st_file(tmp_path, None, raw=b"{not json"))
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 200 * 1024 * 1024) + b"{" + b" " * 100)
+    with pytest.raises(FormatError):
+        ckptfix.load(path)
+    entry = b'{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+    dup = b'{"a": ' + entry + b', "a": ' + entry + b"}"
+    with pytest.raises(FormatError, match="duplicate key 'a'"):
+        ckptfix.load(st_file(tmp_path, None, b"\0" * 8, raw=dup))
+
+
+def test_prefixes_inside_keys_are_left_alone() -> None:
+    state = {"encoder.module.weight": torch.zeros(1), "decoder._orig_mod.bias": torch.zeros(1)}
+    assert list(ckptfix.convert(state, to="single")) == list(state)
+    assert list(ckptfix.convert(state, to="ddp")) == ["module." + k for k in state]
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "replace"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_injected_io_errors_leave_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, code: int
+) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in make_net().state_dict().items()}}, src)
+    before = src.read_bytes()
+    out = tmp_path / "out.pt"
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+
+    if where == "write":
+        import ckptfix.formats.torchfile as torchfile
+
+        monkeypatch.setattr(torchfile, "save_torch", lambda obj, path: _save_failing(obj, path, fail))
+    else:
+        monkeypatch.setattr(os, where, fail)
+    with pytest.raises(OutputError, match=os.strerror(code)):
+        convert_file(src, out, fast=False)
+    monkeypatch.undo()
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def _save_failing(obj: Any, path: Any, fail: Any) -> None:
+    from ckptfix.formats.atomic import atomic_output
+
+    with atomic_output(path) as f:
+        f.write(b"partial")
+        fail()
+
+
+def test_sigkill_during_writes_never_leaves_a_partial_file(tmp_path: Path) -> None:
+    import random
+    import signal
+    import time
+
+    out = tmp_path / "out.pt"
+    state = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(16)}  # 16 MB per file
+    rng = random.Random(0)
+    complete = 0
+    for trial in range(50):
+        # fork, not a fresh interpreter: the writer must be in the middle of a write, not importing torch
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child only writes until it is killed
+            try:
+                while True:
+                    ckptfix.save(state, out)
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0.0, 0.2))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        if out.exists():
+            loaded = ckptfix.load(out)
+            assert len(loaded) == 16 and torch.equal(loaded["w15"], state["w15"]), trial
+            complete += 1
+    assert complete > 0  # some writes finished; each of them is whole
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["out.pt"]
+
+
+def test_missing_output_folder_fails_before_reading(tmp_path: Path) -> None:
+    with pytest.raises(OutputError, match="does not exist"):
+        convert_file(tmp_path / "also-missing.pt", tmp_path / "no" / "out.pt")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+def test_read_only_output_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    src = make_file(tmp_path, "zip")
+    with pytest.raises(OutputError, match="not writable"):
+        convert_file(src, folder / "out.pt")
+
+
+def test_any_error_is_a_ckptfix_error(tmp_path: Path) -> None:
+    # The CLI contract: a user's bad file never surfaces as a raw Python exception.
+    for data in (b"PK\x03\x04" + b"\0" * 40, b"\x80\x02" + b"\0" * 40, b"\x10" + b"\0" * 7 + b"{}"):
+        path = tmp_path / "x.pt"
+        path.write_bytes(data)
+        with pytest.raises(CkptfixError):
+            ckptfix.load(path)
