@@ -29,13 +29,39 @@ _EXPORTS: dict[str, str] = {
     "check": "ckptfix.checks",
     "KeyReport": "ckptfix.checks",
     "load_into": "ckptfix.checks",
+    "merge": "ckptfix.merging",  # module not named merge: importing it would shadow the function
+    "load_for_ddp": "ckptfix.distributed",
+    "save_for_ddp": "ckptfix.distributed",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "CkptfixError",
+    "DistributedError",
+    "FormatError",
+    "KeyReport",
+    "LayoutError",
+    "MergeError",
+    "MismatchError",
+    "OutputError",
+    "UnsafeCheckpointError",
+    "__version__",
+    "check",
+    "convert",
+    "convert_checkpoint",
+    "detect",
+    "load",
+    "load_for_ddp",
+    "load_into",
+    "merge",
+    "model_entries",
+    "save",
+    "save_for_ddp",
+]
 
 if TYPE_CHECKING:
     from ckptfix.checkpoint import convert, convert_checkpoint, model_entries
     from ckptfix.checks import KeyReport, check, load_into
+    from ckptfix.distributed import load_for_ddp, save_for_ddp
     from ckptfix.errors import (
         CkptfixError,
         DistributedError,
@@ -48,6 +74,7 @@ if TYPE_CHECKING:
     )
     from ckptfix.formats import load, save
     from ckptfix.layouts import detect
+    from ckptfix.merging import merge
 
 
 def __getattr__(name: str) -> Any:

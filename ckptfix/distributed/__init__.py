@@ -1,0 +1,267 @@
+"""Collective checkpoint loading and saving for DDP: one rank touches the file, every rank gets the result.
+
+``load_for_ddp`` reads, converts and checks the checkpoint on rank ``src`` only, tells every rank whether that
+worked before any tensor moves, and then broadcasts the weights (and the optimizer and other state) in bounded
+buckets straight into each rank's own parameters. A failure anywhere, on the source or on a rank whose model
+was built differently, makes every rank raise the same error within seconds; no rank is left in a collective.
+``save_for_ddp`` writes once, atomically, from one rank and returns on every rank when the file is complete.
+
+Nothing here is imported by the CLI at start-up; torch is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckptfix.distributed import buckets, protocol
+from ckptfix.errors import DistributedError, MismatchError
+
+if TYPE_CHECKING:
+    import torch
+
+PathLike = str | os.PathLike[str]
+
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_BUCKET_MB = 64.0
+
+
+def load_for_ddp(
+    model: torch.nn.Module,
+    path: PathLike,
+    *,
+    src: int = 0,
+    strict: bool = True,
+    group: Any = None,
+    broadcast_model: bool = True,
+    allow_globals: Iterable[str] = (),
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> dict[str, Any]:
+    """Load a checkpoint into ``model`` on every rank of ``group`` while reading it on rank ``src`` only.
+
+    Call it on every rank of ``group`` (default: the world), before wrapping the model in DDP. Only rank
+    ``src`` (a global rank, as in ``torch.distributed.broadcast``) opens ``path``; other ranks may pass a path
+    that does not exist for them. The source loads weights-only with mmap, takes the model entry of a full
+    checkpoint, converts it to its model's own layout (plain, compiled or already wrapped) and checks keys,
+    shapes and dtypes. Every other rank checks the source's manifest against its own model (the models may
+    differ in layout, not in shapes). Then the weights and every other tensor of the checkpoint are broadcast.
+
+    With gloo, tensors travel on the CPU. With NCCL, they travel on ``torch.cuda.current_device()``: call
+    ``torch.cuda.set_device(local_rank)`` before ``init_process_group`` and put the model there; a model on
+    another GPU is refused on every rank.
+
+    DDP's constructor broadcasts parameters and buffers from the group's first rank, so the model broadcast
+    can be skipped with ``broadcast_model=False`` when ``src`` is that rank and DDP comes next. Keep it for
+    wrappers that do not sync (FSDP, DataParallel, plain model averaging), when ``src`` is another rank, or to
+    have identical weights before wrapping; the check, the error propagation and the returned state are the
+    same either way.
+
+    Args:
+        strict: refuse a checkpoint that lacks a model key or has extra ones; ``False`` loads what fits
+            (keys with a wrong shape are skipped; keys the checkpoint lacks keep each rank's own values).
+        allow_globals: extra pickle globals the checkpoint may use (``"argparse.Namespace"``); same on every rank.
+        bucket_mb: broadcast bucket size; a receiver holds at most one bucket beyond its own model.
+        timeout: seconds to wait for another rank's status (the source's read included) before giving up.
+
+    Returns:
+        The checkpoint's entries other than the model's state dict (optimizer and scheduler state, epoch,
+        other model entries such as an EMA copy, user entries), with their tensors on the CPU, on every rank;
+        ``{}`` for a bare state dict.
+
+    Raises:
+        CkptfixError: the same subclass and message on every rank, naming the rank that failed (the
+            source's ``FormatError`` or ``UnsafeCheckpointError``, a ``MismatchError``, or
+            ``DistributedError`` for a rank that hung, died or failed otherwise). On failure no rank's model
+            has been changed, except the source's when a later check on another rank fails.
+
+    >>> extras = ckptfix.load_for_ddp(model, "run/last.pt")      # every rank, before DDP(model)
+    >>> optimizer.load_state_dict(extras["optimizer"]); start = extras["epoch"] + 1
+    """
+    import torch
+    import torch.distributed as dist
+
+    session = protocol.open_session(group, src=src, timeout=timeout, what=f"read {os.fspath(path)}")
+    if not broadcast_model and src != session.ranks[0]:
+        raise DistributedError(
+            f"broadcast_model=False needs src to be the group's first rank {session.ranks[0]} (DDP syncs from "
+            f"there), got src={src}; keep broadcast_model=True"
+        )
+    allowed = list(allow_globals)
+    if session.is_src:
+        try:
+            own, prefix, manifest, extras = _read_on_source(
+                model, path, strict=strict, allowed=allowed, session=session
+            )
+        except Exception as e:
+            failure = protocol.Failure.of(e, session.rank)
+            session.post_status(failure)
+            raise failure.error() from e
+        extra_entries: list[buckets.Entry] = []
+        extra_tensors: list[torch.Tensor] = []
+        skeleton = buckets.strip_tensors(extras, extra_entries, extra_tensors)
+        session.post_status(None, (os.fspath(path), manifest, skeleton, extra_entries))
+        problem: Exception | None = None
+    else:
+        # Messages name the source's path: a receiver's own path argument may mean nothing on its machine.
+        source, manifest, skeleton, extra_entries = session.wait_status(allowed=allowed)
+        own, prefix, problem = _check_receiver(model, manifest, strict=strict, session=session, source=source)
+        extra_tensors = []
+    session.agree(problem)
+
+    def broadcast(tensor: torch.Tensor) -> None:
+        try:
+            dist.broadcast(tensor, src=session.src, group=session.group)
+        except (RuntimeError, OSError) as e:
+            raise DistributedError(
+                f"rank {session.rank}: broadcast from rank {session.src} failed mid-transfer "
+                f"({' '.join(str(e).split())[:200]}); a rank died or lost its connection: see its log"
+            ) from e
+
+    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    if broadcast_model:
+        tensors = [own[prefix + entry.key] for entry in manifest]
+        buckets.run(
+            buckets.plan(manifest, bucket_bytes), tensors, send=session.is_src, device=session.device,
+            broadcast=broadcast,
+        )  # fmt: skip
+    if not session.is_src:
+        extra_tensors = [torch.empty(e.shape, dtype=e.torch_dtype()) for e in extra_entries]
+    buckets.run(
+        buckets.plan(extra_entries, bucket_bytes), extra_tensors, send=session.is_src, device=session.device,
+        broadcast=broadcast,
+    )  # fmt: skip
+    if session.is_src:
+        return extras
+    result: dict[str, Any] = buckets.fill_tensors(skeleton, extra_tensors)
+    return result
+
+
+def _layout_prefix(own: Mapping[str, Any]) -> str:
+    from ckptfix import layouts
+
+    return layouts.chain_prefix(layouts.detect(own.keys(), source="model").chain)
+
+
+def _read_on_source(
+    model: torch.nn.Module, path: PathLike, *, strict: bool, allowed: list[str], session: protocol.Session
+) -> tuple[dict[str, Any], str, list[buckets.Entry], dict[str, Any]]:
+    from ckptfix.checkpoint import is_state_dict, model_entries
+    from ckptfix.checks import adapt_to_model, model_state_of
+    from ckptfix.formats import load
+
+    source = os.fspath(path)
+    _check_device(model, session)
+    obj = load(path, allow_globals=allowed)
+    state = model_state_of(obj, source=source)
+    adapted, report = adapt_to_model(state, model, source=source)
+    if strict:
+        report.raise_if_failed()
+    else:  # load_state_dict raises on a shape mismatch even when not strict; skip those keys instead
+        for key in report.wrong_shape:
+            del adapted[key]
+    model.load_state_dict(adapted, strict=strict)
+    own = model.state_dict()
+    prefix = _layout_prefix(own)
+    # The manifest names keys in the single layout, so a rank whose model is wrapped differently still fits.
+    manifest = [buckets.Entry.of(key[len(prefix) :], own[key]) for key in adapted if key in own]
+    if is_state_dict(obj):
+        return own, prefix, manifest, {}
+    primary = model_entries(obj)[0]
+    return own, prefix, manifest, {key: value for key, value in obj.items() if key != primary}
+
+
+def _check_receiver(
+    model: torch.nn.Module,
+    manifest: list[buckets.Entry],
+    *,
+    strict: bool,
+    session: protocol.Session,
+    source: str,
+) -> tuple[dict[str, Any], str, Exception | None]:
+    """This rank's state, layout prefix and problem with the source's manifest (returned, so all hear of it)."""
+    from ckptfix.checks import check
+
+    own: dict[str, Any] = {}
+    prefix = ""
+    try:
+        own = model.state_dict()
+        prefix = _layout_prefix(own)
+        _check_device(model, session)
+        report = check({prefix + e.key: e.meta() for e in manifest}, model, source=source)
+    except Exception as e:
+        return own, prefix, e
+    if not strict:
+        report.missing = []
+    if report.ok:
+        return own, prefix, None
+    return (
+        own,
+        prefix,
+        MismatchError(
+            f"{source} as loaded on rank {session.src} does not fit the model on rank {session.rank}: "
+            f"{report.summary()}; build the same model on every rank"
+        ),
+    )
+
+
+def _check_device(model: torch.nn.Module, session: protocol.Session) -> None:
+    # Under NCCL a model on the wrong GPU is almost always a missing torch.cuda.set_device(local_rank), which
+    # would otherwise surface as an NCCL hang or a "duplicate GPU" error far from its cause.
+    if session.device.type != "cuda":
+        return
+    for name, tensor in model.state_dict().items():
+        if tensor.device.type == "cuda" and tensor.device != session.device:
+            raise DistributedError(
+                f"model tensor '{name}' is on {tensor.device} but this rank's current device is {session.device}; "
+                f"call torch.cuda.set_device(local_rank) before init_process_group and move the model there"
+            )
+
+
+def save_for_ddp(
+    obj: torch.nn.Module | Mapping[str, Any],
+    path: PathLike,
+    *,
+    src: int = 0,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Write a model or checkpoint once, from rank ``src``, and return on every rank when the file is complete.
+
+    A module is saved as its state dict in the single layout (DDP and ``torch.compile`` prefixes removed); a
+    checkpoint mapping has its model entries converted to the single layout and keeps every other entry. The
+    write is atomic (temp file, fsync, rename). Any failure raises the same error on every rank.
+
+    >>> ckptfix.save_for_ddp({"model": ddp_model, "optimizer": opt.state_dict(), "epoch": epoch}, "last.pt")
+    """
+    session = protocol.open_session(group, src=src, timeout=timeout, what=f"write {os.fspath(path)}")
+    if not session.is_src:
+        session.wait_status()
+        return
+    try:
+        from ckptfix.formats import save
+
+        save(_unwrapped(obj, source=os.fspath(path)), path)
+    except Exception as e:
+        failure = protocol.Failure.of(e, session.rank)
+        session.post_status(failure)
+        raise failure.error() from e
+    session.post_status(None)
+
+
+def _unwrapped(obj: Any, *, source: str) -> Any:
+    import torch
+
+    from ckptfix.checkpoint import convert, model_entries
+
+    if isinstance(obj, torch.nn.Module):
+        return convert(obj.state_dict(), to="single", source=source)
+    if not isinstance(obj, Mapping):
+        raise DistributedError(f"{source}: save_for_ddp takes a module or a checkpoint dict, got {type(obj).__name__}")
+    # Modules inside a checkpoint dict ({"model": ddp_model, ...}) are saved as their state dicts.
+    flat = {k: v.state_dict() if isinstance(v, torch.nn.Module) else v for k, v in obj.items()}
+    return convert(flat, to="single", source=source) if model_entries(flat) else flat
+
+
+__all__ = ["load_for_ddp", "save_for_ddp"]
