@@ -1,0 +1,167 @@
+"""Conversion at the speed of ``cp``: rename keys or drop entries without loading a single tensor.
+
+The pickle (or safetensors header) is read inertly, the caller's transform runs on that tree, a new pickle or
+header is written, and every tensor's bytes are copied in the kernel with their CRCs checked on the side.
+Nothing here imports torch. Whenever the input is outside what this path handles, :class:`Fallback` is raised
+before anything is written and the caller runs the torch path, which is the reference.
+
+>>> from ckptfix.stream import fast_convert, Fallback
+>>> conversion = fast_convert("ddp.pt", "plain.pt", transform=lambda tree: convert_checkpoint(tree, to="single"))
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ckptfix.formats import output_format
+from ckptfix.formats.atomic import PathLike, atomic_output, check_output
+from ckptfix.stream.copy import Copier, Job, Progress
+from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.inert import ITEMSIZE, InertTensor, tensor_of
+from ckptfix.stream.progress import progress_bar
+from ckptfix.stream.st import StTensor, plan_safetensors, read_header, tree_from_header
+from ckptfix.stream.torchzip import Source, TorchInput, plan_new_torch, plan_torch_to_torch, read_torch, tensor_record
+
+
+def fast_convert(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    transform: Callable[[Any], Any],
+    verbose: bool = False,
+    progress: Progress | None = None,
+) -> Any:
+    """Convert ``src`` into ``dst`` by rewriting only the pickle or header; returns what ``transform`` returned.
+
+    ``transform(tree)`` gets the checkpoint with inert tensor records and returns an object whose ``.obj`` is
+    the tree to write (a ``ckptfix.checkpoint.Conversion``). Raises :class:`Fallback` when the fast path does
+    not apply, ``FormatError`` for a corrupt input, ``UnsafeCheckpointError`` for a dangerous pickle.
+    """
+    source, out = os.fspath(src), os.fspath(dst)
+    out_fmt = output_format(dst)
+    check_output(dst, inputs=(src,))
+    with open(source, "rb") as f:
+        fd = f.fileno()
+        head = os.pread(fd, 4, 0)
+        inp: TorchInput | None = None
+        if head == b"PK\x03\x04":
+            inp = read_torch(fd, source)
+            conversion = transform(inp.tree)
+        elif len(head) == 4 and os.pread(fd, 1, 8) == b"{":
+            header, metadata = read_header(fd, source)
+            base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
+            conversion = transform(tree_from_header(header, metadata, base, source=source))
+        else:
+            raise Fallback("input is a legacy (non-zip) torch file")
+        total = os.fstat(fd).st_size
+        with progress_bar(total, enabled=progress is None) as bar:
+            report = _write(fd, inp, conversion.obj, out, out_fmt, source=source, progress=progress or bar)
+    if verbose:
+        kind = "pt" if inp is not None else "safetensors"
+        print(f"ckptfix: fast path {kind} -> {out_fmt}: {report}", file=sys.stderr)
+    return conversion
+
+
+def _write(
+    fd: int, inp: TorchInput | None, tree: Any, out: str, out_fmt: str, *, source: str, progress: Progress | None
+) -> str:
+    if out_fmt == "safetensors":
+        locate = _pt_locator(inp) if inp is not None else _st_locate
+        plan = plan_safetensors(tree, out=out, locate=locate)
+        checks = _pt_checks(inp, tree) if inp is not None else []
+        with atomic_output(out) as f:
+            _pwrite_all(f.fileno(), plan.header, 0)
+            jobs, at = [], len(plan.header)
+            for offset, length in plan.ranges:
+                jobs.append(Job(offset, at, length))
+                at += length
+            Copier(fd, f.fileno(), source=source, progress=progress).run(jobs, checks=checks)
+        return f"{len(plan.ranges)} tensors, {plan.size - len(plan.header)} bytes copied"
+    if inp is not None:
+        with atomic_output(out) as f:
+            zplan = plan_torch_to_torch(inp, tree, f.fileno())
+            Copier(fd, f.fileno(), source=source, progress=progress).run(zplan.jobs, checks=zplan.checks)
+        return f"{len(zplan.jobs)} records, {zplan.copied} bytes copied, CRCs checked"
+    new_tree, sources = _st_to_torch_tree(tree)
+    with atomic_output(out) as f:
+        zplan = plan_new_torch(new_tree, sources, f.fileno())
+        crcs = Copier(fd, f.fileno(), source=source, progress=progress).run(zplan.jobs, checks=zplan.checks)
+        for slot, crc in zip(zplan.crc_slots, crcs, strict=True):
+            zplan.writer.set_crc(slot, crc)
+        zplan.writer.finish()
+    return f"{len(sources)} tensors, {zplan.copied} bytes copied"
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _pt_locator(inp: TorchInput) -> Callable[[Any], tuple[str, tuple[int, ...], int, int, Any]]:
+    if inp.byteorder != "little":
+        raise Fallback(f"input is {inp.byteorder}-endian; safetensors is little-endian")
+
+    def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
+        t = tensor_of(value)
+        if not isinstance(t, InertTensor):
+            raise Fallback("not a plain tensor")
+        if not t.is_contiguous():
+            raise Fallback("a tensor is a non-contiguous view")
+        width = ITEMSIZE[t.dtype]
+        nbytes = t.numel() * width
+        rec = inp.archive.get(f"data/{t.storage.key}")
+        if rec is None or (t.offset + t.numel()) * width > rec.size:
+            raise Fallback(f"tensor bytes outside storage data/{t.storage.key}")
+        ident = (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
+        return t.dtype, t.shape, rec.data_offset + t.offset * width, nbytes, ident
+
+    return locate
+
+
+def _pt_checks(inp: TorchInput, tree: Any) -> list[Any]:
+    from ckptfix.stream.copy import Check
+    from ckptfix.stream.torchzip import referenced_storages
+
+    keys = referenced_storages(tree)
+    return [Check(r.name, r.data_offset, r.size, r.crc) for k in sorted(keys) if (r := inp.archive.get(f"data/{k}"))]
+
+
+def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
+    if not isinstance(value, StTensor):
+        raise Fallback("not a safetensors tensor")
+    return value.dtype, value.shape, value.start, value.end - value.start, id(value)
+
+
+def _st_to_torch_tree(tree: Any) -> tuple[Any, list[Source]]:
+    """Replace StTensors by the records torch.save would write, storages numbered in pickling order."""
+    records: dict[int, InertTensor] = {}
+    sources: list[Source] = []
+
+    def convert(obj: Any) -> Any:
+        if isinstance(obj, StTensor):
+            if id(obj) not in records:
+                key = str(len(sources))
+                sources.append(Source(obj.start, obj.end - obj.start))
+                records[id(obj)] = tensor_record(obj.dtype, obj.shape, key, obj.end - obj.start)
+            return records[id(obj)]
+        if isinstance(obj, dict):
+            new = type(obj)((k, convert(v)) for k, v in obj.items())
+            if vars(obj) if hasattr(obj, "__dict__") else False:
+                for name, value in vars(obj).items():
+                    setattr(new, name, value)
+            return new
+        if isinstance(obj, list):
+            return [convert(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(convert(v) for v in obj)
+        return obj
+
+    return convert(tree), sources
+
+
+__all__ = ["Fallback", "fast_convert"]

@@ -1,0 +1,320 @@
+"""The torch zip container, read and written the way ``torch.save`` lays it out.
+
+torch stores every record uncompressed with its data 64-byte aligned (the ``FB`` extra field pads the local
+header), sizes in a data descriptor after the data, and zip64 extras once a size or an offset reaches 4 GiB.
+``torch.load(mmap=True)`` maps tensors straight from those offsets, so a writer that loses the alignment
+(Python's ``zipfile`` does) yields files that load silently wrong. Stdlib only: no torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+
+from ckptfix.errors import FormatError
+from ckptfix.stream.fallback import Fallback
+
+ALIGN = 64
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length: 30 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
+_LOCATOR = struct.Struct("<IIQI")  # 20 bytes
+_SIG_LOCAL, _SIG_CENTRAL, _SIG_EOCD = 0x04034B50, 0x02014B50, 0x06054B50
+_SIG_EOCD64, _SIG_LOCATOR, _SIG_DESCRIPTOR = 0x06064B50, 0x07064B50, 0x08074B50
+_ZIP64_ID, _PAD_ID = 0x0001, 0x4246  # "FB": torch's padding field
+_U32, _U16 = 0xFFFFFFFF, 0xFFFF
+FLAG_DESCRIPTOR, FLAG_UTF8 = 0x0008, 0x0800
+
+
+@dataclass
+class Record:
+    """One stored file of the archive, as its central directory and local header describe it."""
+
+    name: str
+    header_offset: int
+    data_offset: int
+    size: int
+    crc: int
+    method: int = 0
+    flags: int = FLAG_DESCRIPTOR | FLAG_UTF8
+    version_made: int = 0
+    version_needed: int = 0
+    mtime: int = 0
+    mdate: int = 0
+    internal_attr: int = 0
+    external_attr: int = 0
+    comment: bytes = b""
+
+
+@dataclass
+class Archive:
+    """The records of a torch zip in file order, and where its central directory starts."""
+
+    path: str
+    records: list[Record]
+    size: int
+    cd_offset: int
+    comment: bytes = b""
+    prefix: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        first = self.records[0].name if self.records else ""
+        self.prefix = first.split("/")[0] + "/" if "/" in first else ""
+
+    def get(self, name: str) -> Record | None:
+        """The record named ``prefix + name``, if any."""
+        full = self.prefix + name
+        return next((r for r in self.records if r.name == full), None)
+
+
+def _pread(fd: int, n: int, offset: int, *, path: str, what: str) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        raise FormatError(f"{path}: {what} runs past the end of the file; it is truncated, re-download or re-save it")
+    return data
+
+
+def _zip64_fields(extra: bytes, wanted: int) -> list[int]:
+    """The first ``wanted`` 8-byte values of the zip64 extra field (sizes, then the header offset)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, pos)
+        if tag == _ZIP64_ID:
+            values = [struct.unpack_from("<Q", extra, pos + 4 + 8 * i)[0] for i in range(min(wanted, length // 8))]
+            if len(values) == wanted:
+                return values
+            break
+        pos += 4 + length
+    raise ValueError("zip64 extra field missing or short")
+
+
+def read_archive(fd: int, path: str) -> Archive:
+    """Parse the central directory (zip64-aware) and every local header, reading nothing else."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 4, 0)
+    if head != b"PK\x03\x04":
+        raise Fallback("input is a legacy (non-zip) torch file")
+    tail_len = min(size, _EOCD.size + _U16)
+    tail = _pread(fd, tail_len, size - tail_len, path=path, what="zip end record")
+    pos = tail.rfind(struct.pack("<I", _SIG_EOCD))
+    if pos < 0 or pos + _EOCD.size > len(tail):
+        raise FormatError(
+            f"{path}: zip end-of-archive record not found; the file is truncated, re-download or re-save it"
+        )
+    eocd_offset = size - tail_len + pos
+    _, disk, cd_disk, _, count, cd_size, cd_offset, comment_len = _EOCD.unpack_from(tail, pos)
+    comment = tail[pos + _EOCD.size : pos + _EOCD.size + comment_len]
+    if _U32 in (cd_size, cd_offset) or count == _U16:
+        loc = _LOCATOR.unpack(_pread(fd, _LOCATOR.size, eocd_offset - _LOCATOR.size, path=path, what="zip64 locator"))
+        if loc[0] != _SIG_LOCATOR:
+            raise FormatError(f"{path}: zip64 locator missing; the archive is damaged, re-download or re-save it")
+        rec = _EOCD64.unpack(_pread(fd, _EOCD64.size, loc[2], path=path, what="zip64 end record"))
+        if rec[0] != _SIG_EOCD64:
+            raise FormatError(f"{path}: zip64 end record missing; the archive is damaged, re-download or re-save it")
+        disk, cd_disk, count, cd_size, cd_offset = rec[4], rec[5], rec[7], rec[8], rec[9]
+    if disk or cd_disk:
+        raise Fallback("multi-disk zip archive")
+    if cd_offset + cd_size > size:
+        raise FormatError(f"{path}: central directory runs past the end of the file; it is truncated")
+    cd = _pread(fd, cd_size, cd_offset, path=path, what="central directory")
+    records = _parse_central(fd, cd, count, path=path, cd_offset=cd_offset)
+    records.sort(key=lambda r: r.header_offset)
+    return Archive(path=path, records=records, size=size, cd_offset=cd_offset, comment=comment)
+
+
+def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int) -> list[Record]:
+    records: list[Record] = []
+    pos = 0
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(cd):
+            raise FormatError(f"{path}: central directory is shorter than its entry count; the archive is damaged")
+        (
+            sig,
+            made,
+            needed,
+            flags,
+            method,
+            mtime,
+            mdate,
+            crc,
+            csize,
+            usize,
+            name_len,
+            extra_len,
+            comment_len,
+            _disk,
+            iattr,
+            eattr,
+            offset,
+        ) = _CENTRAL.unpack_from(cd, pos)
+        if sig != _SIG_CENTRAL:
+            raise FormatError(f"{path}: bad central directory entry at byte {cd_offset + pos}; the archive is damaged")
+        start = pos + _CENTRAL.size
+        raw_name = cd[start : start + name_len]
+        extra = cd[start + name_len : start + name_len + extra_len]
+        comment = cd[start + name_len + extra_len : start + name_len + extra_len + comment_len]
+        pos = start + name_len + extra_len + comment_len
+        name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
+        wide = [v for v in (usize, csize, offset) if v == _U32]
+        if wide:
+            try:
+                values = iter(_zip64_fields(extra, len(wide)))
+            except ValueError as e:
+                raise FormatError(f"{path}: record '{name}' lacks its zip64 sizes; the archive is damaged") from e
+            usize = next(values) if usize == _U32 else usize
+            csize = next(values) if csize == _U32 else csize
+            offset = next(values) if offset == _U32 else offset
+        if method != 0 or csize != usize:
+            raise Fallback(f"record '{name}' is compressed")
+        if flags & 0x1:
+            raise Fallback(f"record '{name}' is encrypted")
+        local = _pread(fd, _LOCAL.size, offset, path=path, what=f"local header of record '{name}'")
+        lsig, *_rest, lname_len, lextra_len = _LOCAL.unpack(local)
+        if lsig != _SIG_LOCAL:
+            raise FormatError(f"{path}: record '{name}' has no local header at byte {offset}; the archive is damaged")
+        data_offset = offset + _LOCAL.size + lname_len + lextra_len
+        if data_offset + usize > cd_offset:
+            raise FormatError(f"{path}: record '{name}' runs past the end of the data; the file is truncated")
+        records.append(
+            Record(
+                name, offset, data_offset, usize, crc, method, flags, made, needed, mtime, mdate, iattr, eattr, comment
+            )
+        )
+    return records
+
+
+class ZipWriter:
+    """Write records torch's way at explicit offsets of an open file descriptor, then the central directory."""
+
+    def __init__(self, fd: int, *, start: int = 0) -> None:
+        self.fd = fd
+        self.offset = start
+        self.records: list[Record] = []
+
+    def begin(self, name: str, size: int, *, like: Record | None = None) -> int:
+        """Write the local header of a record of ``size`` bytes; returns the (64-aligned) data offset."""
+        raw_name = name.encode("utf-8")
+        zip64 = b""
+        if size >= _U32:
+            zip64 = struct.pack("<HHQQ", _ZIP64_ID, 16, size, 0)
+        elif self.offset >= _U32:
+            zip64 = struct.pack("<HHQ", _ZIP64_ID, 8, self.offset)
+        pad = -(self.offset + _LOCAL.size + len(raw_name) + len(zip64) + 4) % ALIGN
+        extra = zip64 + struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
+        base = like or Record(name, 0, 0, 0, 0)
+        flags = base.flags | FLAG_DESCRIPTOR
+        header = _LOCAL.pack(
+            _SIG_LOCAL, base.version_needed, flags, 0, base.mtime, base.mdate, 0, 0, 0, len(raw_name), len(extra)
+        )
+        self._write(header + raw_name + extra)
+        data_offset = self.offset
+        self.records.append(
+            Record(
+                name,
+                data_offset - len(header) - len(raw_name) - len(extra),
+                data_offset,
+                size,
+                0,
+                0,
+                flags,
+                base.version_made,
+                base.version_needed,
+                base.mtime,
+                base.mdate,
+                base.internal_attr,
+                base.external_attr,
+                base.comment,
+            )
+        )
+        return data_offset
+
+    def end(self, crc: int) -> None:
+        """Close the record whose data (``size`` bytes) was written at its data offset: the data descriptor."""
+        rec = self.records[-1]
+        rec.crc = crc
+        self.offset = rec.data_offset + rec.size
+        wide = rec.size >= _U32 or rec.header_offset >= _U32
+        fmt = "<IIQQ" if wide else "<IIII"
+        self._write(struct.pack(fmt, _SIG_DESCRIPTOR, crc, rec.size, rec.size))
+
+    def set_crc(self, index: int, crc: int) -> None:
+        """Fill in the CRC of record ``index`` once its bytes are known (its descriptor is rewritten)."""
+        rec = self.records[index]
+        rec.crc = crc
+        saved = self.offset
+        self.offset = rec.data_offset + rec.size + 4
+        self._write(struct.pack("<I", crc))
+        self.offset = saved
+
+    def add(self, name: str, data: bytes, crc: int, *, like: Record | None = None) -> None:
+        """A small record written whole from memory."""
+        self.begin(name, len(data), like=like)
+        self._write(data)
+        self.offset -= len(data)
+        self.end(crc)
+
+    def finish(self, comment: bytes = b"") -> int:
+        """Write the central directory (zip64 where needed) and the end records; returns the file size."""
+        cd_offset = self.offset
+        for rec in self.records:
+            raw_name = rec.name.encode("utf-8")
+            values = [v for v in (rec.size, rec.size, rec.header_offset) if v >= _U32]
+            wide_size = rec.size >= _U32
+            zip64 = b""
+            if values:
+                zip64 = struct.pack(f"<HH{len(values)}Q", _ZIP64_ID, 8 * len(values), *values)
+            usize = _U32 if wide_size else rec.size
+            offset = _U32 if rec.header_offset >= _U32 else rec.header_offset
+            self._write(
+                _CENTRAL.pack(
+                    _SIG_CENTRAL,
+                    rec.version_made,
+                    rec.version_needed,
+                    rec.flags,
+                    0,
+                    rec.mtime,
+                    rec.mdate,
+                    rec.crc,
+                    usize,
+                    usize,
+                    len(raw_name),
+                    len(zip64),
+                    len(rec.comment),
+                    0,
+                    rec.internal_attr,
+                    rec.external_attr,
+                    offset,
+                )
+                + raw_name
+                + zip64
+                + rec.comment
+            )
+        cd_size = self.offset - cd_offset
+        count = len(self.records)
+        if cd_offset >= _U32 or cd_size >= _U32 or count >= _U16:
+            eocd64_offset = self.offset
+            self._write(_EOCD64.pack(_SIG_EOCD64, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset))
+            self._write(_LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1))
+        self._write(
+            _EOCD.pack(
+                _SIG_EOCD,
+                0,
+                0,
+                min(count, _U16),
+                min(count, _U16),
+                min(cd_size, _U32),
+                min(cd_offset, _U32),
+                len(comment),
+            )
+            + comment
+        )
+        return self.offset
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self.fd, view, self.offset)
+            self.offset += n
+            view = view[n:]

@@ -1,0 +1,338 @@
+"""The streaming fast path against the torch path (load, convert, save), which is the reference."""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckptfix.checkpoint import convert_checkpoint
+from ckptfix.errors import FormatError, UnsafeCheckpointError
+from ckptfix.formats import convert_file
+from ckptfix.stream import Fallback, fast_convert
+from ckptfix.stream.zipfmt import read_archive
+from tests.conftest import make_net
+
+
+def _fast(src: Path, dst: Path, **options: Any) -> Any:
+    return fast_convert(src, dst, transform=lambda tree: convert_checkpoint(tree, source=str(src), **options))
+
+
+def _slow(src: Path, dst: Path, **options: Any) -> Any:
+    return convert_file(src, dst, fast=False, **options)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().flatten().view(torch.uint8) if t.numel() else t.detach().flatten()
+
+
+def _assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Same structure, same key order, torch.equal tensors of the same dtype and type (Parameter or not)."""
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
+        # Bytes, not values: random bit patterns hold NaNs, which torch.equal never calls equal.
+        assert torch.equal(_raw(a), _raw(b)), where
+        assert a.requires_grad == b.requires_grad, where
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), where
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _check_torch_output(fast: Path, slow: Path) -> None:
+    for mmap in (False, True):
+        _assert_same(
+            torch.load(fast, weights_only=True, mmap=mmap), torch.load(slow, weights_only=True, mmap=mmap), str(mmap)
+        )
+    with open(fast, "rb") as f:
+        archive = read_archive(f.fileno(), str(fast))
+    assert all(r.data_offset % 64 == 0 for r in archive.records)
+    with zipfile.ZipFile(fast) as zf:
+        assert zf.testzip() is None
+
+
+def _dp_checkpoint() -> dict[str, Any]:
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 6, 6)).sum().backward()
+    opt.step()
+    return {"epoch": 3, "model": nn.DataParallel(net).state_dict(), "optimizer": opt.state_dict(), "args": {"lr": 0.1}}
+
+
+CASES = {
+    "dp-state-dict": lambda: nn.DataParallel(make_net()).state_dict(),
+    "compiled-state-dict": lambda: torch.compile(make_net()).state_dict(),
+    "plain-state-dict": lambda: make_net().state_dict(),
+    "dp-checkpoint": _dp_checkpoint,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("to", ["single", "ddp"])
+def test_pt_to_pt_matches_torch_path(tmp_path: Path, case: str, to: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save(CASES[case](), src)
+    fast = _fast(src, tmp_path / "fast.pt", to=to)
+    slow = _slow(src, tmp_path / "slow.pt", to=to)
+    assert fast.changes == slow.changes
+    _check_torch_output(tmp_path / "fast.pt", tmp_path / "slow.pt")
+
+
+def test_model_only_drops_the_other_records(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save(_dp_checkpoint(), src)
+    _fast(src, tmp_path / "fast.pt", to="single", model_only=True)
+    _slow(src, tmp_path / "slow.pt", to="single", model_only=True)
+    _check_torch_output(tmp_path / "fast.pt", tmp_path / "slow.pt")
+    with zipfile.ZipFile(tmp_path / "fast.pt") as zf:
+        stored = [n for n in zf.namelist() if "/data/" in n]
+    assert len(stored) == len(torch.load(tmp_path / "slow.pt", weights_only=True))
+
+
+def test_sharing_is_preserved(tmp_path: Path) -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    tied = nn.Parameter(torch.randn(3, 2))
+    sd = OrderedDict(
+        [
+            ("module.a", tied),
+            ("module.b", tied),
+            ("module.view", base[1:3]),
+            ("module.t", base.t()),
+            ("module.base", base),
+        ]
+    )
+    sd._metadata = OrderedDict([("", {"version": 1}), ("module", {"version": 1})])  # type: ignore[attr-defined]
+    src = tmp_path / "in.pt"
+    torch.save(sd, src)
+    _fast(src, tmp_path / "fast.pt")
+    _slow(src, tmp_path / "slow.pt")
+    _check_torch_output(tmp_path / "fast.pt", tmp_path / "slow.pt")
+    out = torch.load(tmp_path / "fast.pt", weights_only=True, mmap=True)
+    assert out["a"] is out["b"] and isinstance(out["a"], nn.Parameter)
+    ptr = out["base"].untyped_storage().data_ptr()
+    assert out["view"].untyped_storage().data_ptr() == ptr == out["t"].untyped_storage().data_ptr()
+    assert list(out._metadata) == ["", "module"] or list(out._metadata) == [""]
+
+
+def test_corrupt_record_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(100)}, src)
+    with zipfile.ZipFile(src) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith("data/0"))
+    with open(src, "r+b") as f:
+        archive = read_archive(f.fileno(), str(src))
+        rec = next(r for r in archive.records if r.name == info.filename)
+        os.pwrite(f.fileno(), b"\x7f", rec.data_offset + 10)
+    with pytest.raises(FormatError, match=r"data/0' fails its CRC check"):
+        _fast(src, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_truncated_input_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(1000)}, src)
+    data = src.read_bytes()
+    src.write_bytes(data[: len(data) // 2])
+    with pytest.raises(FormatError, match=r"in\.pt"):
+        _fast(src, tmp_path / "out.pt")
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, ("echo pwned",))
+
+
+def test_dangerous_global_is_refused_without_running(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": {"module.w": torch.ones(2)}, "evil": _Evil()}, src)
+    with pytest.raises(UnsafeCheckpointError, match=r"(os|posix)\.system"):
+        _fast(src, tmp_path / "out.pt")
+
+
+def test_unknown_global_falls_back(tmp_path: Path) -> None:
+    import argparse
+
+    src = tmp_path / "in.pt"
+    torch.save({"model": {"module.w": torch.ones(2)}, "args": argparse.Namespace(lr=1)}, src)
+    with pytest.raises(Fallback, match=r"argparse\.Namespace"):
+        _fast(src, tmp_path / "out.pt")
+
+
+def _rezip(src: Path, dst: Path, *, order: list[str] | None = None, compress: bool = False) -> None:
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        names = order or zin.namelist()
+        for name in names:
+            zout.writestr(name, zin.read(name), compress_type=zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED)
+
+
+def test_fallbacks(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    _rezip(src, tmp_path / "deflated.pt", compress=True)
+    with pytest.raises(Fallback, match="compressed"):
+        _fast(tmp_path / "deflated.pt", tmp_path / "out.pt")
+    names = zipfile.ZipFile(src).namelist()
+    _rezip(src, tmp_path / "late.pt", order=names[1:] + names[:1])
+    with pytest.raises(Fallback, match=r"data\.pkl is not the first"):
+        _fast(tmp_path / "late.pt", tmp_path / "out.pt")
+    torch.save({"module.w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(Fallback, match="legacy"):
+        _fast(tmp_path / "legacy.pt", tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_convert_file_takes_the_fast_path(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save(nn.DataParallel(make_net()).state_dict(), src)
+    result = convert_file(src, tmp_path / "out.pt", to="single")
+    assert result.method == "stream"
+
+
+# --- safetensors --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pt_to_safetensors_is_byte_identical_to_torch_path(tmp_path: Path, case: str) -> None:
+    src = tmp_path / "in.pt"
+    obj = CASES[case]()
+    if case == "dp-checkpoint":
+        obj.pop("optimizer")
+    torch.save(obj, src)
+    _fast(src, tmp_path / "fast.safetensors", to="single")
+    _slow(src, tmp_path / "slow.safetensors", to="single")
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "slow.safetensors").read_bytes()
+
+
+def test_pt_to_safetensors_falls_back_on_views(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.t": torch.ones(2, 3).t()}, src)
+    with pytest.raises(Fallback, match="non-contiguous"):
+        _fast(src, tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("to", ["single", "ddp"])
+def test_safetensors_round_trips_match_torch_path(tmp_path: Path, to: str) -> None:
+    src = tmp_path / "in.safetensors"
+    sd = nn.DataParallel(make_net()).state_dict()
+    _slow_save_st(sd, src)
+    _fast(src, tmp_path / "fast.safetensors", to=to)
+    _slow(src, tmp_path / "slow.safetensors", to=to)
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "slow.safetensors").read_bytes()
+    _fast(src, tmp_path / "fast.pt", to=to)
+    _slow(src, tmp_path / "slow.pt", to=to)
+    _check_torch_output(tmp_path / "fast.pt", tmp_path / "slow.pt")
+
+
+def _slow_save_st(obj: Any, path: Path) -> None:
+    from ckptfix.formats import save
+
+    save(obj, path)
+
+
+def test_fast_path_does_not_import_torch(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(2)}, src)
+    code = (
+        "import sys; from ckptfix.stream import fast_convert; from ckptfix.checkpoint import convert_checkpoint;"
+        f"fast_convert({str(src)!r}, {str(tmp_path / 'out.pt')!r}, transform=lambda t: convert_checkpoint(t));"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert list(torch.load(tmp_path / "out.pt", weights_only=True)) == ["w"]
+
+
+def test_safetensors_header_is_padded(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(3)}, src)
+    _fast(src, tmp_path / "out.safetensors")
+    raw = (tmp_path / "out.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0
+
+
+# --- zip64 ----------------------------------------------------------------------------------------------------
+
+
+def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor:
+    """A torch zip whose records after data.pkl begin past byte ``start`` (a hole), optionally with a ``big``-byte
+    uint8 tensor that is a hole except for its last 8 bytes; returns the small tensor it holds."""
+    import zlib
+
+    from ckptfix.stream import inert
+    from ckptfix.stream.torchzip import tensor_record
+    from ckptfix.stream.zipfmt import ZipWriter
+
+    small = torch.arange(6, dtype=torch.float32)
+    tree: dict[str, Any] = {"module.small": tensor_record("float32", (6,), "0", 24)}
+    if big:
+        tree["module.big"] = tensor_record("uint8", (big,), "1", big)
+    with open(path, "wb") as f:
+        w = ZipWriter(f.fileno())
+        pkl = inert.dump(tree)
+        w.add("archive/data.pkl", pkl, zlib.crc32(pkl))
+        w.offset += start
+        w.add("archive/byteorder", b"little", zlib.crc32(b"little"))
+        raw = small.numpy().tobytes()
+        w.add("archive/data/0", raw, zlib.crc32(raw))
+        if big:
+            tail = bytes(range(1, 9))
+            offset = w.begin("archive/data/1", big)
+            os.pwrite(f.fileno(), tail, offset + big - 8)
+            crc, zeros, left = 0, bytes(64 << 20), big - 8
+            while left:
+                crc = zlib.crc32(zeros[: min(left, len(zeros))], crc)
+                left -= min(left, len(zeros))
+            w.end(zlib.crc32(tail, crc))
+        w.add("archive/version", b"3\n", zlib.crc32(b"3\n"))
+        w.finish()
+    return small
+
+
+def test_zip64_offsets_read_and_written(tmp_path: Path) -> None:
+    src = tmp_path / "far.pt"
+    small = _write_sparse_torch(src, start=(1 << 32) + 100)
+    with zipfile.ZipFile(src) as zf:
+        assert zf.testzip() is None
+    with open(src, "rb") as f:
+        archive = read_archive(f.fileno(), str(src))
+    assert min(r.header_offset for r in archive.records[1:]) > 1 << 32
+    assert all(r.data_offset % 64 == 0 for r in archive.records)
+    for mmap in (False, True):
+        assert torch.equal(torch.load(src, weights_only=True, mmap=mmap)["module.small"], small)
+    _fast(src, tmp_path / "near.pt")
+    assert torch.equal(torch.load(tmp_path / "near.pt", weights_only=True, mmap=True)["small"], small)
+
+
+@pytest.mark.slow
+def test_checkpoint_over_4_gib(tmp_path: Path) -> None:
+    big = (1 << 32) + 4096
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    if free < 3 * big:
+        pytest.skip(f"needs {3 * big >> 30} GiB free in {tmp_path}, has {free >> 30} GiB")
+    src = tmp_path / "big.pt"
+    small = _write_sparse_torch(src, start=0, big=big)
+    _fast(src, tmp_path / "out.pt")
+    out = torch.load(tmp_path / "out.pt", weights_only=True, mmap=True)
+    assert list(out) == ["small", "big"]
+    assert torch.equal(out["small"], small)
+    assert out["big"].shape == (big,)
+    assert out["big"][-8:].tolist() == list(range(1, 9)) and int(out["big"][: 1 << 20].sum()) == 0
+    with zipfile.ZipFile(tmp_path / "out.pt") as zf:
+        assert zf.getinfo("archive/data/1").file_size == big
