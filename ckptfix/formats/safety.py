@@ -11,7 +11,7 @@ import importlib
 import io
 import pickletools
 from collections.abc import Iterable
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from ckptfix.errors import UnsafeCheckpointError
 
@@ -42,12 +42,12 @@ def never_allowable(name: str) -> bool:
     return attr in _NEVER_NAMES or attr.startswith("__")
 
 
-def scan_globals(data: bytes | IO[bytes], *, max_pickles: int = 1) -> list[str]:
+def scan_globals(data: bytes | IO[bytes] | io.RawIOBase, *, max_pickles: int = 1) -> list[str]:
     """Every global a pickle stream refers to (GLOBAL, INST, STACK_GLOBAL), in order, without running it.
 
     ``max_pickles`` reads that many consecutive pickles (the legacy torch format is five in a row).
     """
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    stream = cast("IO[bytes]", io.BytesIO(data) if isinstance(data, bytes) else data)
     found: list[str] = []
     for _ in range(max_pickles):
         strings: list[str] = []
@@ -67,6 +67,63 @@ def scan_globals(data: bytes | IO[bytes], *, max_pickles: int = 1) -> list[str]:
             elif name == "MEMOIZE" and strings:
                 memo[len(memo)] = strings[-1]
     return list(dict.fromkeys(found))
+
+
+_STORAGE_ITEMSIZE = {
+    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8, "IntStorage": 4,
+    "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1, "ComplexDoubleStorage": 16,
+    "ComplexFloatStorage": 8, "UntypedStorage": 1,
+}  # fmt: skip
+_MARK = object()
+
+
+def storage_sizes(data: bytes) -> dict[str, int]:
+    """Bytes each storage record must hold, from the persistent ids of torch's ``data.pkl``, without running it.
+
+    torch.load(mmap=True) does not compare a record's size with its storage: a short record yields tensors
+    that read past it into the rest of the file. A generic stack simulation (each opcode's documented stack
+    effect) finds the ``('storage', StorageType, key, location, numel)`` tuples.
+    """
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+    sizes: dict[str, int] = {}
+    for opcode, arg, _pos in pickletools.genops(data):
+        name = opcode.name
+        if name == "MARK":
+            stack.append(_MARK)
+            continue
+        if name in ("BINPUT", "LONG_BINPUT", "PUT"):
+            memo[int(str(arg))] = stack[-1] if stack else None
+            continue
+        if name == "MEMOIZE":
+            memo[len(memo)] = stack[-1] if stack else None
+            continue
+        if name in ("BINGET", "LONG_BINGET", "GET"):
+            stack.append(memo.get(int(str(arg))))
+            continue
+        if pickletools.markobject in opcode.stack_before:
+            mark = len(stack) - 1 - stack[::-1].index(_MARK) if _MARK in stack else 0
+            items, stack = stack[mark + 1 :], stack[:mark]
+            items = [*items]
+        else:
+            count = len(opcode.stack_before)
+            items = stack[len(stack) - count :] if count else []
+            del stack[len(stack) - count :]
+        if name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
+            stack.append(tuple(items))
+        elif name in ("GLOBAL", "STACK_GLOBAL"):
+            stack.append(("global", str(arg).split(" ")[-1] if arg else items[-1] if items else None))
+        elif name == "BINPERSID":
+            pid = items[-1] if items else None
+            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str):
+                storage, numel = pid[1], pid[4]
+                itemsize = _STORAGE_ITEMSIZE.get(storage[1], 0) if isinstance(storage, tuple) else 0
+                if isinstance(numel, int) and itemsize:
+                    sizes[pid[2]] = numel * itemsize
+            stack.append(None)
+        else:
+            stack.extend([arg if opcode.arg is not None else None] * len(opcode.stack_after))
+    return sizes
 
 
 def torch_allowed() -> set[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -10,7 +11,7 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, BinaryIO
 
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats import safety
@@ -53,11 +54,30 @@ def verify_zip(path: PathLike, *, source: str) -> str:
                     )
                 _check_local_header(path, info, source=source)
                 _check_crc(zf, info, source=source)
+            _check_storage_sizes(zf, member, source=source)
             return member
     except zipfile.BadZipFile as e:
         raise FormatError(f"{source}: corrupt or truncated zip archive ({e}); re-download or re-save it") from e
     except (OSError, EOFError, ValueError) as e:
         raise FormatError(f"{source}: cannot read the archive ({e}); re-download or re-save it") from e
+
+
+def _check_storage_sizes(zf: zipfile.ZipFile, member: str, *, source: str) -> None:
+    folder = member.rsplit("/", 1)[0]
+    try:
+        sizes = safety.storage_sizes(zf.read(member))
+    except (ValueError, IndexError) as e:
+        raise FormatError(f"{source}: record '{member}' is a corrupt pickle ({e}); re-download or re-save it") from e
+    for key, needed in sizes.items():
+        name = f"{folder}/data/{key}"
+        try:
+            size = zf.getinfo(name).file_size
+        except KeyError:
+            raise FormatError(f"{source}: storage record '{name}' is missing; the archive is damaged") from None
+        if size != needed:
+            raise FormatError(
+                f"{source}: record '{name}' holds {size} bytes but its storage needs {needed}; the file is corrupt"
+            )
 
 
 def _check_local_header(path: PathLike, info: zipfile.ZipInfo, *, source: str) -> None:
@@ -98,9 +118,29 @@ def needed_globals(path: PathLike, *, fmt: str, source: str) -> list[str]:
                 return safety.scan_globals(zf.read(pickle_member(zf, source=source)))
         with open(path, "rb") as f:
             # magic number, protocol version, system info, the object itself, storage keys
-            return safety.scan_globals(f, max_pickles=5)
-    except (ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as e:
+            return safety.scan_globals(_Bounded(f), max_pickles=5)
+    except (ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, MemoryError) as e:
         raise FormatError(f"{source}: corrupt or truncated pickle ({e}); re-download or re-save it") from e
+
+
+class _Bounded(io.RawIOBase):
+    """A file whose reads never ask for more than what is left, so a forged length cannot allocate gigabytes."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        super().__init__()
+        self._f = f
+        self._left = os.fstat(f.fileno()).st_size
+
+    def read(self, n: int | None = -1) -> bytes:
+        n = self._left if n is None or n < 0 else min(n, self._left)
+        data = self._f.read(n)
+        self._left -= len(data)
+        return data
+
+    def readline(self, limit: int | None = -1) -> bytes:
+        line = self._f.readline(self._left if limit is None or limit < 0 else min(limit, self._left))
+        self._left -= len(line)
+        return line
 
 
 def load_torch(

@@ -18,11 +18,12 @@ from typing import Any
 
 from ckptfix.formats import output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
+from ckptfix.formats.st_header import read_header
 from ckptfix.stream.copy import Copier, Job, Progress
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.inert import ITEMSIZE, InertTensor, tensor_of
 from ckptfix.stream.progress import progress_bar
-from ckptfix.stream.st import StTensor, plan_safetensors, read_header, tree_from_header
+from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header
 from ckptfix.stream.torchzip import Source, TorchInput, plan_new_torch, plan_torch_to_torch, read_torch, tensor_record
 
 
@@ -50,10 +51,8 @@ def fast_convert(
         if head == b"PK\x03\x04":
             inp = read_torch(fd, source)
             conversion = transform(inp.tree)
-        elif len(head) == 4 and os.pread(fd, 1, 8) == b"{":
-            header, metadata = read_header(fd, source)
-            base = 8 + int.from_bytes(os.pread(fd, 8, 0), "little")
-            conversion = transform(tree_from_header(header, metadata, base, source=source))
+        elif len(head) == 4 and os.pread(fd, 1, 8) in (b"{", b"[", b" "):
+            conversion = transform(tree_from_header(read_header(source), source=source))
         else:
             raise Fallback("input is a legacy (non-zip) torch file")
         total = os.fstat(fd).st_size

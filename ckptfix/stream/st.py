@@ -8,20 +8,16 @@ of tensors; writing follows ``ckptfix.formats.st.save_safetensors`` byte for byt
 from __future__ import annotations
 
 import json
-import os
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
-from ckptfix.errors import FormatError
 from ckptfix.formats.st import DTYPES, META_KEY, restore, split_checkpoint
+from ckptfix.formats.st_header import Header
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.inert import ITEMSIZE
 
 _CODES = {code: name for name, code in DTYPES.items()}
-_MAX_HEADER = 100 << 20
 
 
 @dataclass(eq=False)
@@ -41,52 +37,14 @@ class StTensor:
         return n
 
 
-def read_header(fd: int, path: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The raw tensor entries (file order) and ``__metadata__`` of a safetensors file, checked against its size."""
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        raise FormatError(f"{path}: shorter than a safetensors header; the file is truncated")
-    (n,) = struct.unpack("<Q", head)
-    if n > _MAX_HEADER or 8 + n > size:
-        raise FormatError(f"{path}: safetensors header of {n} bytes runs past the end of the file; it is truncated")
-    try:
-        header = json.loads(os.pread(fd, n, 8))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{path}: safetensors header is not valid JSON ({e}); re-download or re-save it") from e
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: safetensors header is not a JSON object; re-download or re-save it")
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    for key, entry in header.items():
-        try:
-            begin, stop = entry["data_offsets"]
-            count = 1
-            for s in entry["shape"]:
-                count *= int(s)
-            width = ITEMSIZE[_CODES[entry["dtype"]]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise Fallback(f"tensor '{key}' has a header entry the fast path does not read ({e})") from e
-        if not (0 <= begin <= stop and base + stop <= size and stop - begin == count * width):
-            raise FormatError(
-                f"{path}: tensor '{key}' has data offsets outside the file or of the wrong size; it is damaged"
-            )
-    return header, metadata
-
-
-def tree_from_header(header: Mapping[str, Any], metadata: Mapping[str, str], base: int, *, source: str) -> Any:
-    """The checkpoint the slow reader returns, with StTensor records for tensors."""
-    entries = sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"][0], kv[1]["data_offsets"][1]))
+def tree_from_header(header: Header, *, source: str) -> Any:
+    """The checkpoint the slow reader returns, with StTensor records for tensors (header checked in full)."""
+    base = header.data_start
     tensors = {
-        key: StTensor(
-            _CODES[e["dtype"]],
-            tuple(int(s) for s in e["shape"]),
-            base + e["data_offsets"][0],
-            base + e["data_offsets"][1],
-        )
-        for key, e in entries
+        key: StTensor(_CODES[t.dtype], t.shape, base + t.begin, base + t.end)
+        for key, t in sorted(header.tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end))
     }
-    return restore(tensors, metadata, source=source)
+    return restore(tensors, header.metadata, source=source)
 
 
 @dataclass

@@ -156,7 +156,10 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
         extra = cd[start + name_len : start + name_len + extra_len]
         comment = cd[start + name_len + extra_len : start + name_len + extra_len + comment_len]
         pos = start + name_len + extra_len + comment_len
-        name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
+        try:
+            name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{path}: a record name is not valid UTF-8 ({e}); the archive is damaged") from e
         wide = [v for v in (usize, csize, offset) if v == _U32]
         if wide:
             try:
