@@ -84,6 +84,7 @@ def convert(
         unsafe=unsafe_pickle,
         allow_globals=allow_globals,
         fast=not no_fast,
+        verbose=verbose,
         strip_prefixes=strip_prefix,
         add_prefixes=add_prefix,
         renames=rename,

@@ -130,6 +130,7 @@ def convert_file(
     unsafe: bool = False,
     allow_globals: Iterable[str] = (),
     fast: bool = True,
+    verbose: bool = False,
     **options: Any,
 ) -> Conversion:
     """Convert checkpoint file ``src`` into ``dst``; every check runs before the first byte is written."""
@@ -147,7 +148,10 @@ def convert_file(
         else:
             try:
                 result: Conversion = fast_convert(
-                    src, dst, transform=lambda tree: convert_checkpoint(tree, to=to, source=source, **options)
+                    src,
+                    dst,
+                    transform=lambda tree: convert_checkpoint(tree, to=to, source=source, **options),
+                    verbose=verbose,
                 )
                 result.method = "stream"
                 return result

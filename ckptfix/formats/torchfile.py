@@ -137,6 +137,9 @@ class _Bounded(io.RawIOBase):
         self._left -= len(data)
         return data
 
+    def tell(self) -> int:
+        return self._f.tell()
+
     def readline(self, limit: int | None = -1) -> bytes:
         line = self._f.readline(self._left if limit is None or limit < 0 else min(limit, self._left))
         self._left -= len(line)
