@@ -16,7 +16,7 @@ from ckptfix import __version__
 from ckptfix.errors import CkptfixError
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
-_COMMAND_MODULES: list[str] = ["convert", "inspect", "train"]
+_COMMAND_MODULES: list[str] = ["convert", "inspect", "train", "checks"]
 
 INTERNAL_ERROR = 3
 

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from ckptfix.errors import CkptfixError
 
@@ -26,7 +26,7 @@ class TrainConfig:
     mode: str = "single"
     epochs: int = 2
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 0.0
     scale_lr: bool = False
@@ -53,9 +53,15 @@ class TrainConfig:
         return out
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _RaisingParser(argparse.ArgumentParser):
+    # Under ``ckptfix train`` a bad option must become the CLI's one-line error, not argparse's exit.
+    def error(self, message: str) -> NoReturn:
+        raise CkptfixError(f"trainer options: {message}; see 'python -m ckptfix.trainer --help'")
+
+
+def build_parser(*, raising: bool = False) -> argparse.ArgumentParser:
     """The argparse parser of ``python -m ckptfix.trainer`` / ``torchrun -m ckptfix.trainer``."""
-    p = argparse.ArgumentParser(
+    p = (_RaisingParser if raising else argparse.ArgumentParser)(
         prog="python -m ckptfix.trainer",
         description="Reference trainer: single device, nn.DataParallel, or DDP (one process per device).",
         epilog="DDP: torchrun --nproc-per-node 2 -m ckptfix.trainer --mode ddp --out runs/ddp",
@@ -64,9 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default=None, help="default: ddp under torchrun, else single")
     p.add_argument("--epochs", type=int, default=2, help="total epochs (a resumed run counts the done ones)")
     p.add_argument("--batch-size", type=int, default=32, help="per-process batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one process's batch")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=0.1, help="learning rate for one process's batch")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="SGD weight decay")
     p.add_argument("--scale-lr", action="store_true", help="linear scaling: lr x world size (Goyal et al.)")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up length in epochs")
     p.add_argument("--samples", type=int, default=2048, help="training set size")
@@ -79,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-buffer-sync",
         dest="buffer_sync",
         action="store_false",
-        help="DDP keeps each rank's BatchNorm statistics (forward_sync_buffers/broadcast_buffers=False)",
+        help="DDP: each rank keeps its own BatchNorm statistics (no forward buffer sync)",
     )
     p.add_argument("--save-per-rank", action="store_true", help="every rank writes checkpoint.rank<N>.pt")
     p.add_argument(
@@ -99,13 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     p.add_argument("--log-every", type=int, default=0, help="also log every N steps (0: once per epoch)")
     # torchrun sets LOCAL_RANK; the old torch.distributed.launch passes --local_rank (or --local-rank).
-    p.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, help=argparse.SUPPRESS)
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Parse trainer arguments into a checked :class:`TrainConfig`."""
-    ns = build_parser().parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None, *, raising: bool = False) -> TrainConfig:
+    """Parse trainer arguments into a checked :class:`TrainConfig` (``raising``: CkptfixError, not exit 2)."""
+    ns = build_parser(raising=raising).parse_args(argv)
     values = vars(ns)
     if values["mode"] is None:
         values["mode"] = "ddp" if "WORLD_SIZE" in os.environ else "single"

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,7 @@ def build_model(*, norm: str = "batch", width: int = 8, num_classes: int = NUM_C
         raise CkptfixError(f"build_model: unknown norm '{norm}'; choose one of {', '.join(NORMS)}")
     layers: list[nn.Module] = []
     channels = [1, width, 2 * width, 4 * width]
-    for i, (c_in, c_out) in enumerate(zip(channels, channels[1:], strict=False)):
+    for i, (c_in, c_out) in enumerate(itertools.pairwise(channels)):
         # A conv bias right before BatchNorm is cancelled by its mean subtraction; keep it only without BN.
         layers.append(nn.Conv2d(c_in, c_out, 3, padding=1, stride=1 if i == 0 else 2, bias=norm == "none"))
         layers.append(nn.BatchNorm2d(c_out) if norm == "batch" else nn.Identity())
@@ -65,10 +66,14 @@ def probe(model: torch.nn.Module) -> torch.Tensor:
     """The model's eval-mode output on :func:`probe_input` (BatchNorm uses its running statistics)."""
     import torch
 
-    was_training = model.training
+    was_training, threads = model.training, torch.get_num_threads()
     model.eval()
+    # One thread: the recorded outputs must not depend on how many threads split a reduction.
+    torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            return model(probe_input()).detach().clone()
+            output: torch.Tensor = model(probe_input())
+            return output.detach().clone()
     finally:
+        torch.set_num_threads(threads)
         model.train(was_training)

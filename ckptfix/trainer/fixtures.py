@@ -1,0 +1,227 @@
+"""Regenerate ``fixtures/``: real checkpoints from real runs, and ``fixtures/MANIFEST.json`` describing them.
+
+    python -m ckptfix.trainer.fixtures            # writes ./fixtures (about a minute on 2 CPU cores)
+
+Each file's manifest record says how it was made (mode, trainer options, torch version), its layout and
+format, its sha256, and the model's eval-mode output on :func:`ckptfix.trainer.model.probe_input`. The probe
+is computed with plain torch (weights-only ``torch.load``, the known prefix cut off by hand,
+``load_state_dict(strict=True)``), independent of ckptfix, so the tests check ckptfix against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckptfix.trainer.config import TrainConfig
+
+MANIFEST = "MANIFEST.json"
+COMMAND = "python -m ckptfix.trainer.fixtures"
+# Tiny runs: the fixtures test layouts and formats, not accuracy.
+_RUN = ["--epochs", "1", "--samples", "256", "--val-samples", "64", "--batch-size", "32"]
+# (file, trainer options, file the run writes, prefix its model keys carry, model entry)
+_TRAINED: tuple[tuple[str, list[str], str, str], ...] = (
+    ("single.pt", ["--mode", "single"], "checkpoint.pt", ""),
+    ("dp_plain.pt", ["--mode", "dp"], "checkpoint.pt", ""),
+    ("dp_wrapped.pt", ["--mode", "dp", "--save-layout", "wrapped"], "checkpoint.pt", "module."),
+    ("ddp_plain.pt", ["--mode", "ddp"], "checkpoint.pt", ""),
+)
+_WRAPPER_PREFIX = {"compiled": "_orig_mod.", "ddp-compiled": "module._orig_mod.", "compiled-ddp": "_orig_mod.module."}
+_DRIFT = ["--mode", "ddp", "--save-layout", "wrapped", "--no-buffer-sync", "--save-per-rank"]
+
+
+def sha256(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def platform_info() -> dict[str, str]:
+    """What decides whether float results repeat bit for bit: torch version, CPU kind and kernels used."""
+    import torch
+
+    return {
+        "torch": str(torch.__version__),
+        "machine": platform.machine(),
+        "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+    }
+
+
+def reference_probe(state: dict[str, Any], prefix: str, *, config: TrainConfig | None = None) -> list[float]:
+    """The probe output of the reference model holding ``state`` (keys carry ``prefix``), in plain torch."""
+    from ckptfix.trainer.model import build_model, probe
+
+    model = build_model(norm=config.norm if config else "batch", width=config.width if config else 8)
+    plain = {k[len(prefix) :]: v for k, v in state.items()}
+    model.load_state_dict(plain, strict=True)
+    return [float(x) for x in probe(model).flatten()]
+
+
+def _record(path: Path, *, how: dict[str, Any], layout: str, entry: str, probe: list[float]) -> dict[str, Any]:
+    fmt = "safetensors" if path.suffix == ".safetensors" else "torch"
+    return {
+        "made_by": how,
+        "layout": layout,
+        "format": fmt,
+        "entry": entry,
+        "bytes": path.stat().st_size,
+        "sha256": sha256(path),
+        "probe": probe,
+    }
+
+
+def _torch_load(path: Path, **kwargs: Any) -> Any:
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+
+
+def _train(argv: Sequence[str], out: Path) -> None:
+    from ckptfix.trainer.config import parse_args
+    from ckptfix.trainer.launch import launch_trainer, launcher_args
+    from ckptfix.trainer.loop import train
+
+    config = parse_args([*_RUN, *argv, "--out", str(out)])
+    if config.mode == "ddp":
+        launch_trainer([*_RUN, *argv, "--out", str(out)], launcher_args("2"))
+    else:
+        train(config)
+
+
+def _wrapper_states(state: dict[str, Any], scratch: Path) -> dict[str, dict[str, Any]]:
+    """State dicts of the real wrappers around a trained model: compile, DDP(compile), compile(DDP)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckptfix.trainer.model import build_model
+
+    model = build_model()
+    model.load_state_dict(state)
+    # torch.compile only wraps here: state_dict() never triggers a compilation.
+    compiled: Any = torch.compile(model)
+    out = {"compiled": dict(compiled.state_dict())}
+    store = dist.FileStore(str(scratch / "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        out["ddp-compiled"] = dict(DistributedDataParallel(compiled).state_dict())
+        compiled_ddp: Any = torch.compile(DistributedDataParallel(model))
+        out["compiled-ddp"] = dict(compiled_ddp.state_dict())
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Train the runs, write every fixture and the manifest into ``out_dir``; returns the manifest."""
+    import torch
+
+    import ckptfix
+    from ckptfix.formats.atomic import atomic_output
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        for name, argv, written, prefix in _TRAINED:
+            run_dir = scratch / name
+            _train(argv, run_dir)
+            (out / name).write_bytes((run_dir / written).read_bytes())
+            obj = _torch_load(out / name)
+            how = {"mode": argv[1], "options": [*_RUN, *argv], "torch": str(torch.__version__)}
+            files[name] = _record(
+                out / name,
+                how=how,
+                layout="ddp" if prefix else "single",
+                entry="model",
+                probe=reference_probe(obj["model"], prefix),
+            )
+
+        # Per-rank files with drifted BatchNorm statistics, saved wrapped as many DDP scripts do.
+        drift_dir = scratch / "drift"
+        _train(_DRIFT, drift_dir)
+        how = {"mode": "ddp", "options": [*_RUN, *_DRIFT], "torch": str(torch.__version__)}
+        for name, written in (
+            ("ddp_wrapped.pt", "checkpoint.pt"),
+            ("ddp_rank0.pt", "checkpoint.rank0.pt"),
+            ("ddp_rank1.pt", "checkpoint.rank1.pt"),
+        ):
+            (out / name).write_bytes((drift_dir / written).read_bytes())
+            state = _torch_load(out / name)["model"]
+            files[name] = _record(
+                out / name, how=how, layout="ddp", entry="model", probe=reference_probe(state, "module.")
+            )
+
+        single = _torch_load(out / "single.pt")
+        single_how = {"mode": "single", "from": "single.pt", "torch": str(torch.__version__)}
+        for layout, state in _wrapper_states(single["model"], scratch).items():
+            name = f"{layout.replace('-', '_')}.pt"
+            ckptfix.save(state, out / name)
+            how = {**single_how, "how": f"state_dict() of the real wrappers ({layout}) around single.pt's model"}
+            files[name] = _record(
+                out / name, how=how, layout=layout, entry="", probe=reference_probe(state, _WRAPPER_PREFIX[layout])
+            )
+
+        wrapped = _torch_load(out / "ddp_wrapped.pt")
+        name = "ddp_wrapped.safetensors"
+        ckptfix.save(dict(wrapped["model"]), out / name)
+        how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ckptfix.save of its model entry"}
+        files[name] = _record(out / name, how=how, layout="ddp", entry="", probe=files["ddp_wrapped.pt"]["probe"])
+
+        # The pre-1.6 torch.save format (not a zip), as old DataParallel scripts wrote it.
+        dp = _torch_load(out / "dp_wrapped.pt")
+        name = "legacy_dp.pt"
+        with atomic_output(out / name) as f:
+            torch.save(dp, f, _use_new_zipfile_serialization=False)
+        how = {"mode": "dp", "from": "dp_wrapped.pt", "how": "torch.save(..., _use_new_zipfile_serialization=False)"}
+        files[name] = _record(out / name, how=how, layout="ddp", entry="model", probe=files["dp_wrapped.pt"]["probe"])
+
+        # The PyTorch ImageNet example's layout: state_dict + args as an argparse.Namespace.
+        ddp = _torch_load(out / "ddp_wrapped.pt")
+        name = "namespace_args.pt"
+        args = argparse.Namespace(arch="ckptfix-cnn", lr=0.05, batch_size=32, epochs=1, workers=0)
+        obj = {"epoch": ddp["epoch"], "arch": "ckptfix-cnn", "state_dict": ddp["model"], "best_acc1": 0.5}
+        obj |= {"optimizer": ddp["optimizer"], "args": args}
+        with atomic_output(out / name) as f:
+            torch.save(obj, f)
+        how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ImageNet-example layout, args=argparse.Namespace"}
+        files[name] = _record(
+            out / name, how=how, layout="ddp", entry="state_dict", probe=files["ddp_wrapped.pt"]["probe"]
+        )
+        files[name]["allow_globals"] = ["argparse.Namespace"]
+
+    manifest = {
+        "command": COMMAND,
+        "platform": platform_info(),
+        "model": "ckptfix.trainer.model:build_model",
+        "probe_input": "ckptfix.trainer.model:probe_input",
+        "files": dict(sorted(files.items())),
+    }
+    with atomic_output(out / MANIFEST) as f:
+        f.write((json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate the checkpoint fixtures.")
+    parser.add_argument("--out", default="fixtures", help="folder to write (default: ./fixtures)")
+    ns = parser.parse_args(argv)
+    manifest = generate(ns.out)
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"wrote {len(manifest['files'])} fixtures ({total / 1024:.0f} KiB) and {MANIFEST} to {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

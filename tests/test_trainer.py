@@ -1,0 +1,270 @@
+"""The reference trainer: options, resume equivalence, DDP sharding and averaging, per-rank BatchNorm drift."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptfix
+from ckptfix.cli import cli
+from ckptfix.errors import CkptfixError
+from ckptfix.trainer.config import TrainConfig, parse_args
+from ckptfix.trainer.loop import ddp_buffer_kwargs, rank_checkpoint_name, setup, train
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "fixtures"
+SMALL = {"samples": 256, "val_samples": 64, "batch_size": 32}
+SMALL_ARGS = ["--samples", "256", "--val-samples", "64", "--batch-size", "32"]
+
+
+def _model(path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = ckptfix.load(path)["model"]
+    return state
+
+
+def _assert_equal_states(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone … -m ckptfix.trainer ARGS`` (what torchrun runs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "ckptfix.trainer", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _ckptfix(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfix", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+# --- options -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--local_rank", "--local-rank"])
+def test_old_launcher_local_rank_flag_is_accepted(flag: str) -> None:
+    config = parse_args(["--out", "x", flag, "1"])
+    assert config.local_rank == 1
+    assert parse_args(["--out", "x", f"{flag}=3"]).local_rank == 3
+
+
+def test_mode_defaults_to_ddp_under_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert parse_args(["--out", "x"]).mode == "single"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_args(["--out", "x"]).mode == "ddp"
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--mode", "single", "--sync-bn"], "only works under DDP"),
+        (["--mode", "dp", "--save-per-rank"], "DDP options"),
+        (["--mode", "ddp", "--sync-bn", "--norm", "none"], "no BatchNorm"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_option_combinations_are_refused(argv: list[str], match: str) -> None:
+    with pytest.raises(CkptfixError, match=match):
+        parse_args(["--out", "x", *argv], raising=True)
+
+
+def test_ddp_buffer_switch_uses_this_torchs_name() -> None:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs = ddp_buffer_kwargs(False)
+    assert kwargs in ({"forward_sync_buffers": False}, {"broadcast_buffers": False})
+    assert next(iter(kwargs)) in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU runs")
+def test_sync_bn_on_cpu_stops_with_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(CkptfixError, match="SyncBatchNorm only on GPU"):
+        setup(TrainConfig(out=str(tmp_path), mode="ddp", sync_bn=True))
+    result = CliRunner().invoke(cli, ["train", "--mode", "ddp", "--out", str(tmp_path), "--sync-bn"])
+    assert result.exit_code == 2
+    assert "SyncBatchNorm only on GPU" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_ddp_mode_without_a_launcher_says_how_to_start_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(CkptfixError, match=r"torchrun --nproc-per-node N -m ckptfix\.trainer"):
+        setup(TrainConfig(out=str(tmp_path), mode="ddp"))
+
+
+# --- single process and DataParallel ---------------------------------------------------------------------
+
+
+def test_single_run_saves_a_full_checkpoint_and_learns(tmp_path: Path) -> None:
+    result = train(TrainConfig(out=str(tmp_path), epochs=2, samples=1024, val_samples=256))
+    ckpt = ckptfix.load(result.checkpoint)
+    assert {"model", "optimizer", "epoch", "step", "rng", "config"} <= set(ckpt)
+    assert ckpt["epoch"] == 2 and ckpt["step"] == 2 * 1024 // 32
+    assert ckptfix.detect(ckpt["model"].keys()).name == "single"
+    assert result.val_accuracy > 0.5  # four classes: chance is 0.25
+
+
+def test_resume_continues_bitwise_in_single_mode(tmp_path: Path) -> None:
+    options: dict[str, Any] = {**SMALL, "warmup_epochs": 0.5}
+    straight = train(TrainConfig(out=str(tmp_path / "a"), epochs=2, **options))
+    first = train(TrainConfig(out=str(tmp_path / "b"), epochs=1, **options))
+    resumed = train(TrainConfig(out=str(tmp_path / "c"), epochs=2, resume=str(first.checkpoint), **options))
+    _assert_equal_states(_model(straight.checkpoint), _model(resumed.checkpoint))
+    a, c = ckptfix.load(straight.checkpoint), ckptfix.load(resumed.checkpoint)
+    assert a["step"] == c["step"]
+    for index, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], c["optimizer"]["state"][index]["momentum_buffer"])
+
+
+def test_dp_run_saves_plain_or_wrapped_keys(tmp_path: Path) -> None:
+    plain = train(TrainConfig(out=str(tmp_path / "plain"), mode="dp", epochs=1, **SMALL))
+    wrapped = train(TrainConfig(out=str(tmp_path / "wrapped"), mode="dp", epochs=1, save_layout="wrapped", **SMALL))
+    a, b = _model(plain.checkpoint), _model(wrapped.checkpoint)
+    assert ckptfix.detect(a.keys()).name == "single"
+    assert ckptfix.detect(b.keys()).name == "ddp"
+    assert set(b) == {f"module.{k}" for k in a}
+    _assert_equal_states(a, ckptfix.convert(b, to="single"))
+
+
+@pytest.mark.parametrize("source", ["dp_wrapped.pt", "ddp_wrapped.safetensors", "legacy_dp.pt"])
+def test_resume_accepts_any_layout_and_format(source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = train(TrainConfig(out=str(tmp_path), epochs=2, resume=str(FIXTURES / source), **SMALL))
+    ckpt = ckptfix.load(result.checkpoint)
+    assert ckptfix.detect(ckpt["model"].keys()).name == "single"
+    assert (ckpt["epoch"], ckpt["step"]) == (2, 2 * 256 // 32)
+    # A full checkpoint resumes after its epoch; weights-only safetensors starts a fresh schedule.
+    start = 0 if source.endswith(".safetensors") else 1
+    assert f"at epoch {start}, step {start * 256 // 32}" in capsys.readouterr().out
+
+
+def test_resume_needing_a_global_says_which(tmp_path: Path) -> None:
+    config = TrainConfig(out=str(tmp_path), epochs=2, resume=str(FIXTURES / "namespace_args.pt"), **SMALL)
+    with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"--allow-global argparse\.Namespace"):
+        train(config)
+    config.allow_globals = ["argparse.Namespace"]
+    assert ckptfix.load(train(config).checkpoint)["epoch"] == 2
+
+
+def test_cli_train_single(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["train", "--out", str(tmp_path), "--epochs", "1", *SMALL_ARGS])
+    assert result.exit_code == 0, result.output
+    assert "global batch 32" in result.output
+    assert ckptfix.load(tmp_path / "checkpoint.pt")["epoch"] == 1
+
+
+# --- DDP: two gloo processes on the CPU --------------------------------------------------------------------
+
+
+def test_ddp_equals_single_process_on_the_same_global_batch(tmp_path: Path) -> None:
+    """Without BatchNorm, 2 ranks x batch 16 must match 1 process x batch 32: sharding and averaging are right."""
+    common = ["--norm", "none", "--epochs", "1", "--samples", "128", "--val-samples", "32", "--warmup-epochs", "1"]
+    run = _torchrun("--mode", "ddp", "--batch-size", "16", "--out", str(tmp_path / "ddp"), *common)
+    assert "batch size 16 per process, global batch 32" in run.stdout
+    assert run.stdout.count("[ckptfix.trainer] epoch 1/1") == 1  # only rank 0 logs
+    single = parse_args(["--mode", "single", "--batch-size", "32", "--out", str(tmp_path / "single"), *common])
+    train(single)
+    ddp, one = _model(tmp_path / "ddp" / "checkpoint.pt"), _model(tmp_path / "single" / "checkpoint.pt")
+    assert list(ddp) == list(one)
+    assert any(not torch.equal(ddp[k], build_fresh()[k]) for k in ddp)  # it trained
+    for key in ddp:
+        torch.testing.assert_close(ddp[key], one[key], rtol=1e-5, atol=1e-6)
+
+
+def build_fresh() -> dict[str, torch.Tensor]:
+    from ckptfix.trainer.model import build_model
+
+    torch.manual_seed(0)
+    return build_model(norm="none").state_dict()
+
+
+def test_ddp_per_rank_files_differ_in_batchnorm_statistics_only(tmp_path: Path) -> None:
+    out = tmp_path / "drift"
+    args = ["--mode", "ddp", "--nproc-per-node", "2", "--epochs", "1", "--out", str(out), *SMALL_ARGS]
+    result = _ckptfix("train", *args, "--no-buffer-sync", "--save-per-rank", "--save-layout", "wrapped")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (_model(out / rank_checkpoint_name(r)) for r in (0, 1))
+    assert ckptfix.detect(rank0.keys()).name == "ddp"
+    differ = {k for k in rank0 if not torch.equal(rank0[k], rank1[k])}
+    assert differ == {k for k in rank0 if k.endswith(("running_mean", "running_var"))}
+    _assert_equal_states(_model(out / "checkpoint.pt"), rank0)
+
+
+@pytest.mark.slow
+def test_ddp_worker_error_is_one_line_and_exit_code(tmp_path: Path) -> None:
+    # The ckptfix.distributed loader refuses a checkpoint that does not fit, on every rank, promptly.
+    args = ["--mode", "ddp", "--nproc-per-node", "2", "--out", str(tmp_path), "--norm", "none", *SMALL_ARGS]
+    result = _ckptfix("train", *args, "--resume", str(FIXTURES / "single.pt"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "ckptfix: error: ddp: " in result.stderr
+
+
+@pytest.mark.slow
+def test_ddp_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    common = [*SMALL_ARGS, "--mode", "ddp", "--no-buffer-sync", "--save-per-rank"]
+    _torchrun(*common, "--epochs", "2", "--out", str(tmp_path / "a"))
+    _torchrun(*common, "--epochs", "1", "--out", str(tmp_path / "b"))
+    resumed = _torchrun(
+        *common, "--epochs", "2", "--out", str(tmp_path / "c"), "--resume", str(tmp_path / "b" / "checkpoint.pt")
+    )
+    assert "resumed from" in resumed.stdout
+    a, c = _model(tmp_path / "a" / "checkpoint.pt"), _model(tmp_path / "c" / "checkpoint.pt")
+    assert list(a) == list(c)
+    for key in a:
+        torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-6)
+
+
+# --- the demo's checking half, on a fixture (the full demo trains, and runs in CI as python -m ckptfix.demo) --
+
+
+def test_demo_rows_pass_for_a_real_wrapped_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptfix import demo
+    from ckptfix.trainer.data import VAL_SEED, make_images
+
+    (tmp_path / "converted").mkdir()
+    images, labels = make_images(64, seed=VAL_SEED)
+    rows = demo._check("dp", FIXTURES / "dp_wrapped.pt", tmp_path, images, labels)
+    assert len(rows) == len(demo.TARGETS) * len(demo.FORMATS)
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+    demo.render(rows, rich=False)
+    out = capsys.readouterr().out
+    assert "compiled-ddp.safetensors" in out and "FAIL" not in out
+
+
+def test_demo_row_fails_on_any_output_difference() -> None:
+    from ckptfix.demo import Row
+
+    assert Row("dp", "single.pt", "ok", "ok", 0.0, 0.9).ok
+    assert not Row("dp", "single.pt", "ok", "ok", 1e-7, 0.9).ok
+    assert not Row("dp", "single.pt", "ok", "FAIL: x", 0.0, 0.9).ok
+
+
+def test_launcher_flags_single_node_and_multi_node() -> None:
+    from ckptfix.trainer.launch import launcher_args
+
+    assert launcher_args("2") == ["--nproc-per-node", "2", "--nnodes", "1", "--standalone"]
+    multi = launcher_args("8", nnodes="2", rdzv_endpoint="host:29400", rdzv_id="job")
+    assert multi[:4] == ["--nproc-per-node", "8", "--nnodes", "2"]
+    assert multi[4:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:29400", "--rdzv-id", "job"]
+    with pytest.raises(CkptfixError, match="--rdzv-endpoint"):
+        launcher_args("2", nnodes="2")
