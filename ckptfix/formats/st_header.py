@@ -106,7 +106,7 @@ def _entry(name: str, value: Any, *, source: str, data_size: int) -> TensorInfo:
     if not isinstance(value, dict):
         raise FormatError(f"{where}: entry is not an object; the file is corrupt")
     dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise FormatError(f"{where}: unknown dtype {dtype!r}; the file is corrupt or from a newer safetensors")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise FormatError(f"{where}: shape {shape!r} is not a list of non-negative integers; the file is corrupt")

@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-from ckptfix.errors import FormatError, UnsafeCheckpointError
+from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats import safety
 from ckptfix.formats.atomic import PathLike, atomic_output
 
@@ -58,7 +58,7 @@ def verify_zip(path: PathLike, *, source: str) -> str:
             return member
     except zipfile.BadZipFile as e:
         raise FormatError(f"{source}: corrupt or truncated zip archive ({e}); re-download or re-save it") from e
-    except (OSError, EOFError, ValueError) as e:
+    except (OSError, EOFError, ValueError, NotImplementedError) as e:
         raise FormatError(f"{source}: cannot read the archive ({e}); re-download or re-save it") from e
 
 
@@ -215,5 +215,9 @@ def save_torch(obj: Any, out: PathLike) -> None:
     """``torch.save`` into a temp file beside OUT, then an atomic rename."""
     import torch
 
-    with atomic_output(out) as f:
-        torch.save(obj, f)
+    try:
+        with atomic_output(out) as f:
+            torch.save(obj, f)
+    except (TypeError, ValueError, AttributeError, RuntimeError, pickle.PicklingError) as e:
+        # Objects a weights-only load accepted can still be ones torch.save rejects (odd tensor hooks, say).
+        raise OutputError(f"{out}: torch cannot save this checkpoint ({_first_line(e)}); nothing was written") from e
