@@ -314,3 +314,63 @@ def test_any_error_is_a_ckptfix_error(tmp_path: Path) -> None:
         path.write_bytes(data)
         with pytest.raises(CkptfixError):
             ckptfix.load(path)
+
+
+def test_numpy_scalars_need_every_global_named(tmp_path: Path) -> None:
+    import numpy as np
+
+    path = tmp_path / "np.pt"
+    torch.save({"model": make_net().state_dict(), "best_acc": np.float64(0.91)}, path)
+    with pytest.raises(UnsafeCheckpointError, match=r"numpy\._core\.multiarray\.scalar.*numpy\.dtype") as info:
+        ckptfix.load(path)
+    needed = info.value.globals_needed
+    with pytest.raises(UnsafeCheckpointError, match=r"also needs numpy\.dtypes\.Float64DType") as more:
+        ckptfix.load(path, allow_globals=needed)
+    loaded = ckptfix.load(path, allow_globals=[*needed, *more.value.globals_needed])
+    assert loaded["best_acc"] == np.float64(0.91)
+    with pytest.raises(UnsafeCheckpointError, match="no option allows it"):
+        ckptfix.load(path, allow_globals=["builtins.__import__"])
+
+
+def test_record_longer_than_its_storage_is_refused(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(4.0)}, good)
+    src = zipfile.ZipFile(good)
+    bad = tmp_path / "padded.pt"
+    with zipfile.ZipFile(bad, "w") as zf:
+        for info in src.infolist():
+            data = src.read(info)
+            zf.writestr(info.filename, data + b"\0" * 1_000_000 if info.filename.endswith("/data/0") else data)
+    with pytest.raises(FormatError, match=r"holds 1000016 bytes but its storage needs 16"):
+        ckptfix.load(bad)
+    with pytest.raises(FormatError):
+        convert_file(bad, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_read_only_output_folder_is_refused_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root ignores permission bits, so the folder's answer to access(W_OK) is simulated.
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    with pytest.raises(OutputError, match="is not writable; choose another output path"):
+        convert_file(tmp_path / "not-even-read.pt", folder / "out.pt")
+
+
+@pytest.mark.parametrize("where", ["fsync", "replace"])
+def test_injected_io_errors_on_the_streaming_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in make_net().state_dict().items()}}, src)
+    before = src.read_bytes()
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, where, fail)
+    with pytest.raises(OutputError, match="No space left"):
+        result = convert_file(src, tmp_path / "out.pt")
+        assert result.method == "stream"
+    monkeypatch.undo()
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]

@@ -66,8 +66,12 @@ def read_torch(fd: int, path: str) -> TorchInput:
         rec = archive.get(f"data/{key}")
         if rec is None:
             raise FormatError(f"{path}: tensor storage 'data/{key}' is missing from the archive; it is damaged")
-        if ref.nbytes > rec.size:
-            raise FormatError(f"{path}: record 'data/{key}' is shorter than its storage; the file is truncated")
+        if ref.nbytes != rec.size:
+            # torch writes each storage record at exactly its size; anything else is damage or padding for abuse
+            raise FormatError(
+                f"{path}: record '{rec.name}' holds {rec.size} bytes but its storage needs {ref.nbytes}; "
+                f"the file is corrupt"
+            )
     return TorchInput(path, archive, tree, storages, byteorder, first)
 
 
