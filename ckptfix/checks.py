@@ -108,7 +108,7 @@ class KeyReport:
         self.raise_if_failed()
         return self
 
-    def fix_command(self, path: str, *, out: str | None = None) -> str | None:
+    def fix_command(self, path: str, *, out: str | None = None, allow_globals: Iterable[str] = ()) -> str | None:
         """The ``ckptfix convert`` command that makes ``path`` fit the model, or None when none does."""
         if not self.fixable_by_convert:
             return None
@@ -118,6 +118,8 @@ class KeyReport:
         words = ["ckptfix", "convert", path, out, "--to", self.target_layout]
         for rule in self.rename_rules:
             words += ["--rename", rule]
+        for name in allow_globals:
+            words += ["--allow-global", name]
         return shlex.join(words)
 
     def to_dict(self) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def validate(
     _, report = adapt_to_model(state, model, source=path)
     report.entry = entry or primary_entry(obj)
     code = 0 if report.loads_as_is or (any_layout and report.ok) else 1
-    fix = report.fix_command(path)
+    fix = report.fix_command(path, allow_globals=allow_globals)
     if as_json:
         _echo_json({**report.to_dict(), "model": model_spec, "fix_command": fix, "exit_code": code})
         click.get_current_context().exit(code)
