@@ -42,6 +42,34 @@ class Check:
     crc: int | None
 
 
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        func = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range() if os.name == "posix" else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing a just-copied range to disk now (Linux; a no-op elsewhere).
+
+    The final fsync then finds most pages already written: disk write-back overlaps the copy instead of
+    following it, which is most of the difference between ``cp && sync`` and a copy that is durable on return.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
 def crc_range(fd: int, offset: int, length: int) -> int:
     """CRC-32 of a byte range, through a small sliding memory map (no copy into Python; RSS stays bounded)."""
     crc = 0
@@ -132,6 +160,7 @@ class Copier:
             n = self._kernel_copy(src, dst, step) if self.kernel else 0
             if n == 0:
                 n = self._buffered_copy(src, dst, step)
+            start_writeback(self.dst_fd, dst, n)
             src, dst, left = src + n, dst + n, left - n
             if self.progress is not None:
                 self.progress(n)
