@@ -139,15 +139,21 @@ def test_broken_pickles_are_corrupt_not_crashes(tmp_path: Path) -> None:
             ckptfix.load(torch_zip(tmp_path / f"{name}.pt", data))
 
 
-def test_storage_shorter_than_tensor_is_corrupt(tmp_path: Path) -> None:
+def with_storage_record(tmp_path: Path, tensor: torch.Tensor, edit: Any, name: str) -> Path:
+    """A checkpoint of ``tensor`` whose first storage record's bytes went through ``edit``."""
     good = tmp_path / "good.pt"
-    torch.save({"w": torch.arange(100.0)}, good)
+    torch.save({"w": tensor}, good)
     src = zipfile.ZipFile(good)
-    bad = tmp_path / "short.pt"
+    bad = tmp_path / name
     with zipfile.ZipFile(bad, "w") as zf:
         for info in src.infolist():
             data = src.read(info)
-            zf.writestr(info.filename, data[:40] if info.filename.endswith("/data/0") else data)
+            zf.writestr(info.filename, edit(data) if info.filename.endswith("/data/0") else data)
+    return bad
+
+
+def test_storage_shorter_than_tensor_is_corrupt(tmp_path: Path) -> None:
+    bad = with_storage_record(tmp_path, torch.arange(100.0), lambda data: data[:40], "short.pt")
     with pytest.raises(FormatError):
         ckptfix.load(bad)
 
@@ -333,14 +339,7 @@ def test_numpy_scalars_need_every_global_named(tmp_path: Path) -> None:
 
 
 def test_record_longer_than_its_storage_is_refused(tmp_path: Path) -> None:
-    good = tmp_path / "good.pt"
-    torch.save({"w": torch.arange(4.0)}, good)
-    src = zipfile.ZipFile(good)
-    bad = tmp_path / "padded.pt"
-    with zipfile.ZipFile(bad, "w") as zf:
-        for info in src.infolist():
-            data = src.read(info)
-            zf.writestr(info.filename, data + b"\0" * 1_000_000 if info.filename.endswith("/data/0") else data)
+    bad = with_storage_record(tmp_path, torch.arange(4.0), lambda data: data + b"\0" * 1_000_000, "padded.pt")
     with pytest.raises(FormatError, match=r"holds 1000016 bytes but its storage needs 16"):
         ckptfix.load(bad)
     with pytest.raises(FormatError):
