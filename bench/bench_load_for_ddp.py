@@ -96,7 +96,6 @@ def worker(rank: int, world: int, tmp: str, method: str, size_mb: float, bucket_
         "read_bytes": io_after["read_bytes"] - io_before["read_bytes"],
         "rchar": io_after["rchar"] - io_before["rchar"],
         "peak_over_base": max(0, peak_kib - base_rss) * 1024,
-        "peak": peak_kib * 1024,
     }
     (Path(tmp) / f"r-{method}-{world}-{rank}.pkl").write_bytes(pickle.dumps(result))
     dist.destroy_process_group()

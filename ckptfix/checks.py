@@ -18,20 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_state_dict, model_entries
-from ckptfix.errors import CkptfixError, MismatchError
+from ckptfix.errors import CkptfixError, LayoutError, MismatchError
 
 if TYPE_CHECKING:
     import torch
-
-
-def group_keys(keys: Iterable[str]) -> list[str]:
-    """Key names grouped for people (``features.{0,3}.{weight,bias}``), one line per group."""
-    keys = list(keys)
-    try:
-        from ckptfix.keytree import group_keys as grouped
-    except ImportError:  # keytree is optional for the checks; plain names are still correct, only longer
-        return keys
-    return grouped(keys)
 
 
 @dataclass
@@ -243,16 +233,8 @@ def adapt_to_model(
 ) -> tuple[Any, KeyReport]:
     """Convert ``state`` to ``model``'s own layout and check it; returns the converted dict and the report."""
     target = layouts.detect(model.state_dict().keys(), source="model")
-    found, maps = layouts.conversion_maps(list(state.keys()), to=None, source=source)
-    if found.chain != target.chain or found.inner:
-        maps = []
-        if found.chain:
-            maps.append(layouts.strip_prefix(layouts.chain_prefix(found.chain)))
-        if found.inner:
-            maps.append(layouts.remove_inner)
-        if target.chain:
-            maps.append(layouts.add_prefix(layouts.chain_prefix(target.chain)))
-    adapted = apply_maps(state, maps, source=source)
+    found = layouts.detect(state.keys(), source=source)
+    adapted = apply_maps(state, layouts.maps_to(found, target.chain), source=source)
     report = check(adapted, model, source=source)
     report.layout_from, report.layout_to = found.name, target.name
     report.target_layout = layouts.layout_name(target.chain)
@@ -267,17 +249,20 @@ def adapt_to_model(
 
 
 def model_state_of(obj: Any, *, source: str, entry: str | None = None) -> Mapping[str, Any]:
-    """The primary model state dict of a loaded checkpoint (the object itself when it is one)."""
+    """The primary model state dict of a loaded checkpoint (the object itself when it is one), or ``entry``.
+
+    Raises :class:`LayoutError` when there is none: the input cannot be checked at all, which is not a mismatch.
+    """
     if entry:
         if not isinstance(obj, Mapping) or not is_state_dict(obj.get(entry)):
             names = ", ".join(repr(n) for n in model_entries(obj)) or "none"
-            raise MismatchError(f"{source}: no model state dict under '{entry}' (model entries: {names})")
+            raise LayoutError(f"{source}: no model state dict under '{entry}' (model entries: {names})")
         return obj[entry]  # type: ignore[no-any-return]
     if is_state_dict(obj):
         return obj  # type: ignore[no-any-return]
     entries = model_entries(obj)
     if not entries:
-        raise MismatchError(f"{source}: holds no model state dict; nothing to load into the model")
+        raise LayoutError(f"{source}: holds no model state dict; nothing to load into the model")
     return obj[entries[0]]  # type: ignore[no-any-return]
 
 
@@ -292,14 +277,17 @@ def load_into(
     path_or_state: str | os.PathLike[str] | Mapping[str, Any],
     *,
     strict: bool = True,
+    source: str | None = None,
 ) -> KeyReport:
     """Load a checkpoint file or state dict into ``model``, adapting to the model's own layout.
+
+    ``source`` names an already loaded checkpoint in messages (a path is named by itself).
 
     >>> report = ckptfix.load_into(model, "ddp_run.pt")      # works for plain, DDP-wrapped, compiled models
     """
     if isinstance(path_or_state, Mapping):
         obj: Any = path_or_state
-        source = "state dict"
+        source = source or "state dict"
     else:
         from ckptfix.formats import load
 

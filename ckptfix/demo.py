@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ckptfix import layouts
 from ckptfix.errors import CkptfixError
 
 if TYPE_CHECKING:
     import torch
 
-TARGETS = ("single", "ddp", "compiled", "ddp-compiled", "compiled-ddp")
+TARGETS = tuple(name for name in layouts.TARGETS if name != "dp")  # dp is an alias of ddp's key layout
 FORMATS = (".pt", ".safetensors")
 # The runs: the wrapped layout for dp and ddp is what many real scripts save, and what breaks loading.
 RUNS: tuple[tuple[str, list[str]], ...] = (

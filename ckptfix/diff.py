@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
-from ckptfix.checkpoint import apply_maps, is_state_dict, is_tensor, model_entries
+from ckptfix.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, model_entries
 
 if TYPE_CHECKING:
     import torch
@@ -140,8 +140,8 @@ def _single(state: Mapping[str, Any], *, source: str) -> tuple[str, Mapping[str,
 
 
 def _diff_entry(a: Any, b: Any, ea: str, eb: str, *, names: Sequence[str], atol: float, rtol: float) -> EntryDiff:
-    layout_a, sa = _single(a if ea == "" else a[ea], source=f"{names[0]}[{ea!r}]" if ea else names[0])
-    layout_b, sb = _single(b if eb == "" else b[eb], source=f"{names[1]}[{eb!r}]" if eb else names[1])
+    layout_a, sa = _single(get_entry(a, ea), source=f"{names[0]}[{ea!r}]" if ea else names[0])
+    layout_b, sb = _single(get_entry(b, eb), source=f"{names[1]}[{eb!r}]" if eb else names[1])
     out = EntryDiff(entry_a=ea, entry_b=eb, layout_a=layout_a, layout_b=layout_b)
     out.only_a = [k for k in sa if k not in sb]
     out.only_b = [k for k in sb if k not in sa]
@@ -168,7 +168,8 @@ def _dtype(t: torch.Tensor) -> str:
 def tensor_diff(x: torch.Tensor, y: torch.Tensor, *, atol: float, rtol: float) -> tuple[float, float] | None:
     """``(max |Δ|, max |Δ|/|y|)`` when same-shaped ``x`` and ``y`` differ beyond tolerance, else None.
 
-    NaNs in the same places count as equal; a nonzero difference where ``y`` is 0 has relative difference inf.
+    NaNs and infinities in the same places count as equal; a nonzero difference where ``y`` is 0 has relative
+    difference inf.
     """
     import torch
 
@@ -176,15 +177,15 @@ def tensor_diff(x: torch.Tensor, y: torch.Tensor, *, atol: float, rtol: float) -
         return None
     wide = torch.complex128 if (x.is_complex() or y.is_complex()) else torch.float64
     xa, ya = x.to(wide), y.to(wide)
-    delta = (xa - ya).abs()
-    both_nan = torch.isnan(xa) & torch.isnan(ya)
-    delta = torch.where(both_nan, torch.zeros_like(delta), delta)
+    # inf - inf is NaN, so equal infinities are found by ==, not by their difference.
+    same = (xa == ya) | (torch.isnan(xa) & torch.isnan(ya))
+    delta = (xa - ya).abs().to(torch.float64)
     # One NaN against a number is an infinite difference, not a NaN that comparisons would let through.
     delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)
-    scale = ya.abs().to(torch.float64) if wide == torch.complex128 else ya.abs()
+    delta = torch.where(same, torch.zeros_like(delta), delta)
+    scale = ya.abs().to(torch.float64)
     scale = torch.where(torch.isnan(scale), torch.zeros_like(scale), scale)
-    delta = delta.to(torch.float64)
-    if bool((delta <= atol + rtol * scale).all()):
+    if bool((same | (delta <= atol + rtol * scale)).all()):
         return None
     rel = torch.where(delta == 0, torch.zeros_like(delta), delta / scale)
     return float(delta.max().item()), float(rel.max().item())

@@ -73,22 +73,6 @@ def _render(prefix: str, node: _Node, out: list[str]) -> None:
             _render(label + ".", child, out)
 
 
-def _merge_leaf_lines(lines: list[str]) -> list[str]:
-    # "a.{weight,bias}" arrives as "a.weight" and "a.bias" when both are leaves with equal (empty) subtrees
-    # grouped above; leaves with different signatures under one parent are joined here.
-    merged: list[str] = []
-    for line in lines:
-        head, _, tail = line.rpartition(".")
-        if merged and head and "{" not in tail:
-            prev_head, _, prev_tail = merged[-1].rpartition(".")
-            if prev_head == head and "." not in prev_tail:
-                inner = prev_tail.strip("{}").split(",") if prev_tail.startswith("{") else [prev_tail]
-                merged[-1] = f"{head}.{{{','.join([*inner, tail])}}}"
-                continue
-        merged.append(line)
-    return merged
-
-
 def group_keys(keys: Iterable[str]) -> list[str]:
     """One line per group of keys, in first-seen order.
 
@@ -97,7 +81,7 @@ def group_keys(keys: Iterable[str]) -> list[str]:
     """
     lines: list[str] = []
     _render("", _build(keys), lines)
-    return _merge_leaf_lines(lines)
+    return lines
 
 
 def expand(pattern: str) -> list[str]:

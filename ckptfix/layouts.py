@@ -160,14 +160,18 @@ def conversion_maps(
     if to is not None and to not in LAYOUTS:
         raise LayoutError(f"unknown layout '{to}': choose one of {', '.join(TARGETS)}")
     found = detect(keys, source=source)
-    if to is None:
-        return found, []
+    return found, ([] if to is None else maps_to(found, LAYOUTS[to]))
+
+
+def maps_to(found: Detected, chain: Sequence[str]) -> list[KeyMap]:
+    """Key maps from a detected layout to the wrapper ``chain`` (none when it is already there)."""
+    if tuple(chain) == found.chain and not found.inner:
+        return []
     maps: list[KeyMap] = []
     if found.chain:
         maps.append(strip_prefix(chain_prefix(found.chain)))
     if found.inner:
         maps.append(remove_inner)
-    target = chain_prefix(LAYOUTS[to])
-    if target:
-        maps.append(add_prefix(target))
-    return found, maps
+    if chain:
+        maps.append(add_prefix(chain_prefix(chain)))
+    return maps

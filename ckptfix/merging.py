@@ -8,7 +8,6 @@ data shards had been one batch: means averaged, variances pooled.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, model_entries
+from ckptfix.diff import tensor_diff
 from ckptfix.errors import MergeError
 
 if TYPE_CHECKING:
@@ -195,15 +195,15 @@ def _merge_entry(
                 counts_differ.append(key)
                 out[key] = torch.stack(list(column)).max(dim=0).values
             continue
-        off = _max_abs_by_rank(column)
-        bad = [labels[i] for i, d in enumerate(off) if d > atol or math.isnan(d)]
+        off = [tensor_diff(v, value, atol=atol, rtol=0.0) for v in column[1:]]
+        bad = [labels[i] for i, d in enumerate(off, start=1) if d is not None]
         if not bad:
             out[key] = value  # bit-identical to rank 0, as the issue promises for parameters
         elif key in buffer_keys and value.is_floating_point():
             out[key] = value if buffers == "rank0" else _mean(column).to(value.dtype)
             result.buffers_merged.append(key)
         else:
-            result.diverged.append(Divergence(key, max(off), bad))
+            result.diverged.append(Divergence(key, max(d[0] for d in off if d is not None), bad))
     for prefix in prefixes:
         means = [s[prefix + _MEAN] for s in states]
         variances = [s[prefix + _VAR] for s in states]
@@ -244,23 +244,6 @@ def _check_same_structure(states: list[OrderedDict[str, Any]], where: list[str])
                     f"{list(value.shape)} {value.dtype} in {where[0]}; per-rank files of one run hold "
                     f"the same shapes and dtypes"
                 )
-
-
-def _max_abs_by_rank(column: Sequence[torch.Tensor]) -> list[float]:
-    """max |x_i - x_0| per rank (0.0 for rank 0); NaN where NaNs do not line up."""
-    import torch
-
-    base = column[0]
-    out = [0.0]
-    for value in column[1:]:
-        if torch.equal(value, base) or value.numel() == 0:
-            out.append(0.0)
-            continue
-        a, b = value.to(torch.float64), base.to(torch.float64)
-        both_nan = torch.isnan(a) & torch.isnan(b)
-        delta = torch.where(both_nan, torch.zeros_like(a), (a - b).abs())
-        out.append(float(delta.max().item()))
-    return out
 
 
 def _mean(column: Sequence[torch.Tensor]) -> torch.Tensor:

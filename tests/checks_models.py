@@ -1,6 +1,6 @@
 """Models and a real 2-process gloo DDP run for the merge, validate and diff tests.
 
-Factories for ``--model``: ``tests.checks_models:SmallCNN``, ``…:RenamedCNN``, ``…:wrong_head``.
+Factories for ``--model``: ``tests.checks_models:SmallCNN``, ``…:RenamedCNN``, ``…:ScaledHead``, ``…:wrong_head``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,18 @@ class RenamedCNN(nn.Module):
         inner = SmallCNN()
         self.backbone = inner.features
         self.head = inner.head
+
+
+class ScaledHead(nn.Module):
+    """A linear head and a float buffer outside BatchNorm, under a submodule that happens to be named ``module``
+    (so the model's buffers alone look DDP-wrapped, and only the full key list tells the layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = nn.Linear(2, 2)
+        self.module = nn.Module()
+        self.module.register_buffer("scale", torch.ones(2))
 
 
 def wrong_head() -> nn.Module:

@@ -8,7 +8,7 @@ from torch import nn
 
 import ckptfix
 from ckptfix.checks import adapt_to_model, build_model, likely_renames
-from ckptfix.errors import CkptfixError, MismatchError
+from ckptfix.errors import CkptfixError, LayoutError, MismatchError
 from tests.checks_models import RenamedCNN, SmallCNN, wrong_head
 
 KEYS = {
@@ -69,6 +69,11 @@ def test_rename_rule_really_fixes_the_keys(kind: str) -> None:
     assert report.rename_rules
     fixed = ckptfix.convert(state, to="single", renames=report.rename_rules)
     assert ckptfix.check(fixed, RenamedCNN()).loads_as_is
+
+
+def test_no_model_state_is_a_layout_error_not_a_mismatch() -> None:
+    with pytest.raises(LayoutError, match="holds no model state dict"):
+        ckptfix.load_into(SmallCNN(), {"epoch": 1})
 
 
 def test_wrong_shape_is_reported_and_not_fixable() -> None:

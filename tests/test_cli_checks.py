@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.checks_models import SmallCNN, ddp_rank_files
+from tests.checks_models import ScaledHead, SmallCNN, ddp_rank_files
 
 MODEL = "tests.checks_models:SmallCNN"
 
@@ -79,6 +79,24 @@ def test_merge_warns_for_a_duplicated_rank_and_refuses_out_as_input(rank_files: 
     assert result.exit_code == 2 and "is the input file" in result.stderr
 
 
+def test_merge_with_model_averages_other_float_buffers(tmp_path: Path) -> None:
+    files = []
+    for rank in range(2):
+        state = torch.nn.DataParallel(ScaledHead()).state_dict()
+        state["module.module.scale"] = torch.full((2,), 1.0 + 2 * rank)
+        files.append(tmp_path / f"rank{rank}.pt")
+        ckptfix.save({"model": state}, files[-1])
+    out = tmp_path / "merged.pt"
+    refused = run("merge", *files, "-o", out)
+    assert refused.exit_code == 1 and "  module.scale  max |Δ| 2" in refused.stdout and not out.exists()
+    result = run("merge", *files, "-o", out, "--model", "tests.checks_models:ScaledHead")
+    assert result.exit_code == 0, result.output
+    assert "other buffers (pooled): module.scale" in result.stdout
+    merged = ckptfix.load(out)["model"]
+    assert torch.equal(merged["module.scale"], torch.full((2,), 2.0))
+    assert ckptfix.check(merged, ScaledHead()).ok
+
+
 @pytest.mark.parametrize("which", [0, 1])
 def test_validate_rank_files_prints_the_fix_and_the_fix_works(
     rank_files: list[Path], tmp_path: Path, which: int
@@ -129,6 +147,12 @@ def test_validate_cannot_run_exits_2(rank_files: list[Path], tmp_path: Path) -> 
     ckptfix.save(torch.nn.Linear(2, 3).state_dict(), linear)
     args = ["--model", "torch.nn:Linear", "--kwargs", '{"in_features": 2, "out_features": 3}']
     assert run("validate", linear, *args).exit_code == 0
+    no_model = tmp_path / "epoch.pt"
+    torch.save({"epoch": 1}, no_model)
+    result = run("validate", no_model, "--model", MODEL)
+    assert result.exit_code == 2 and "holds no model state dict" in result.stderr
+    result = run("validate", rank_files[0], "--model", MODEL, "--entry", "optimizer")
+    assert result.exit_code == 2 and "no model state dict under 'optimizer' (model entries: 'model')" in result.stderr
 
 
 def test_diff_identical_layout_only_and_different(rank_files: list[Path], tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,6 +62,11 @@ def test_tolerances() -> None:
     nan = torch.tensor([float("nan"), 1.0])
     assert tensor_diff(nan, nan.clone(), atol=0, rtol=0) is None
     assert tensor_diff(nan, torch.tensor([1.0, 1.0]), atol=10, rtol=0) is not None
+    inf = torch.tensor([float("inf"), 1.0])  # equal infinities are equal, even beside a real difference
+    assert tensor_diff(inf, torch.tensor([float("inf"), 1.5]), atol=0, rtol=0) == (0.5, pytest.approx(1 / 3))
+    assert tensor_diff(inf, torch.tensor([float("inf"), 1.5]), atol=0.5, rtol=0) is None
+    found = tensor_diff(inf, torch.tensor([-float("inf"), 1.0]), atol=10, rtol=0)
+    assert found is not None and math.isinf(found[0])
     report = diff({"w": torch.tensor([1.0])}, {"w": torch.tensor([0.0])})
     assert json.loads(json.dumps(report.to_dict()))["entries"][0]["values"][0]["max_rel"] == "inf"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.checkpoint import model_entries
+from ckptfix.checks import model_state_of
 from ckptfix.layouts import LAYOUTS, chain_prefix, detect
 from ckptfix.trainer.fixtures import MANIFEST, platform_info, sha256
 from ckptfix.trainer.model import build_model, probe
@@ -25,11 +25,6 @@ SAME_PLATFORM = platform_info() == MANIFEST_DATA["platform"]
 
 def _load(name: str) -> Any:
     return ckptfix.load(FIXTURES / name, allow_globals=FILES[name].get("allow_globals", ()))
-
-
-def _model_state(obj: Any) -> Any:
-    entries = model_entries(obj)
-    return obj if entries == [""] else obj[entries[0]]
 
 
 def _assert_probe(model: torch.nn.Module, name: str) -> None:
@@ -66,11 +61,11 @@ def test_fixtures_cover_the_required_cases() -> None:
 
 @pytest.mark.parametrize("name", sorted(FILES))
 def test_fixture_layout_matches_manifest(name: str) -> None:
-    assert detect(_model_state(_load(name)).keys()).name == FILES[name]["layout"]
+    assert detect(model_state_of(_load(name), source=name).keys()).name == FILES[name]["layout"]
 
 
 def test_per_rank_files_differ_in_batchnorm_statistics_only() -> None:
-    rank0, rank1 = (_model_state(_load(f"ddp_rank{r}.pt")) for r in (0, 1))
+    rank0, rank1 = (model_state_of(_load(f"ddp_rank{r}.pt"), source="fixture") for r in (0, 1))
     differ = {k for k in rank0 if not torch.equal(rank0[k], rank1[k])}
     assert differ
     assert all(k.endswith(("running_mean", "running_var")) for k in differ)
@@ -88,7 +83,7 @@ def test_fixture_converts_to_every_layout_and_format(name: str, tmp_path: Path) 
             ckptfix.save(converted, out)
             allow = FILES[name].get("allow_globals", ())
             back = ckptfix.load(out, allow_globals=allow)
-            state = _model_state(back)
+            state = model_state_of(back, source=str(out))
             assert all(k.startswith(chain_prefix(LAYOUTS[target])) for k in state)
             assert detect(state.keys()).chain == LAYOUTS[target]
             model = build_model()
@@ -103,7 +98,7 @@ def test_fixture_loads_into_wrapped_models(name: str) -> None:
     obj = _load(name)
     for wrap in (torch.nn.DataParallel, torch.compile):
         model = build_model()
-        ckptfix.load_into(wrap(model), _model_state(obj), strict=True)
+        ckptfix.load_into(wrap(model), model_state_of(obj, source=name), strict=True)
         _assert_probe(model, name)
 
 

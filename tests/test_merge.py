@@ -131,6 +131,15 @@ def test_other_buffers_follow_the_strategy_only_when_named() -> None:
     assert [d.key for d in result.diverged] == ["steps"]  # integer buffers are never averaged
 
 
+def test_nonfinite_values_compare_by_position() -> None:
+    a = {"w": torch.tensor([float("inf"), float("nan"), 1.0])}
+    b = {"w": torch.tensor([float("inf"), float("nan"), 1.25])}
+    assert ckptfix.merge([a, b], atol=0.5)["w"] is a["w"]
+    assert [(d.key, d.max_abs) for d in plan_merge([a, b]).diverged] == [("w", 0.25)]
+    c = {"w": torch.tensor([1.0, float("nan"), 1.0])}
+    assert [(d.key, d.max_abs) for d in plan_merge([a, c], atol=10).diverged] == [("w", float("inf"))]
+
+
 def test_inputs_that_cannot_be_merged() -> None:
     a = {"w": torch.ones(2)}
     with pytest.raises(MergeError, match=r"rank1: keys differ from rank0"):

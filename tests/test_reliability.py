@@ -366,10 +366,12 @@ def test_injected_io_errors_on_the_streaming_path(tmp_path: Path, monkeypatch: p
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    probe = tmp_path / "probe.pt"
+    assert convert_file(src, probe).method == "stream"  # the input really takes the streaming path
+    probe.unlink()
     monkeypatch.setattr(os, where, fail)
     with pytest.raises(OutputError, match="No space left"):
-        result = convert_file(src, tmp_path / "out.pt")
-        assert result.method == "stream"
+        convert_file(src, tmp_path / "out.pt")
     monkeypatch.undo()
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]

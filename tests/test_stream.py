@@ -128,7 +128,7 @@ def test_sharing_is_preserved(tmp_path: Path) -> None:
     assert out["a"] is out["b"] and isinstance(out["a"], nn.Parameter)
     ptr = out["base"].untyped_storage().data_ptr()
     assert out["view"].untyped_storage().data_ptr() == ptr == out["t"].untyped_storage().data_ptr()
-    assert list(out._metadata) == ["", "module"] or list(out._metadata) == [""]
+    assert out._metadata == OrderedDict([("", {"version": 1})])
 
 
 def test_corrupt_record_is_refused(tmp_path: Path) -> None:
@@ -152,18 +152,25 @@ def test_truncated_input_is_refused(tmp_path: Path) -> None:
     src.write_bytes(data[: len(data) // 2])
     with pytest.raises(FormatError, match=r"in\.pt"):
         _fast(src, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
 
 
 class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, ("echo pwned",))
+        return (os.system, (f"touch '{self.marker}'",))
 
 
 def test_dangerous_global_is_refused_without_running(tmp_path: Path) -> None:
     src = tmp_path / "in.pt"
-    torch.save({"model": {"module.w": torch.ones(2)}, "evil": _Evil()}, src)
+    marker = tmp_path / "pwned"
+    torch.save({"model": {"module.w": torch.ones(2)}, "evil": _Evil(marker)}, src)
     with pytest.raises(UnsafeCheckpointError, match=r"(os|posix)\.system"):
         _fast(src, tmp_path / "out.pt")
+    assert not marker.exists(), "the pickle's payload ran"
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_unknown_global_falls_back(tmp_path: Path) -> None:
@@ -227,6 +234,17 @@ def test_pt_to_safetensors_falls_back_on_views(tmp_path: Path) -> None:
         _fast(src, tmp_path / "out.safetensors")
 
 
+def test_pt_to_safetensors_takes_empty_views(tmp_path: Path) -> None:
+    # Empty tensors have no bytes to copy, whatever their strides or their offset into an empty storage.
+    src = tmp_path / "in.pt"
+    empty_past_end = torch.empty(2, 0)[1:]
+    assert empty_past_end.storage_offset() == 1
+    torch.save({"module.e": empty_past_end, "module.t": torch.empty(0, 3).t(), "module.w": torch.ones(2)}, src)
+    _fast(src, tmp_path / "fast.safetensors")
+    _slow(src, tmp_path / "slow.safetensors")
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "slow.safetensors").read_bytes()
+
+
 @pytest.mark.parametrize("to", ["single", "ddp"])
 def test_safetensors_round_trips_match_torch_path(tmp_path: Path, to: str) -> None:
     src = tmp_path / "in.safetensors"
@@ -238,6 +256,16 @@ def test_safetensors_round_trips_match_torch_path(tmp_path: Path, to: str) -> No
     _fast(src, tmp_path / "fast.pt", to=to)
     _slow(src, tmp_path / "slow.pt", to=to)
     _check_torch_output(tmp_path / "fast.pt", tmp_path / "slow.pt")
+
+
+def test_safetensors_to_pt_keeps_strides_of_empty_tensors(tmp_path: Path) -> None:
+    # torch's contiguous strides count a zero-size dim as 1: (1, 0) has stride (1, 1), not (0, 1).
+    src = tmp_path / "in.safetensors"
+    _slow_save_st({"module.a": torch.empty(1, 0), "module.b": torch.empty(2, 0, 3), "module.c": torch.ones(2)}, src)
+    _fast(src, tmp_path / "fast.pt")
+    _slow(src, tmp_path / "slow.pt")
+    _check_torch_output(tmp_path / "fast.pt", tmp_path / "slow.pt")
+    assert torch.load(tmp_path / "fast.pt", weights_only=True)["b"].stride() == (3, 3, 1)
 
 
 def _slow_save_st(obj: Any, path: Path) -> None:

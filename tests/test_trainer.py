@@ -158,6 +158,23 @@ def test_resume_accepts_any_layout_and_format(source: str, tmp_path: Path, capsy
     assert f"at epoch {start}, step {start * 256 // 32}" in capsys.readouterr().out
 
 
+def test_single_process_resume_returns_what_load_for_ddp_returns(tmp_path: Path) -> None:
+    from ckptfix.trainer.loop import Env, _resume
+    from ckptfix.trainer.model import build_model
+
+    trained = build_model()
+    state = {f"module.{k}": v for k, v in trained.state_dict().items()}
+    ema = {k: v.clone() for k, v in trained.state_dict().items()}
+    ckptfix.save({"model": state, "ema": ema, "epoch": 3}, tmp_path / "full.pt")
+    model = build_model()
+    extras = _resume(TrainConfig(out=str(tmp_path), resume=str(tmp_path / "full.pt")), model, Env())
+    # Everything but the loaded model entry, an EMA copy included (test_distributed checks the DDP side).
+    assert set(extras) == {"ema", "epoch"} and extras["epoch"] == 3
+    _assert_equal_states(model.state_dict(), trained.state_dict())
+    ckptfix.save(ema, tmp_path / "bare.pt")
+    assert _resume(TrainConfig(out=str(tmp_path), resume=str(tmp_path / "bare.pt")), build_model(), Env()) == {}
+
+
 def test_resume_needing_a_global_says_which(tmp_path: Path) -> None:
     config = TrainConfig(out=str(tmp_path), epochs=2, resume=str(FIXTURES / "namespace_args.pt"), **SMALL)
     with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"--allow-global argparse\.Namespace"):

@@ -7,7 +7,6 @@ instant. Library errors become one line on stderr and the exit code of DESIGN.md
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
 
 import click
@@ -64,4 +63,3 @@ for _name in _COMMAND_MODULES:
 def main() -> None:
     """Console-script entry point."""
     cli.main(prog_name="ckptfix")
-    sys.exit(0)

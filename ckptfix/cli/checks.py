@@ -6,12 +6,13 @@ import json
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import click
 
 from ckptfix.cli.convert import safety_options
+from ckptfix.keytree import group_keys
 from ckptfix.layouts import TARGETS
 from ckptfix.merging import BUFFER_STRATEGIES
 
@@ -26,18 +27,20 @@ def _warn(message: str) -> None:
     click.echo(f"ckptfix: warning: {message}", err=True)
 
 
-def _section(title: str, keys: Iterable[str]) -> None:
-    from ckptfix.checks import group_keys
+def _lines(lines: Sequence[str], more: str = "more") -> None:
+    """Up to ``_LIST_LIMIT`` indented lines, then how many were left out."""
+    for line in lines[:_LIST_LIMIT]:
+        click.echo(f"  {line}")
+    if len(lines) > _LIST_LIMIT:
+        click.echo(f"  … {len(lines) - _LIST_LIMIT} {more} (use --json for all)")
 
+
+def _section(title: str, keys: Iterable[str]) -> None:
     keys = list(keys)
     if not keys:
         return
     click.echo(f"{title} ({len(keys)}):")
-    lines = group_keys(keys)
-    for line in lines[:_LIST_LIMIT]:
-        click.echo(f"  {line}")
-    if len(lines) > _LIST_LIMIT:
-        click.echo(f"  … {len(lines) - _LIST_LIMIT} more groups (use --json for all)")
+    _lines(group_keys(keys), "more groups")
 
 
 def _by_change(title: str, changes: dict[str, tuple[Any, Any]], fmt: str) -> None:
@@ -85,16 +88,12 @@ def validate(
     Example: ckptfix validate ddp_run.pt --model mypkg.models:ResNet --kwargs '{"depth": 18}'
     """
     from ckptfix.checks import adapt_to_model, build_model, model_state_of, primary_entry
-    from ckptfix.errors import CkptfixError, MismatchError
     from ckptfix.formats import load
 
     _import_path()
     model = build_model(model_spec, kwargs=kwargs)
     obj = load(path, unsafe=unsafe_pickle, allow_globals=allow_globals)
-    try:
-        state = model_state_of(obj, source=path, entry=entry)
-    except MismatchError as e:  # no model state at all: the check cannot run, which is exit 2, not 1
-        raise CkptfixError(str(e)) from e
+    state = model_state_of(obj, source=path, entry=entry)
     _, report = adapt_to_model(state, model, source=path)
     report.entry = entry or primary_entry(obj)
     code = 0 if report.loads_as_is or (any_layout and report.ok) else 1
@@ -111,10 +110,7 @@ def validate(
     _by_change("wrong dtype", report.wrong_dtype, "checkpoint {a} vs model {b}")
     if report.renamed:
         click.echo(f"likely renamed (checkpoint -> model, same shape, unique suffix match) ({len(report.renamed)}):")
-        for got, want in report.renamed[:_LIST_LIMIT]:
-            click.echo(f"  {got} -> {want}")
-        if len(report.renamed) > _LIST_LIMIT:
-            click.echo(f"  … {len(report.renamed) - _LIST_LIMIT} more (use --json for all)")
+        _lines([f"{got} -> {want}" for got, want in report.renamed])
     if report.loads_as_is:
         click.echo("OK: loads with load_state_dict(strict=True)")
     elif report.ok:
@@ -183,10 +179,7 @@ def diff(
         click.echo(f"A: {a}\nB: {b}\nno model state dict in common; compared as data")
     if report.other:
         click.echo(f"other entries differ ({len(report.other)}):")
-        for o in report.other[:_LIST_LIMIT]:
-            click.echo(f"  {o.path}: {o.a} -> {o.b}")
-        if len(report.other) > _LIST_LIMIT:
-            click.echo(f"  … {len(report.other) - _LIST_LIMIT} more (use --json for all)")
+        _lines([f"{o.path}: {o.a} -> {o.b}" for o in report.other])
     tolerance = f" within atol {atol:g}, rtol {rtol:g}" if atol or rtol else ""
     click.echo(f"equal{tolerance}" if report.equal else "different")
     click.get_current_context().exit(code)
@@ -266,8 +259,6 @@ def merge(
 
 
 def _merge_summary(result: Any, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:
-    from ckptfix.checks import group_keys
-
     click.echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
     if result.bn_modules:
         groups = group_keys(result.bn_modules)
@@ -283,15 +274,14 @@ def _merge_summary(result: Any, inputs: tuple[str, ...], out: str, *, to: str, b
 def _buffer_keys(model_spec: str, kwargs: str | None) -> list[str]:
     """Names of the model's buffers in the single layout."""
     from ckptfix import layouts
+    from ckptfix.checkpoint import apply_maps
     from ckptfix.checks import build_model
 
     _import_path()
-    names = [name for name, _ in build_model(model_spec, kwargs=kwargs).named_buffers()]
-    if not names:
-        return []
-    found = layouts.detect(names, source="model")
-    prefix = layouts.chain_prefix(found.chain)
-    return [layouts.remove_inner(n[len(prefix) :]) for n in names]
+    model = build_model(model_spec, kwargs=kwargs)
+    # The layout is read from every key: buffers alone may all sit under a submodule that is named `module`.
+    _, maps = layouts.conversion_maps(list(model.state_dict()), to="single", source="model")
+    return list(apply_maps(dict(model.named_buffers()), maps, source="model"))
 
 
 COMMANDS: list[click.Command] = [merge, validate, diff]

@@ -147,8 +147,7 @@ def _layout_prefix(own: Mapping[str, Any]) -> str:
 def _read_on_source(
     model: torch.nn.Module, path: PathLike, *, strict: bool, allowed: list[str], session: protocol.Session
 ) -> tuple[dict[str, Any], str, list[buckets.Entry], dict[str, Any]]:
-    from ckptfix.checkpoint import is_state_dict, model_entries
-    from ckptfix.checks import adapt_to_model, model_state_of
+    from ckptfix.checks import adapt_to_model, model_state_of, primary_entry
     from ckptfix.formats import load
 
     source = os.fspath(path)
@@ -166,10 +165,9 @@ def _read_on_source(
     prefix = _layout_prefix(own)
     # The manifest names keys in the single layout, so a rank whose model is wrapped differently still fits.
     manifest = [buckets.Entry.of(key[len(prefix) :], own[key]) for key in adapted if key in own]
-    if is_state_dict(obj):
-        return own, prefix, manifest, {}
-    primary = model_entries(obj)[0]
-    return own, prefix, manifest, {key: value for key, value in obj.items() if key != primary}
+    primary = primary_entry(obj)
+    extras = {key: value for key, value in obj.items() if key != primary} if primary else {}
+    return own, prefix, manifest, extras
 
 
 def _check_receiver(

@@ -135,40 +135,29 @@ def convert_file(
 ) -> Conversion:
     """Convert checkpoint file ``src`` into ``dst``; every check runs before the first byte is written."""
     source = os.fspath(src)
-    out_fmt = output_format(dst)
+    output_format(dst)
     check_output(dst, inputs=(src,))
     detect_format(src)
     allow = list(allow_globals)
     notes: list[str] = []
     if fast and dtype is None and not unsafe and not allow:
+        from ckptfix.stream import Fallback, fast_convert
+
         try:
-            from ckptfix.stream import Fallback, fast_convert  # type: ignore[attr-defined,unused-ignore]
-        except ImportError:
-            notes.append("fast path not available")
-        else:
-            try:
-                result: Conversion = fast_convert(
-                    src,
-                    dst,
-                    transform=lambda tree: convert_checkpoint(tree, to=to, source=source, **options),
-                    verbose=verbose,
-                )
-                result.method = "stream"
-                return result
-            except Fallback as e:
-                notes.append(f"fast path not taken: {e}")
-    obj = load(src, unsafe=unsafe, allow_globals=allow)
-    conversion = convert_checkpoint(obj, to=to, source=source, **options)
+            result: Conversion = fast_convert(
+                src,
+                dst,
+                transform=lambda tree: convert_checkpoint(tree, to=to, source=source, **options),
+                verbose=verbose,
+            )
+            result.method = "stream"
+            return result
+        except Fallback as e:
+            notes.append(f"fast path not taken: {e}")
+    conversion = convert_checkpoint(load(src, unsafe=unsafe, allow_globals=allow), to=to, source=source, **options)
     if dtype is not None:
         cast_floating(conversion, dtype)
-    if out_fmt == "safetensors":
-        from ckptfix.formats.st import save_safetensors
-
-        save_safetensors(conversion.obj, dst)
-    else:
-        from ckptfix.formats.torchfile import save_torch
-
-        save_torch(conversion.obj, dst)
+    save(conversion.obj, dst)
     conversion.method = "torch"
     conversion.notes.extend(notes)
     return conversion

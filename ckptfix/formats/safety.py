@@ -11,9 +11,12 @@ import importlib
 import io
 import pickletools
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 from ckptfix.errors import UnsafeCheckpointError
+from ckptfix.formats.st import DTYPES
+from ckptfix.formats.st_header import ITEMSIZE as ST_ITEMSIZE
 
 # Modules whose members can run code, touch the system or import more code: never allowable.
 _NEVER_MODULES = (
@@ -42,88 +45,91 @@ def never_allowable(name: str) -> bool:
     return attr in _NEVER_NAMES or attr.startswith("__")
 
 
-def scan_globals(data: bytes | IO[bytes] | io.RawIOBase, *, max_pickles: int = 1) -> list[str]:
-    """Every global a pickle stream refers to (GLOBAL, INST, STACK_GLOBAL), in order, without running it.
-
-    ``max_pickles`` reads that many consecutive pickles (the legacy torch format is five in a row).
-    """
-    stream = cast("IO[bytes]", io.BytesIO(data) if isinstance(data, bytes) else data)
-    found: list[str] = []
-    for _ in range(max_pickles):
-        strings: list[str] = []
-        memo: dict[int, Any] = {}
-        for opcode, arg, _pos in pickletools.genops(stream):
-            name = opcode.name
-            if name in ("GLOBAL", "INST"):
-                found.append(str(arg).replace(" ", "."))
-            elif name == "STACK_GLOBAL" and len(strings) >= 2:
-                found.append(f"{strings[-2]}.{strings[-1]}")
-            elif isinstance(arg, str) and "UNICODE" in name:
-                strings.append(arg)
-            elif name in ("BINPUT", "LONG_BINPUT", "PUT") and strings:
-                memo[int(str(arg))] = strings[-1]
-            elif name in ("BINGET", "LONG_BINGET", "GET") and isinstance(memo.get(int(str(arg))), str):
-                strings.append(memo[int(str(arg))])
-            elif name == "MEMOIZE" and strings:
-                memo[len(memo)] = strings[-1]
-    return list(dict.fromkeys(found))
-
-
-_STORAGE_ITEMSIZE = {
-    "DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8, "IntStorage": 4,
-    "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1, "ComplexDoubleStorage": 16,
-    "ComplexFloatStorage": 8, "UntypedStorage": 1,
+# Legacy storage class -> dtype; the element count in their persistent ids is in elements of that dtype.
+STORAGE_DTYPES: dict[str, str] = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "LongStorage": "int64",
+    "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
+}  # fmt: skip
+# Bytes per element by torch dtype name: the safetensors dtypes, plus those safetensors cannot store.
+ITEMSIZE: dict[str, int] = {name: ST_ITEMSIZE[code] for name, code in DTYPES.items()} | {
+    "complex128": 16, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
 }  # fmt: skip
 _MARK = object()
 
 
-def storage_sizes(data: bytes) -> dict[str, int]:
-    """Bytes each storage record must hold, from the persistent ids of torch's ``data.pkl``, without running it.
+@dataclass
+class PickleScan:
+    """What a pickle refers to, found without running it: its globals and the bytes each storage needs."""
 
-    torch.load(mmap=True) does not compare a record's size with its storage: a short record yields tensors
-    that read past it into the rest of the file. A generic stack simulation (each opcode's documented stack
-    effect) finds the ``('storage', StorageType, key, location, numel)`` tuples.
+    globals: list[str] = field(default_factory=list)
+    storage_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def scan_pickle(data: bytes | IO[bytes] | io.RawIOBase, *, max_pickles: int = 1) -> PickleScan:
+    """Every global (GLOBAL, INST, STACK_GLOBAL) and every torch storage persistent id of a pickle stream.
+
+    A stack simulation driven by each opcode's documented stack effect follows memo references, so
+    ``STACK_GLOBAL`` names and the ``('storage', StorageType, key, location, numel)`` tuples come out exact.
+    Storage sizes matter because torch.load(mmap=True) does not compare a record's size with its storage: a
+    short record yields tensors that read past it into the rest of the file. ``max_pickles`` reads that many
+    consecutive pickles (the legacy torch format is five in a row).
     """
-    stack: list[Any] = []
-    memo: dict[int, Any] = {}
-    sizes: dict[str, int] = {}
-    for opcode, arg, _pos in pickletools.genops(data):
-        name = opcode.name
-        if name == "MARK":
-            stack.append(_MARK)
-            continue
-        if name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(str(arg))] = stack[-1] if stack else None
-            continue
-        if name == "MEMOIZE":
-            memo[len(memo)] = stack[-1] if stack else None
-            continue
-        if name in ("BINGET", "LONG_BINGET", "GET"):
-            stack.append(memo.get(int(str(arg))))
-            continue
+    stream = cast("IO[bytes]", io.BytesIO(data) if isinstance(data, bytes) else data)
+    scan = PickleScan()
+    for _ in range(max_pickles):
+        stack: list[Any] = []
+        memo: dict[int, Any] = {}
+        for opcode, arg, _pos in pickletools.genops(stream):
+            _simulate(opcode, arg, stack, memo, scan)
+    scan.globals = list(dict.fromkeys(scan.globals))
+    return scan
+
+
+def _simulate(
+    opcode: pickletools.OpcodeInfo, arg: Any, stack: list[Any], memo: dict[int, Any], scan: PickleScan
+) -> None:
+    name = opcode.name
+    if name == "MARK":
+        stack.append(_MARK)
+    elif name in ("BINPUT", "LONG_BINPUT", "PUT"):
+        memo[int(str(arg))] = stack[-1] if stack else None
+    elif name == "MEMOIZE":
+        memo[len(memo)] = stack[-1] if stack else None
+    elif name in ("BINGET", "LONG_BINGET", "GET"):
+        stack.append(memo.get(int(str(arg))))
+    else:
         if pickletools.markobject in opcode.stack_before:
             mark = len(stack) - 1 - stack[::-1].index(_MARK) if _MARK in stack else 0
-            items, stack = stack[mark + 1 :], stack[:mark]
-            items = [*items]
+            items = stack[mark + 1 :]
+            del stack[mark:]
         else:
             count = len(opcode.stack_before)
             items = stack[len(stack) - count :] if count else []
             del stack[len(stack) - count :]
-        if name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
-            stack.append(tuple(items))
-        elif name in ("GLOBAL", "STACK_GLOBAL"):
-            stack.append(("global", str(arg).split(" ")[-1] if arg else items[-1] if items else None))
-        elif name == "BINPERSID":
-            pid = items[-1] if items else None
-            if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str):
-                storage, numel = pid[1], pid[4]
-                itemsize = _STORAGE_ITEMSIZE.get(storage[1], 0) if isinstance(storage, tuple) else 0
-                if isinstance(numel, int) and itemsize:
-                    sizes[pid[2]] = numel * itemsize
-            stack.append(None)
-        else:
-            stack.extend([arg if opcode.arg is not None else None] * len(opcode.stack_after))
-    return sizes
+        value = _result(name, arg, items, scan)
+        stack.extend([value] * len(opcode.stack_after))
+
+
+def _result(name: str, arg: Any, items: list[Any], scan: PickleScan) -> Any:
+    # The value an opcode leaves on the stack, as far as globals and storage ids need it.
+    if name in ("GLOBAL", "INST", "STACK_GLOBAL"):
+        module, qualname = str(arg).split(" ", 1) if arg is not None else (str(items[0]), str(items[-1]))
+        scan.globals.append(f"{module}.{qualname}")
+        return ("global", qualname)
+    if name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
+        return tuple(items)
+    if name == "BINPERSID" and items:
+        pid = items[-1]
+        if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str):
+            storage, numel = pid[1], pid[4]
+            kind = storage[1] if isinstance(storage, tuple) else None
+            itemsize = 1 if kind == "UntypedStorage" else ITEMSIZE.get(STORAGE_DTYPES.get(str(kind), ""), 0)
+            if isinstance(numel, int) and itemsize:
+                scan.storage_bytes[pid[2]] = numel * itemsize
+        return None
+    return arg
 
 
 def torch_allowed() -> set[str]:

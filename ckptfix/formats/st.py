@@ -11,7 +11,7 @@ import json
 import math
 import struct
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
@@ -112,7 +112,25 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
             continue
         seen[ident] = key
         tensors[key] = t.detach().to("cpu")
-    meta["aliases"] = aliases
+    stored = [(key, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in tensors.items()]
+    with atomic_output(out) as f:
+        f.write(encode_header(state, meta, stored, aliases))
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def encode_header(
+    state: Mapping[str, Any],
+    meta: dict[str, Any],
+    stored: Iterable[tuple[str, str, tuple[int, ...], int]],
+    aliases: Mapping[str, str],
+) -> bytes:
+    """The length prefix and padded JSON header for ``stored`` (key, torch dtype name, shape, bytes), in order.
+
+    Shared by the torch writer and the streaming path, so both write byte-identical headers.
+    """
+    meta["aliases"] = dict(aliases)
     if aliases:  # restoring aliases appends them; keep the original key order to put them back in place
         meta["keys"] = list(state.keys())
     versions = getattr(state, "_metadata", None)
@@ -120,22 +138,12 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
         meta["module_versions"] = {k: dict(v) for k, v in versions.items()}
     header: dict[str, Any] = {"__metadata__": {"format": "pt", META_KEY: json.dumps(meta)}}
     offset = 0
-    for key, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[key] = {
-            "dtype": DTYPES[dtype_name(t.dtype)],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
+    for key, dtype, shape, nbytes in stored:
+        header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
-    with atomic_output(out) as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def load_safetensors(path: PathLike, *, source: str) -> Any:

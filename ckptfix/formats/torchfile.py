@@ -39,53 +39,46 @@ def pickle_member(zf: zipfile.ZipFile, *, source: str) -> str:
     return data[0]
 
 
-def verify_zip(path: PathLike, *, source: str) -> str:
-    """Check structure and every record's CRC (torch does not); return the data.pkl record name."""
+def needed_globals(path: PathLike, *, fmt: str, source: str, verify: bool = True) -> list[str]:
+    """Globals the checkpoint's pickle refers to, found without executing it.
+
+    For a zip archive with ``verify`` it also checks, in the same pass over the file, what torch does not:
+    record flags and local headers, every record's CRC, and each storage record's size against its pickle.
+    """
     try:
-        with zipfile.ZipFile(path) as zf:
+        if fmt == "torch-legacy":
+            with open(path, "rb") as f:
+                # magic number, protocol version, system info, the object itself, storage keys
+                return safety.scan_pickle(_Bounded(f), max_pickles=5).globals
+        with open(path, "rb") as raw, zipfile.ZipFile(raw) as zf:
             member = pickle_member(zf, source=source)
-            for info in zf.infolist():
-                if info.flag_bits & 0x1:
-                    raise FormatError(f"{source}: record '{info.filename}' is encrypted; refusing it")
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise FormatError(
-                        f"{source}: record '{info.filename}' is compressed; torch.save never compresses, "
-                        f"so the file was altered; refusing it before decompressing"
-                    )
-                _check_local_header(path, info, source=source)
-                _check_crc(zf, info, source=source)
-            _check_storage_sizes(zf, member, source=source)
-            return member
+            if verify:
+                for info in zf.infolist():
+                    _check_record(raw, zf, info, source=source)
+            scan = safety.scan_pickle(zf.read(member))
+            if verify:
+                _check_storage_sizes(zf, member, scan.storage_bytes, source=source)
+            return scan.globals
     except zipfile.BadZipFile as e:
         raise FormatError(f"{source}: corrupt or truncated zip archive ({e}); re-download or re-save it") from e
-    except (OSError, EOFError, ValueError, NotImplementedError) as e:
+    except (ValueError, IndexError, EOFError, pickle.UnpicklingError, MemoryError) as e:
+        raise FormatError(f"{source}: corrupt or truncated pickle ({e}); re-download or re-save it") from e
+    except (OSError, NotImplementedError) as e:
         raise FormatError(f"{source}: cannot read the archive ({e}); re-download or re-save it") from e
 
 
-def _check_storage_sizes(zf: zipfile.ZipFile, member: str, *, source: str) -> None:
-    folder = member.rsplit("/", 1)[0]
-    try:
-        sizes = safety.storage_sizes(zf.read(member))
-    except (ValueError, IndexError) as e:
-        raise FormatError(f"{source}: record '{member}' is a corrupt pickle ({e}); re-download or re-save it") from e
-    for key, needed in sizes.items():
-        name = f"{folder}/data/{key}"
-        try:
-            size = zf.getinfo(name).file_size
-        except KeyError:
-            raise FormatError(f"{source}: storage record '{name}' is missing; the archive is damaged") from None
-        if size != needed:
-            raise FormatError(
-                f"{source}: record '{name}' holds {size} bytes but its storage needs {needed}; the file is corrupt"
-            )
-
-
-def _check_local_header(path: PathLike, info: zipfile.ZipInfo, *, source: str) -> None:
+def _check_record(raw: BinaryIO, zf: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str) -> None:
+    if info.flag_bits & 0x1:
+        raise FormatError(f"{source}: record '{info.filename}' is encrypted; refusing it")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise FormatError(
+            f"{source}: record '{info.filename}' is compressed; torch.save never compresses, "
+            f"so the file was altered; refusing it before decompressing"
+        )
     # zipfile trusts the central directory for flags and method; a local header that disagrees is a sign of
     # tampering (readers differ on which one they believe).
-    with open(path, "rb") as f:
-        f.seek(info.header_offset)
-        local = f.read(30)
+    raw.seek(info.header_offset)
+    local = raw.read(30)
     if len(local) < 30 or local[:4] != b"PK\x03\x04":
         raise FormatError(f"{source}: record '{info.filename}' has no local header; the archive is corrupt")
     flags, method = struct.unpack("<HH", local[6:10])
@@ -94,9 +87,6 @@ def _check_local_header(path: PathLike, info: zipfile.ZipInfo, *, source: str) -
             f"{source}: record '{info.filename}': local header disagrees with the central directory (flags "
             f"{flags:#x} vs {info.flag_bits:#x}, method {method} vs {info.compress_type}); refusing it"
         )
-
-
-def _check_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str) -> None:
     crc = 0
     with zf.open(info) as rec:
         # zipfile checks the CRC itself at EOF and raises BadZipFile; computing it here too names the record.
@@ -110,17 +100,18 @@ def _check_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo, *, source: str) -> No
         )
 
 
-def needed_globals(path: PathLike, *, fmt: str, source: str) -> list[str]:
-    """Globals the checkpoint's pickle refers to, found without executing it."""
-    try:
-        if fmt == "torch-zip":
-            with zipfile.ZipFile(path) as zf:
-                return safety.scan_globals(zf.read(pickle_member(zf, source=source)))
-        with open(path, "rb") as f:
-            # magic number, protocol version, system info, the object itself, storage keys
-            return safety.scan_globals(_Bounded(f), max_pickles=5)
-    except (ValueError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, MemoryError) as e:
-        raise FormatError(f"{source}: corrupt or truncated pickle ({e}); re-download or re-save it") from e
+def _check_storage_sizes(zf: zipfile.ZipFile, member: str, sizes: dict[str, int], *, source: str) -> None:
+    folder = member.rsplit("/", 1)[0]
+    for key, needed in sizes.items():
+        name = f"{folder}/data/{key}"
+        try:
+            size = zf.getinfo(name).file_size
+        except KeyError:
+            raise FormatError(f"{source}: storage record '{name}' is missing; the archive is damaged") from None
+        if size != needed:
+            raise FormatError(
+                f"{source}: record '{name}' holds {size} bytes but its storage needs {needed}; the file is corrupt"
+            )
 
 
 class _Bounded(io.RawIOBase):
@@ -164,9 +155,7 @@ def load_torch(
         return _torch_load(path, source=source, weights_only=False, mmap=False)
     allowed_names = list(allow_globals)
     allowed = safety.resolve_allowed(allowed_names, source=source)
-    if fmt == "torch-zip" and verify:
-        verify_zip(path, source=source)
-    needed = needed_globals(path, fmt=fmt, source=source)
+    needed = needed_globals(path, fmt=fmt, source=source, verify=verify)
     safety.refuse_unknown(needed, allowed=safety.torch_allowed() | set(allowed_names), source=source)
     with torch.serialization.safe_globals(allowed):
         return _torch_load(path, source=source, weights_only=True, mmap=mmap and fmt == "torch-zip")

@@ -18,13 +18,22 @@ from typing import Any
 
 from ckptfix.formats import output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
+from ckptfix.formats.safety import ITEMSIZE
 from ckptfix.formats.st_header import read_header
-from ckptfix.stream.copy import Copier, Job, Progress
+from ckptfix.stream.copy import Check, Copier, Job, Progress
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.inert import ITEMSIZE, InertTensor, tensor_of
+from ckptfix.stream.inert import InertTensor, tensor_of
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header
-from ckptfix.stream.torchzip import Source, TorchInput, plan_new_torch, plan_torch_to_torch, read_torch, tensor_record
+from ckptfix.stream.torchzip import (
+    Source,
+    TorchInput,
+    plan_new_torch,
+    plan_torch_to_torch,
+    read_torch,
+    referenced_storages,
+    tensor_record,
+)
 
 
 def fast_convert(
@@ -114,7 +123,8 @@ def _pt_locator(inp: TorchInput) -> Callable[[Any], tuple[str, tuple[int, ...], 
         width = ITEMSIZE[t.dtype]
         nbytes = t.numel() * width
         rec = inp.archive.get(f"data/{t.storage.key}")
-        if rec is None or (t.offset + t.numel()) * width > rec.size:
+        # An empty view may sit past the end of its (empty) storage: there are no bytes to find.
+        if rec is None or (nbytes and (t.offset + t.numel()) * width > rec.size):
             raise Fallback(f"tensor bytes outside storage data/{t.storage.key}")
         ident = (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
         return t.dtype, t.shape, rec.data_offset + t.offset * width, nbytes, ident
@@ -122,10 +132,7 @@ def _pt_locator(inp: TorchInput) -> Callable[[Any], tuple[str, tuple[int, ...], 
     return locate
 
 
-def _pt_checks(inp: TorchInput, tree: Any) -> list[Any]:
-    from ckptfix.stream.copy import Check
-    from ckptfix.stream.torchzip import referenced_storages
-
+def _pt_checks(inp: TorchInput, tree: Any) -> list[Check]:
     keys = referenced_storages(tree)
     return [Check(r.name, r.data_offset, r.size, r.crc) for k in sorted(keys) if (r := inp.archive.get(f"data/{k}"))]
 
@@ -150,9 +157,8 @@ def _st_to_torch_tree(tree: Any) -> tuple[Any, list[Source]]:
             return records[id(obj)]
         if isinstance(obj, dict):
             new = type(obj)((k, convert(v)) for k, v in obj.items())
-            if vars(obj) if hasattr(obj, "__dict__") else False:
-                for name, value in vars(obj).items():
-                    setattr(new, name, value)
+            for name, value in getattr(obj, "__dict__", {}).items():  # _metadata of an OrderedDict
+                setattr(new, name, value)
             return new
         if isinstance(obj, list):
             return [convert(v) for v in obj]

@@ -130,11 +130,11 @@ class Copier:
         self.kernel = hasattr(os, "copy_file_range")
         self._buf: bytearray | None = None
 
-    def run(self, jobs: Sequence[Job], *, checks: Sequence[Check] = (), sync: bool = True) -> list[int]:
+    def run(self, jobs: Sequence[Job], *, checks: Sequence[Check] = ()) -> list[int]:
         """Copy every job while a second thread computes the CRC of each check; raise on the first mismatch.
 
-        With ``sync`` the output is fsynced while the CRCs are still being computed: the disk write-back and
-        the checksum then overlap instead of adding up (the atomic writer's own fsync finds nothing left).
+        The output is fsynced while the CRCs are still being computed: the disk write-back and the checksum
+        then overlap instead of adding up (the atomic writer's own fsync finds nothing left).
         """
         verifier = _Verifier(self.src_fd, checks, self.source) if checks else None
         if verifier is not None:
@@ -142,8 +142,7 @@ class Copier:
         try:
             for job in jobs:
                 self.copy(job)
-            if sync:
-                os.fsync(self.dst_fd)
+            os.fsync(self.dst_fd)
         finally:
             if verifier is not None:
                 verifier.join()

@@ -17,20 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, cast
 
 from ckptfix.errors import CkptfixError, FormatError
+from ckptfix.formats.safety import ITEMSIZE, STORAGE_DTYPES
 from ckptfix.stream.fallback import Fallback
 
-# Legacy storage class -> dtype; the element count in their persistent ids is in elements of that dtype.
-STORAGE_DTYPES: dict[str, str] = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "LongStorage": "int64",
-    "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-}  # fmt: skip
-ITEMSIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "complex128": 16, "complex64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-}  # fmt: skip
 _DTYPE_GLOBALS = {f"torch.{d}" for d in ITEMSIZE}
 _TENSOR_FUNCS = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3"}
 _PARAM_FUNCS = {"torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"}
@@ -172,6 +161,8 @@ class InertTensor(Inert):
         return n
 
     def is_contiguous(self) -> bool:
+        if self.numel() == 0:  # as torch says: an empty tensor is contiguous whatever its strides
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
             if size != 1 and stride != expected:
@@ -210,9 +201,8 @@ def tensor_of(value: Any) -> InertTensor:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, *, source: str, on_unknown: Callable[[str], None]) -> None:
+    def __init__(self, data: bytes, *, on_unknown: Callable[[str], None]) -> None:
         super().__init__(io.BytesIO(data))
-        self.source = source
         self.on_unknown = on_unknown
         self.storages: dict[str, StorageRef] = {}
 
@@ -240,7 +230,7 @@ class _Unpickler(pickle.Unpickler):
 
 def load(data: bytes, *, source: str, on_unknown: Callable[[str], None]) -> tuple[Any, dict[str, StorageRef]]:
     """The inert tree of a ``data.pkl`` and its storages by key. ``on_unknown(name)`` may raise to refuse."""
-    unpickler = _Unpickler(data, source=source, on_unknown=on_unknown)
+    unpickler = _Unpickler(data, on_unknown=on_unknown)
     try:
         tree = unpickler.load()
     except (Fallback, CkptfixError):

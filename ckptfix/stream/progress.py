@@ -10,9 +10,7 @@ THRESHOLD = 100 << 20
 
 
 @contextlib.contextmanager
-def progress_bar(
-    total: int, *, enabled: bool = True, label: str = "converting"
-) -> Iterator[Callable[[int], None] | None]:
+def progress_bar(total: int, *, enabled: bool = True) -> Iterator[Callable[[int], None] | None]:
     """Yield ``advance(nbytes)`` for inputs over ~100 MB when stderr is a TTY, else ``None``."""
     if not enabled or total < THRESHOLD or not sys.stderr.isatty():
         yield None
@@ -24,5 +22,5 @@ def progress_bar(
         "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
         transient=True, console=None,
     ) as bar:  # fmt: skip
-        task = bar.add_task(label, total=total)
+        task = bar.add_task("converting", total=total)
         yield lambda n: bar.advance(task, n)

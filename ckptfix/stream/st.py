@@ -7,13 +7,11 @@ of tensors; writing follows ``ckptfix.formats.st.save_safetensors`` byte for byt
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
-from ckptfix.formats.st import DTYPES, META_KEY, restore, split_checkpoint
+from ckptfix.formats.st import DTYPES, encode_header, restore, split_checkpoint
 from ckptfix.formats.st_header import Header
 from ckptfix.stream.fallback import Fallback
 
@@ -29,12 +27,6 @@ class StTensor:
     shape: tuple[int, ...]
     start: int
     end: int
-
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
 
 
 def tree_from_header(header: Header, *, source: str) -> Any:
@@ -67,11 +59,9 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any) -> StOutput:
     """
     state, meta = split_checkpoint(obj, out=out)
     ranges: list[tuple[int, int]] = []
-    header: dict[str, Any] = {}
+    stored: list[tuple[str, str, tuple[int, ...], int]] = []
     aliases: dict[str, str] = {}
     seen: dict[Any, str] = {}
-    offset = 0
-    entries: list[tuple[str, dict[str, Any]]] = []
     for key, value in state.items():
         if not is_tensor(value):
             raise Fallback(f"key '{key}' holds a {type(value).__name__}, not a tensor")
@@ -82,17 +72,6 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any) -> StOutput:
             aliases[key] = seen[ident]
             continue
         seen[ident] = key
-        entries.append((key, {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}))
+        stored.append((key, dtype, tuple(shape), nbytes))
         ranges.append((src, nbytes))
-        offset += nbytes
-    meta["aliases"] = aliases
-    if aliases:
-        meta["keys"] = list(state.keys())
-    versions = getattr(state, "_metadata", None)
-    if versions is not None:
-        meta["module_versions"] = {k: dict(v) for k, v in versions.items()}
-    header["__metadata__"] = {"format": "pt", META_KEY: json.dumps(meta)}
-    header.update(entries)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return StOutput(struct.pack("<Q", len(raw)) + raw, ranges)
+    return StOutput(encode_header(state, meta, stored, aliases), ranges)

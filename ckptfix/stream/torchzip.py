@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.safety import ITEMSIZE, STORAGE_DTYPES
 from ckptfix.stream import inert
 from ckptfix.stream.copy import Check, Job
 from ckptfix.stream.fallback import Fallback
@@ -24,10 +25,8 @@ _TAIL = (("version", b"3\n"),)
 class TorchInput:
     """A torch zip checkpoint, its inert tree and what is needed to copy its records."""
 
-    path: str
     archive: Archive
     tree: Any
-    storages: dict[str, inert.StorageRef]
     byteorder: str
     pkl: Record
 
@@ -36,7 +35,7 @@ def _refuse_dangerous(name: str, pkl: bytes, source: str) -> None:
     from ckptfix.formats import safety
 
     if safety.never_allowable(name):
-        needed = safety.scan_globals(pkl)
+        needed = safety.scan_pickle(pkl).globals
         safety.refuse_unknown([g for g in needed if safety.never_allowable(g)], allowed=(), source=source)
 
 
@@ -72,7 +71,7 @@ def read_torch(fd: int, path: str) -> TorchInput:
                 f"{path}: record '{rec.name}' holds {rec.size} bytes but its storage needs {ref.nbytes}; "
                 f"the file is corrupt"
             )
-    return TorchInput(path, archive, tree, storages, byteorder, first)
+    return TorchInput(archive, tree, byteorder, first)
 
 
 def referenced_storages(tree: Any) -> set[str]:
@@ -131,10 +130,10 @@ def tensor_record(dtype: str, shape: tuple[int, ...], key: str, nbytes: int) -> 
     step = 1
     for size in reversed(shape):
         stride.append(step)
-        step *= size
-    legacy = next((name for name, d in inert.STORAGE_DTYPES.items() if d == dtype), None)
+        step *= max(size, 1)  # torch's contiguous strides treat a zero-size dim as 1
+    legacy = next((name for name, d in STORAGE_DTYPES.items() if d == dtype), None)
     if legacy is not None:
-        pid = ("storage", inert.make_global("torch", legacy), key, "cpu", nbytes // inert.ITEMSIZE[dtype])
+        pid = ("storage", inert.make_global("torch", legacy), key, "cpu", nbytes // ITEMSIZE[dtype])
         args: tuple[Any, ...] = (0, tuple(shape), tuple(reversed(stride)), False, OrderedDict())
         return inert.InertTensor(
             inert.make_global("torch._utils", "_rebuild_tensor_v2"), (inert.StorageRef(pid), *args)
@@ -144,11 +143,11 @@ def tensor_record(dtype: str, shape: tuple[int, ...], key: str, nbytes: int) -> 
     return inert.InertTensor(inert.make_global("torch._utils", "_rebuild_tensor_v3"), (inert.StorageRef(pid), *args))
 
 
-def plan_new_torch(tree: Any, sources: list[Source], dst_fd: int, *, name: str = "archive") -> Plan:
+def plan_new_torch(tree: Any, sources: list[Source], dst_fd: int) -> Plan:
     """A torch zip laid out as torch.save does, storage ``data/<i>`` copied from ``sources[i]``."""
     pkl = inert.dump(tree)
     plan = Plan(ZipWriter(dst_fd))
-    prefix = f"{name}/"
+    prefix = "archive/"
     plan.writer.add(prefix + "data.pkl", pkl, zlib.crc32(pkl))
     for rec_name, data in _HEAD:
         plan.writer.add(prefix + rec_name, data, zlib.crc32(data))

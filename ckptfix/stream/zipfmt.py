@@ -50,12 +50,9 @@ class Record:
 
 @dataclass
 class Archive:
-    """The records of a torch zip in file order, and where its central directory starts."""
+    """The records of a torch zip in file order, and the archive comment."""
 
-    path: str
     records: list[Record]
-    size: int
-    cd_offset: int
     comment: bytes = b""
     prefix: str = field(init=False)
 
@@ -121,7 +118,7 @@ def read_archive(fd: int, path: str) -> Archive:
     cd = _pread(fd, cd_size, cd_offset, path=path, what="central directory")
     records = _parse_central(fd, cd, count, path=path, cd_offset=cd_offset)
     records.sort(key=lambda r: r.header_offset)
-    return Archive(path=path, records=records, size=size, cd_offset=cd_offset, comment=comment)
+    return Archive(records=records, comment=comment)
 
 
 def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int) -> list[Record]:
@@ -191,9 +188,9 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
 class ZipWriter:
     """Write records torch's way at explicit offsets of an open file descriptor, then the central directory."""
 
-    def __init__(self, fd: int, *, start: int = 0) -> None:
+    def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.offset = start
+        self.offset = 0
         self.records: list[Record] = []
 
     def begin(self, name: str, size: int, *, like: Record | None = None) -> int:

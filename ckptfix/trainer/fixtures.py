@@ -27,7 +27,7 @@ MANIFEST = "MANIFEST.json"
 COMMAND = "python -m ckptfix.trainer.fixtures"
 # Tiny runs: the fixtures test layouts and formats, not accuracy.
 _RUN = ["--epochs", "1", "--samples", "256", "--val-samples", "64", "--batch-size", "32"]
-# (file, trainer options, file the run writes, prefix its model keys carry, model entry)
+# (file, trainer options, file the run writes, prefix its model keys carry)
 _TRAINED: tuple[tuple[str, list[str], str, str], ...] = (
     ("single.pt", ["--mode", "single"], "checkpoint.pt", ""),
     ("dp_plain.pt", ["--mode", "dp"], "checkpoint.pt", ""),
@@ -132,20 +132,21 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}  # each trained checkpoint read once, for its probe and the files made from it
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         for name, argv, written, prefix in _TRAINED:
             run_dir = scratch / name
             _train(argv, run_dir)
             (out / name).write_bytes((run_dir / written).read_bytes())
-            obj = _torch_load(out / name)
+            loaded[name] = _torch_load(out / name)
             how = {"mode": argv[1], "options": [*_RUN, *argv], "torch": str(torch.__version__)}
             files[name] = _record(
                 out / name,
                 how=how,
                 layout="ddp" if prefix else "single",
                 entry="model",
-                probe=reference_probe(obj["model"], prefix),
+                probe=reference_probe(loaded[name]["model"], prefix),
             )
 
         # Per-rank files with drifted BatchNorm statistics, saved wrapped as many DDP scripts do.
@@ -158,14 +159,17 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
             ("ddp_rank1.pt", "checkpoint.rank1.pt"),
         ):
             (out / name).write_bytes((drift_dir / written).read_bytes())
-            state = _torch_load(out / name)["model"]
+            loaded[name] = _torch_load(out / name)
             files[name] = _record(
-                out / name, how=how, layout="ddp", entry="model", probe=reference_probe(state, "module.")
+                out / name,
+                how=how,
+                layout="ddp",
+                entry="model",
+                probe=reference_probe(loaded[name]["model"], "module."),
             )
 
-        single = _torch_load(out / "single.pt")
         single_how = {"mode": "single", "from": "single.pt", "torch": str(torch.__version__)}
-        for layout, state in _wrapper_states(single["model"], scratch).items():
+        for layout, state in _wrapper_states(loaded["single.pt"]["model"], scratch).items():
             name = f"{layout.replace('-', '_')}.pt"
             ckptfix.save(state, out / name)
             how = {**single_how, "how": f"state_dict() of the real wrappers ({layout}) around single.pt's model"}
@@ -173,22 +177,20 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
                 out / name, how=how, layout=layout, entry="", probe=reference_probe(state, _WRAPPER_PREFIX[layout])
             )
 
-        wrapped = _torch_load(out / "ddp_wrapped.pt")
+        ddp = loaded["ddp_wrapped.pt"]
         name = "ddp_wrapped.safetensors"
-        ckptfix.save(dict(wrapped["model"]), out / name)
+        ckptfix.save(dict(ddp["model"]), out / name)
         how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ckptfix.save of its model entry"}
         files[name] = _record(out / name, how=how, layout="ddp", entry="", probe=files["ddp_wrapped.pt"]["probe"])
 
         # The pre-1.6 torch.save format (not a zip), as old DataParallel scripts wrote it.
-        dp = _torch_load(out / "dp_wrapped.pt")
         name = "legacy_dp.pt"
         with atomic_output(out / name) as f:
-            torch.save(dp, f, _use_new_zipfile_serialization=False)
+            torch.save(loaded["dp_wrapped.pt"], f, _use_new_zipfile_serialization=False)
         how = {"mode": "dp", "from": "dp_wrapped.pt", "how": "torch.save(..., _use_new_zipfile_serialization=False)"}
         files[name] = _record(out / name, how=how, layout="ddp", entry="model", probe=files["dp_wrapped.pt"]["probe"])
 
         # The PyTorch ImageNet example's layout: state_dict + args as an argparse.Namespace.
-        ddp = _torch_load(out / "ddp_wrapped.pt")
         name = "namespace_args.pt"
         args = argparse.Namespace(arch="ckptfix-cnn", lr=0.05, batch_size=32, epochs=1, workers=0)
         obj = {"epoch": ddp["epoch"], "arch": "ckptfix-cnn", "state_dict": ddp["model"], "best_acc1": 0.5}

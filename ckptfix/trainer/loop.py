@@ -141,7 +141,7 @@ def _set_rng_state(state: Any) -> None:
 def _resume(config: TrainConfig, model: nn.Module, env: Env) -> dict[str, Any]:
     """Load ``--resume`` into the unwrapped model; return the checkpoint's other entries on every rank."""
     import ckptfix
-    from ckptfix.checkpoint import model_entries
+    from ckptfix.checks import primary_entry
 
     path = config.resume
     if path is None:
@@ -150,14 +150,11 @@ def _resume(config: TrainConfig, model: nn.Module, env: Env) -> dict[str, Any]:
         from ckptfix.distributed import load_for_ddp
 
         return load_for_ddp(model, path, src=0, strict=True, allow_globals=tuple(config.allow_globals))
-    if not Path(path).exists():
-        raise CkptfixError(f"--resume {path}: no such file; check the path")
     obj = ckptfix.load(path, allow_globals=tuple(config.allow_globals))
-    ckptfix.load_into(model, obj, strict=True)
-    names = set(model_entries(obj))
-    if names == {""} or not isinstance(obj, dict):
-        return {}
-    return {k: v for k, v in obj.items() if k not in names}
+    ckptfix.load_into(model, obj, strict=True, source=str(path))
+    # As load_for_ddp returns them: everything but the model entry that was loaded (an EMA copy stays).
+    primary = primary_entry(obj)
+    return {k: v for k, v in obj.items() if k != primary} if primary else {}
 
 
 def evaluate(model: nn.Module, dataset: Any, *, device: str, batch_size: int = 256) -> float:
