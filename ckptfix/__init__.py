@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "model_entries": "ckptfix.checkpoint",
     "detect": "ckptfix.layouts",
     "load": "ckptfix.formats",
+    "convert_file": "ckptfix.conversion",
     "save": "ckptfix.formats",
     "check": "ckptfix.checks",
     "KeyReport": "ckptfix.checks",
@@ -48,6 +49,7 @@ __all__ = [
     "check",
     "convert",
     "convert_checkpoint",
+    "convert_file",
     "detect",
     "load",
     "load_for_ddp",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
         OutputError,
         UnsafeCheckpointError,
     )
+    from ckptfix.conversion import convert_file
     from ckptfix.formats import load, save
     from ckptfix.layouts import detect
     from ckptfix.merging import merge

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ckptfix import layouts
 from ckptfix.errors import CkptfixError
@@ -107,7 +107,7 @@ def _try_load(path: Path, *, wrap: bool, images: torch.Tensor) -> tuple[str, tor
 
 
 def _check(source: str, path: Path, out: Path, images: torch.Tensor, labels: torch.Tensor) -> list[Row]:
-    from ckptfix.formats import convert_file
+    from ckptfix.conversion import convert_file
 
     reference = _reference(path, images)
     rows = []
@@ -117,7 +117,7 @@ def _check(source: str, path: Path, out: Path, images: torch.Tensor, labels: tor
             dst = out / "converted" / f"{source}-to-{target}{ext}"
             try:
                 # safetensors holds tensors only: the model entry goes alone.
-                convert_file(path, dst, to=target, model_only=ext == ".safetensors")
+                convert_file(path, dst, to=cast("layouts.Layout", target), model_only=ext == ".safetensors")
             except CkptfixError as e:
                 row.plain = row.wrapped = f"FAIL: {e}"
                 rows.append(row)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from ckptfix.errors import LayoutError
 
@@ -43,7 +44,9 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "ddp-compiled": ("ddp", "compiled"),  # DDP(torch.compile(m)): module._orig_mod.x
     "compiled-ddp": ("compiled", "ddp"),  # torch.compile(DDP(m)): _orig_mod.module.x
 }
-TARGETS: tuple[str, ...] = tuple(LAYOUTS)
+Layout = Literal["single", "dp", "ddp", "compiled", "ddp-compiled", "compiled-ddp"]
+TARGETS: tuple[str, ...] = get_args(Layout)
+assert set(TARGETS) == set(LAYOUTS), "Layout and LAYOUTS must name the same layouts"
 
 
 def layout_name(chain: Sequence[str]) -> str:

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import ckptfix
+from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats import convert_file, detect_format
+from ckptfix.formats import detect_format
 from tests.conftest import PROBE, WRAPPERS, make_net, wrap
 
 FORMATS = {"zip": ".pt", "legacy": ".pth", "safetensors": ".safetensors"}

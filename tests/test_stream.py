@@ -7,6 +7,7 @@ import struct
 import subprocess
 import sys
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,10 @@ import torch
 from torch import nn
 
 from ckptfix.checkpoint import convert_checkpoint
+from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, UnsafeCheckpointError
-from ckptfix.formats import convert_file
+from ckptfix.formats.ziparchive import read_archive
 from ckptfix.stream import Fallback, fast_convert
-from ckptfix.stream.zipfmt import read_archive
 from tests.conftest import make_net
 
 
@@ -173,13 +174,20 @@ def test_dangerous_global_is_refused_without_running(tmp_path: Path) -> None:
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_unknown_global_falls_back(tmp_path: Path) -> None:
+def test_globals_need_the_same_allowance_on_both_paths(tmp_path: Path) -> None:
     import argparse
 
     src = tmp_path / "in.pt"
     torch.save({"model": {"module.w": torch.ones(2)}, "args": argparse.Namespace(lr=1)}, src)
-    with pytest.raises(Fallback, match=r"argparse\.Namespace"):
-        _fast(src, tmp_path / "out.pt")
+    for fast in (True, False):
+        with pytest.raises(UnsafeCheckpointError, match=r"--allow-global argparse\.Namespace"):
+            convert_file(src, tmp_path / "out.pt", fast=fast)
+    assert not (tmp_path / "out.pt").exists()
+    result = convert_file(src, tmp_path / "out.pt", allow_globals=["argparse.Namespace"])
+    assert result.method == "stream"
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["args"] == argparse.Namespace(lr=1)
+    assert list(out["model"]) == ["w"] and torch.equal(out["model"]["w"], torch.ones(2))
 
 
 def _rezip(src: Path, dst: Path, *, order: list[str] | None = None, compress: bool = False) -> None:
@@ -193,12 +201,13 @@ def test_fallbacks(tmp_path: Path) -> None:
     src = tmp_path / "in.pt"
     torch.save({"module.w": torch.ones(2)}, src)
     _rezip(src, tmp_path / "deflated.pt", compress=True)
-    with pytest.raises(Fallback, match="compressed"):
+    with pytest.raises(FormatError, match="compressed"):
         _fast(tmp_path / "deflated.pt", tmp_path / "out.pt")
     names = zipfile.ZipFile(src).namelist()
     _rezip(src, tmp_path / "late.pt", order=names[1:] + names[:1])
-    with pytest.raises(Fallback, match=r"data\.pkl is not the first"):
-        _fast(tmp_path / "late.pt", tmp_path / "out.pt")
+    _fast(tmp_path / "late.pt", tmp_path / "out.pt")  # data.pkl need not come first
+    assert torch.equal(torch.load(tmp_path / "out.pt")["w"], torch.ones(2))
+    (tmp_path / "out.pt").unlink()
     torch.save({"module.w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
     with pytest.raises(Fallback, match="legacy"):
         _fast(tmp_path / "legacy.pt", tmp_path / "out.pt")
@@ -298,24 +307,33 @@ def test_safetensors_header_is_padded(tmp_path: Path) -> None:
 # --- zip64 ----------------------------------------------------------------------------------------------------
 
 
+def _zeros_crc(n: int) -> int:
+    crc, zeros = 0, bytes(64 << 20)
+    while n:
+        crc = zlib.crc32(zeros[: min(n, len(zeros))], crc)
+        n -= min(n, len(zeros))
+    return crc
+
+
 def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor:
     """A torch zip whose records after data.pkl begin past byte ``start`` (a hole), optionally with a ``big``-byte
     uint8 tensor that is a hole except for its last 8 bytes; returns the small tensor it holds."""
-    import zlib
-
-    from ckptfix.stream import inert
-    from ckptfix.stream.torchzip import tensor_record
-    from ckptfix.stream.zipfmt import ZipWriter
+    from ckptfix.formats import inert
+    from ckptfix.formats.torchzip import stand_ins, tensor_record
+    from ckptfix.formats.ziparchive import ZipWriter
 
     small = torch.arange(6, dtype=torch.float32)
-    tree: dict[str, Any] = {"module.small": tensor_record("float32", (6,), "0", 24)}
+    glob = stand_ins()
+    tree: dict[str, Any] = {"module.small": tensor_record("float32", (6,), "0", 24, glob=glob)}
     if big:
-        tree["module.big"] = tensor_record("uint8", (big,), "1", big)
+        tree["module.big"] = tensor_record("uint8", (big,), "1", big, glob=glob)
     with open(path, "wb") as f:
         w = ZipWriter(f.fileno())
         pkl = inert.dump(tree)
         w.add("archive/data.pkl", pkl, zlib.crc32(pkl))
-        w.offset += start
+        # records must tile the file: the hole is an unreferenced storage record of zeros, never read
+        w.begin("archive/data/hole", start)
+        w.end(_zeros_crc(start))
         w.add("archive/byteorder", b"little", zlib.crc32(b"little"))
         raw = small.numpy().tobytes()
         w.add("archive/data/0", raw, zlib.crc32(raw))
@@ -323,11 +341,7 @@ def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor
             tail = bytes(range(1, 9))
             offset = w.begin("archive/data/1", big)
             os.pwrite(f.fileno(), tail, offset + big - 8)
-            crc, zeros, left = 0, bytes(64 << 20), big - 8
-            while left:
-                crc = zlib.crc32(zeros[: min(left, len(zeros))], crc)
-                left -= min(left, len(zeros))
-            w.end(zlib.crc32(tail, crc))
+            w.end(zlib.crc32(tail, _zeros_crc(big - 8)))
         w.add("archive/version", b"3\n", zlib.crc32(b"3\n"))
         w.finish()
     return small
@@ -340,7 +354,7 @@ def test_zip64_offsets_read_and_written(tmp_path: Path) -> None:
         assert zf.testzip() is None
     with open(src, "rb") as f:
         archive = read_archive(f.fileno(), str(src))
-    assert min(r.header_offset for r in archive.records[1:]) > 1 << 32
+    assert min(r.header_offset for r in archive.records[2:]) > 1 << 32  # after data.pkl and the hole
     assert all(r.data_offset % 64 == 0 for r in archive.records)
     for mmap in (False, True):
         assert torch.equal(torch.load(src, weights_only=True, mmap=mmap)["module.small"], small)

@@ -1,4 +1,9 @@
-"""Safe readers and atomic writers for .pt/.pth/.bin and .safetensors, and file-to-file conversion.
+"""Safe readers and atomic writers for .pt/.pth/.bin and .safetensors: one module per format.
+
+- :mod:`ziparchive`: the zip container and its rules; :mod:`torchzip`: torch's zip checkpoint;
+  :mod:`legacy`: the pre-1.6 torch format; :mod:`safetensors`: header reader, writer, load and save.
+- :mod:`inert`: the one pickle reader (nothing executed); :mod:`allowlist`: which globals a pickle may name;
+  :mod:`dtypes`: the one dtype table; :mod:`atomic`: crash-safe output.
 
 The input format is decided by content (magic bytes), the output format by OUT's extension.
 """
@@ -10,14 +15,12 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from ckptfix.checkpoint import Conversion, convert_checkpoint
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.legacy import MAGIC as _LEGACY_MAGIC
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
-# The legacy torch format opens with a pickled magic number (PROTO, maybe FRAME, then LONG1 of this value).
-_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
 def detect_format(path: PathLike) -> str:
@@ -79,7 +82,7 @@ def load(
     source = os.fspath(path)
     fmt = detect_format(path)
     if fmt == "safetensors":
-        from ckptfix.formats.st import load_safetensors
+        from ckptfix.formats.safetensors import load_safetensors
 
         return load_safetensors(path, source=source)
     from ckptfix.formats.torchfile import load_torch
@@ -97,7 +100,7 @@ def save(obj: Any, path: PathLike) -> None:
     fmt = output_format(path)
     check_output(path)
     if fmt == "safetensors":
-        from ckptfix.formats.st import save_safetensors
+        from ckptfix.formats.safetensors import save_safetensors
 
         save_safetensors(obj, path)
     else:
@@ -106,61 +109,4 @@ def save(obj: Any, path: PathLike) -> None:
         save_torch(obj, path)
 
 
-def cast_floating(conversion: Conversion, dtype: str) -> None:
-    """Cast floating-point tensors of the converted model entries to ``dtype`` (integer buffers stay)."""
-    import torch
-
-    target = getattr(torch, dtype, None)
-    if not isinstance(target, torch.dtype) or not target.is_floating_point:
-        raise OutputError(f"--dtype {dtype}: not a floating-point torch dtype (float32, float16, bfloat16, float64)")
-    obj = conversion.obj
-    for change in conversion.changes:
-        state = obj if change.entry == "" or change.entry not in obj else obj[change.entry]
-        for key, t in list(state.items()):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                state[key] = t.to(target)
-
-
-def convert_file(
-    src: PathLike,
-    dst: PathLike,
-    *,
-    to: str | None = "single",
-    dtype: str | None = None,
-    unsafe: bool = False,
-    allow_globals: Iterable[str] = (),
-    fast: bool = True,
-    verbose: bool = False,
-    **options: Any,
-) -> Conversion:
-    """Convert checkpoint file ``src`` into ``dst``; every check runs before the first byte is written."""
-    source = os.fspath(src)
-    output_format(dst)
-    check_output(dst, inputs=(src,))
-    detect_format(src)
-    allow = list(allow_globals)
-    notes: list[str] = []
-    if fast and dtype is None and not unsafe and not allow:
-        from ckptfix.stream import Fallback, fast_convert
-
-        try:
-            result: Conversion = fast_convert(
-                src,
-                dst,
-                transform=lambda tree: convert_checkpoint(tree, to=to, source=source, **options),
-                verbose=verbose,
-            )
-            result.method = "stream"
-            return result
-        except Fallback as e:
-            notes.append(f"fast path not taken: {e}")
-    conversion = convert_checkpoint(load(src, unsafe=unsafe, allow_globals=allow), to=to, source=source, **options)
-    if dtype is not None:
-        cast_floating(conversion, dtype)
-    save(conversion.obj, dst)
-    conversion.method = "torch"
-    conversion.notes.extend(notes)
-    return conversion
-
-
-__all__ = ["convert_file", "detect_format", "load", "output_format", "save"]
+__all__ = ["detect_format", "load", "output_format", "save"]

@@ -12,28 +12,26 @@ before anything is written and the caller runs the torch path, which is the refe
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from ckptfix.formats import output_format
+from ckptfix.formats import allowlist, inert, output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
-from ckptfix.formats.safety import ITEMSIZE
-from ckptfix.formats.st_header import read_header
+from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.safetensors import read_header
+from ckptfix.formats.torchfile import changed_while_reading, file_identity
+from ckptfix.formats.torchzip import TorchZip, read_torch_zip, referenced_storages, stand_ins, tensor_record
 from ckptfix.stream.copy import Check, Copier, Job, Progress
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.inert import InertTensor, tensor_of
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header
-from ckptfix.stream.torchzip import (
-    Source,
-    TorchInput,
-    plan_new_torch,
-    plan_torch_to_torch,
-    read_torch,
-    referenced_storages,
-    tensor_record,
-)
+from ckptfix.stream.torchzip import Source, plan_new_torch, plan_torch_to_torch
+
+# Recipes the writers reproduce exactly; any other call (quantized, sparse, subclass) goes the torch way.
+_WRITABLE = frozenset(
+    {"torch.Size", "torch.device", "collections.Counter", "_codecs.encode", "builtins.bytearray", "builtins.set",
+     "builtins.complex", *allowlist.KNOWN_SAFE}
+)  # fmt: skip
 
 
 def fast_convert(
@@ -41,24 +39,27 @@ def fast_convert(
     dst: PathLike,
     *,
     transform: Callable[[Any], Any],
-    verbose: bool = False,
+    allow_globals: tuple[str, ...] = (),
     progress: Progress | None = None,
 ) -> Any:
     """Convert ``src`` into ``dst`` by rewriting only the pickle or header; returns what ``transform`` returned.
 
     ``transform(tree)`` gets the checkpoint with inert tensor records and returns an object whose ``.obj`` is
-    the tree to write (a ``ckptfix.checkpoint.Conversion``). Raises :class:`Fallback` when the fast path does
-    not apply, ``FormatError`` for a corrupt input, ``UnsafeCheckpointError`` for a dangerous pickle.
+    the tree to write (a ``ckptfix.checkpoint.Conversion``); a line on what was copied is added to its notes.
+    Raises :class:`Fallback` when the fast path does not apply, ``FormatError`` for a corrupt input,
+    ``UnsafeCheckpointError`` for a dangerous pickle.
     """
     source, out = os.fspath(src), os.fspath(dst)
     out_fmt = output_format(dst)
     check_output(dst, inputs=(src,))
     with open(source, "rb") as f:
         fd = f.fileno()
+        before = file_identity(fd)
         head = os.pread(fd, 4, 0)
-        inp: TorchInput | None = None
+        inp: TorchZip | None = None
         if head == b"PK\x03\x04":
-            inp = read_torch(fd, source)
+            inp = read_torch_zip(fd, source, allowed=allowlist.allowed_names(allow_globals, source=source))
+            _check_writable(inp.tree)
             conversion = transform(inp.tree)
         elif len(head) == 4 and os.pread(fd, 1, 8) in (b"{", b"[", b" "):
             conversion = transform(tree_from_header(read_header(source), source=source))
@@ -66,16 +67,38 @@ def fast_convert(
             raise Fallback("input is a legacy (non-zip) torch file")
         total = os.fstat(fd).st_size
         with progress_bar(total, enabled=progress is None) as bar:
-            report = _write(fd, inp, conversion.obj, out, out_fmt, source=source, progress=progress or bar)
-    if verbose:
-        kind = "pt" if inp is not None else "safetensors"
-        print(f"ckptfix: fast path {kind} -> {out_fmt}: {report}", file=sys.stderr)
+            report = _write(
+                fd, inp, conversion.obj, out, out_fmt, source=source, progress=progress or bar, before=before
+            )
+    kind = "pt" if inp is not None else "safetensors"
+    conversion.notes.append(f"{kind} -> {out_fmt}: {report}")
     return conversion
 
 
+def _check_writable(tree: Any) -> None:
+    for obj in inert.walk(tree):
+        if isinstance(obj, inert.InertTensor) and not obj.plain:
+            raise Fallback("a tensor carries backward hooks or extra metadata")
+        if type(obj) is inert.Inert and obj.func.full not in _WRITABLE:
+            raise Fallback(f"the checkpoint holds {obj.func.full}(...), which the torch path rebuilds")
+
+
 def _write(
-    fd: int, inp: TorchInput | None, tree: Any, out: str, out_fmt: str, *, source: str, progress: Progress | None
+    fd: int,
+    inp: TorchZip | None,
+    tree: Any,
+    out: str,
+    out_fmt: str,
+    *,
+    source: str,
+    progress: Progress | None,
+    before: tuple[int, ...],
 ) -> str:
+    def unchanged() -> None:
+        # what was checked is what was copied: any write to the input since it was opened changes its ctime
+        if file_identity(fd) != before:
+            raise changed_while_reading(source)
+
     if out_fmt == "safetensors":
         locate = _pt_locator(inp) if inp is not None else _st_locate
         plan = plan_safetensors(tree, out=out, locate=locate)
@@ -87,11 +110,13 @@ def _write(
                 jobs.append(Job(offset, at, length))
                 at += length
             Copier(fd, f.fileno(), source=source, progress=progress).run(jobs, checks=checks)
+            unchanged()
         return f"{len(plan.ranges)} tensors, {plan.size - len(plan.header)} bytes copied"
     if inp is not None:
         with atomic_output(out) as f:
             zplan = plan_torch_to_torch(inp, tree, f.fileno())
             Copier(fd, f.fileno(), source=source, progress=progress).run(zplan.jobs, checks=zplan.checks)
+            unchanged()
         return f"{len(zplan.jobs)} records, {zplan.copied} bytes copied, CRCs checked"
     new_tree, sources = _st_to_torch_tree(tree)
     with atomic_output(out) as f:
@@ -100,6 +125,7 @@ def _write(
         for slot, crc in zip(zplan.crc_slots, crcs, strict=True):
             zplan.writer.set_crc(slot, crc)
         zplan.writer.finish()
+        unchanged()
     return f"{len(sources)} tensors, {zplan.copied} bytes copied"
 
 
@@ -110,17 +136,17 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _pt_locator(inp: TorchInput) -> Callable[[Any], tuple[str, tuple[int, ...], int, int, Any]]:
+def _pt_locator(inp: TorchZip) -> Callable[[Any], tuple[str, tuple[int, ...], int, int, Any]]:
     if inp.byteorder != "little":
         raise Fallback(f"input is {inp.byteorder}-endian; safetensors is little-endian")
 
     def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-        t = tensor_of(value)
-        if not isinstance(t, InertTensor):
+        t = inert.tensor_of(value)
+        if not isinstance(t, inert.InertTensor):
             raise Fallback("not a plain tensor")
         if not t.is_contiguous():
             raise Fallback("a tensor is a non-contiguous view")
-        width = ITEMSIZE[t.dtype]
+        width = DTYPES[t.dtype].itemsize
         nbytes = t.numel() * width
         rec = inp.archive.get(f"data/{t.storage.key}")
         # An empty view may sit past the end of its (empty) storage: there are no bytes to find.
@@ -132,7 +158,7 @@ def _pt_locator(inp: TorchInput) -> Callable[[Any], tuple[str, tuple[int, ...], 
     return locate
 
 
-def _pt_checks(inp: TorchInput, tree: Any) -> list[Check]:
+def _pt_checks(inp: TorchZip, tree: Any) -> list[Check]:
     keys = referenced_storages(tree)
     return [Check(r.name, r.data_offset, r.size, r.crc) for k in sorted(keys) if (r := inp.archive.get(f"data/{k}"))]
 
@@ -145,7 +171,8 @@ def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
 
 def _st_to_torch_tree(tree: Any) -> tuple[Any, list[Source]]:
     """Replace StTensors by the records torch.save would write, storages numbered in pickling order."""
-    records: dict[int, InertTensor] = {}
+    records: dict[int, inert.InertTensor] = {}
+    glob = stand_ins()
     sources: list[Source] = []
 
     def convert(obj: Any) -> Any:
@@ -153,7 +180,7 @@ def _st_to_torch_tree(tree: Any) -> tuple[Any, list[Source]]:
             if id(obj) not in records:
                 key = str(len(sources))
                 sources.append(Source(obj.start, obj.end - obj.start))
-                records[id(obj)] = tensor_record(obj.dtype, obj.shape, key, obj.end - obj.start)
+                records[id(obj)] = tensor_record(obj.dtype, obj.shape, key, obj.end - obj.start, glob=glob)
             return records[id(obj)]
         if isinstance(obj, dict):
             new = type(obj)((k, convert(v)) for k, v in obj.items())

@@ -3,5 +3,5 @@
 from __future__ import annotations
 
 
-class Fallback(Exception):  # noqa: N818 - the name is the contract with ckptfix.formats
+class Fallback(Exception):  # noqa: N818 - the name is the contract with ckptfix.conversion
     """The fast path does not apply to this input; ``str(e)`` says why, for ``--verbose``."""

@@ -1,8 +1,8 @@
 """The .safetensors side of the fast path: header in, header out, data ranges copied as they are.
 
-The tree built from a header is the checkpoint ``ckptfix.formats.st.restore`` would return (aliases, key order,
+The tree built from a header is the checkpoint ``ckptfix.formats.safetensors.restore`` would return (aliases, key order,
 ``_metadata``, model entry and extras from the ``ckptfix`` metadata), with :class:`StTensor` records in place
-of tensors; writing follows ``ckptfix.formats.st.save_safetensors`` byte for byte in its header.
+of tensors; writing follows ``ckptfix.formats.safetensors.save_safetensors`` byte for byte in its header.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
-from ckptfix.formats.st import DTYPES, encode_header, restore, split_checkpoint
-from ckptfix.formats.st_header import Header
+from ckptfix.formats.dtypes import FROM_SAFETENSORS, safetensors_code
+from ckptfix.formats.safetensors import Header, encode_header, restore, split_checkpoint
 from ckptfix.stream.fallback import Fallback
-
-_CODES = {code: name for name, code in DTYPES.items()}
 
 
 @dataclass(eq=False)
@@ -33,8 +31,8 @@ def tree_from_header(header: Header, *, source: str) -> Any:
     """The checkpoint the slow reader returns, with StTensor records for tensors (header checked in full)."""
     base = header.data_start
     tensors = {
-        key: StTensor(_CODES[t.dtype], t.shape, base + t.begin, base + t.end)
-        for key, t in sorted(header.tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end))
+        key: StTensor(FROM_SAFETENSORS[t.dtype], t.shape, base + t.begin, base + t.end)
+        for key, t in header.tensors.items()  # data order, as the torch path reads them
     }
     return restore(tensors, header.metadata, source=source)
 
@@ -66,7 +64,7 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any) -> StOutput:
         if not is_tensor(value):
             raise Fallback(f"key '{key}' holds a {type(value).__name__}, not a tensor")
         dtype, shape, src, nbytes, ident = locate(value)
-        if dtype not in DTYPES:
+        if safetensors_code(dtype) is None:
             raise Fallback(f"key '{key}' has dtype {dtype}, which the fast path does not write to safetensors")
         if nbytes > 0 and ident in seen:
             aliases[key] = seen[ident]

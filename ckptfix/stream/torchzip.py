@@ -1,82 +1,24 @@
-"""The .pt side of the fast path: read a torch zip's pickle inertly, write torch zips around copied records."""
+"""The .pt side of the fast path: lay out a new torch zip around records copied from the input."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfix.errors import FormatError
-from ckptfix.formats.safety import ITEMSIZE, STORAGE_DTYPES
-from ckptfix.stream import inert
+from ckptfix.formats import inert
+from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip, referenced_storages
+from ckptfix.formats.ziparchive import ZipWriter
 from ckptfix.stream.copy import Check, Job
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.zipfmt import Archive, Record, ZipWriter, read_archive
-
-# The small records torch.save writes besides data.pkl and the storages, in its order.
-_HEAD = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
-_TAIL = (("version", b"3\n"),)
 
 
-@dataclass
-class TorchInput:
-    """A torch zip checkpoint, its inert tree and what is needed to copy its records."""
-
-    archive: Archive
-    tree: Any
-    byteorder: str
-    pkl: Record
-
-
-def _refuse_dangerous(name: str, pkl: bytes, source: str) -> None:
-    from ckptfix.formats import safety
-
-    if safety.never_allowable(name):
-        needed = safety.scan_pickle(pkl).globals
-        safety.refuse_unknown([g for g in needed if safety.never_allowable(g)], allowed=(), source=source)
-
-
-def read_torch(fd: int, path: str) -> TorchInput:
-    """Parse the archive and unpickle ``data.pkl`` inertly (its CRC checked); no tensor byte is read."""
-    archive = read_archive(fd, path)
-    if not archive.records:
-        raise FormatError(f"{path}: zip archive has no records; it is not a torch checkpoint")
-    names = [r.name for r in archive.records]
-    first = archive.records[0]
-    if not first.name.endswith("/data.pkl") or first.name.count("/") != 1:
-        raise Fallback(f"data.pkl is not the first record (found '{first.name}')")
-    if len(set(names)) != len(names) or any(not n.startswith(archive.prefix) for n in names):
-        raise Fallback("archive has duplicated records or records outside its folder")
-    if sum(n.endswith(".pkl") for n in names) != 1 or any("/code/" in n for n in names):
-        raise Fallback("archive holds more than one pickle (TorchScript or tampered)")
-    pkl = os.pread(fd, first.size, first.data_offset)
-    if zlib.crc32(pkl) != first.crc:
-        raise FormatError(
-            f"{path}: record '{first.name}' fails its CRC check (stored {first.crc:08x}, actual "
-            f"{zlib.crc32(pkl):08x}); the file is corrupt: re-download or re-save it"
-        )
-    tree, storages = inert.load(pkl, source=path, on_unknown=lambda name: _refuse_dangerous(name, pkl, path))
-    order = archive.get("byteorder")
-    byteorder = os.pread(fd, order.size, order.data_offset).decode("ascii", "replace") if order else "little"
-    for key, ref in storages.items():
-        rec = archive.get(f"data/{key}")
-        if rec is None:
-            raise FormatError(f"{path}: tensor storage 'data/{key}' is missing from the archive; it is damaged")
-        if ref.nbytes != rec.size:
-            # torch writes each storage record at exactly its size; anything else is damage or padding for abuse
-            raise FormatError(
-                f"{path}: record '{rec.name}' holds {rec.size} bytes but its storage needs {ref.nbytes}; "
-                f"the file is corrupt"
-            )
-    return TorchInput(archive, tree, byteorder, first)
-
-
-def referenced_storages(tree: Any) -> set[str]:
-    """Keys of the storages the tree still refers to."""
-    return {obj.key for obj in inert.walk(tree) if isinstance(obj, inert.StorageRef)}
+def _dump(tree: Any) -> bytes:
+    try:
+        return inert.dump(tree)
+    except TypeError as e:
+        raise Fallback(str(e)) from e
 
 
 @dataclass
@@ -93,10 +35,10 @@ class Plan:
         return sum(j.length for j in self.jobs)
 
 
-def plan_torch_to_torch(inp: TorchInput, tree: Any, dst_fd: int) -> Plan:
+def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
     """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim."""
     keep = referenced_storages(tree)
-    pkl = inert.dump(tree)
+    pkl = _dump(tree)
     plan = Plan(ZipWriter(dst_fd))
     data_dir = inp.archive.prefix + "data/"
     for rec in inp.archive.records:
@@ -113,9 +55,6 @@ def plan_torch_to_torch(inp: TorchInput, tree: Any, dst_fd: int) -> Plan:
     return plan
 
 
-# --- writing a torch zip from tensors held elsewhere (safetensors input) ---------------------------------------
-
-
 @dataclass
 class Source:
     """Bytes ``[offset, offset + length)`` of the input file that become one storage record."""
@@ -124,32 +63,13 @@ class Source:
     length: int
 
 
-def tensor_record(dtype: str, shape: tuple[int, ...], key: str, nbytes: int) -> inert.InertTensor:
-    """The inert tensor torch.save would pickle for a contiguous CPU tensor stored whole in ``data/<key>``."""
-    stride: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)  # torch's contiguous strides treat a zero-size dim as 1
-    legacy = next((name for name, d in STORAGE_DTYPES.items() if d == dtype), None)
-    if legacy is not None:
-        pid = ("storage", inert.make_global("torch", legacy), key, "cpu", nbytes // ITEMSIZE[dtype])
-        args: tuple[Any, ...] = (0, tuple(shape), tuple(reversed(stride)), False, OrderedDict())
-        return inert.InertTensor(
-            inert.make_global("torch._utils", "_rebuild_tensor_v2"), (inert.StorageRef(pid), *args)
-        )
-    pid = ("storage", inert.make_global("torch.storage", "UntypedStorage"), key, "cpu", nbytes)
-    args = (0, tuple(shape), tuple(reversed(stride)), False, OrderedDict(), inert.make_global("torch", dtype))
-    return inert.InertTensor(inert.make_global("torch._utils", "_rebuild_tensor_v3"), (inert.StorageRef(pid), *args))
-
-
 def plan_new_torch(tree: Any, sources: list[Source], dst_fd: int) -> Plan:
     """A torch zip laid out as torch.save does, storage ``data/<i>`` copied from ``sources[i]``."""
-    pkl = inert.dump(tree)
+    pkl = _dump(tree)
     plan = Plan(ZipWriter(dst_fd))
     prefix = "archive/"
     plan.writer.add(prefix + "data.pkl", pkl, zlib.crc32(pkl))
-    for rec_name, data in _HEAD:
+    for rec_name, data in HEAD:
         plan.writer.add(prefix + rec_name, data, zlib.crc32(data))
     for i, src in enumerate(sources):
         offset = plan.writer.begin(f"{prefix}data/{i}", src.length)
@@ -158,7 +78,7 @@ def plan_new_torch(tree: Any, sources: list[Source], dst_fd: int) -> Plan:
         plan.checks.append(Check(f"{prefix}data/{i}", src.offset, src.length, None))
         plan.crc_slots.append(len(plan.writer.records) - 1)
         plan.writer.end(0)
-    for rec_name, data in _TAIL:
+    for rec_name, data in TAIL:
         plan.writer.add(prefix + rec_name, data, zlib.crc32(data))
     ident = "".join(secrets.choice("0123456789") for _ in range(40)).encode()
     plan.writer.add(prefix + ".data/serialization_id", ident, zlib.crc32(ident))

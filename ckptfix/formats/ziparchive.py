@@ -1,19 +1,25 @@
-"""The torch zip container, read and written the way ``torch.save`` lays it out.
+"""The zip container of torch checkpoints, read and written the way ``torch.save`` lays it out.
 
 torch stores every record uncompressed with its data 64-byte aligned (the ``FB`` extra field pads the local
 header), sizes in a data descriptor after the data, and zip64 extras once a size or an offset reaches 4 GiB.
 ``torch.load(mmap=True)`` maps tensors straight from those offsets, so a writer that loses the alignment
-(Python's ``zipfile`` does) yields files that load silently wrong. Stdlib only: no torch here.
+(Python's ``zipfile`` does) yields files that load silently wrong.
+
+Every zip rule lives in :func:`read_archive`: the records must tile the file from byte 0 to the central
+directory with nothing hidden between them (no prepended or concatenated archive, no two entries sharing
+bytes), each local header must agree with its central entry (name, flags, method), names must be unique even
+ignoring case (torch's reader looks names up case-insensitively), and nothing may be compressed or encrypted.
+Stdlib only: no torch here.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+import zlib
+from dataclasses import dataclass
 
 from ckptfix.errors import FormatError
-from ckptfix.stream.fallback import Fallback
 
 ALIGN = 64
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length: 30 bytes
@@ -26,6 +32,8 @@ _SIG_EOCD64, _SIG_LOCATOR, _SIG_DESCRIPTOR = 0x06064B50, 0x07064B50, 0x08074B50
 _ZIP64_ID, _PAD_ID = 0x0001, 0x4246  # "FB": torch's padding field
 _U32, _U16 = 0xFFFFFFFF, 0xFFFF
 FLAG_DESCRIPTOR, FLAG_UTF8 = 0x0008, 0x0800
+_FLAGS_MAY_DIFFER = FLAG_DESCRIPTOR | FLAG_UTF8  # writers set these on one header only
+_MAX_VERSION = 63  # zip 6.3, as Python's zipfile
 
 
 @dataclass
@@ -50,20 +58,19 @@ class Record:
 
 @dataclass
 class Archive:
-    """The records of a torch zip in file order, and the archive comment."""
+    """The records of a zip in file order, looked up by name in constant time, and the archive comment."""
 
     records: list[Record]
     comment: bytes = b""
-    prefix: str = field(init=False)
 
     def __post_init__(self) -> None:
         first = self.records[0].name if self.records else ""
         self.prefix = first.split("/")[0] + "/" if "/" in first else ""
+        self.by_name = {r.name: r for r in self.records}
 
     def get(self, name: str) -> Record | None:
         """The record named ``prefix + name``, if any."""
-        full = self.prefix + name
-        return next((r for r in self.records if r.name == full), None)
+        return self.by_name.get(self.prefix + name)
 
 
 def _pread(fd: int, n: int, offset: int, *, path: str, what: str) -> bytes:
@@ -71,6 +78,11 @@ def _pread(fd: int, n: int, offset: int, *, path: str, what: str) -> bytes:
     if len(data) != n:
         raise FormatError(f"{path}: {what} runs past the end of the file; it is truncated, re-download or re-save it")
     return data
+
+
+def damaged(path: str, what: str) -> FormatError:
+    """The one refusal for a zip structure that torch.save never writes."""
+    return FormatError(f"{path}: {what}; the archive is damaged or was altered, re-download or re-save it")
 
 
 def _zip64_fields(extra: bytes, wanted: int) -> list[int]:
@@ -88,11 +100,8 @@ def _zip64_fields(extra: bytes, wanted: int) -> list[int]:
 
 
 def read_archive(fd: int, path: str) -> Archive:
-    """Parse the central directory (zip64-aware) and every local header, reading nothing else."""
+    """Parse the end records, the central directory and every local header, reading no record data."""
     size = os.fstat(fd).st_size
-    head = os.pread(fd, 4, 0)
-    if head != b"PK\x03\x04":
-        raise Fallback("input is a legacy (non-zip) torch file")
     tail_len = min(size, _EOCD.size + _U16)
     tail = _pread(fd, tail_len, size - tail_len, path=path, what="zip end record")
     pos = tail.rfind(struct.pack("<I", _SIG_EOCD))
@@ -103,22 +112,52 @@ def read_archive(fd: int, path: str) -> Archive:
     eocd_offset = size - tail_len + pos
     _, disk, cd_disk, _, count, cd_size, cd_offset, comment_len = _EOCD.unpack_from(tail, pos)
     comment = tail[pos + _EOCD.size : pos + _EOCD.size + comment_len]
-    if _U32 in (cd_size, cd_offset) or count == _U16:
-        loc = _LOCATOR.unpack(_pread(fd, _LOCATOR.size, eocd_offset - _LOCATOR.size, path=path, what="zip64 locator"))
+    if eocd_offset + _EOCD.size + comment_len != size:
+        raise damaged(path, f"{size - eocd_offset - _EOCD.size - comment_len} bytes follow the zip end record")
+    cd_end = eocd_offset
+    locator_at = eocd_offset - _LOCATOR.size
+    # torch.save always writes the zip64 end records; other writers only when a field overflows
+    has_locator = locator_at >= 0 and os.pread(fd, 4, locator_at) == struct.pack("<I", _SIG_LOCATOR)
+    if has_locator or _U32 in (cd_size, cd_offset) or count == _U16:
+        loc = _LOCATOR.unpack(_pread(fd, _LOCATOR.size, locator_at, path=path, what="zip64 locator"))
         if loc[0] != _SIG_LOCATOR:
-            raise FormatError(f"{path}: zip64 locator missing; the archive is damaged, re-download or re-save it")
+            raise damaged(path, "zip64 locator missing")
         rec = _EOCD64.unpack(_pread(fd, _EOCD64.size, loc[2], path=path, what="zip64 end record"))
-        if rec[0] != _SIG_EOCD64:
-            raise FormatError(f"{path}: zip64 end record missing; the archive is damaged, re-download or re-save it")
+        if rec[0] != _SIG_EOCD64 or loc[2] + _EOCD64.size != locator_at:
+            raise damaged(path, "zip64 end record missing or not where its locator says")
         disk, cd_disk, count, cd_size, cd_offset = rec[4], rec[5], rec[7], rec[8], rec[9]
+        cd_end = loc[2]
     if disk or cd_disk:
-        raise Fallback("multi-disk zip archive")
-    if cd_offset + cd_size > size:
-        raise FormatError(f"{path}: central directory runs past the end of the file; it is truncated")
+        raise damaged(path, "multi-disk zip archive")
+    if cd_offset + cd_size != cd_end:
+        # a prepended or concatenated archive, or bytes hidden before the end records
+        raise damaged(path, f"central directory at byte {cd_offset} does not end where the end record starts")
     cd = _pread(fd, cd_size, cd_offset, path=path, what="central directory")
     records = _parse_central(fd, cd, count, path=path, cd_offset=cd_offset)
     records.sort(key=lambda r: r.header_offset)
+    _check_tiling(records, cd_offset, path=path)
     return Archive(records=records, comment=comment)
+
+
+def _check_tiling(records: list[Record], cd_offset: int, *, path: str) -> None:
+    """Records must follow each other from byte 0 to the central directory: nothing hidden, nothing shared."""
+    at = 0
+    seen: dict[str, str] = {}
+    for rec in records:
+        folded = rec.name.casefold()
+        if folded in seen:
+            raise damaged(path, f"record names '{seen[folded]}' and '{rec.name}' are the same to torch's reader")
+        seen[folded] = rec.name
+        if rec.header_offset != at and not _descriptor_gap(rec.header_offset - at):
+            raise damaged(path, f"record '{rec.name}' starts at byte {rec.header_offset}, expected {at}")
+        at = rec.data_offset + rec.size
+    if at != cd_offset and not _descriptor_gap(cd_offset - at):
+        raise damaged(path, f"{cd_offset - at} unaccounted bytes before the central directory")
+
+
+def _descriptor_gap(gap: int) -> bool:
+    # a data descriptor after the data: crc and two sizes of 4 or 8 bytes, with or without its signature
+    return gap in (12, 16, 20, 24)
 
 
 def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int) -> list[Record]:
@@ -126,28 +165,11 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(cd):
-            raise FormatError(f"{path}: central directory is shorter than its entry count; the archive is damaged")
-        (
-            sig,
-            made,
-            needed,
-            flags,
-            method,
-            mtime,
-            mdate,
-            crc,
-            csize,
-            usize,
-            name_len,
-            extra_len,
-            comment_len,
-            _disk,
-            iattr,
-            eattr,
-            offset,
-        ) = _CENTRAL.unpack_from(cd, pos)
+            raise damaged(path, "central directory is shorter than its entry count")
+        (sig, made, needed, flags, method, mtime, mdate, crc, csize, usize, name_len, extra_len, comment_len,
+         _disk, iattr, eattr, offset) = _CENTRAL.unpack_from(cd, pos)  # fmt: skip
         if sig != _SIG_CENTRAL:
-            raise FormatError(f"{path}: bad central directory entry at byte {cd_offset + pos}; the archive is damaged")
+            raise damaged(path, f"bad central directory entry at byte {cd_offset + pos}")
         start = pos + _CENTRAL.size
         raw_name = cd[start : start + name_len]
         extra = cd[start + name_len : start + name_len + extra_len]
@@ -156,24 +178,37 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
         try:
             name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
         except UnicodeDecodeError as e:
-            raise FormatError(f"{path}: a record name is not valid UTF-8 ({e}); the archive is damaged") from e
+            raise damaged(path, f"a record name is not valid UTF-8 ({e})") from e
         wide = [v for v in (usize, csize, offset) if v == _U32]
         if wide:
             try:
                 values = iter(_zip64_fields(extra, len(wide)))
             except ValueError as e:
-                raise FormatError(f"{path}: record '{name}' lacks its zip64 sizes; the archive is damaged") from e
+                raise damaged(path, f"record '{name}' lacks its zip64 sizes") from e
             usize = next(values) if usize == _U32 else usize
             csize = next(values) if csize == _U32 else csize
             offset = next(values) if offset == _U32 else offset
         if method != 0 or csize != usize:
-            raise Fallback(f"record '{name}' is compressed")
+            raise FormatError(
+                f"{path}: record '{name}' is compressed; torch.save never compresses, so the file was altered; "
+                f"refusing it before decompressing"
+            )
         if flags & 0x1:
-            raise Fallback(f"record '{name}' is encrypted")
+            raise FormatError(f"{path}: record '{name}' is encrypted; refusing it")
+        if needed > _MAX_VERSION:
+            raise damaged(path, f"record '{name}' needs zip version {needed / 10:.1f}")
         local = _pread(fd, _LOCAL.size, offset, path=path, what=f"local header of record '{name}'")
-        lsig, *_rest, lname_len, lextra_len = _LOCAL.unpack(local)
+        lsig, _lneeded, lflags, lmethod, *_rest, lname_len, lextra_len = _LOCAL.unpack(local)
         if lsig != _SIG_LOCAL:
-            raise FormatError(f"{path}: record '{name}' has no local header at byte {offset}; the archive is damaged")
+            raise damaged(path, f"record '{name}' has no local header at byte {offset}")
+        lname = _pread(fd, lname_len, offset + _LOCAL.size, path=path, what=f"name of record '{name}'")
+        # readers differ on which header they believe: any disagreement is a sign of tampering
+        if lmethod != method or (lflags & ~_FLAGS_MAY_DIFFER) != (flags & ~_FLAGS_MAY_DIFFER) or lname != raw_name:
+            raise damaged(
+                path,
+                f"record '{name}': local header disagrees with the central directory (flags {lflags:#x} vs "
+                f"{flags:#x}, method {lmethod} vs {method}, name {lname!r})",
+            )
         data_offset = offset + _LOCAL.size + lname_len + lextra_len
         if data_offset + usize > cd_offset:
             raise FormatError(f"{path}: record '{name}' runs past the end of the data; the file is truncated")
@@ -183,6 +218,28 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
             )
         )
     return records
+
+
+def check_crc(path: str, rec: Record, actual: int) -> None:
+    """The one CRC rule and its message."""
+    if actual != rec.crc:
+        raise FormatError(
+            f"{path}: record '{rec.name}' fails its CRC check (stored {rec.crc:08x}, actual {actual:08x}); "
+            f"the file is corrupt: re-download or re-save it"
+        )
+
+
+def verify_records(fd: int, path: str, records: list[Record], *, chunk: int = 1 << 22) -> None:
+    """Read every record once and check its CRC."""
+    for rec in records:
+        crc, at, left = 0, rec.data_offset, rec.size
+        while left > 0:
+            data = os.pread(fd, min(left, chunk), at)
+            if not data:
+                break
+            crc = zlib.crc32(data, crc)
+            at, left = at + len(data), left - len(data)
+        check_crc(path, rec, crc)
 
 
 class ZipWriter:

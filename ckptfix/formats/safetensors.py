@@ -1,32 +1,156 @@
-"""Read and write .safetensors, carrying what a full checkpoint needs in the header's metadata.
+"""The .safetensors format: a strict header reader, the one header writer, and torch-backed load and save.
+
+The safetensors library accepts duplicate keys (the last wins) and NUL bytes in names; ckptfix refuses both,
+along with holes, overlaps, trailing bytes and sizes that do not match dtype × shape, before a tensor byte is
+touched. Tensors are listed in data order, by every reader of ckptfix.
 
 ckptfix writes the format itself (header, then each tensor's bytes) so memory stays at one tensor at a time,
 and records in ``__metadata__["ckptfix"]`` (JSON): the model entry's name, the other JSON-simple entries,
 aliases of tied tensors (stored once) and the module versions of ``_metadata``. Reading restores all of it.
+The header reader and writer are stdlib only, so the streaming path uses them too.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.atomic import PathLike, atomic_output
+from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
+
+MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry: dtype code, shape and its byte span inside the data buffer."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A validated header: tensors in file order, string metadata, and where the data buffer starts."""
+
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise FormatError(f"duplicate key '{key}' in the header")
+        out[key] = value
+    return out
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Parse and check the header of a .safetensors file; raise FormatError naming the first problem."""
+    source = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise FormatError(f"{source}: too short for a safetensors file ({size} bytes); it is truncated")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER:
+                raise FormatError(f"{source}: safetensors header claims {length} bytes (limit {MAX_HEADER}); refusing")
+            if 8 + length > size:
+                raise FormatError(f"{source}: safetensors header runs past the end of the file; it is truncated")
+            raw = f.read(length)
+    except OSError as e:
+        raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
+    try:
+        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except FormatError as e:
+        raise FormatError(f"{source}: {e}; the file was not written by a safetensors writer") from e
+    except RecursionError as e:
+        raise FormatError(f"{source}: safetensors header nests JSON too deeply; the file is corrupt") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{source}: safetensors header is not valid UTF-8 JSON ({e}); the file is corrupt") from e
+    if not isinstance(parsed, dict):
+        raise FormatError(f"{source}: safetensors header is not a JSON object; the file is corrupt")
+    return _check(parsed, source=source, data_start=8 + length, data_size=size - 8 - length)
+
+
+def _check(parsed: dict[str, Any], *, source: str, data_start: int, data_size: int) -> Header:
+    metadata = parsed.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FormatError(f"{source}: safetensors __metadata__ must map strings to strings; the file is corrupt")
+    tensors = {name: _entry(name, value, source=source, data_size=data_size) for name, value in parsed.items()}
+    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
+    tensors = {name: tensors[name] for _, _, name in spans}  # data order, whatever order the JSON lists them
+    position = 0
+    for begin, end, name in spans:
+        if begin != position:
+            problem = "overlaps the previous tensor" if begin < position else f"leaves a gap at byte {position}"
+            raise FormatError(f"{source}: tensor '{name}' {problem}; the file is corrupt")
+        position = end
+    if position != data_size:
+        raise FormatError(
+            f"{source}: {data_size - position} bytes after the last tensor; the file is corrupt or was appended to"
+        )
+    return Header(tensors=tensors, metadata=dict(metadata), data_start=data_start)
+
+
+def _entry(name: str, value: Any, *, source: str, data_size: int) -> TensorInfo:
+    where = f"{source}: tensor '{name}'"
+    if "\x00" in name or not name or not _encodable(name):
+        raise FormatError(
+            f"{source}: a tensor name is empty, contains a NUL byte or is not valid Unicode ({name!r}); refusing"
+        )
+    if not isinstance(value, dict):
+        raise FormatError(f"{where}: entry is not an object; the file is corrupt")
+    dtype, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in FROM_SAFETENSORS:
+        raise FormatError(f"{where}: unknown dtype {dtype!r}; the file is corrupt or from a newer safetensors")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise FormatError(f"{where}: shape {shape!r} is not a list of non-negative integers; the file is corrupt")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_size
+    ):
+        raise FormatError(f"{where}: data_offsets {offsets!r} fall outside the data buffer; the file is corrupt")
+    numel = 1
+    for d in shape:
+        numel *= d  # Python ints do not overflow; a huge product simply fails the size check below
+    if numel * _itemsize(dtype) != offsets[1] - offsets[0]:
+        raise FormatError(
+            f"{where}: {dtype} × {shape} needs {numel * _itemsize(dtype)} bytes but spans "
+            f"{offsets[1] - offsets[0]}; the file is corrupt"
+        )
+    return TensorInfo(dtype=dtype, shape=tuple(shape), begin=offsets[0], end=offsets[1])
+
+
+def _encodable(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _itemsize(code: str) -> int:
+    return DTYPES[FROM_SAFETENSORS[code]].itemsize
+
 
 META_KEY = "ckptfix"
-
-# torch dtype name -> safetensors dtype code
-DTYPES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "uint16": "U16", "uint32": "U32", "uint64": "U64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
-}  # fmt: skip
 
 
 def dtype_name(dtype: Any) -> str:
@@ -92,7 +216,7 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
     for key, t in state.items():
         if not isinstance(t, torch.Tensor):
             raise OutputError(f"{out_s}: key '{key}' holds a {type(t).__name__}, not a tensor; write a .pt file")
-        if dtype_name(t.dtype) not in DTYPES:
+        if safetensors_code(dtype_name(t.dtype)) is None:
             raise OutputError(
                 f"{out_s}: key '{key}' has dtype {dtype_name(t.dtype)}, which safetensors cannot store; "
                 f"write a .pt file"
@@ -139,7 +263,11 @@ def encode_header(
     header: dict[str, Any] = {"__metadata__": {"format": "pt", META_KEY: json.dumps(meta)}}
     offset = 0
     for key, dtype, shape, nbytes in stored:
-        header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {
+            "dtype": DTYPES[dtype].safetensors,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
@@ -153,10 +281,8 @@ def load_safetensors(path: PathLike, *, source: str) -> Any:
 
     import torch
 
-    from ckptfix.formats.st_header import read_header
-
     header = read_header(path)
-    codes = {code: getattr(torch, name) for name, code in DTYPES.items() if hasattr(torch, name)}
+    codes = {code: getattr(torch, name) for code, name in FROM_SAFETENSORS.items() if hasattr(torch, name)}
     tensors: OrderedDict[str, Any] = OrderedDict()
     with open(path, "rb") as f:
         if header.tensors:

@@ -1,0 +1,132 @@
+"""Convert one checkpoint file into another: read, transform, write; every check before the first byte out.
+
+The streaming path (:mod:`ckptfix.stream`) is tried first: it rewrites only the pickle or header and copies
+tensor bytes. Where it does not apply (a dtype cast, a legacy file, a view safetensors cannot hold), the torch
+path loads and saves. Both read the input through the same format readers, so they accept and refuse the same
+files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.checkpoint import Conversion, convert_checkpoint
+from ckptfix.errors import OutputError
+from ckptfix.formats import detect_format, load, output_format, save
+from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.layouts import TARGETS, Layout, parse_rename
+from ckptfix.signature import strict_keywords
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """What to do to the model entries; checked once, when it is made."""
+
+    to: Layout | None = "single"
+    strip_prefixes: tuple[str, ...] = ()
+    add_prefixes: tuple[str, ...] = ()
+    renames: tuple[str, ...] = ()
+    entries: tuple[str, ...] | None = None
+    model_only: bool = False
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.to is not None and self.to not in TARGETS:
+            raise OutputError(f"to={self.to!r}: unknown layout; choose one of {', '.join(TARGETS)}")
+        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
+            raise OutputError(
+                f"dtype={self.dtype!r}: not a floating-point dtype; choose one of {', '.join(FLOAT_DTYPES)}"
+            )
+        for rename in self.renames:
+            parse_rename(rename)  # a bad pattern fails here, before any file is opened
+
+    def apply(self, obj: Any, *, source: str) -> Conversion:
+        """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
+        return convert_checkpoint(
+            obj,
+            to=self.to,
+            strip_prefixes=self.strip_prefixes,
+            add_prefixes=self.add_prefixes,
+            renames=self.renames,
+            model_only=self.model_only,
+            entries=self.entries,
+            source=source,
+        )
+
+
+@strict_keywords
+def convert_file(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    to: Layout | None = "single",
+    strip_prefixes: Iterable[str] = (),
+    add_prefixes: Iterable[str] = (),
+    renames: Iterable[str] = (),
+    entries: Iterable[str] | None = None,
+    model_only: bool = False,
+    dtype: str | None = None,
+    unsafe: bool = False,
+    allow_globals: Iterable[str] = (),
+    fast: bool = True,
+) -> Conversion:
+    """Convert checkpoint file ``src`` into ``dst`` (format from its extension); returns what changed.
+
+    ``result.method`` says which path ran ("stream" or "torch") and ``result.notes`` why and what was copied.
+
+    >>> ckptfix.convert_file("ddp.pt", "model.safetensors", to="single")
+    """
+    options = ConvertOptions(
+        to=to,
+        strip_prefixes=tuple(strip_prefixes),
+        add_prefixes=tuple(add_prefixes),
+        renames=tuple(renames),
+        entries=None if entries is None else tuple(entries),
+        model_only=model_only,
+        dtype=dtype,
+    )
+    source = os.fspath(src)
+    output_format(dst)
+    check_output(dst, inputs=(src,))
+    detect_format(src)
+    allow = tuple(allow_globals)
+    notes: list[str] = []
+    if fast and dtype is None and not unsafe:
+        from ckptfix.stream import Fallback, fast_convert
+
+        try:
+            result: Conversion = fast_convert(
+                src, dst, transform=lambda tree: options.apply(tree, source=source), allow_globals=allow
+            )
+            result.method = "stream"
+            return result
+        except Fallback as e:
+            notes.append(f"fast path not taken: {e}")
+    conversion = options.apply(load(src, unsafe=unsafe, allow_globals=allow), source=source)
+    if dtype is not None:
+        cast_floating(conversion, dtype)
+    save(conversion.obj, dst)
+    conversion.method = "torch"
+    conversion.notes.extend(notes)
+    return conversion
+
+
+def cast_floating(conversion: Conversion, dtype: str) -> None:
+    """Cast floating-point tensors of the converted model entries to ``dtype`` (integer buffers stay)."""
+    import torch
+
+    target = getattr(torch, dtype)
+    obj = conversion.obj
+    for change in conversion.changes:
+        state = obj if change.entry == "" or change.entry not in obj else obj[change.entry]
+        for key, t in list(state.items()):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                state[key] = t.to(target)
+
+
+__all__ = ["ConvertOptions", "convert_file"]

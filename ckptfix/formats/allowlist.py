@@ -1,0 +1,182 @@
+"""Which pickle globals a checkpoint may name: the one allowlist both paths read.
+
+A file may name, without any option, the globals torch's weights-only unpickler accepts by default (a copy of
+torch 2.13's list, so the streaming path needs no torch). ``--allow-global`` may add only names from
+:data:`KNOWN_SAFE`: plain data constructors that build values and call nothing else, the ones torch documents for
+``add_safe_globals``. Any other name is refused as "not a known-safe class", and names that can run code or reach
+the system are refused with a message that never suggests an option: the advice ckptfix prints must be safe to
+follow.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import importlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ckptfix.errors import FormatError, UnsafeCheckpointError
+from ckptfix.formats.dtypes import DTYPES, STORAGE_DTYPES
+
+_TENSOR_TYPES = ("Double", "Float", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool")
+_EXOTIC_DTYPES = (
+    "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "complex32", "float4_e2m1fn_x2",
+    *(f"int{i}" for i in range(1, 8)), *(f"uint{i}" for i in range(1, 8)),
+    "per_channel_affine", "per_channel_affine_float_qparams", "per_channel_symmetric", "per_tensor_affine",
+    "per_tensor_symmetric",
+)  # fmt: skip
+# torch's default weights-only allowlist (torch 2.13, torch._weights_only_unpickler._get_allowed_globals)
+TORCH_DEFAULT: frozenset[str] = frozenset(
+    {"_codecs.encode", "builtins.bytearray", "builtins.complex", "builtins.set", "collections.Counter",
+     "collections.OrderedDict", "torch.Size", "torch.Tensor", "torch.device", "torch.nn.parameter.Parameter",
+     "torch.serialization._get_layout", "torch.storage.TypedStorage", "torch.storage.UntypedStorage",
+     "torch._tensor._rebuild_from_type_v2",
+     *(f"torch._utils._rebuild_{f}" for f in (
+         "device_tensor_from_cpu_tensor", "device_tensor_from_numpy", "meta_tensor_no_storage", "nested_tensor",
+         "parameter", "parameter_with_state", "qtensor", "sparse_tensor", "tensor", "tensor_v2", "tensor_v3",
+         "wrapper_subclass")),
+     *(f"torch.{s}" for s in STORAGE_DTYPES), *(f"torch.{d}" for d in DTYPES), *(f"torch.{d}" for d in _EXOTIC_DTYPES),
+     *(f"torch.{t}Tensor" for t in _TENSOR_TYPES),
+     *(f"torch.cuda.{s}" for s in STORAGE_DTYPES if not s.startswith("Q")),
+     *(f"torch.cuda.{t}Tensor" for t in _TENSOR_TYPES),
+     *(f"torch.{m}.{t}Tensor" for m in ("sparse", "cuda.sparse") for t in _TENSOR_TYPES if t != "Bool")}
+)  # fmt: skip
+
+# What --allow-global may open: constructors of plain data (torch's add_safe_globals examples and the classes
+# training code keeps in its config entries).
+KNOWN_SAFE: frozenset[str] = frozenset(
+    {"argparse.Namespace", "builtins.frozenset", "builtins.slice", "builtins.range", "collections.deque",
+     "collections.defaultdict", "datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta",
+     "datetime.timezone", "decimal.Decimal", "fractions.Fraction", "uuid.UUID",
+     "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePath", "pathlib.PurePosixPath",
+     "pathlib.PureWindowsPath",
+     "numpy.dtype", "numpy.ndarray", "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+     "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+     *(f"numpy.dtypes.{t}DType" for t in (
+         "Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8", "UInt64", "UInt32", "UInt16", "UInt8",
+         "Bool", "Complex64", "Complex128", "Str", "Bytes")),
+     *(f"numpy.{t}" for t in (
+         "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
+         "bool_", "complex64", "complex128"))}
+)  # fmt: skip
+
+# Globals torch accepts but whose values ckptfix cannot describe or use: refused as unsupported, not unsafe.
+UNSUPPORTED: dict[str, str] = {
+    "torch._utils._rebuild_meta_tensor_no_storage": "a meta tensor (a shape without data)",
+    "torch._utils._rebuild_nested_tensor": "a nested tensor",
+    "torch._utils._rebuild_wrapper_subclass": "a tensor subclass without storage (meta or wrapper)",
+    "torch._utils._rebuild_device_tensor_from_numpy": "a tensor rebuilt from a numpy array",
+}
+
+# Modules whose members can run code, touch the system or import more code.
+_NEVER_MODULES = (
+    "os", "posix", "nt", "sys", "subprocess", "_posixsubprocess", "builtins", "__builtin__", "importlib", "runpy",
+    "shutil", "socket", "pickle", "_pickle", "marshal", "code", "codeop", "ctypes", "pty", "multiprocessing",
+    "webbrowser", "types", "functools", "operator", "io", "_io", "tempfile", "signal", "threading", "_thread",
+    "asyncio", "pdb", "inspect", "dill", "cloudpickle", "joblib", "zipfile", "tarfile", "torch.hub",
+    "torch.serialization", "torch.jit", "torch.package", "torch._dynamo", "torch._C", "torch.ops", "torch._ops",
+    "torch.fx", "torch.storage", "torch.utils", "torch.distributed", "numpy.testing", "numpy.f2py",
+    "numpy.distutils", "numpy.ctypeslib", "numpy.lib.format", "platform", "sysconfig", "zipimport", "site",
+    "urllib", "http", "ssl", "smtplib", "ftplib", "telnetlib", "xmlrpc", "sqlite3", "shelve", "glob", "fileinput",
+    "cProfile", "profile", "timeit", "trace", "doctest", "unittest", "venv", "ensurepip", "distutils",
+    "setuptools", "pip",
+)  # fmt: skip
+_NEVER_NAMES = frozenset(
+    {"eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open", "input", "globals", "locals",
+     "vars", "breakpoint", "system", "popen", "spawn", "execv", "execve", "fork_exec", "load", "loads", "save",
+     "call", "check_output", "run", "Popen", "import_module", "attrgetter", "methodcaller", "partial", "reduce",
+     "_exec_with_source", "_load_from_bytes", "ZipFile"}
+)  # fmt: skip
+
+
+def canonical(name: str) -> str:
+    """``module.Name`` as Python 3 resolves it (protocol-2 pickles say ``__builtin__.set``)."""
+    module, _, attr = name.rpartition(".")
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        module, attr = _compat_pickle.NAME_MAPPING[(module, attr)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{attr}"
+
+
+def can_run_code(name: str) -> bool:
+    """True for a global that can run code or reach the system (an allowlisted name never is)."""
+    name = canonical(name)
+    if name in TORCH_DEFAULT or name in KNOWN_SAFE:
+        return False
+    module, _, attr = name.rpartition(".")
+    if any(module == m or module.startswith(m + ".") for m in _NEVER_MODULES):
+        return True
+    return any(part in _NEVER_NAMES or part.startswith("__") for part in attr.split("."))
+
+
+def allowed_names(extra: Iterable[str], *, source: str) -> frozenset[str]:
+    """The globals a file may name: torch's defaults plus the user's ``--allow-global`` names, each checked."""
+    names = set(TORCH_DEFAULT)
+    for raw in extra:
+        name = canonical(raw)
+        if name in TORCH_DEFAULT:
+            continue
+        if can_run_code(name):
+            raise UnsafeCheckpointError(
+                f"{source}: --allow-global {raw}: refused, it can run code or reach the system; no option "
+                f"allows it (only --unsafe-pickle, on a file you fully trust)"
+            )
+        if name not in KNOWN_SAFE:
+            raise UnsafeCheckpointError(
+                f"{source}: --allow-global {raw}: refused, not a known-safe class (ckptfix allows plain data "
+                f"constructors such as argparse.Namespace and pathlib.PosixPath); only --unsafe-pickle opens "
+                f"this file, and only if you fully trust it"
+            )
+        names.add(name)
+    return frozenset(names)
+
+
+def refuse(names: Iterable[str], *, source: str) -> None:
+    """Raise one error for every global a file needs outside its allowlist, with advice that is safe to follow."""
+    needed = list(dict.fromkeys(canonical(n) for n in names))
+    if not needed:
+        return
+    unsupported = [n for n in needed if n in UNSUPPORTED]
+    if unsupported and len(unsupported) == len(needed):
+        raise FormatError(
+            f"{source}: holds {UNSUPPORTED[unsupported[0]]} ({unsupported[0]}), which ckptfix does not read; "
+            f"save the tensors as plain CPU tensors"
+        )
+    dangerous = [n for n in needed if can_run_code(n)]
+    if dangerous:
+        raise UnsafeCheckpointError(
+            f"{source}: refused: its pickle calls {', '.join(dangerous)}, which can run code; nothing was "
+            f"executed. Do not load this file unless you wrote it",
+            globals_needed=needed,
+        )
+    unknown = [n for n in needed if n not in KNOWN_SAFE]
+    if unknown:
+        raise UnsafeCheckpointError(
+            f"{source}: refused: its pickle builds {', '.join(unknown)}, not a known-safe class; nothing was "
+            f"executed. Only --unsafe-pickle opens it, and only if you fully trust the file",
+            globals_needed=needed,
+        )
+    flags = " ".join(f"--allow-global {g}" for g in needed)
+    raise UnsafeCheckpointError(
+        f"{source}: needs globals outside the weights-only allowlist: {', '.join(needed)}; if you trust "
+        f"where it came from, add {flags}",
+        globals_needed=needed,
+    )
+
+
+def resolve(names: Iterable[str], *, source: str) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """Import the objects behind allowed names for torch's ``safe_globals`` (names already checked)."""
+    objects: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = []
+    for name in names:
+        module_name, _, attr = canonical(name).rpartition(".")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise UnsafeCheckpointError(
+                f"{source}: --allow-global {name}: cannot import it ({e}); install the package that defines it"
+            ) from e
+        objects.append((obj, name))
+    return objects

@@ -1,0 +1,70 @@
+"""The one dtype table: torch dtype names, their sizes, safetensors codes and legacy storage classes.
+
+Stdlib only, so the readers, the streaming path and the torch path all look sizes up in the same place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class DType(NamedTuple):
+    """One torch dtype as the file formats see it."""
+
+    itemsize: int
+    safetensors: str | None  # the safetensors code, None when safetensors cannot store it
+    storage: str | None  # the legacy typed-storage class torch.save pickles for it, if any
+
+
+DTYPES: dict[str, DType] = {
+    "float64": DType(8, "F64", "DoubleStorage"),
+    "float32": DType(4, "F32", "FloatStorage"),
+    "float16": DType(2, "F16", "HalfStorage"),
+    "bfloat16": DType(2, "BF16", "BFloat16Storage"),
+    "int64": DType(8, "I64", "LongStorage"),
+    "int32": DType(4, "I32", "IntStorage"),
+    "int16": DType(2, "I16", "ShortStorage"),
+    "int8": DType(1, "I8", "CharStorage"),
+    "uint8": DType(1, "U8", "ByteStorage"),
+    "bool": DType(1, "BOOL", "BoolStorage"),
+    "uint16": DType(2, "U16", None),
+    "uint32": DType(4, "U32", None),
+    "uint64": DType(8, "U64", None),
+    "float8_e4m3fn": DType(1, "F8_E4M3", None),
+    "float8_e5m2": DType(1, "F8_E5M2", None),
+    "complex64": DType(8, "C64", "ComplexFloatStorage"),
+    "complex128": DType(16, None, "ComplexDoubleStorage"),
+    "float8_e4m3fnuz": DType(1, None, None),
+    "float8_e5m2fnuz": DType(1, None, None),
+    "float8_e8m0fnu": DType(1, None, None),
+    # quantized dtypes: their storages are sized in these units, so the storage-size rule covers them too
+    "qint8": DType(1, None, "QInt8Storage"),
+    "quint8": DType(1, None, "QUInt8Storage"),
+    "qint32": DType(4, None, "QInt32Storage"),
+    "quint4x2": DType(1, None, "QUInt4x2Storage"),
+    "quint2x4": DType(1, None, "QUInt2x4Storage"),
+}
+QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
+# legacy storage class -> dtype name
+STORAGE_DTYPES: dict[str, str] = {d.storage: name for name, d in DTYPES.items() if d.storage}
+# safetensors code -> dtype name
+FROM_SAFETENSORS: dict[str, str] = {d.safetensors: name for name, d in DTYPES.items() if d.safetensors}
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of dtype ``name`` (a KeyError for a name not in the table)."""
+    return DTYPES[name].itemsize
+
+
+def storage_itemsize(storage_class: str) -> int | None:
+    """Bytes per element counted by a storage class's element count (1 for UntypedStorage), None if unknown."""
+    if storage_class == "UntypedStorage":
+        return 1
+    dtype = STORAGE_DTYPES.get(storage_class)
+    return None if dtype is None else DTYPES[dtype].itemsize
+
+
+def safetensors_code(name: str) -> str | None:
+    """The safetensors code of dtype ``name``, None when safetensors cannot store it."""
+    dtype = DTYPES.get(name)
+    return None if dtype is None else dtype.safetensors

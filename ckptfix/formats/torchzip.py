@@ -1,0 +1,118 @@
+"""The torch zip checkpoint (``torch.save`` since 1.6): its rules and its one inert description.
+
+:func:`read_torch_zip` checks the container (every zip rule in :mod:`ckptfix.formats.ziparchive`), the
+archive's shape (one folder, exactly one ``data.pkl``, no TorchScript), the pickle (every pickle rule in
+:mod:`ckptfix.formats.inert`) and each storage record's size against the pickle, and optionally every CRC. Both the
+torch path and the streaming path start from its :class:`TorchZip`, so they accept and refuse the same files.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.errors import FormatError
+from ckptfix.formats import inert
+from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.ziparchive import Archive, Record, check_crc, damaged, read_archive, verify_records
+
+# The small records torch.save writes besides data.pkl and the storages, in its order.
+HEAD = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+TAIL = (("version", b"3\n"),)
+
+
+@dataclass(frozen=True)
+class TorchZip:
+    """A checked torch zip: its records, the inert tree of data.pkl, its storages and byte order."""
+
+    archive: Archive
+    tree: Any
+    storages: dict[str, inert.StorageRef]
+    byteorder: str
+    pkl: Record
+
+
+def read_torch_zip(fd: int, path: str, *, allowed: frozenset[str], verify: bool = False) -> TorchZip:
+    """Parse and check the archive and its pickle; with ``verify`` also every record's CRC."""
+    archive = read_archive(fd, path)
+    pkl = _pickle_record(archive, path)
+    data = os.pread(fd, pkl.size, pkl.data_offset)
+    check_crc(path, pkl, zlib.crc32(data))
+    (tree,), storages = inert.load(data, source=path, allowed=allowed)
+    for key, ref in storages.items():
+        rec = archive.get(f"data/{key}")
+        if rec is None:
+            raise FormatError(f"{path}: tensor storage 'data/{key}' is missing from the archive; it is damaged")
+        if ref.nbytes != rec.size:
+            # torch writes each storage record at exactly its size; anything else is damage or padding for abuse
+            raise FormatError(
+                f"{path}: record '{rec.name}' holds {rec.size} bytes but its storage needs {ref.nbytes}; "
+                f"the file is corrupt"
+            )
+    order = archive.get("byteorder")
+    byteorder = os.pread(fd, min(order.size, 16), order.data_offset).decode("ascii", "replace") if order else "little"
+    if byteorder not in ("little", "big"):
+        raise damaged(path, f"byteorder record says {byteorder!r}")
+    if verify:
+        verify_records(fd, path, archive.records)
+    return TorchZip(archive, tree, storages, byteorder, pkl)
+
+
+def _pickle_record(archive: Archive, path: str) -> Record:
+    """The one ``<folder>/data.pkl`` record, refusing TorchScript, stray pickles and records outside the folder."""
+    names = list(archive.by_name)
+    if not names:
+        raise FormatError(f"{path}: zip archive has no records; it is not a torch checkpoint")
+    if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+        raise FormatError(f"{path}: is a TorchScript archive, not a checkpoint; load it with torch.jit.load")
+    pickles = [n for n in names if n.casefold().endswith(".pkl")]
+    expected = archive.prefix + "data.pkl"
+    if pickles != [expected] or expected.count("/") != 1:
+        raise FormatError(
+            f"{path}: expected exactly one data.pkl record, found {pickles or 'none'}; the archive was not "
+            f"written by torch.save or has been tampered with"
+        )
+    if any(not n.startswith(archive.prefix) for n in names):
+        raise FormatError(f"{path}: archive has records outside '{archive.prefix}'; refusing it")
+    return archive.by_name[expected]
+
+
+def referenced_storages(tree: Any) -> set[str]:
+    """Keys of the storages the tree still refers to."""
+    return {obj.key for obj in inert.walk(tree) if isinstance(obj, inert.StorageRef)}
+
+
+def stand_ins() -> Callable[[str, str], type[inert.Global]]:
+    """A cache of new global stand-ins for one file being written."""
+    cache: dict[tuple[str, str], type[inert.Global]] = {}
+
+    def get(module: str, name: str) -> type[inert.Global]:
+        if (module, name) not in cache:
+            cache[module, name] = inert.make_global(module, name)
+        return cache[module, name]
+
+    return get
+
+
+def tensor_record(
+    dtype: str, shape: tuple[int, ...], key: str, nbytes: int, *, glob: Callable[[str, str], type[inert.Global]]
+) -> inert.InertTensor:
+    """The inert tensor torch.save would pickle for a contiguous CPU tensor stored whole in ``data/<key>``."""
+    stride: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)  # torch's contiguous strides treat a zero-size dim as 1
+    storage = DTYPES[dtype].storage
+    hooks: OrderedDict[str, Any] = OrderedDict()
+    if storage is not None:
+        pid = ("storage", glob("torch", storage), key, "cpu", nbytes // DTYPES[dtype].itemsize)
+        args: tuple[Any, ...] = (inert.StorageRef(pid), 0, tuple(shape), tuple(reversed(stride)), False, hooks)
+        return inert.InertTensor(glob("torch._utils", "_rebuild_tensor_v2"), args)
+    pid = ("storage", glob("torch.storage", "UntypedStorage"), key, "cpu", nbytes)
+    args = (inert.StorageRef(pid), 0, tuple(shape), tuple(reversed(stride)), False, hooks, glob("torch", dtype))
+    return inert.InertTensor(glob("torch._utils", "_rebuild_tensor_v3"), args)
