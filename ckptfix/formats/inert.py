@@ -270,14 +270,59 @@ def tensor_of(value: Any) -> InertTensor:
     return value.data if isinstance(value, InertParameter) else value
 
 
-class _Unpickler(pickle.Unpickler):
+# The opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py); a file using any other is
+# one torch refuses, so this reader refuses it too, before anything is built.
+_OPCODES = frozenset(
+    {pickle.APPEND, pickle.APPENDS, pickle.BINFLOAT, pickle.BINGET, pickle.BININT, pickle.BININT1, pickle.BININT2,
+     pickle.BINPERSID, pickle.BINPUT, pickle.BINUNICODE, pickle.BUILD, pickle.EMPTY_DICT, pickle.EMPTY_LIST,
+     pickle.EMPTY_SET, pickle.EMPTY_TUPLE, pickle.GLOBAL, pickle.LONG1, pickle.LONG_BINGET, pickle.LONG_BINPUT,
+     pickle.MARK, pickle.NEWFALSE, pickle.NEWOBJ, pickle.NEWTRUE, pickle.NONE, pickle.PROTO, pickle.REDUCE,
+     pickle.SETITEM, pickle.SETITEMS, pickle.SHORT_BINSTRING, pickle.STOP, pickle.TUPLE, pickle.TUPLE1,
+     pickle.TUPLE2, pickle.TUPLE3}
+)  # fmt: skip
+
+
+def _foreign(code: int, func: Any) -> Any:
+    def load(self: _Unpickler) -> None:
+        # read on, so that the refusal can still name every global the file needs, then refuse
+        self.foreign.setdefault(code, None)
+        func(self)
+
+    return load
+
+
+class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table can be wrapped
+    dispatch: ClassVar[dict[int, Any]] = {
+        code: func if bytes([code]) in _OPCODES else _foreign(code, func)
+        for code, func in pickle._Unpickler.dispatch.items()
+    }
+
     def __init__(self, stream: IO[bytes], *, allowed: frozenset[str], legacy: bool) -> None:
         super().__init__(stream)
         self.allowed = allowed
         self.legacy = legacy
         self.refused: list[str] = []
+        self.foreign: dict[int, None] = {}  # opcodes torch's weights-only loader does not read
         self.globals: dict[str, type[Global]] = {}  # per file: nothing one file does reaches the next
         self.storages: dict[str, StorageRef] = {}
+
+    def load_build(self) -> None:
+        # as torch: state only for an OrderedDict (its attributes) or an object of an --allow-global class
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if (
+            type(inst) is OrderedDict
+            and isinstance(state, dict)
+            and all(type(k) is str and not k.startswith("__") for k in state)
+        ):
+            inst.__dict__.update(state)
+        elif type(inst) is Inert and inst.func.full not in allowlist.TORCH_DEFAULT:
+            inst.__setstate__(state)
+        else:
+            what = inst.func.full if isinstance(inst, Inert) else type(inst).__name__
+            raise FormatError(f"its pickle gives state to {what}, which torch's weights-only loader refuses")
+
+    dispatch[pickle.BUILD[0]] = load_build
 
     def find_class(self, module: str, name: str) -> Any:
         full = allowlist.canonical(f"{module}.{name}")
@@ -326,6 +371,7 @@ def load(
     trees: list[Any] = []
     storages: dict[str, StorageRef] = {}
     refused: list[str] = []
+    foreign: dict[int, None] = {}
     for _ in range(count):
         unpickler = _Unpickler(stream, allowed=allowed, legacy=legacy)
         try:
@@ -335,15 +381,21 @@ def load(
         except RecursionError as e:
             raise FormatError(f"{source}: its pickle nests deeper than Python can follow; refusing it") from e
         except Exception as e:  # a damaged pickle surfaces as any of a dozen exception types
-            if unpickler.refused:
-                break  # an unknown global's stand-in may have broken the rest; report the globals
+            if any(allowlist.can_run_code(name) for name in unpickler.refused):
+                allowlist.refuse(unpickler.refused, source=source)  # say it is dangerous, not merely damaged
             raise FormatError(
                 f"{source}: its pickle is corrupt ({type(e).__name__}: {_first(e)}); re-download or re-save it"
             ) from e
         finally:
             refused += unpickler.refused
+            foreign.update(unpickler.foreign)
             storages.update(unpickler.storages)
     allowlist.refuse(refused, source=source)
+    if foreign:
+        raise FormatError(
+            f"{source}: its pickle uses opcodes {', '.join(repr(bytes([c])) for c in foreign)}, which torch's "
+            f"weights-only loader does not read (pickle protocol > 2?); re-save it with torch.save"
+        )
     budget = _BASE_NODES + 8 * _length(data)
     for tree in trees:
         measure(tree, budget=budget, source=source)

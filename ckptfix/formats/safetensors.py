@@ -181,6 +181,17 @@ def _is_simple(value: Any) -> bool:
 
 def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str, Any]]:
     """Split a checkpoint into the one state dict a safetensors file can hold and its ckptfix metadata."""
+    state = obj if is_state_dict(obj) else None
+    if state is None:
+        entries = model_entries(obj)
+        if len(entries) == 1:
+            state = obj[entries[0]]
+    for key in state or ():
+        if not _encodable(key):
+            raise OutputError(
+                f"{out}: key {key!r} is not valid Unicode, which .safetensors cannot store; rename it "
+                f"(--rename) or write a .pt file"
+            )
     if is_state_dict(obj):
         return obj, {"entry": ""}
     entries = model_entries(obj)

@@ -70,7 +70,12 @@ def _torch_load(path: PathLike, *, source: str, weights_only: bool, mmap: bool) 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(os.fspath(path), map_location="cpu", weights_only=weights_only, mmap=mmap)
+            name = os.fspath(path)
+            if name.encode("utf-8", "surrogateescape").decode("utf-8", "replace") != name:
+                # torch hands path names to C++ as UTF-8; a non-UTF-8 name is opened here (no mmap then)
+                with open(name, "rb") as f:
+                    return torch.load(f, map_location="cpu", weights_only=weights_only)
+            return torch.load(name, map_location="cpu", weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as e:
         if weights_only:
             raise _weights_only_error(str(e), source=source) from e

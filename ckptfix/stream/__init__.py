@@ -15,12 +15,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ckptfix.errors import OutputError
 from ckptfix.formats import allowlist, inert, output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip, read_torch_zip, referenced_storages, stand_ins, tensor_record
+from ckptfix.formats.ziparchive import verify_records
 from ckptfix.stream.copy import Check, Copier, Job, Progress
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
@@ -101,7 +103,12 @@ def _write(
 
     if out_fmt == "safetensors":
         locate = _pt_locator(inp) if inp is not None else _st_locate
-        plan = plan_safetensors(tree, out=out, locate=locate)
+        try:
+            plan = plan_safetensors(tree, out=out, locate=locate)
+        except OutputError:
+            if inp is not None:  # a damaged input is reported before what the output cannot hold, as torch does
+                verify_records(fd, source, inp.archive.records)
+            raise
         checks = _pt_checks(inp, tree) if inp is not None else []
         with atomic_output(out) as f:
             _pwrite_all(f.fileno(), plan.header, 0)
