@@ -40,7 +40,7 @@ def describe(value: Any) -> str:
 
 def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     """Counts, sizes, dtypes, layout, BatchNorm buffers, storage sharing and grouped keys of one state dict."""
-    from ckptfix.formats.st import sharing_groups
+    from ckptfix.formats.safetensors import sharing_groups
 
     tensors = {k: v for k, v in state.items() if is_tensor(v)}
     bn = [k for k in tensors if k.rsplit(".", 1)[-1] in BN_BUFFERS]

@@ -8,8 +8,11 @@ the test under ``tmp/rank<src>/`` so that the file exists for the source rank on
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
 import pickle
+import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -45,9 +48,11 @@ class Net(nn.Module):
 def build(seed: int, width: int = 8) -> Net:
     torch.manual_seed(seed)
     net = Net(width)
+    norm = net.features[1]
+    assert isinstance(norm, nn.BatchNorm2d) and norm.running_mean is not None and norm.num_batches_tracked is not None
     with torch.no_grad():
-        net.features[1].running_mean.normal_()
-        net.features[1].num_batches_tracked.fill_(seed)
+        norm.running_mean.normal_()
+        norm.num_batches_tracked.fill_(seed)
     return net
 
 
@@ -185,10 +190,130 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
 }
 
 
+def extras_values() -> dict[str, Any]:
+    """The extra checkpoint entry of each ``extras_<kind>`` scenario: all load weights-only on the source."""
+    return {
+        # Cannot travel as plain data: every rank must refuse them before any tensor moves.
+        "meta": torch.empty(3, 2, device="meta"),
+        "quantized": torch.quantize_per_tensor(torch.linspace(-1, 1, 4), 0.1, 0, torch.qint8),
+        "sparse": torch.eye(3).to_sparse(),
+        "storage": torch.arange(4.0).untyped_storage(),
+        # Inert values and tensors in unusual but plain forms: every rank must receive them equal.
+        "inert": {
+            "layout": torch.strided,
+            "dtype": torch.bfloat16,
+            "size": torch.Size([2, 3]),
+            "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
+            "expanded": torch.arange(3.0).expand(2, 3),
+        },
+    }
+
+
+EXTRAS_KINDS = ("meta", "quantized", "sparse", "storage", "inert")
+
+# A timeout short enough for fast tests, long enough for a loaded CI machine to finish a healthy phase.
+HANG_TIMEOUT = 3.0
+# How long a frozen rank stays stopped: longer than HANG_TIMEOUT, so the others give up first.
+FREEZE_SECONDS = 5.0
+
+
+def _freeze_self() -> None:
+    """Stop this process (SIGSTOP) and have a helper resume it later: a rank that hangs, then wakes up."""
+    subprocess.Popen(["/bin/sh", "-c", f"sleep {FREEZE_SECONDS}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _src_frozen_reading(ctx: Ctx) -> Any:
+    if ctx.rank == 0:
+        import ckptfix.formats
+
+        real = ckptfix.formats.load
+
+        def frozen_load(*args: Any, **kwargs: Any) -> Any:
+            _freeze_self()
+            return real(*args, **kwargs)
+
+        ckptfix.formats.load = frozen_load
+    return load_for_ddp(ctx.model(), ctx.path("full.pt"), timeout=HANG_TIMEOUT)
+
+
+def _src_frozen_mid_broadcast(ctx: Ctx) -> Any:
+    # Tiny buckets make several broadcasts; the source stops between the first and the second.
+    if ctx.rank == 0:
+        real = dist.broadcast
+        calls: list[int] = []
+
+        def frozen_on_second(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                _freeze_self()
+            return real(*args, **kwargs)
+
+        dist.broadcast = frozen_on_second
+    return load_for_ddp(ctx.model(), ctx.path("full.pt"), bucket_mb=0.0005, timeout=HANG_TIMEOUT)
+
+
+def _src_differs(ctx: Ctx) -> Any:
+    # The file exists on both ranks, so each would read it and then broadcast from itself.
+    return load_for_ddp(ctx.model(), ctx.path("plain.pt"), src=ctx.rank, timeout=HANG_TIMEOUT)
+
+
+def _extras(name: str) -> Callable[[Ctx], Any]:
+    def run(ctx: Ctx) -> Any:
+        model = ctx.model()
+        extras = load_for_ddp(model, ctx.path(name), timeout=HANG_TIMEOUT)
+        return {"state": _state(model), "extras": extras}
+
+    return run
+
+
+SCENARIOS.update(
+    {
+        "src_frozen_reading": _src_frozen_reading,
+        "src_frozen_mid_broadcast": _src_frozen_mid_broadcast,
+        "src_differs": _src_differs,
+        **{f"extras_{kind}": _extras(f"extras_{kind}.pt") for kind in EXTRAS_KINDS},
+    }
+)
+# After these the gloo group holds abandoned work (a frozen peer, a mismatched broadcast): skip the orderly
+# destroy_process_group, which would wait on that work, and exit once the results are written.
+LEAVE_GROUP_BROKEN = {"src_frozen_mid_broadcast", "src_differs"}
+
+
+def start(tmp: Path, world: int, scenarios: list[str]) -> list[Any]:
+    """Start ``world`` processes that run ``scenarios`` on one fresh gloo group (a FileStore under ``tmp``)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=main, args=(r, world, str(tmp), scenarios)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def collect(tmp: Path, procs: list[Any], *, limit: float = 240) -> list[dict[str, Any]]:
+    """Wait up to ``limit`` seconds for ``procs``, kill what is left; each rank's records, ``{}`` if none."""
+    deadline = time.monotonic() + limit
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for rank in range(len(procs)):
+        out = tmp / f"result{rank}.pkl"
+        results.append(pickle.loads(out.read_bytes()) if out.exists() else {})
+    return results
+
+
+def spawn(tmp: Path, world: int, scenarios: list[str], *, limit: float = 240) -> list[dict[str, Any]]:
+    """:func:`start` then :func:`collect`."""
+    return collect(tmp, start(tmp, world, scenarios), limit=limit)
+
+
 def main(rank: int, world: int, tmp: str, scenarios: list[str]) -> None:
     """Entry point of one spawned rank; writes ``result<rank>.pkl`` with one record per scenario."""
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    store = dist.FileStore(os.path.join(tmp, "store"), world)  # type: ignore[attr-defined]  # public, unstubbed
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     ctx = Ctx(rank, world, Path(tmp))
     if world == 3 and "src_dies_before_status" in scenarios:
@@ -208,4 +333,6 @@ def main(rank: int, world: int, tmp: str, scenarios: list[str]) -> None:
             results[name] = {"ok": False, "kind": "crash", "message": traceback.format_exc(), "error": repr(e)}
         # Written after each scenario so that a rank killed later still leaves its earlier results.
         out.write_bytes(pickle.dumps(results))
+    if LEAVE_GROUP_BROKEN.intersection(scenarios):
+        os._exit(0)
     dist.destroy_process_group()

@@ -1,14 +1,20 @@
-"""ckptfix.check / adapt_to_model: structured reports, likely renames, the fixing convert command."""
+"""ckptfix.compare, .renames, .loading and .factory: reports, likely renames, the fixing command, model specs."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.checks import adapt_to_model, build_model, likely_renames
-from ckptfix.errors import CkptfixError, LayoutError, MismatchError
+from ckptfix.errors import LayoutError, MismatchError
+from ckptfix.factory import ModelSpecError, build_model
+from ckptfix.loading import adapt_to_model
+from ckptfix.renames import likely_renames
 from tests.checks_models import RenamedCNN, SmallCNN, wrong_head
 
 KEYS = {
@@ -104,14 +110,94 @@ def test_build_model_from_a_spec() -> None:
     model = build_model("torch.nn:Linear", kwargs='{"in_features": 2, "out_features": 3}')
     assert isinstance(model, nn.Linear) and model.weight.shape == (3, 2)
     assert isinstance(build_model("tests.checks_models:small_cnn", kwargs={"classes": 5}), SmallCNN)
-    for spec, kwargs, match in [
-        ("torch.nn.Linear", None, "expected package.module:factory"),
-        ("no_such_pkg_x:f", None, "cannot import 'no_such_pkg_x'"),
-        ("torch.nn:Nope", None, "has no attribute 'Nope'"),
-        ("torch.nn:Linear", "{bad", "--kwargs: not valid JSON"),
-        ("torch.nn:Linear", "[1]", "expected a JSON object"),
-        ("torch.nn:Linear", None, "building the model failed: TypeError"),
-        ("tests.checks_models:inputs", '{"rank": 0}', "returned Tensor, not a torch.nn.Module"),
+    for spec, kwargs, argument, match in [
+        ("torch.nn.Linear", None, "spec", r"build_model\(spec='torch.nn.Linear'\): expected package.module:factory"),
+        ("no_such_pkg_x:f", None, "spec", "cannot import 'no_such_pkg_x'.*to sys.path or PYTHONPATH$"),
+        ("torch.nn:Nope", None, "spec", "has no attribute 'Nope'"),
+        ("torch.nn:Linear", "{bad", "kwargs", r"build_model\(kwargs='\{bad'\): not valid JSON"),
+        ("torch.nn:Linear", "[1]", "kwargs", "expected a JSON object"),
+        ("torch.nn:Linear", None, "spec", "building the model failed: TypeError"),
+        ("tests.checks_models:inputs", '{"rank": 0}', "spec", "returned Tensor, not a torch.nn.Module"),
     ]:
-        with pytest.raises(CkptfixError, match=match):
+        with pytest.raises(ModelSpecError, match=match) as caught:
             build_model(spec, kwargs=kwargs)
+        assert caught.value.argument == argument and "--" not in str(caught.value)  # library terms, not flags
+
+
+def test_build_model_searches_a_folder_last_and_only_while_building(tmp_path: Path) -> None:
+    (tmp_path / "ckptfix_test_factory.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(2, 3)\n"
+    )
+    (tmp_path / "torch.py").write_text("raise RuntimeError('the installed torch must win')\n")
+    path_before = list(sys.path)
+    with pytest.raises(ModelSpecError, match="cannot import 'ckptfix_test_factory'"):
+        build_model("ckptfix_test_factory:build")
+    assert isinstance(build_model("ckptfix_test_factory:build", search_path=tmp_path), nn.Linear)
+    assert sys.path == path_before
+    (tmp_path / "ckptfix_test_broken.py").write_text("raise ValueError('no')\n")
+    with pytest.raises(ModelSpecError, match="importing 'ckptfix_test_broken' failed: ValueError: no"):
+        build_model("ckptfix_test_broken:f", search_path=tmp_path)
+
+
+def _with_version(state: Any, module: str, version: Any) -> Any:
+    state._metadata[module]["version"] = version
+    return state
+
+
+@pytest.mark.parametrize("version", ["2", [2], (1, 2)])
+def test_bad_batchnorm_version_is_a_mismatch_found_before_the_model_is_touched(version: Any) -> None:
+    state = _with_version(SmallCNN().state_dict(), "features.1", version)
+    state["features.0.bias"] = state["features.0.bias"] + 1  # loaded before features.1: a partial load would show
+    model = SmallCNN()
+    conv = model.features[0]
+    assert isinstance(conv, nn.Conv2d) and conv.bias is not None
+    before = conv.bias.detach().clone()
+    with pytest.raises(TypeError):
+        SmallCNN().load_state_dict(state)  # the premise: torch raises midway
+    report = ckptfix.check(state, model)
+    assert not report.ok and list(report.bad_metadata) == ["features.1"]
+    assert report.bad_metadata["features.1"].startswith(f"_metadata version {version!r} is a {type(version).__name__}")
+    assert report.fix_command("a.pt") is None and report.to_dict()["bad_metadata"] == report.bad_metadata
+    for strict in (True, False):
+        with pytest.raises(MismatchError, match=r"1 bad _metadata \(e\.g\. module 'features\.1': _metadata version"):
+            ckptfix.load_into(model, state, strict=strict)
+    assert torch.equal(conv.bias, before)
+
+
+@pytest.mark.parametrize("version", [None, 0, 1, 2, 7, 1.5, True])
+def test_versions_load_state_dict_accepts_are_accepted(version: Any) -> None:
+    state = _with_version(SmallCNN().state_dict(), "features.1", version)
+    SmallCNN().load_state_dict(state)
+    assert ckptfix.check(state, SmallCNN()).bad_metadata == {}
+
+
+def test_metadata_entries_that_are_not_dicts_are_reported() -> None:
+    state = SmallCNN().state_dict()
+    state._metadata["head"] = "v2"  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        SmallCNN().load_state_dict(state)
+    assert ckptfix.check(state, SmallCNN()).bad_metadata == {
+        "head": "its _metadata entry is a str, not a dict: delete the entry"
+    }
+
+
+def test_metadata_that_is_not_a_dict_is_a_mismatch() -> None:
+    state = SmallCNN().state_dict()
+    state._metadata = [1, 2]  # type: ignore[attr-defined]
+    with pytest.raises(MismatchError, match=r"^c\.pt: its _metadata is a list, not a dict of module entries"):
+        adapt_to_model(state, SmallCNN(), source="c.pt")
+    assert ckptfix.check(state, SmallCNN()).bad_metadata == {
+        "": "_metadata is a list, not a dict of module entries: delete it"
+    }
+
+
+def test_num_batches_tracked_that_torch_fills_in_is_not_missing() -> None:
+    state = SmallCNN().state_dict()
+    del state["features.1.num_batches_tracked"]
+    _with_version(state, "features.1", 1)
+    SmallCNN().load_state_dict(state)
+    assert ckptfix.check(state, SmallCNN()).loads_as_is
+    plain = {k: v for k, v in SmallCNN().state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert ckptfix.check(plain, SmallCNN()).loads_as_is  # no _metadata at all: version None, filled in too
+    _with_version(state, "features.1", 2)
+    assert ckptfix.check(state, SmallCNN()).missing == ["features.1.num_batches_tracked"]

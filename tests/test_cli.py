@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -122,3 +123,56 @@ def test_python_m_and_help_do_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
     result = subprocess.run([sys.executable, "-m", "ckptfix", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "convert" in result.stdout and "inspect" in result.stdout
+
+
+def test_inspect_prints_hostile_key_names_escaped(tmp_path: Path) -> None:
+    state = {"conv.weight": torch.zeros(2), "x\x1b]0;pwned\x07.weight": torch.zeros(2)}
+    state["y\nentry 'forged'"] = torch.ones(1)
+    path = tmp_path / "evil.pt"
+    torch.save({"model": state, "note\r\nentry 'forged'": 1}, path)
+    result = run("inspect", str(path))
+    assert result.exit_code == 0, result.output
+    assert not any(c in result.output for c in "\x1b\x07\r")
+    lines = result.output.splitlines()
+    assert not any(line.startswith("entry 'forged'") for line in lines)
+    assert r"entry 'note\r\nentry 'forged'': int 1" in lines
+    grouped = r"  {conv,x\x1b]0;pwned\x07}.weight  "
+    assert lines[2] == f"{grouped}2 × float32 [2]"
+    assert lines[3] == r"  y\nentry 'forged'".ljust(len(grouped)) + "float32 [1]"  # aligned as printed
+
+
+def test_errors_stay_on_one_line_whatever_a_key_holds(tmp_path: Path) -> None:
+    src = tmp_path / "evil.pt"
+    torch.save({"w\n\x1b[31mckptfix: error: forged": torch.zeros(1)}, src)
+    result = run("convert", str(src), str(tmp_path / "out.pt"), "--strip-prefix", "net.")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "\x1b" not in result.stderr
+    assert r"'w\n\x1b[31mckptfix: error: forged'" in result.stderr
+
+
+def _with_closed_stdout(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ckptfix with stdout a pipe whose reader has gone, as `ckptfix … | head -1` leaves it."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "ckptfix", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGPIPE semantics on Windows")
+@pytest.mark.parametrize("as_json", [False, True], ids=["at-exit", "mid-write"])
+def test_a_closed_stdout_pipe_ends_quietly(tmp_path: Path, as_json: bool) -> None:
+    # Text output fits the buffer and fails only at the flush at exit; the JSON (3000 keys) fails mid-write.
+    a = {f"layers.{i}.weight": torch.zeros(1) for i in range(3000)}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save({k: v + 1 for k, v in a.items()}, tmp_path / "b.pt")
+    result = _with_closed_stdout(["diff", "a.pt", "b.pt", *(["--json"] if as_json else [])], tmp_path)
+    assert (result.returncode, result.stderr) == (141, "")

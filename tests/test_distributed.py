@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import multiprocessing
 import pickle
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.distributed import buckets, protocol
+from ckptfix.distributed import buckets, protocol, wire
 from ckptfix.errors import DistributedError, FormatError, MismatchError, UnsafeCheckpointError
 from tests import ddp_workers
 
@@ -65,36 +64,18 @@ def _fixtures(tmp: Path) -> dict[str, Any]:
     return {"full": full, "plain": plain}
 
 
-def _spawn(tmp: Path, world: int, scenarios: list[str], *, limit: float = 240) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=ddp_workers.main, args=(r, world, str(tmp), scenarios)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(limit)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for rank in range(world):
-        out = tmp / f"result{rank}.pkl"
-        results.append(pickle.loads(out.read_bytes()) if out.exists() else {})
-    return results
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ddp2")
     fixtures = _fixtures(tmp)
-    return _spawn(tmp, 2, TWO), fixtures
+    return ddp_workers.spawn(tmp, 2, TWO), fixtures
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ddp3")
     fixtures = _fixtures(tmp)
-    return _spawn(tmp, 3, THREE), fixtures
+    return ddp_workers.spawn(tmp, 3, THREE), fixtures
 
 
 def _ok(results: list[dict[str, Any]], name: str, ranks: range | list[int]) -> list[Any]:
@@ -245,7 +226,7 @@ def test_receivers_give_up_within_seconds_when_the_source_dies(tmp_path: Path) -
     _fixtures(tmp_path)
     (tmp_path / "rank2").mkdir(exist_ok=True)
     (tmp_path / "rank2" / "plain.pt").write_bytes((tmp_path / "rank0" / "plain.pt").read_bytes())
-    results = _spawn(tmp_path, 3, ["src_dies_mid_broadcast", "src_dies_before_status"], limit=90)
+    results = ddp_workers.spawn(tmp_path, 3, ["src_dies_mid_broadcast", "src_dies_before_status"], limit=90)
     for rank in (0, 1):
         record = results[rank]["src_dies_mid_broadcast"]
         assert record["kind"] == "DistributedError", record
@@ -293,8 +274,8 @@ def test_failure_rebuilds_the_same_class_with_the_rank() -> None:
 def test_payload_refuses_globals_outside_the_allowlist() -> None:
     data = pickle.dumps(collections.Counter(a=1))
     with pytest.raises(DistributedError, match=r"collections\.Counter"):
-        protocol._loads(data, allowed=())
-    assert protocol._loads(data, allowed=["collections.Counter"]) == collections.Counter(a=1)
+        wire.loads(data, allowed=())
+    assert wire.loads(data, allowed=["collections.Counter"]) == collections.Counter(a=1)
 
 
 def test_not_initialized_is_a_clear_error(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.checks import model_state_of
 from ckptfix.layouts import LAYOUTS, chain_prefix, detect
+from ckptfix.loading import model_state_of
 from ckptfix.trainer.fixtures import MANIFEST, platform_info, sha256
 from ckptfix.trainer.model import build_model, probe
 

@@ -1,5 +1,11 @@
 """Mutation fuzzing of the readers: the only acceptable outcomes are success or a CkptfixError.
 
+Every input goes through ``ckptfix.load`` and both conversion paths (``fast=True``, ``fast=False``): success or
+a CkptfixError with no output left, never another exception, never a payload (a marker file), never the bytes
+of a record the input's tensors do not own. Besides byte mutations of real files, generators build the shapes
+of issue 15: pickles with shared references (DAGs, cycles), record names differing in case, concatenated
+archives, and storage references with odd keys, types, sizes, offsets, shapes and strides.
+
 CI runs a few dozen examples per target (seconds). A longer campaign:
 
     CKPTFIX_FUZZ_EXAMPLES=20000 .venv/bin/python -m pytest tests/test_fuzz.py -q
@@ -13,7 +19,9 @@ import json
 import os
 import struct
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,9 +30,11 @@ from hypothesis import strategies as st
 
 import ckptfix
 from ckptfix.errors import CkptfixError
-from ckptfix.formats import convert_file
+from tests import hostile
 from tests.conftest import make_net
+from tests.hostile import P
 
+MARKER = Path(tempfile.gettempdir()) / "ckptfix-fuzz-PWNED"  # what the payloads in generated files would create
 EXAMPLES = int(os.environ.get("CKPTFIX_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -75,18 +85,40 @@ def mutated(draw: st.DrawFn, seed: str) -> bytes:
     return bytes(data)
 
 
-def _check(data: bytes, suffix: str) -> None:
+def _leaks(obj: Any, secret: bytes) -> bool:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "meta" or obj.numel() * obj.element_size() > 1 << 24:
+            return False
+        try:
+            raw = obj.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        except (RuntimeError, TypeError):
+            return False
+        return secret[:16] in raw
+    if isinstance(obj, dict):
+        return any(_leaks(v, secret) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_leaks(v, secret) for v in obj)
+    return False
+
+
+def _check(data: bytes, suffix: str, *, secret: bytes | None = None) -> None:
+    """Load and convert ``data`` on both paths: success or a CkptfixError, nothing else, nothing run or leaked."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / f"in{suffix}"
         path.write_bytes(data)
         with contextlib.suppress(CkptfixError):
-            ckptfix.load(path)
-        out = Path(folder) / "out.pt"
-        try:
-            convert_file(path, out)
-        except CkptfixError:
-            assert not out.exists()
+            loaded = ckptfix.load(path)
+            assert secret is None or not _leaks(loaded, secret)
+        for fast in (True, False):
+            out = Path(folder) / f"out-{fast}.pt"
+            try:
+                ckptfix.convert_file(path, out, fast=fast)
+            except CkptfixError:
+                assert not out.exists()
+            else:
+                assert secret is None or secret not in out.read_bytes()
         assert path.read_bytes() == data
+        assert not MARKER.exists()
 
 
 @pytest.mark.parametrize("seed", ["zip", "legacy"])
@@ -130,3 +162,118 @@ _entry = st.fixed_dictionaries(
 def test_fuzz_safetensors_headers(header: dict[str, object], data: bytes) -> None:
     body = json.dumps(header).encode()
     _check(struct.pack("<Q", len(body)) + body + data, ".safetensors")
+
+
+# --- generators for the shapes of issue 15 ---------------------------------------------------------------------
+
+
+@st.composite
+def shared_references(draw: st.DrawFn) -> bytes:
+    """A ``cfg`` list of memoized lists that hold earlier ones (a DAG), themselves, or, appended afterwards,
+    later ones (cycles); the whole maybe nested a few thousand lists deep."""
+    count = draw(st.integers(1, 40))
+    body = b""
+    for i in range(count):
+        refs = draw(st.lists(st.integers(0, i - 1), max_size=3)) if i else []
+        refs += [i] if draw(st.integers(0, 19)) == 0 else []  # now and then a list that holds itself
+        body += P.lst() + P.put(i) + (b"(" + b"".join(P.get(r) for r in refs) + b"e" if refs else b"")
+    for _ in range(draw(st.sampled_from([0] * 6 + [1, 2]))):  # back edges: an earlier list gets a later one
+        j, k = sorted(draw(st.tuples(st.integers(0, count - 1), st.integers(0, count - 1))))
+        body += P.get(j) + P.get(k) + b"a"
+    depth = draw(st.sampled_from([0] * 6 + [1, 10, 500, 3000]))
+    cfg = b"]" * depth + b"](" + body + b"e" + b"a" * depth
+    return hostile.torch_zip_file(hostile.one_tensor_pickle_with("cfg", cfg), {"0": hostile.floats(1.0, 2.0)})
+
+
+@st.composite
+def name_variants(draw: st.DrawFn) -> bytes:
+    """Record names changed in case, duplicated in another case, or moved: what a case-insensitive reader merges."""
+    records = hostile.read_records(SEEDS["zip"])
+    marker_pickle = hostile.marker_pickle(MARKER)
+    for _ in range(draw(st.integers(1, 3))):
+        i = draw(st.integers(0, len(records) - 1))
+        name = records[i].name
+        head, tail = ("", name) if draw(st.integers(0, 3)) == 0 else (name[:8], name[8:])  # the folder too, sometimes
+        variant = head + "".join(c.upper() if draw(st.booleans()) else c for c in tail)
+        action = draw(st.sampled_from(["rename", "add", "add-evil", "local-only"]))
+        if action == "rename":
+            records[i] = replace(records[i], name=variant)
+        elif action == "add":
+            records.insert(draw(st.integers(0, len(records))), replace(records[i], name=variant))
+        elif action == "add-evil":
+            records.insert(draw(st.integers(0, len(records))), hostile.Rec(variant, marker_pickle))
+        else:
+            records[i] = replace(records[i], local_name=variant)
+    return hostile.build_zip(records)
+
+
+@st.composite
+def concatenations(draw: st.DrawFn) -> bytes:
+    """Two archives back to back (maybe junk between), the second one's offsets for the file or for itself."""
+    first = draw(st.sampled_from([SEEDS["zip"], hostile.small_checkpoint(1.0, 2.0)]))
+    junk = draw(st.binary(max_size=16))
+    second = hostile.read_records(draw(st.sampled_from([SEEDS["zip"], hostile.small_checkpoint(3.0, 4.0)])))
+    start = len(first) + len(junk) if draw(st.booleans()) else 0
+    data = first + junk + hostile.build_zip(second, start=start)
+    return data if draw(st.booleans()) else data + first  # and sometimes a third copy of the first
+
+
+_STORAGE_TYPES = [
+    *("FloatStorage", "DoubleStorage", "HalfStorage", "LongStorage", "ByteStorage", "BoolStorage"),
+    *("QInt8Storage", "QUInt8Storage", "QInt32Storage", "ComplexFloatStorage", "UntypedStorage"),
+]
+_KEYS = [P.string("0")] * 6 + [P.string("1")] * 3 + [P.integer(0), P.integer(-1), P.none()]
+_KEYS += [P.string(k) for k in ("00", "../0", "0\x00", "data/0", "0 ", "DATA.PKL")]
+_EXTREMES = [-1, -3, 2**31, 2**32, 2**62, 2**63, 2**64, -(2**63)]
+_INTS = st.sampled_from([0, 1, 2, 3, 4, 8, 16, 64] * 3 + _EXTREMES)  # mostly plausible, now and then extreme
+
+
+@st.composite
+def storage_references(draw: st.DrawFn) -> bytes:
+    """Tensors whose persistent ids, offsets, shapes and strides are drawn, beside a secret record."""
+    tensors = []
+    for i in range(draw(st.integers(1, 3))):
+        # mostly well-formed values, so that the checks behind the first one are reached too
+        key = draw(st.sampled_from(_KEYS))
+        kind = draw(st.sampled_from(_STORAGE_TYPES[:1] * 6 + _STORAGE_TYPES))
+        module = "torch.storage" if kind == "UntypedStorage" else "torch"
+        location = P.string(draw(st.sampled_from(["cpu"] * 8 + ["meta", "cuda:0"])))
+        numel = draw(_INTS)
+        pid = P.tup(P.string("storage"), P.glob(module, kind), key, location, P.integer(numel))
+        ndim = draw(st.integers(0, 3))
+        small = st.sampled_from([0, 1, 2, 3, 4] * 6 + _EXTREMES)
+        shape = draw(st.lists(small, min_size=ndim, max_size=ndim))
+        stride = draw(st.lists(small, min_size=ndim, max_size=ndim) | st.just(hostile.contiguous_stride(shape)))
+        args = [P.persid(pid), P.integer(draw(small)), P.tup(*map(P.integer, shape)), P.tup(*map(P.integer, stride))]
+        args += [P.boolean(False), P.odict()]
+        rebuild = draw(st.sampled_from(["_rebuild_tensor_v2", "_rebuild_tensor"]))
+        tensors.append(
+            (f"w{i}", P.call(P.glob("torch._utils", rebuild), *(args if rebuild.endswith("v2") else args[:4])))
+        )
+    storages = {k: hostile.floats(*range(draw(st.integers(0, 4)))) for k in ("0", "1")}
+    secret = hostile.Rec("archive/data/9", hostile.SECRET)
+    return hostile.torch_zip_file(hostile.tensor_pickle(tensors), storages, extra=[secret])
+
+
+@FUZZ
+@given(shared_references())
+def test_fuzz_shared_references(data: bytes) -> None:
+    _check(data, ".pt")
+
+
+@FUZZ
+@given(name_variants())
+def test_fuzz_name_case_variants(data: bytes) -> None:
+    _check(data, ".pt")
+
+
+@FUZZ
+@given(concatenations())
+def test_fuzz_concatenated_archives(data: bytes) -> None:
+    _check(data, ".pt")
+
+
+@FUZZ
+@given(storage_references())
+def test_fuzz_storage_references(data: bytes) -> None:
+    _check(data, ".pt", secret=hostile.SECRET)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.checks import load_into
 from ckptfix.errors import MergeError
+from ckptfix.loading import load_into
 from ckptfix.merging import plan_merge
 from tests.checks_models import SmallCNN, ddp_rank_files
 

@@ -10,6 +10,7 @@ import pickle
 import struct
 import subprocess
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -376,3 +377,44 @@ def test_injected_io_errors_on_the_streaming_path(tmp_path: Path, monkeypatch: p
     monkeypatch.undo()
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_malformed_module_versions_are_refused_on_both_paths(tmp_path: Path, fast: bool) -> None:
+    from collections import OrderedDict
+
+    state: Any = OrderedDict(w=torch.zeros(2))
+    state._metadata = OrderedDict({"": [1, 2]})  # torch's load_state_dict expects {"": {"version": 1}}
+    torch.save(state, tmp_path / "md.pt")
+    for out in ("out.pt", "out.safetensors"):
+        with pytest.raises(FormatError, match=r"md\.pt: a state dict's _metadata is not a mapping of module paths"):
+            convert_file(tmp_path / "md.pt", tmp_path / out, fast=fast)
+        assert not (tmp_path / out).exists()
+
+
+@pytest.mark.parametrize("out", ["out.pt", "out.safetensors"])
+def test_an_input_overwritten_during_the_copy_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str
+) -> None:
+    from ckptfix.stream.copy import Copier, Job
+
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(1000)}, src)
+    original = src.read_bytes()
+    time.sleep(0.05)  # file times tick at a few ms: the rewrite below must land on a later tick than the save
+    real_copy = Copier.copy
+
+    def copy_after_a_rewrite(self: Copier, job: Job) -> None:
+        with open(src, "r+b") as f:  # another process rewrites the record after its CRC was checked
+            f.seek(job.src)
+            f.write(b"\x00" * 16)
+        real_copy(self, job)
+
+    monkeypatch.setattr(Copier, "copy", copy_after_a_rewrite)
+    # the CRC check catches it when it reads the rewritten bytes, the before/after comparison in any case
+    with pytest.raises(
+        FormatError, match=r"in\.pt: (the file changed while it was being read|record .* fails its CRC)"
+    ):
+        convert_file(src, tmp_path / out, to="single")
+    assert not (tmp_path / out).exists()
+    assert src.read_bytes() != original  # the rewrite happened: the refusal is what caught it

@@ -7,17 +7,40 @@ instant. Library errors become one line on stderr and the exit code of DESIGN.md
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 import click
 
 from ckptfix import __version__
+from ckptfix.cli.render import printable
 from ckptfix.errors import CkptfixError
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
-_COMMAND_MODULES: list[str] = ["convert", "inspect", "train", "checks"]
+_COMMAND_MODULES: list[str] = ["convert", "inspect", "diff", "merge", "validate", "train"]
 
 INTERNAL_ERROR = 3
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program stopped by Ctrl-C
+BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`: the reader of stdout has gone
+
+
+def _error(message: str) -> None:
+    # One line whatever the message holds: a key with a newline or an escape sequence prints escaped.
+    click.echo(printable(message), err=True)
+
+
+def _stdout_to_devnull() -> None:
+    """Send what is still buffered for stdout to /dev/null, so the flush at exit cannot fail once more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test runner's buffer): nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 class _Group(click.Group):
@@ -28,20 +51,23 @@ class _Group(click.Group):
         except CkptfixError as e:
             if debug:
                 raise
-            click.echo(f"ckptfix: error: {e}", err=True)
+            _error(f"ckptfix: error: {e}")
             ctx.exit(e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KeyboardInterrupt:
-            click.echo("ckptfix: interrupted; no output was written", err=True)
-            ctx.exit(130)
+            _error("ckptfix: interrupted; no output was written")
+            ctx.exit(INTERRUPTED)
+        except BrokenPipeError:
+            # The reader of stdout has exited (`ckptfix diff A B | head -1`): nothing is wrong, stop quietly.
+            if debug:
+                raise
+            _stdout_to_devnull()
+            ctx.exit(BROKEN_PIPE)
         except Exception as e:
             if debug:
                 raise
-            click.echo(
-                f"ckptfix: internal error: {type(e).__name__}: {e} (rerun with --debug and report it)",
-                err=True,
-            )
+            _error(f"ckptfix: internal error: {type(e).__name__}: {e} (rerun with --debug and report it)")
             ctx.exit(INTERNAL_ERROR)
 
 
@@ -62,4 +88,12 @@ for _name in _COMMAND_MODULES:
 
 def main() -> None:
     """Console-script entry point."""
-    cli.main(prog_name="ckptfix")
+    try:
+        cli.main(prog_name="ckptfix")
+    finally:
+        # Output to a pipe stays buffered until here; a reader that has gone shows up only at this flush.
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_to_devnull()
+            sys.exit(BROKEN_PIPE)

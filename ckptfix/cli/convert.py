@@ -1,37 +1,13 @@
-"""``ckptfix convert`` and the options shared by commands that read checkpoints."""
+"""``ckptfix convert``: rewrite a checkpoint in another layout, dtype or format."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import cast
 
 import click
 
-from ckptfix.layouts import TARGETS
-
-
-def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``--allow-global`` and ``--unsafe-pickle``, for every command that reads a .pt file."""
-    f = click.option(
-        "--unsafe-pickle",
-        is_flag=True,
-        help="UNSAFE: run the full pickle machinery. Only for a file you made yourself; it can run code.",
-    )(f)
-    return click.option(
-        "--allow-global",
-        "allow_globals",
-        multiple=True,
-        metavar="module.Name",
-        help="Let the weights-only loader build this class (repeatable), e.g. argparse.Namespace.",
-    )(f)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
+from ckptfix.cli.options import safety_options
+from ckptfix.layouts import TARGETS, Layout
 
 
 @click.command()
@@ -74,17 +50,16 @@ def convert(
     \b
     Example: ckptfix convert ddp_run.pt model.safetensors --to single --model-only
     """
-    from ckptfix.formats import convert_file
+    from ckptfix.conversion import convert_file
 
     result = convert_file(
         src,
         dst,
-        to=None if keep_layout else to,
+        to=None if keep_layout else cast("Layout", to),
         dtype=dtype,
         unsafe=unsafe_pickle,
         allow_globals=allow_globals,
         fast=not no_fast,
-        verbose=verbose,
         strip_prefixes=strip_prefix,
         add_prefixes=add_prefix,
         renames=rename,

@@ -7,7 +7,8 @@ from typing import Any
 
 import click
 
-from ckptfix.cli.convert import human_bytes, safety_options
+from ckptfix.cli.options import safety_options
+from ckptfix.cli.render import human_bytes, printable
 
 
 def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
@@ -30,11 +31,11 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         if model["non_tensor_keys"]:
             lines.append(f"  non-tensor values: {', '.join(model['non_tensor_keys'])}")
         groups = model["groups"]
-        width = min(max((len(g["keys"]) for g in groups), default=0), 80)
+        width = min(max((len(printable(g["keys"])) for g in groups), default=0), 80)
         for group in groups[:max_groups]:
             shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
             count = f"{group['count']} × " if group["count"] > 1 else ""
-            lines.append(f"  {group['keys']:<{width}}  {count}{group['dtype']} {shape}")
+            lines.append(f"  {printable(group['keys']):<{width}}  {count}{group['dtype']} {shape}")
         if len(groups) > max_groups:
             lines.append(f"  … {len(groups) - max_groups} more groups (--all shows them)")
     for key, text in summary["other_entries"].items():
@@ -59,7 +60,8 @@ def inspect(path: str, as_json: bool, show_all: bool, allow_globals: tuple[str, 
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
-    click.echo("\n".join(_render(summary, max_groups=10**9 if show_all else 60)))
+    for line in _render(summary, max_groups=10**9 if show_all else 60):
+        click.echo(printable(line))
 
 
 COMMANDS: list[click.Command] = [inspect]

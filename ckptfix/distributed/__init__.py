@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ckptfix.distributed import buckets, protocol
+from ckptfix.distributed import buckets, protocol, wire
 from ckptfix.errors import DistributedError, MismatchError
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ def load_for_ddp(
     broadcast_model: bool = True,
     allow_globals: Iterable[str] = (),
     bucket_mb: float = DEFAULT_BUCKET_MB,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
 ) -> dict[str, Any]:
     """Load a checkpoint into ``model`` on every rank of ``group`` while reading it on rank ``src`` only.
 
@@ -63,7 +65,8 @@ def load_for_ddp(
             (keys with a wrong shape are skipped; keys the checkpoint lacks keep each rank's own values).
         allow_globals: extra pickle globals the checkpoint may use (``"argparse.Namespace"``); same on every rank.
         bucket_mb: broadcast bucket size; a receiver holds at most one bucket beyond its own model.
-        timeout: seconds to wait for another rank's status (the source's read included) before giving up.
+        timeout: seconds (or a ``timedelta``) any rank waits for another one, in any phase (the source's
+            read, a check, one broadcast that makes no progress), before every rank gives up together.
 
     Returns:
         The checkpoint's entries other than the model's state dict (optimizer and scheduler state, epoch,
@@ -79,63 +82,76 @@ def load_for_ddp(
     >>> extras = ckptfix.load_for_ddp(model, "run/last.pt")      # every rank, before DDP(model)
     >>> optimizer.load_state_dict(extras["optimizer"]); start = extras["epoch"] + 1
     """
-    import torch
-    import torch.distributed as dist
-
-    session = protocol.open_session(group, src=src, timeout=timeout, what=f"read {os.fspath(path)}")
+    session = protocol.open_session(
+        group,
+        src=src,
+        timeout=timeout,
+        call="load_for_ddp",
+        path=os.fspath(path),
+        # Every rank must make the same broadcasts in the same pieces: these are agreed on before anything else.
+        options={"strict": strict, "broadcast_model": broadcast_model, "bucket_mb": bucket_mb,
+                 "allow_globals": sorted(allow_globals)},
+    )  # fmt: skip
     if not broadcast_model and src != session.ranks[0]:
         raise DistributedError(
             f"broadcast_model=False needs src to be the group's first rank {session.ranks[0]} (DDP syncs from "
             f"there), got src={src}; keep broadcast_model=True"
         )
-    allowed = list(allow_globals)
+    allowed = sorted(allow_globals)
     if session.is_src:
         try:
-            own, prefix, manifest, extras = _read_on_source(
-                model, path, strict=strict, allowed=allowed, session=session
-            )
+            plan, extras = _read_on_source(model, path, strict=strict, allowed=allowed, session=session)
         except Exception as e:
-            failure = protocol.Failure.of(e, session.rank)
-            session.post_status(failure)
-            raise failure.error() from e
-        extra_entries: list[buckets.Entry] = []
-        extra_tensors: list[torch.Tensor] = []
-        skeleton = buckets.strip_tensors(extras, extra_entries, extra_tensors)
-        session.post_status(None, (os.fspath(path), manifest, skeleton, extra_entries))
-        problem: Exception | None = None
+            session.fail("status", e)
+        session.announce(wire.dumps((plan.manifest, plan.skeleton, plan.extra_entries)))
+        session.agree(None)
     else:
-        # Messages name the source's path: a receiver's own path argument may mean nothing on its machine.
-        source, manifest, skeleton, extra_entries = session.wait_status(allowed=allowed)
-        own, prefix, problem = _check_receiver(model, manifest, strict=strict, session=session, source=source)
-        extra_tensors = []
-    session.agree(problem)
+        received = _check_receiver(model, session.hear(), strict=strict, allowed=allowed, session=session)
+        session.agree(received if isinstance(received, Exception) else None)
+        if isinstance(received, Exception):  # agree() raised it on every rank already; this is for mypy
+            raise received
+        plan = received
+    try:
+        _transfer(plan, session, broadcast_model=broadcast_model, bucket_mb=bucket_mb)
+    except Exception as e:
+        if session.failed:  # the error every rank raises, already agreed on
+            raise
+        session.fail("transfer", e)
+    session.finish()
+    if session.is_src:
+        return extras
+    result: dict[str, Any] = buckets.fill_tensors(plan.skeleton, plan.extra_tensors)
+    return result
 
-    def broadcast(tensor: torch.Tensor) -> None:
-        try:
-            dist.broadcast(tensor, src=session.src, group=session.group)
-        except (RuntimeError, OSError) as e:
-            raise DistributedError(
-                f"rank {session.rank}: broadcast from rank {session.src} failed mid-transfer "
-                f"({' '.join(str(e).split())[:200]}); a rank died or lost its connection: see its log"
-            ) from e
+
+@dataclass
+class _Plan:
+    """What one rank sends or receives: its own state (filled in place), the manifest, the other entries."""
+
+    own: dict[str, Any]
+    prefix: str  # this rank's layout prefix: the manifest names keys in the single layout
+    manifest: list[buckets.Entry]
+    skeleton: Any  # the checkpoint's other entries, each tensor replaced by a buckets.TensorRef
+    extra_entries: list[buckets.Entry]
+    extra_tensors: list[torch.Tensor] = field(default_factory=list)  # the source's, or a receiver's new ones
+
+
+def _transfer(plan: _Plan, session: protocol.Session, *, broadcast_model: bool, bucket_mb: float) -> None:
+    import torch
 
     bucket_bytes = max(1, int(bucket_mb * 2**20))
     if broadcast_model:
-        tensors = [own[prefix + entry.key] for entry in manifest]
+        tensors = [plan.own[plan.prefix + entry.key] for entry in plan.manifest]
         buckets.run(
-            buckets.plan(manifest, bucket_bytes), tensors, send=session.is_src, device=session.device,
-            broadcast=broadcast,
+            buckets.plan(plan.manifest, bucket_bytes), tensors, send=session.is_src, device=session.device,
+            broadcast=session.broadcast,
         )  # fmt: skip
     if not session.is_src:
-        extra_tensors = [torch.empty(e.shape, dtype=e.torch_dtype()) for e in extra_entries]
+        plan.extra_tensors = [torch.empty(e.shape, dtype=e.torch_dtype()) for e in plan.extra_entries]
     buckets.run(
-        buckets.plan(extra_entries, bucket_bytes), extra_tensors, send=session.is_src, device=session.device,
-        broadcast=broadcast,
+        buckets.plan(plan.extra_entries, bucket_bytes), plan.extra_tensors, send=session.is_src,
+        device=session.device, broadcast=session.broadcast,
     )  # fmt: skip
-    if session.is_src:
-        return extras
-    result: dict[str, Any] = buckets.fill_tensors(skeleton, extra_tensors)
-    return result
 
 
 def _layout_prefix(own: Mapping[str, Any]) -> str:
@@ -146,15 +162,23 @@ def _layout_prefix(own: Mapping[str, Any]) -> str:
 
 def _read_on_source(
     model: torch.nn.Module, path: PathLike, *, strict: bool, allowed: list[str], session: protocol.Session
-) -> tuple[dict[str, Any], str, list[buckets.Entry], dict[str, Any]]:
-    from ckptfix.checks import adapt_to_model, model_state_of, primary_entry
+) -> tuple[_Plan, dict[str, Any]]:
+    """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
     from ckptfix.formats import load
+    from ckptfix.loading import adapt_to_model, model_state_of, primary_entry
 
     source = os.fspath(path)
     _check_device(model, session)
     obj = load(path, allow_globals=allowed)
     state = model_state_of(obj, source=source)
     adapted, report = adapt_to_model(state, model, source=source)
+    primary = primary_entry(obj)
+    extras = {key: value for key, value in obj.items() if key != primary} if primary else {}
+    entries: list[buckets.Entry] = []
+    tensors: list[torch.Tensor] = []
+    skeleton = buckets.strip_tensors(extras, entries, tensors)
+    # Before the model changes and before any rank is told to go on: a refusal here reaches every rank as is.
+    wire.check_sendable(skeleton, entries, tensors, source=source, allowed=allowed)
     if strict:
         report.raise_if_failed()
     else:  # load_state_dict raises on a shape mismatch even when not strict; skip those keys instead
@@ -165,42 +189,31 @@ def _read_on_source(
     prefix = _layout_prefix(own)
     # The manifest names keys in the single layout, so a rank whose model is wrapped differently still fits.
     manifest = [buckets.Entry.of(key[len(prefix) :], own[key]) for key in adapted if key in own]
-    primary = primary_entry(obj)
-    extras = {key: value for key, value in obj.items() if key != primary} if primary else {}
-    return own, prefix, manifest, extras
+    return _Plan(own, prefix, manifest, skeleton, entries, tensors), extras
 
 
 def _check_receiver(
-    model: torch.nn.Module,
-    manifest: list[buckets.Entry],
-    *,
-    strict: bool,
-    session: protocol.Session,
-    source: str,
-) -> tuple[dict[str, Any], str, Exception | None]:
-    """This rank's state, layout prefix and problem with the source's manifest (returned, so all hear of it)."""
-    from ckptfix.checks import check
+    model: torch.nn.Module, payload: bytes, *, strict: bool, allowed: list[str], session: protocol.Session
+) -> _Plan | Exception:
+    """This rank's plan, or its problem with the source's payload (returned, so that every rank hears of it)."""
+    from ckptfix.compare import check
 
-    own: dict[str, Any] = {}
-    prefix = ""
     try:
+        manifest, skeleton, extra_entries = wire.loads(payload, allowed=allowed)
         own = model.state_dict()
         prefix = _layout_prefix(own)
         _check_device(model, session)
-        report = check({prefix + e.key: e.meta() for e in manifest}, model, source=source)
+        # Messages name the source's path: a receiver's own path argument may mean nothing on its machine.
+        report = check({prefix + e.key: e.meta() for e in manifest}, model, source=session.source_path)
     except Exception as e:
-        return own, prefix, e
+        return e
     if not strict:
         report.missing = []
     if report.ok:
-        return own, prefix, None
-    return (
-        own,
-        prefix,
-        MismatchError(
-            f"{source} as loaded on rank {session.src} does not fit the model on rank {session.rank}: "
-            f"{report.summary()}; build the same model on every rank"
-        ),
+        return _Plan(own, prefix, manifest, skeleton, extra_entries)
+    return MismatchError(
+        f"{session.source_path} as loaded on rank {session.src} does not fit the model on rank {session.rank}: "
+        f"{report.summary()}; build the same model on every rank"
     )
 
 
@@ -223,7 +236,7 @@ def save_for_ddp(
     *,
     src: int = 0,
     group: Any = None,
-    timeout: float = DEFAULT_TIMEOUT,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
 ) -> None:
     """Write a model or checkpoint once, from rank ``src``, and return on every rank when the file is complete.
 
@@ -233,19 +246,19 @@ def save_for_ddp(
 
     >>> ckptfix.save_for_ddp({"model": ddp_model, "optimizer": opt.state_dict(), "epoch": epoch}, "last.pt")
     """
-    session = protocol.open_session(group, src=src, timeout=timeout, what=f"write {os.fspath(path)}")
+    session = protocol.open_session(
+        group, src=src, timeout=timeout, call="save_for_ddp", path=os.fspath(path), options={}
+    )
     if not session.is_src:
-        session.wait_status()
+        session.hear()
         return
     try:
         from ckptfix.formats import save
 
         save(_unwrapped(obj, source=os.fspath(path)), path)
     except Exception as e:
-        failure = protocol.Failure.of(e, session.rank)
-        session.post_status(failure)
-        raise failure.error() from e
-    session.post_status(None)
+        session.fail("status", e)
+    session.announce(b"")
 
 
 def _unwrapped(obj: Any, *, source: str) -> Any:

@@ -135,6 +135,11 @@ def plan(entries: Sequence[Entry], bucket_bytes: int) -> list[Transfer]:
     return transfers
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    # A weights-only load can return a conjugate or negative view (a bit, not values): send the values.
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
@@ -167,7 +172,7 @@ def run(
             flat = bucket[: transfer.size]
             if send:
                 for index, offset, nbytes in transfer.slots:
-                    flat[offset : offset + nbytes].copy_(_as_bytes(tensors[index].contiguous()))
+                    flat[offset : offset + nbytes].copy_(_as_bytes(_plain(tensors[index])))
             broadcast(flat)
             if not send:
                 for index, offset, nbytes in transfer.slots:
@@ -180,11 +185,11 @@ def _run_direct(
 ) -> None:
     import torch
 
+    if send:
+        broadcast(_as_bytes(_plain(tensor.to(device))))
+        return
     if tensor.device == device and tensor.is_contiguous():
         broadcast(_as_bytes(tensor))
-        return
-    if send:
-        broadcast(_as_bytes(tensor.to(device).contiguous()))
         return
     staging = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8, device=device)
     broadcast(staging)

@@ -1,41 +1,51 @@
-"""How the ranks of a collective load or save agree on an outcome before any tensor moves.
+"""How the ranks of a collective load or save agree on an outcome, in phases, without ever waiting unbounded.
 
-Status and check results travel through the process group's key-value store, not through collectives:
-a store wait takes a timeout of its own, so a source that fails, hangs or dies releases every other rank
-within seconds (or ``timeout``), instead of after the process group's 30-minute collective timeout.
-Only the tensors themselves go through ``broadcast``, and only once every rank has said it is ready.
+Control data travels through the process group's key-value store, never through collectives. A call goes
+through phases (``start``: the arguments; ``status``: the source's read; ``check``: every rank's check of
+its model; ``transfer``: the broadcasts and their end). In each phase a rank posts its value under its own
+key and polls for the others' until ``timeout``. The phase's outcome is then committed with one atomic
+``compare_set``: the first rank to commit decides (success once every value is in; a failure, or "rank 2 did
+not arrive", on a timeout or an error) and every other rank adopts that outcome. So every rank that can still
+run raises the same error class and message, whichever phase it was in and whenever it wakes up; a rank
+that hangs releases the others within ``timeout``, not the process group's 30-minute collective timeout.
+Only tensors go through ``broadcast``, asynchronously, watched by the same clock and the same outcome.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
-import pickle
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ckptfix import errors
+from ckptfix.distributed import wire
 from ckptfix.errors import CkptfixError, DistributedError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
     import torch
 
 _PREFIX = "ckptfix"
+# Bumped when the phases or their values change: ranks that run different versions are told so at once.
+PROTOCOL = 2
+# The longest pause between two looks at the store: how late a rank hears that another one failed.
+_POLL = 0.1
 
 
 @dataclass(frozen=True)
 class Failure:
-    """A failure on one rank, in a form that crosses process boundaries (class name and message)."""
+    """A failure in a form that crosses process boundaries: the failing rank (if one), class name, message."""
 
-    rank: int
+    rank: int | None
     kind: str
     message: str
     globals_needed: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, exc: BaseException, rank: int) -> Failure:
+    def of(cls, exc: BaseException, rank: int | None) -> Failure:
         """Describe ``exc``; errors from outside ckptfix travel as :class:`DistributedError`."""
         message = " ".join(str(exc).split()) or type(exc).__name__
         if isinstance(exc, CkptfixError):
@@ -46,20 +56,29 @@ class Failure:
         needed = tuple(getattr(exc, "globals_needed", ()) or ())
         return cls(rank, kind, message, needed)
 
+    @classmethod
+    def common(cls, message: str) -> Failure:
+        """A hang, a lost connection or a disagreement: the message names the ranks, not the one that noticed."""
+        return cls(None, "DistributedError", message)
+
     def error(self) -> CkptfixError:
-        """The error every rank raises: the failing rank's class, its message, and which rank it was."""
+        """The error every rank raises: the failing rank's class and message, prefixed with that rank."""
         kind = getattr(errors, self.kind, None)
         if not (isinstance(kind, type) and issubclass(kind, CkptfixError)):
             kind = DistributedError
-        message = f"rank {self.rank}: {self.message}"
+        message = self.message if self.rank is None else f"rank {self.rank}: {self.message}"
         if kind is UnsafeCheckpointError:
             return UnsafeCheckpointError(message, globals_needed=list(self.globals_needed))
         return kind(message)
 
 
+def who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 @dataclass
 class Session:
-    """One collective call: the group, the source rank, and the store keys this call uses."""
+    """One collective call: the group, the source rank, the store keys and the clock this call uses."""
 
     group: Any
     src: int
@@ -68,76 +87,178 @@ class Session:
     store: Any
     key: str
     timeout: float
-    what: str
+    call: str
+    source_path: str = ""  # the path as the source named it; a receiver's own path may mean nothing there
+    failed: bool = False  # an outcome of failure was committed: this rank's error is already the agreed one
     device: torch.device = field(init=False)
 
     @property
     def is_src(self) -> bool:
         return self.rank == self.src
 
-    def post_status(self, failure: Failure | None, payload: Any = None) -> None:
-        """Source only: publish success with ``payload``, or the failure every rank will raise."""
-        self.store.set(f"{self.key}/status", _dumps((failure, payload)))
+    def exchange(
+        self, phase: str, value: bytes | None, *, late: Callable[[list[int]], str], senders: list[int] | None = None
+    ) -> list[bytes]:
+        """Post this rank's ``value`` for ``phase`` (if any); every sender's value, once all are in.
 
-    def wait_status(self, *, allowed: Iterable[str] = ()) -> Any:
-        """Receivers: wait for the source's status; raise its failure, or return its payload."""
-        raw = self._wait(f"{self.key}/status", f"rank {self.src} (the source) to {self.what}")
-        failure, payload = _loads(raw, allowed=allowed)
-        if failure is not None:
-            raise failure.error()
+        Raises the phase's failure if one was committed, or commits ``late(missing ranks)`` after ``timeout``.
+        """
+        senders = self.ranks if senders is None else senders
+        keys = [f"{self.key}/{phase}/{rank}" for rank in senders]
+        if value is not None:
+            self._op(self.store.set, f"{self.key}/{phase}/{self.rank}", value)
+        deadline = time.monotonic() + self.timeout
+        pause = 0.001
+        while not self._settled(phase) and not self._has(keys):
+            if time.monotonic() > deadline:
+                missing = [rank for rank, key in zip(senders, keys, strict=True) if not self._has([key])]
+                if missing:
+                    self.settle(phase, Failure.common(late(missing)))  # returns only if all arrived meanwhile
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL)
+        return [bytes(self._op(self.store.get, key)) for key in keys]
+
+    def settle(self, phase: str, failure: Failure | None) -> None:
+        """Commit this rank's verdict on ``phase`` unless another rank did first; raise the agreed failure."""
+        winner = self._op(self.store.compare_set, self._outcome(phase), "", wire.dumps(failure))
+        self._raise_if_failure(bytes(winner))
+
+    def fail(self, phase: str, exc: BaseException) -> NoReturn:
+        """This rank failed in ``phase``: raise on every rank the error that was committed first."""
+        failure = Failure.of(exc, self.rank)
+        self.settle(phase, failure)
+        raise failure.error() from exc  # only if the phase had already succeeded everywhere
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """``dist.broadcast`` from the source that gives up on a stall, or when another rank failed."""
+        import torch.distributed as dist
+
+        stalled = (
+            f"the broadcast from rank {self.src} (the source) made no progress for {self.timeout:g} s; "
+            f"a rank has hung or died: see the logs, or pass a larger timeout="
+        )
+        broken = (
+            f"the broadcast from rank {self.src} failed mid-transfer; a rank died or lost its connection: see its log"
+        )
+        try:
+            work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+        except (RuntimeError, OSError) as e:
+            self._give_up(broken, e)
+        # Polled rather than waited on: a wait with a timeout marks an NCCL communicator as failed, and a
+        # blocking wait could not hear of a failure on another rank.
+        start = look = time.monotonic()
+        pause = 0.0001
+        while not work.is_completed():
+            now = time.monotonic()
+            if now - start > self.timeout:
+                self._give_up(stalled, None)
+            if now - look > _POLL:
+                self._settled("transfer")
+                look = now
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)  # a finished transfer is noticed within a millisecond
+        try:
+            work.wait()  # raises the transfer's own error; under NCCL also orders the current stream after it
+        except (RuntimeError, OSError) as e:
+            self._give_up(broken, e)
+
+    def announce(self, payload: bytes) -> None:
+        """Source: its part succeeded; ``payload`` goes to every other rank."""
+        self.exchange("status", payload, senders=[self.src], late=self._source_late)
+        self.settle("status", None)
+
+    def hear(self) -> bytes:
+        """Receivers: the source's payload, or the source's failure raised."""
+        (payload,) = self.exchange("status", None, senders=[self.src], late=self._source_late)
+        self.settle("status", None)
         return payload
 
     def agree(self, problem: BaseException | None) -> None:
         """Every rank reports its own check; all raise the lowest failing rank's error, or all go on."""
         mine = None if problem is None else Failure.of(problem, self.rank)
-        self.store.set(self._check_key(self.rank), _dumps(mine))
-        keys = [self._check_key(rank) for rank in self.ranks]
+        raws = self.exchange(
+            "check",
+            wire.dumps(mine),
+            late=lambda missing: (
+                f"{who(missing)} did not finish checking the model within {self.timeout:g} s; it has hung or "
+                f"died: see its log, or pass a larger timeout="
+            ),
+        )
+        failures = [f for f in map(wire.loads, raws) if f is not None]
+        first = min(failures, key=lambda f: -1 if f.rank is None else f.rank, default=None)
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
-        except (RuntimeError, OSError) as e:
-            late = [rank for rank, key in zip(self.ranks, keys, strict=True) if not self._has(key)]
-            raise self._gave_up(f"rank(s) {late or '?'} to check their model", e) from e
-        failures = [f for f in (_loads(bytes(self.store.get(key)), allowed=()) for key in keys) if f is not None]
-        if failures:
-            first = min(failures, key=lambda f: f.rank)
-            raise first.error() from (problem if first.rank == self.rank else None)
+            self.settle("check", first)
+        except CkptfixError as e:
+            raise e from problem
         if self.is_src:
             # Every rank has read the status (it posted its check after reading it): the payload can go.
-            self._forget(f"{self.key}/status")
+            self._forget(f"{self.key}/status/{self.src}")
 
-    def _check_key(self, rank: int) -> str:
-        return f"{self.key}/check/{rank}"
+    def finish(self) -> None:
+        """After the last broadcast: return on every rank only if the transfer completed on every rank."""
+        self.exchange(
+            "transfer",
+            b"",
+            late=lambda missing: (
+                f"{who(missing)} did not finish the transfer within {self.timeout:g} s; it has hung or died: "
+                f"see its log, or pass a larger timeout="
+            ),
+        )
+        self.settle("transfer", None)
 
-    def _has(self, key: str) -> bool:
-        try:
-            return bool(self.store.check([key]))
-        except (RuntimeError, OSError):
-            return False
+    def _source_late(self, missing: list[int]) -> str:
+        doing = {"load_for_ddp": "reading", "save_for_ddp": "writing"}.get(self.call, "its part of")
+        return (
+            f"rank {self.src} (the source) did not finish {doing} {self.source_path} within {self.timeout:g} s; "
+            f"it has hung or died: see its log, or pass a larger timeout= for very large or slow files"
+        )
 
     def _forget(self, key: str) -> None:
         # A store without delete_key keeps a few kilobytes per call; harmless.
-        with contextlib.suppress(RuntimeError, OSError):
+        with contextlib.suppress(RuntimeError, OSError, AttributeError):
             self.store.delete_key(key)
 
-    def _wait(self, key: str, waiting_for: str) -> bytes:
+    def _give_up(self, message: str, cause: BaseException | None) -> NoReturn:
+        self.settle("transfer", Failure.common(message))
+        raise DistributedError(message) from cause  # settle raised unless the transfer had already ended
+
+    def _outcome(self, phase: str) -> str:
+        return f"{self.key}/{phase}/outcome"
+
+    def _settled(self, phase: str) -> bool:
+        """Whether ``phase`` has an outcome; raises it if it is a failure."""
+        if not self._has([self._outcome(phase)]):
+            return False
+        self._raise_if_failure(bytes(self._op(self.store.get, self._outcome(phase))))
+        return True
+
+    def _raise_if_failure(self, raw: bytes) -> None:
+        failure = wire.loads(raw)
+        if failure is not None:
+            self.failed = True
+            raise failure.error()
+
+    def _has(self, keys: list[str]) -> bool:
+        return bool(self._op(self.store.check, keys))
+
+    def _op(self, method: Callable[..., Any], *args: Any) -> Any:
         try:
-            self.store.wait([key], timedelta(seconds=self.timeout))
-            return bytes(self.store.get(key))
-        except (RuntimeError, OSError) as e:  # timeouts and lost connections (DistStoreError, DistNetworkError)
-            raise self._gave_up(waiting_for, e) from e
-
-    def _gave_up(self, waiting_for: str, e: BaseException) -> DistributedError:
-        return DistributedError(
-            f"rank {self.rank}: waited up to {self.timeout:g} s for {waiting_for} and gave up "
-            f"({' '.join(str(e).split())[:200]}); that rank has hung, died or not called this function: "
-            f"see its log, or pass a larger timeout= for very large or slow files"
-        )
+            return method(*args)
+        except (RuntimeError, OSError) as e:
+            self.failed = True
+            raise DistributedError(
+                f"lost the process group's store during {self.call}; the rank that hosts it (usually rank 0) "
+                f"has died or the network failed: see its log"
+            ) from e
 
 
-def open_session(group: Any, *, src: int, timeout: float, what: str) -> Session:
-    """Check the arguments every rank passed and name this call's keys in the store.
+def open_session(
+    group: Any, *, src: int, timeout: float | timedelta, call: str, path: str, options: Mapping[str, Any]
+) -> Session:
+    """Check what can be checked alone, then agree with every rank of ``group`` on the arguments.
 
-    Raises on this rank only, before anything is posted; the arguments are the same on every rank.
+    Raises on this rank only when it cannot take part (no process group, not in ``group``, a bad timeout);
+    every later error is raised by every rank alike.
     """
     import torch.distributed as dist
 
@@ -146,28 +267,75 @@ def open_session(group: Any, *, src: int, timeout: float, what: str) -> Session:
             "torch.distributed is not initialized; call dist.init_process_group() first "
             "(or use ckptfix.load_into / ckptfix.save in a single process)"
         )
+    seconds = _seconds(timeout)
     group = group if group is not None else dist.group.WORLD
     rank = dist.get_rank()
     ranks = list(dist.get_process_group_ranks(group))
     if rank not in ranks:
         raise DistributedError(f"rank {rank} is not in the group {ranks}; call this only on the group's ranks")
-    if src not in ranks:
-        raise DistributedError(
-            f"src={src} is not in the group {ranks}; src is a global rank, as in torch.distributed.broadcast"
-        )
-    if not timeout > 0:
-        raise DistributedError(f"timeout={timeout}: must be a positive number of seconds")
-    store = _store(dist)
+    store = _store()
     tag = f"{_PREFIX}/{'-'.join(map(str, ranks))}"
     # Every rank of the group makes the same calls in the same order, so per-rank counters agree; kept in the
     # store rather than in this process so that a re-initialized group with the same store never reads stale keys.
     seq = store.add(f"{tag}/calls/{rank}", 1)
-    session = Session(group, src, rank, ranks, store, f"{tag}/{seq}", float(timeout), what)
+    session = Session(group, src, rank, ranks, store, f"{tag}/{seq}", seconds, call)
     session.device = comm_device(dist, group)
+    _agree_on_arguments(session, path=path, options=options)
+    if src not in ranks:
+        raise DistributedError(
+            f"src={src} is not in the group {ranks}; src is a global rank, as in torch.distributed.broadcast"
+        )
     return session
 
 
-def _store(dist: Any) -> Any:
+def _seconds(timeout: float | timedelta) -> float:
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise DistributedError(f"timeout={timeout}: must be a positive number of seconds (or a timedelta)")
+    return seconds
+
+
+def _agree_on_arguments(session: Session, *, path: str, options: Mapping[str, Any]) -> None:
+    # The first exchange of every call: a rank given another src, bucket size or protocol would otherwise
+    # broadcast from a different rank or in different pieces, and every rank would hang in that collective.
+    mine = {"protocol": PROTOCOL, "call": session.call, "src": session.src, **options}
+    raws = session.exchange(
+        "start",
+        wire.dumps((mine, path)),
+        late=lambda missing: (
+            f"{who(missing)} did not call {session.call} within {session.timeout:g} s; call it on every rank of "
+            f"the group, in the same order as other collectives, or pass a larger timeout="
+        ),
+    )
+    hellos = [wire.loads(raw) for raw in raws]
+    session.source_path = hellos[session.ranks.index(session.src)][1] if session.src in session.ranks else path
+    session.settle("start", _disagreement([args for args, _ in hellos], session.ranks))
+
+
+def _disagreement(arguments: list[dict[str, Any]], ranks: list[int]) -> Failure | None:
+    names = list(dict.fromkeys(name for args in arguments for name in args))
+    parts, differ = [], []
+    for name in names:
+        by_value: dict[str, list[int]] = {}
+        for rank, args in zip(ranks, arguments, strict=True):
+            by_value.setdefault(repr(args.get(name)), []).append(rank)
+        if len(by_value) > 1:
+            differ.append(name)
+            parts.append(", ".join(f"{name}={value} on ranks {on}" for value, on in by_value.items()))
+    if not differ:
+        return None
+    if "protocol" in differ:
+        fix = "install the same ckptfix version on every rank"
+    elif "call" in differ:
+        fix = "make the same ckptfix calls on every rank, in the same order"
+    else:
+        fix = f"pass the same {', '.join(differ)} on every rank"
+    calls = {args.get("call") for args in arguments}
+    head = f"{calls.pop()} was called" if len(calls) == 1 else "ckptfix collectives were called"
+    return Failure.common(f"{head} with different arguments on different ranks: {'; '.join(parts)}; {fix}")
+
+
+def _store() -> Any:
     # The default store is private API, but stable since torch 1.x and the only store every rank shares.
     from torch.distributed import distributed_c10d
 
@@ -187,53 +355,3 @@ def comm_device(dist: Any, group: Any) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-# What a status payload may contain: plain containers, the placeholders for tensors, and torch's small value types.
-_ALLOWED = {
-    ("collections", "OrderedDict"),
-    ("collections", "defaultdict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "complex"),
-    ("builtins", "slice"),
-    ("builtins", "range"),
-    ("builtins", "bytearray"),
-    ("ckptfix.distributed.protocol", "Failure"),
-    ("ckptfix.distributed.buckets", "Entry"),
-    ("ckptfix.distributed.buckets", "TensorRef"),
-    ("torch", "Size"),
-    ("torch", "device"),
-}
-
-
-class _Unpickler(pickle.Unpickler):
-    # The payload is built from a weights-only load on the source, but the receivers still refuse anything
-    # beyond that allowlist (plus the user's own allow_globals), so this hop never widens what can run.
-    def __init__(self, data: bytes, allowed: set[tuple[str, str]]) -> None:
-        super().__init__(io.BytesIO(data))
-        self.allowed = allowed
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if (module, name) in self.allowed or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise DistributedError(
-            f"status payload needs global '{module}.{name}', which the receiving rank does not allow; "
-            f"pass allow_globals=['{module}.{name}'] on every rank"
-        )
-
-
-def _loads(data: bytes, *, allowed: Iterable[str]) -> Any:
-    extra: set[tuple[str, str]] = set()
-    for name in allowed:
-        module, _, attr = name.rpartition(".")
-        extra.add((module, attr))
-    return _Unpickler(data, _ALLOWED | extra).load()

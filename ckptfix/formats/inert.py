@@ -282,6 +282,18 @@ _OPCODES = frozenset(
 )  # fmt: skip
 
 
+def _check_metadata(metadata: Any) -> None:
+    # a state dict's _metadata maps module paths to {"version": ...}; torch's load_state_dict relies on that shape
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or not all(
+        type(k) is str and isinstance(v, dict) and all(type(f) is str for f in v) for k, v in metadata.items()
+    ):
+        raise FormatError(
+            "a state dict's _metadata is not a mapping of module paths to dicts; the file is corrupt or crafted"
+        )
+
+
 def _foreign(code: int, func: Any) -> Any:
     def load(self: _Unpickler) -> None:
         # read on, so that the refusal can still name every global the file needs, then refuse
@@ -305,6 +317,7 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
         self.foreign: dict[int, None] = {}  # opcodes torch's weights-only loader does not read
         self.globals: dict[str, type[Global]] = {}  # per file: nothing one file does reaches the next
         self.storages: dict[str, StorageRef] = {}
+        self.stack: list[Any] = []  # pickle._Unpickler's own, declared for the type checker
 
     def load_build(self) -> None:
         # as torch: state only for an OrderedDict (its attributes) or an object of an --allow-global class
@@ -315,6 +328,7 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
             and isinstance(state, dict)
             and all(type(k) is str and not k.startswith("__") for k in state)
         ):
+            _check_metadata(state.get("_metadata"))
             inst.__dict__.update(state)
         elif type(inst) is Inert and inst.func.full not in allowlist.TORCH_DEFAULT:
             inst.__setstate__(state)

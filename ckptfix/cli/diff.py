@@ -1,0 +1,69 @@
+"""``ckptfix diff``: what differs between two checkpoints once their layouts are set aside."""
+
+from __future__ import annotations
+
+import click
+
+from ckptfix.cli.options import safety_options
+from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, section
+
+
+@click.command()
+@click.argument("a", metavar="A", type=click.Path(dir_okay=False))
+@click.argument("b", metavar="B", type=click.Path(dir_okay=False))
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@safety_options
+def diff(
+    a: str, b: str, atol: float, rtol: float, as_json: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool
+) -> None:
+    """Compare checkpoints A and B after normalising their layouts.
+
+    Lists keys only in A or only in B, shape and dtype changes, tensors whose values differ (max |Δ|, max
+    relative) and other entries (epoch, optimizer, …) that differ. Tensors are equal when
+    |a - b| <= atol + rtol·|b| everywhere.
+
+    \b
+    Exit codes: 0 equal within tolerance; 1 different; 2 an input cannot be read.
+    Example: ckptfix diff ddp_run.pt converted.safetensors --atol 1e-6
+    """
+    from ckptfix.diff import diff as diff_checkpoints
+    from ckptfix.formats import load
+
+    objs = [load(p, unsafe=unsafe_pickle, allow_globals=allow_globals) for p in (a, b)]
+    report = diff_checkpoints(objs[0], objs[1], atol=atol, rtol=rtol, names=(a, b))
+    code = 0 if report.equal else 1
+    if as_json:
+        echo_json({**report.to_dict(), "exit_code": code})
+        click.get_current_context().exit(code)
+    for e in report.entries:
+        ea = f"entry '{e.entry_a}', " if e.entry_a else ""
+        eb = f"entry '{e.entry_b}', " if e.entry_b else ""
+        echo(f"A: {a} ({ea}layout {e.layout_a})")
+        echo(f"B: {b} ({eb}layout {e.layout_b})")
+        if e.layout_a != e.layout_b:
+            echo(f"layouts differ ({e.layout_a} vs {e.layout_b}): compared after converting both to single")
+        section("only in A", e.only_a)
+        section("only in B", e.only_b)
+        by_change("shape changed", e.shape, "{a} -> {b}")
+        by_change("dtype changed", e.dtype, "{a} -> {b}")
+        if e.values:
+            echo(f"values differ ({len(e.values)} of {e.compared} tensors, atol {atol:g}, rtol {rtol:g}):")
+            worst = sorted(e.values, key=lambda v: -v.max_abs)
+            for v in worst[:LIST_LIMIT]:
+                echo(f"  {v.key}  max |Δ| {v.max_abs:.3g}  max rel {v.max_rel:.3g}")
+            section("  and smaller differences in", [v.key for v in worst[LIST_LIMIT:]])
+    if not report.entries:
+        echo(f"A: {a}")
+        echo(f"B: {b}")
+        echo("no model state dict in common; compared as data")
+    if report.other:
+        echo(f"other entries differ ({len(report.other)}):")
+        lines([f"{o.path}: {o.a} -> {o.b}" for o in report.other])
+    tolerance = f" within atol {atol:g}, rtol {rtol:g}" if atol or rtol else ""
+    echo(f"equal{tolerance}" if report.equal else "different")
+    click.get_current_context().exit(code)
+
+
+COMMANDS: list[click.Command] = [diff]

@@ -1,0 +1,116 @@
+"""``ckptfix merge``: one checkpoint from the per-rank checkpoints of a DDP run."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import click
+
+from ckptfix.cli.options import model_from_options, safety_options
+from ckptfix.cli.render import LIST_LIMIT, echo, echo_json, section, warn
+from ckptfix.keytree import group_keys
+from ckptfix.layouts import TARGETS
+from ckptfix.merging import BUFFER_STRATEGIES
+
+if TYPE_CHECKING:
+    from ckptfix.merging import MergeResult
+
+
+@click.command()
+@click.argument("inputs", metavar="RANK0 RANK1 …", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Merged checkpoint.")
+@click.option("--to", type=click.Choice(TARGETS), default="single", show_default=True, help="Output key layout.")
+@click.option(
+    "--buffers",
+    type=click.Choice(BUFFER_STRATEGIES),
+    default="pooled",
+    show_default=True,
+    help="BatchNorm statistics: pooled (mean of means; mean of variances plus variance of means), mean, rank0.",
+)
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Allowed |Δ| between ranks' parameters.")
+@click.option("--model", "model_spec", metavar="MOD:FACTORY", help="Tells buffers from parameters (see below).")
+@click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print the merge report as JSON.")
+@safety_options
+def merge(
+    inputs: tuple[str, ...],
+    out: str,
+    to: str,
+    buffers: str,
+    atol: float,
+    model_spec: str | None,
+    kwargs: str | None,
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    unsafe_pickle: bool,
+) -> None:
+    """Merge per-rank checkpoints of one DDP run (buffer sync off) into OUT.
+
+    Parameters must be equal on every rank (within --atol), else nothing is written and the differing keys
+    are listed. BatchNorm running statistics are merged per --buffers; num_batches_tracked is kept, or the
+    maximum when ranks differ. Other buffers must be equal; with --model, floating ones that differ follow
+    --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0.
+
+    \b
+    Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
+    Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
+    """
+    from ckptfix.errors import MergeError
+    from ckptfix.formats import load, save
+    from ckptfix.formats.atomic import check_output
+    from ckptfix.merging import plan_merge
+
+    check_output(out, inputs=inputs)
+    for j, later in enumerate(inputs):
+        for earlier in inputs[:j]:
+            if os.path.realpath(later) == os.path.realpath(earlier):
+                warn(f"{later} is given twice; the same file counts as two ranks")
+    buffer_keys = _buffer_keys(model_spec, kwargs) if model_spec else []
+    objs = [load(p, unsafe=unsafe_pickle, allow_globals=allow_globals) for p in inputs]
+    result = plan_merge(objs, names=inputs, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys)
+    for message in result.warnings:
+        warn(message)
+    if not result.diverged:
+        save(result.obj, out)
+    if as_json:
+        echo_json({**result.to_dict(), "output": out, "written": not result.diverged})
+    elif result.diverged:
+        echo(f"{len(result.diverged)} key(s) differ across ranks (atol {atol:g}):")
+        for d in result.diverged[:LIST_LIMIT]:
+            echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {inputs[0]})")
+        section("  and", [d.key for d in result.diverged[LIST_LIMIT:]])
+    else:
+        _summary(result, inputs, out, to=to, buffers=buffers)
+    if result.diverged:
+        raise MergeError(
+            f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
+            f"'{result.diverged[0].key}'); use files of the same step, or --atol if the drift is expected"
+        )
+
+
+def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:
+    echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
+    if result.bn_modules:
+        groups = group_keys(result.bn_modules)
+        echo(f"BatchNorm statistics ({buffers}): {len(result.bn_modules)} module(s): {'; '.join(groups)}")
+    if result.buffers_merged:
+        echo(f"other buffers ({buffers}): {'; '.join(group_keys(result.buffers_merged))}")
+    echo("parameters: equal on every rank")
+    if result.kept_from_first:
+        echo(f"taken from {inputs[0]}: {', '.join(result.kept_from_first)}")
+    echo(f"wrote {out} (layout {to})")
+
+
+def _buffer_keys(model_spec: str, kwargs: str | None) -> list[str]:
+    """Names of the model's buffers in the single layout."""
+    from ckptfix import layouts
+    from ckptfix.checkpoint import apply_maps
+
+    model = model_from_options(model_spec, kwargs)
+    # The layout is read from every key: buffers alone may all sit under a submodule that is named `module`.
+    _, maps = layouts.conversion_maps(list(model.state_dict()), to="single", source="model")
+    return list(apply_maps(dict(model.named_buffers()), maps, source="model"))
+
+
+COMMANDS: list[click.Command] = [merge]

@@ -1,0 +1,45 @@
+"""Options shared by the ``ckptfix`` commands, and what turns them into library calls."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ckptfix.errors import CkptfixError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--allow-global`` and ``--unsafe-pickle``, for every command that reads a .pt file."""
+    f = click.option(
+        "--unsafe-pickle",
+        is_flag=True,
+        help="UNSAFE: run the full pickle machinery. Only for a file you made yourself; it can run code.",
+    )(f)
+    return click.option(
+        "--allow-global",
+        "allow_globals",
+        multiple=True,
+        metavar="module.Name",
+        help="Let the weights-only loader build this class (repeatable), e.g. argparse.Namespace.",
+    )(f)
+
+
+def model_from_options(model_spec: str, kwargs: str | None) -> torch.nn.Module:
+    """The model of ``--model`` and ``--kwargs``; errors name the flags.
+
+    A console script does not put the working folder on sys.path the way ``python -m`` does, yet factories such
+    as ``mypkg.models:build`` usually live right there: it is searched last, for the factory's module only.
+    """
+    from ckptfix.factory import ModelSpecError, build_model
+
+    try:
+        return build_model(model_spec, kwargs=kwargs, search_path=os.getcwd())
+    except ModelSpecError as e:
+        flag = "--kwargs" if e.argument == "kwargs" else f"--model '{model_spec}'"
+        raise CkptfixError(f"{flag}: {e.problem}") from e

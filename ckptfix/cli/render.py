@@ -1,0 +1,79 @@
+"""Text output of the ``ckptfix`` commands: inert lines, grouped key lists, JSON, sizes.
+
+Every line a command prints for people goes through :func:`printable`: a key or path that holds a newline or a
+terminal escape sequence prints escaped (``\\n``, ``\\x1b``), so it can neither forge an output line nor reach the
+terminal raw. ``--json`` output needs none of it: JSON escapes control characters itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import click
+
+from ckptfix.keytree import group_keys
+
+LIST_LIMIT = 12  # one-per-line items before the rest are only counted (--json has them all)
+
+
+def printable(text: object) -> str:
+    """``text`` as one inert line: characters that are not printable are escaped the way ``repr`` does.
+
+    >>> printable("conv.weight\\n\\x1b[2J")
+    'conv.weight\\\\n\\\\x1b[2J'
+    """
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def echo(line: str = "", *, err: bool = False) -> None:
+    """Print one line (escaped by :func:`printable`)."""
+    click.echo(printable(line), err=err)
+
+
+def warn(message: str) -> None:
+    echo(f"ckptfix: warning: {message}", err=True)
+
+
+def echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def lines(items: Sequence[str], more: str = "more") -> None:
+    """Up to ``LIST_LIMIT`` indented lines, then how many were left out."""
+    for item in items[:LIST_LIMIT]:
+        echo(f"  {item}")
+    if len(items) > LIST_LIMIT:
+        echo(f"  … {len(items) - LIST_LIMIT} {more} (use --json for all)")
+
+
+def section(title: str, keys: Iterable[str]) -> None:
+    """``title (n):`` and the keys, grouped (``features.{0,3}.{weight,bias}``); nothing when there are none."""
+    keys = list(keys)
+    if not keys:
+        return
+    echo(f"{title} ({len(keys)}):")
+    lines(group_keys(keys), "more groups")
+
+
+def by_change(title: str, changes: dict[str, tuple[Any, Any]], fmt: str) -> None:
+    """Keys grouped by the change they share (``[3, 4] -> [5, 4]``), each group brace-compressed."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for key, (a, b) in changes.items():
+        shown = [list(x) if isinstance(x, tuple) else x for x in (a, b)]
+        groups[fmt.format(a=shown[0], b=shown[1])].append(key)
+    for change, keys in groups.items():
+        section(f"{title}, {change}", keys)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"

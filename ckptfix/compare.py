@@ -1,0 +1,254 @@
+"""Compare a state dict with a model: what ``load_state_dict(strict=True)`` would refuse, as data.
+
+:func:`check` returns a :class:`KeyReport`: missing, unexpected, wrong-shape and wrong-dtype keys, ``_metadata``
+entries that make ``load_state_dict`` raise, likely renames and the ``ckptfix convert`` command that fixes a
+layout-only or rename-only difference.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptfix.errors import MismatchError
+from ckptfix.renames import format_rules, likely_renames, prefix_swaps
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class KeyReport:
+    """How a state dict fits a model; ``ok`` means ``load_state_dict(strict=True)`` would succeed.
+
+    ``ok`` is judged after moving the state dict to the model's layout (what :func:`ckptfix.load_into` does);
+    ``loads_as_is`` also requires the layouts to agree, as a plain ``model.load_state_dict`` would.
+    """
+
+    source: str
+    layout_from: str = "single"
+    layout_to: str = "single"
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    wrong_shape: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    wrong_dtype: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # Module path -> why its ``_metadata`` entry makes load_state_dict raise, and the fix.
+    bad_metadata: dict[str, str] = field(default_factory=dict)
+    # What a trial ``load_state_dict`` raised (see :func:`ckptfix.loading.trial_load`), as one line.
+    load_error: str | None = None
+    # (checkpoint key, model key) pairs that look like a rename: same shape, the only suffix match both ways.
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+    # ``--rename`` rules that turn every renamed pair into its model key and break nothing else.
+    rename_rules: list[str] = field(default_factory=list)
+    # The same rules as (old prefix, new prefix) pairs in the model's layout.
+    rename_swaps: list[tuple[str, str]] = field(default_factory=list)
+    target_layout: str = "single"
+    entry: str = ""
+
+    @property
+    def ok(self) -> bool:
+        keys_fit = not (self.missing or self.unexpected or self.wrong_shape or self.wrong_dtype)
+        return keys_fit and not self.bad_metadata and self.load_error is None
+
+    @property
+    def layout_differs(self) -> bool:
+        return self.layout_from != self.layout_to
+
+    @property
+    def loads_as_is(self) -> bool:
+        """True when ``model.load_state_dict(state, strict=True)`` works without any conversion."""
+        return self.ok and not self.layout_differs
+
+    @property
+    def fixable_by_convert(self) -> bool:
+        """True when ``ckptfix convert`` (a layout change and/or ``--rename`` rules) makes the state fit."""
+        if self.wrong_shape or self.wrong_dtype or self.bad_metadata or self.load_error is not None:
+            return False
+        if self.ok:
+            return self.layout_differs
+        return bool(self.rename_rules)
+
+    def summary(self) -> str:
+        """One line naming the first problem of each kind and the counts."""
+        parts = []
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing (e.g. '{self.missing[0]}')")
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} unexpected (e.g. '{self.unexpected[0]}')")
+        for key, (got, want) in list(self.wrong_shape.items())[:1]:
+            parts.append(f"{len(self.wrong_shape)} wrong shape (e.g. '{key}': {list(got)} vs model {list(want)})")
+        for key, (dtype_got, dtype_want) in list(self.wrong_dtype.items())[:1]:
+            parts.append(f"{len(self.wrong_dtype)} wrong dtype (e.g. '{key}': {dtype_got} vs model {dtype_want})")
+        for path, problem in list(self.bad_metadata.items())[:1]:
+            parts.append(f"{len(self.bad_metadata)} bad _metadata (e.g. {module_name(path)}: {problem})")
+        if self.load_error is not None:
+            parts.append(f"load_state_dict raised {self.load_error}")
+        return "; ".join(parts) if parts else "ok"
+
+    def raise_if_failed(self, *, strict: bool = True) -> None:
+        """Raise :class:`MismatchError` with a one-line summary unless the state dict fits.
+
+        With ``strict=False`` only what ``load_state_dict(strict=False)`` would raise on counts: bad ``_metadata``
+        and a failed trial load (callers drop wrong-shape keys themselves).
+        """
+        if self.ok or (not strict and not self.bad_metadata and self.load_error is None):
+            return
+        raise MismatchError(
+            f"{self.source}: does not fit the model: {self.summary()}; run 'ckptfix validate' for the full report"
+        )
+
+    def strict(self) -> KeyReport:
+        """Raise :class:`MismatchError` unless the state dict fits; returns the report for chaining.
+
+        >>> report = ckptfix.check(state, model).strict()
+        """
+        self.raise_if_failed()
+        return self
+
+    def fix_command(self, path: str, *, out: str | None = None, allow_globals: Iterable[str] = ()) -> str | None:
+        """The ``ckptfix convert`` command that makes ``path`` fit the model, or None when none does."""
+        if not self.fixable_by_convert:
+            return None
+        if out is None:
+            stem, ext = os.path.splitext(path)
+            out = f"{stem}.{'fixed' if self.rename_rules else self.target_layout}{ext or '.pt'}"
+        words = ["ckptfix", "convert", path, out, "--to", self.target_layout]
+        for rule in self.rename_rules:
+            words += ["--rename", rule]
+        for name in allow_globals:
+            words += ["--allow-global", name]
+        return shlex.join(words)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (shapes as lists, pairs as two-item lists)."""
+        return {
+            "source": self.source,
+            "entry": self.entry,
+            "ok": self.ok,
+            "loads_as_is": self.loads_as_is,
+            "layout_from": self.layout_from,
+            "layout_to": self.layout_to,
+            "missing": list(self.missing),
+            "unexpected": list(self.unexpected),
+            "wrong_shape": {k: {"checkpoint": list(a), "model": list(b)} for k, (a, b) in self.wrong_shape.items()},
+            "wrong_dtype": {k: {"checkpoint": a, "model": b} for k, (a, b) in self.wrong_dtype.items()},
+            "bad_metadata": dict(self.bad_metadata),
+            "load_error": self.load_error,
+            "renamed": [list(pair) for pair in self.renamed],
+            "rename_rules": list(self.rename_rules),
+        }
+
+
+def module_name(path: str) -> str:
+    """A module path for messages: ``'features.1'``, or ``the root module`` for ``""``."""
+    return f"module '{path}'" if path else "the root module"
+
+
+def check(state: Mapping[str, Any], model: torch.nn.Module, *, source: str = "state dict") -> KeyReport:
+    """Compare ``state`` (already in the model's layout) with ``model.state_dict()``.
+
+    >>> report = ckptfix.check(torch.load("ckpt.pt")["model"], model)
+    >>> report.missing, report.unexpected, report.wrong_shape, report.renamed
+    """
+    expected = model.state_dict()
+    report = KeyReport(source=source)
+    missing = [k for k in expected if k not in state]
+    report.unexpected = [k for k in state if k not in expected]
+    for key, want in expected.items():
+        got = state.get(key)
+        if got is None:
+            continue
+        if tuple(got.shape) != tuple(want.shape):
+            report.wrong_shape[key] = (tuple(got.shape), tuple(want.shape))
+        elif got.dtype != want.dtype:
+            report.wrong_dtype[key] = (
+                str(got.dtype).removeprefix("torch."),
+                str(want.dtype).removeprefix("torch."),
+            )
+    report.bad_metadata = metadata_problems(state, model)
+    if missing and report.unexpected:
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
+        shapes.update({k: tuple(v.shape) for k, v in expected.items() if k not in state})
+        report.renamed = likely_renames(missing, report.unexpected, shapes)
+        report.rename_swaps = prefix_swaps(
+            report.renamed,
+            missing=missing,
+            unexpected=report.unexpected,
+            state_keys=state.keys(),
+            model_keys=expected.keys(),
+        )
+        report.rename_rules = format_rules(report.rename_swaps)
+    # A key load_state_dict fills in is not missing, unless it is a renamed key's new name: then the rename
+    # brings it (and its module's _metadata entry) along.
+    paired = {want for _, want in report.renamed}
+    filled = _filled_by_load(model, getattr(state, "_metadata", None))
+    report.missing = [k for k in missing if k not in filled or k in paired]
+    return report
+
+
+def metadata_problems(state: Mapping[str, Any], model: torch.nn.Module) -> dict[str, str]:
+    """The ``_metadata`` entries of ``state`` that make ``model.load_state_dict`` raise, by module path, with the fix.
+
+    The same rules as torch: every module of the model reads its entry as a dict, and the normalization layers
+    (BatchNorm, InstanceNorm) compare its ``version`` with 2, so a version such as ``'2'`` raises a TypeError.
+    """
+    from torch.nn.modules.batchnorm import _NormBase
+
+    metadata = getattr(state, "_metadata", None)
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        return {"": f"_metadata is a {type(metadata).__name__}, not a dict of module entries: delete it"}
+    problems: dict[str, str] = {}
+    # load_state_dict walks every path to a module, shared modules included.
+    for path, module in model.named_modules(remove_duplicate=False):
+        if path not in metadata:
+            continue
+        entry = metadata[path]
+        if not isinstance(entry, Mapping):
+            problems[path] = f"its _metadata entry is a {type(entry).__name__}, not a dict: delete the entry"
+        elif isinstance(module, _NormBase) and not _compares_with_int(entry.get("version")):
+            version = entry.get("version")
+            cls = type(module).__name__
+            problems[path] = (
+                f"_metadata version {_short_repr(version)} is a {type(version).__name__}, not a number, and {cls} "
+                f"compares it with 2: delete the version or set it to {getattr(type(module), '_version', 2)}"
+            )
+    return problems
+
+
+def _filled_by_load(model: torch.nn.Module, metadata: Any) -> set[str]:
+    """Keys ``load_state_dict`` puts in itself: BatchNorm's ``num_batches_tracked``, for a version below 2.
+
+    A checkpoint from before that buffer existed (version 1, or no ``_metadata`` at all) loads with strict=True.
+    """
+    from torch.nn.modules.batchnorm import _NormBase
+
+    filled = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not (isinstance(module, _NormBase) and module.track_running_stats):
+            continue
+        entry = metadata.get(path, {}) if isinstance(metadata, Mapping) else {}
+        version = entry.get("version") if isinstance(entry, Mapping) else None
+        if version is None or (_compares_with_int(version) and bool(version < 2)):
+            filled.add(f"{path}.num_batches_tracked" if path else "num_batches_tracked")
+    return filled
+
+
+def _compares_with_int(version: Any) -> bool:
+    """Whether ``version is None or version < 2`` works, as in BatchNorm's ``_load_from_state_dict``."""
+    if version is None:
+        return True
+    try:
+        bool(version < 2)
+    except Exception:  # whatever the comparison raises, load_state_dict raises it too
+        return False
+    return True
+
+
+def _short_repr(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"

@@ -1,0 +1,140 @@
+"""``ckptfix merge`` through the real click group, on real per-rank DDP files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+import ckptfix
+from ckptfix.cli import cli
+from tests.checks_models import ScaledHead, SmallCNN, ddp_rank_files
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
+TRAINER = "ckptfix.trainer.model:build_model"
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return ddp_rank_files(tmp_path_factory.getbasetemp())
+
+
+def test_merge_writes_the_merged_checkpoint(rank_files: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "merged.pt"
+    result = run("merge", *rank_files, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "BatchNorm statistics (pooled): 2 module(s): features.{1,4}" in result.stdout
+    assert f"taken from {rank_files[0]}: epoch, optimizer, rank" in result.stdout
+    merged = ckptfix.load(out)
+    expected = ckptfix.merge([ckptfix.load(f) for f in rank_files])
+    assert list(merged["model"]) == list(expected["model"])
+    for key, value in expected["model"].items():
+        assert torch.equal(merged["model"][key], value), key
+    model = SmallCNN()
+    assert ckptfix.load_into(model, out).loads_as_is
+    model.eval()
+    assert torch.equal(model.features[1].running_var, expected["model"]["features.1.running_var"])
+
+
+def test_merge_to_safetensors_and_ddp_layout_with_json(rank_files: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "merged.safetensors"
+    result = run("merge", *rank_files, "-o", out, "--to", "ddp", "--buffers", "mean", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["written"] is True and report["bn_modules"] == ["features.1", "features.4"]
+    assert report["layouts_from"] == ["ddp", "ddp"] and report["diverged"] == []
+    assert all(k.startswith("module.") for k in ckptfix.load(out)["model"])
+
+
+def test_merge_refuses_a_tampered_rank_and_writes_nothing(rank_files: list[Path], tmp_path: Path) -> None:
+    ckpt = ckptfix.load(rank_files[1])
+    ckpt["model"] = dict(ckpt["model"])
+    ckpt["model"]["module.features.3.weight"] = ckpt["model"]["module.features.3.weight"] * 1.5
+    tampered = tmp_path / "rank1_tampered.pt"
+    ckptfix.save(ckpt, tampered)
+    out = tmp_path / "merged.pt"
+    result = run("merge", rank_files[0], tampered, "-o", out)
+    assert result.exit_code == 1
+    assert not out.exists() and list(tmp_path.iterdir()) == [tampered]
+    assert "1 key(s) differ across ranks (atol 0):" in result.stdout
+    assert "  features.3.weight  max |Δ| " in result.stdout and f"on {tampered} (vs {rank_files[0]})" in result.stdout
+    assert result.stderr.startswith(f"ckptfix: error: {out}: not written: 1 key(s) differ")
+    assert run("merge", rank_files[0], tampered, "-o", out, "--atol", "10").exit_code == 0
+
+
+def test_merge_warns_for_a_duplicated_rank_and_refuses_out_as_input(rank_files: list[Path], tmp_path: Path) -> None:
+    result = run("merge", rank_files[0], rank_files[0], "-o", tmp_path / "m.pt")
+    assert result.exit_code == 0
+    assert "is given twice" in result.stderr and "is identical to" in result.stderr
+    result = run("merge", rank_files[0], "-o", tmp_path / "lone.pt")
+    assert result.exit_code == 0 and "only one input" in result.stderr
+    result = run("merge", rank_files[0], rank_files[1], "-o", rank_files[1])
+    assert result.exit_code == 2 and "is the input file" in result.stderr
+
+
+def test_merge_with_model_averages_other_float_buffers(tmp_path: Path) -> None:
+    files = []
+    for rank in range(2):
+        state = torch.nn.DataParallel(ScaledHead()).state_dict()
+        state["module.module.scale"] = torch.full((2,), 1.0 + 2 * rank)
+        files.append(tmp_path / f"rank{rank}.pt")
+        ckptfix.save({"model": state}, files[-1])
+    out = tmp_path / "merged.pt"
+    refused = run("merge", *files, "-o", out)
+    assert refused.exit_code == 1 and "  module.scale  max |Δ| 2" in refused.stdout and not out.exists()
+    result = run("merge", *files, "-o", out, "--model", "tests.checks_models:ScaledHead")
+    assert result.exit_code == 0, result.output
+    assert "other buffers (pooled): module.scale" in result.stdout
+    merged = ckptfix.load(out)["model"]
+    assert torch.equal(merged["module.scale"], torch.full((2,), 2.0))
+    assert ckptfix.check(merged, ScaledHead()).ok
+
+
+@pytest.mark.skipif(not (FIXTURES / "ddp_rank1.pt").exists(), reason="trainer fixtures not generated")
+def test_merge_the_trainer_per_rank_fixtures(tmp_path: Path) -> None:
+    files = [FIXTURES / "ddp_rank0.pt", FIXTURES / "ddp_rank1.pt"]
+    out = tmp_path / "merged.safetensors"
+    assert run("merge", *files, "-o", out).exit_code == 0
+    ranks = [{k.removeprefix("module."): v for k, v in ckptfix.load(f)["model"].items()} for f in files]
+    merged = ckptfix.load(out)  # model only: safetensors keeps the simple entries as metadata
+    merged = merged.get("model", merged)
+    bn = sorted({k.rsplit(".", 1)[0] for k in ranks[0] if k.endswith("running_mean")})
+    assert bn and not torch.equal(ranks[0][f"{bn[0]}.running_mean"], ranks[1][f"{bn[0]}.running_mean"])
+    for key, value in ranks[0].items():
+        module, _, leaf = key.rpartition(".")
+        if module in bn and leaf in ("running_mean", "running_var"):
+            m0, m1 = (r[f"{module}.running_mean"].double() for r in ranks)
+            v0, v1 = (r[f"{module}.running_var"].double() for r in ranks)
+            mean = (m0 + m1) / 2
+            want = mean if leaf == "running_mean" else (v0 + v1) / 2 + ((m0 - mean) ** 2 + (m1 - mean) ** 2) / 2
+            torch.testing.assert_close(merged[key], want.to(value.dtype), rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(merged[key], value), key
+    result = run("validate", out, "--model", TRAINER)
+    assert result.exit_code == 0, result.output
+
+
+def test_merge_prints_hostile_key_names_escaped_and_errors_stay_one_line(tmp_path: Path) -> None:
+    key = "evil\x1b[2J\nparameters: equal on every rank"
+    files = [tmp_path / "rank0.pt", tmp_path / "rank1.pt"]
+    for rank, path in enumerate(files):
+        torch.save({"w": torch.zeros(2), key: torch.full((2,), float(rank))}, path)
+    out = tmp_path / "merged.pt"
+    result = run("merge", *files, "-o", out)
+    assert result.exit_code == 1 and not out.exists()
+    assert "\x1b" not in result.output
+    assert result.stdout.splitlines() == [
+        "1 key(s) differ across ranks (atol 0):",
+        rf"  evil\x1b[2J\nparameters: equal on every rank  max |Δ| 1  on {files[1]} (vs {files[0]})",
+    ]
+    assert result.stderr == (
+        rf"ckptfix: error: {out}: not written: 1 key(s) differ across ranks (e.g. 'evil\x1b[2J\nparameters: equal "
+        "on every rank'); use files of the same step, or --atol if the drift is expected\n"
+    )

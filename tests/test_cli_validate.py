@@ -1,0 +1,229 @@
+"""``ckptfix validate`` through the real click group, on real per-rank DDP files and the trainer's fixtures."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from torch import nn
+
+import ckptfix
+from ckptfix.cli import cli
+from tests.checks_models import SmallCNN, ddp_rank_files
+
+MODEL = "tests.checks_models:SmallCNN"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
+TRAINER = "ckptfix.trainer.model:build_model"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return ddp_rank_files(tmp_path_factory.getbasetemp())
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_validate_rank_files_prints_the_fix_and_the_fix_works(
+    rank_files: list[Path], tmp_path: Path, which: int
+) -> None:
+    result = run("validate", rank_files[which], "--model", MODEL)
+    assert result.exit_code == 1, result.output
+    assert "layout only: the checkpoint is ddp, the model single" in result.stdout
+    fix = result.stdout.splitlines()[-1].strip()
+    out = tmp_path / "fixed.pt"
+    assert fix == f"ckptfix convert {rank_files[which]} {str(rank_files[which])[:-3]}.single.pt --to single"
+    words = shlex.split(fix)
+    assert run("convert", words[2], out, *words[4:]).exit_code == 0
+    ok = run("validate", out, "--model", MODEL)
+    assert ok.exit_code == 0 and ok.stdout.endswith("OK: loads with load_state_dict(strict=True)\n")
+    assert run("validate", rank_files[which], "--model", MODEL, "--any-layout").exit_code == 0
+
+
+def test_validate_renamed_model_pairs_and_rule(rank_files: list[Path], tmp_path: Path) -> None:
+    result = run("validate", rank_files[0], "--model", "tests.checks_models:RenamedCNN")
+    assert result.exit_code == 1
+    assert "missing from the checkpoint (14):" in result.stdout
+    assert "  features.0.weight -> backbone.0.weight" in result.stdout
+    out = tmp_path / "fixed.pt"
+    words = shlex.split(result.stdout.splitlines()[-1])
+    assert words[:2] == ["ckptfix", "convert"] and "--rename" in words
+    assert run("convert", words[2], out, *words[4:]).exit_code == 0
+    assert run("validate", out, "--model", "tests.checks_models:RenamedCNN").exit_code == 0
+
+
+def test_validate_wrong_shape_and_json(rank_files: list[Path]) -> None:
+    result = run("validate", rank_files[0], "--model", "tests.checks_models:small_cnn", "--kwargs", '{"classes": 5}')
+    assert result.exit_code == 1
+    assert "wrong shape, checkpoint [3, 4] vs model [5, 4] (1):\n  head.weight" in result.stdout
+    assert "FAIL: would not load with strict=True: 2 wrong shape" in result.stdout
+    result = run("validate", rank_files[0], "--model", "tests.checks_models:wrong_head", "--json")
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and report["exit_code"] == 1 and report["fix_command"] is None
+    assert report["wrong_shape"]["head.bias"] == {"checkpoint": [3], "model": [5]}
+    assert report["entry"] == "model" and report["layout_from"] == "ddp"
+
+
+def test_validate_cannot_run_exits_2(rank_files: list[Path], tmp_path: Path) -> None:
+    result = run("validate", rank_files[0], "--model", "tests.checks_models:Nope")
+    assert result.exit_code == 2 and "has no attribute 'Nope'" in result.stderr
+    result = run("validate", tmp_path / "missing.pt", "--model", MODEL)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    linear = tmp_path / "linear.pt"
+    ckptfix.save(torch.nn.Linear(2, 3).state_dict(), linear)
+    args = ["--model", "torch.nn:Linear", "--kwargs", '{"in_features": 2, "out_features": 3}']
+    assert run("validate", linear, *args).exit_code == 0
+    no_model = tmp_path / "epoch.pt"
+    torch.save({"epoch": 1}, no_model)
+    result = run("validate", no_model, "--model", MODEL)
+    assert result.exit_code == 2 and "holds no model state dict" in result.stderr
+    result = run("validate", rank_files[0], "--model", MODEL, "--entry", "optimizer")
+    assert result.exit_code == 2 and "no model state dict under 'optimizer' (model entries: 'model')" in result.stderr
+
+
+def _manifest() -> dict[str, dict[str, object]]:
+    path = FIXTURES / "MANIFEST.json"
+    return json.loads(path.read_text())["files"] if path.exists() else {}  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", sorted(_manifest()))
+def test_validate_every_fixture_against_the_reference_model(name: str) -> None:
+    layout = _manifest()[name]["layout"]
+    result = run("validate", FIXTURES / name, "--model", TRAINER, "--allow-global", "argparse.Namespace", "--json")
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["layout_from"] == layout
+    if layout == "single":
+        assert result.exit_code == 0 and report["fix_command"] is None
+    else:
+        stem, ext = name.rsplit(".", 1)
+        assert result.exit_code == 1
+        # the fix command repeats the --allow-global the check itself needed
+        assert report["fix_command"] == (
+            f"ckptfix convert {FIXTURES / name} {FIXTURES / stem}.single.{ext} --to single "
+            "--allow-global argparse.Namespace"
+        )
+
+
+class Refusing(nn.Module):
+    """A model whose own ``_load_from_state_dict`` refuses every checkpoint, as a version check in user code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        error_msgs = args[-1]
+        error_msgs.append("checkpoint too old:\n\tre-export it")
+
+
+@pytest.mark.parametrize("version", ["2", [2]])
+def test_validate_refuses_a_batchnorm_version_that_load_state_dict_cannot_compare(tmp_path: Path, version: Any) -> None:
+    state = SmallCNN().state_dict()
+    state._metadata["features.1"]["version"] = version  # type: ignore[attr-defined]
+    path = tmp_path / "bad_version.pt"
+    torch.save({"model": state}, path)
+    with pytest.raises(TypeError):  # what a user's own load_state_dict would do
+        SmallCNN().load_state_dict(ckptfix.load(path)["model"])
+    result = run("validate", path, "--model", MODEL)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    problem = (
+        f"_metadata version {version!r} is a {type(version).__name__}, not a number, and BatchNorm2d compares it "
+        "with 2: delete the version or set it to 2"
+    )
+    lines = result.stdout.splitlines()
+    assert lines[-3:] == [
+        "_metadata that load_state_dict refuses (1):",
+        f"  module 'features.1': {problem}",
+        f"FAIL: would not load with strict=True: 1 bad _metadata (e.g. module 'features.1': {problem})",
+    ]
+    report = json.loads(run("validate", path, "--model", MODEL, "--json").stdout)
+    assert report["ok"] is False and report["bad_metadata"] == {"features.1": problem} and report["exit_code"] == 1
+
+
+def test_validate_old_batchnorm_checkpoint_without_num_batches_tracked_loads(tmp_path: Path) -> None:
+    state = SmallCNN().state_dict()
+    for key in ("features.1.num_batches_tracked", "features.4.num_batches_tracked"):
+        del state[key]
+    for path in ("features.1", "features.4"):
+        state._metadata[path]["version"] = 1  # type: ignore[attr-defined]
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    SmallCNN().load_state_dict(ckptfix.load(old))  # torch fills num_batches_tracked in for version 1
+    assert run("validate", old, "--model", MODEL).stdout.endswith("OK: loads with load_state_dict(strict=True)\n")
+    state._metadata["features.4"]["version"] = 2  # type: ignore[attr-defined]
+    torch.save(state, old)
+    result = run("validate", old, "--model", MODEL)
+    assert (
+        result.exit_code == 1 and "missing from the checkpoint (1):\n  features.4.num_batches_tracked" in result.stdout
+    )
+
+
+def test_validate_reports_what_a_trial_load_raises(tmp_path: Path) -> None:
+    path = tmp_path / "lin.pt"
+    torch.save(Refusing().state_dict(), path)
+    result = run("validate", path, "--model", "tests.test_cli_validate:Refusing")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.stdout.splitlines()[-1] == (
+        "FAIL: would not load with strict=True: load_state_dict raised RuntimeError: Error(s) in loading "
+        "state_dict for Refusing: checkpoint too old: re-export it"
+    )
+
+
+def test_validate_prints_hostile_key_names_escaped(tmp_path: Path) -> None:
+    state = SmallCNN().state_dict()
+    state["evil\nOK: loads with load_state_dict(strict=True)\x1b[2J"] = torch.zeros(1)
+    path = tmp_path / "evil.pt"
+    torch.save(state, path)
+    result = run("validate", path, "--model", MODEL)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert "\x1b" not in result.output and "OK: loads with load_state_dict(strict=True)" not in lines
+    assert lines[2:4] == [
+        "unexpected in the checkpoint (1):",
+        r"  evil\nOK: loads with load_state_dict(strict=True)\x1b[2J",
+    ]
+    assert lines[-1].startswith(r"FAIL: would not load with strict=True: 1 unexpected (e.g. 'evil\nOK: loads")
+
+
+def test_validate_model_errors_name_the_flags(tmp_path: Path) -> None:
+    result = run("validate", tmp_path / "x.pt", "--model", "torch.nn:Linear", "--kwargs", "{bad")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "ckptfix: error: --kwargs: not valid JSON (Expecting property name enclosed in double quotes at column 2)\n"
+    )
+    result = run("validate", tmp_path / "x.pt", "--model", "torch.nn.Linear")
+    assert result.stderr == (
+        "ckptfix: error: --model 'torch.nn.Linear': expected package.module:factory, e.g. torch.nn:Linear\n"
+    )
+
+
+def test_validate_model_from_the_working_folder_does_not_shadow_installed_packages(tmp_path: Path) -> None:
+    for name in ("torch", "numpy", "safetensors", "click"):
+        (tmp_path / f"{name}.py").write_text(f"open({str(tmp_path / (name + '.ran'))!r}, 'w').close()\n")
+    (tmp_path / "mymodels.py").write_text("import torch\n\n\ndef build():\n    return torch.nn.Linear(2, 3)\n")
+    torch.save(nn.Linear(2, 3).state_dict(), tmp_path / "linear.pt")
+    # As the console script runs: its own folder first on sys.path, not the working folder.
+    code = "import sys; sys.path.pop(0); from ckptfix.cli import main; main()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, "-c", code, "validate", "linear.pt", "--model", "mymodels:build"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("OK: loads with load_state_dict(strict=True)\n")
+    assert sorted(p.name for p in tmp_path.glob("*.ran")) == []
