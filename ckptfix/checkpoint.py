@@ -91,7 +91,7 @@ def rename(state: Mapping[str, Any], key_map: layouts.KeyMap, *, source: str = "
         if new in origin:
             raise LayoutError(
                 f"{source}: '{origin[new]}' and '{key}' would both become '{new}'; "
-                f"drop one of them or use a different --rename"
+                f"drop one of them or use different renames="
             )
         origin[new] = key
         out[new] = value
@@ -167,7 +167,7 @@ def convert_checkpoint(
     if not names:
         raise LayoutError(
             f"{source}: found no model state dict (a mapping of names to tensors) at the top level or under "
-            f"{', '.join(repr(n) for n in MODEL_ENTRY_NAMES[:6])}; name it with --entry"
+            f"{', '.join(repr(n) for n in MODEL_ENTRY_NAMES[:6])}; name it with entries="
         )
     if entries is not None:
         _check_entries(obj, names, source=source)
@@ -222,8 +222,8 @@ def _check_strips(keys: Iterable[str], prefixes: Sequence[str], *, source: str) 
         stray = next((k for k in keys if not k.startswith(prefix)), None)
         if stray is not None:
             raise LayoutError(
-                f"{source}: --strip-prefix '{prefix}' does not match key '{stray}'; every key must start with "
-                f"it (use --rename '^{re.escape(prefix)}=' to strip it only where present)"
+                f"{source}: strip_prefixes='{prefix}' does not match key '{stray}'; every key must start with "
+                f"it (use renames='^{re.escape(prefix)}=' to strip it only where present)"
             )
         keys = [k[len(prefix) :] for k in keys]
 
@@ -236,4 +236,4 @@ def _check_entries(obj: Any, names: Sequence[str], *, source: str) -> None:
             available = ", ".join(repr(k) for k in obj) if isinstance(obj, Mapping) else "none"
             raise LayoutError(f"{source}: no entry '{name}' (entries: {available})")
         if not is_state_dict(obj[name]):
-            raise LayoutError(f"{source}: entry '{name}' is not a state dict of tensors; pick another --entry")
+            raise LayoutError(f"{source}: entry '{name}' is not a state dict of tensors; pick another with entries=")

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.checkpoint import Conversion, convert_checkpoint
+from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import OutputError
 from ckptfix.formats import detect_format, load, output_format, save
 from ckptfix.formats.atomic import PathLike, check_output
@@ -104,6 +104,7 @@ def convert_file(
                 src, dst, transform=lambda tree: options.apply(tree, source=source), allow_globals=allow
             )
             result.method = "stream"
+            _note_losses(result, dst)
             return result
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
@@ -113,7 +114,35 @@ def convert_file(
     save(conversion.obj, dst)
     conversion.method = "torch"
     conversion.notes.extend(notes)
+    _note_losses(conversion, dst)
     return conversion
+
+
+def _note_losses(conversion: Conversion, dst: PathLike) -> None:
+    if output_format(dst) == "safetensors" and (lost := safetensors_losses(conversion.obj)):
+        conversion.notes.append(lost)
+
+
+def safetensors_losses(obj: Any) -> str | None:
+    """What a .safetensors copy of ``obj`` cannot keep (values are exact): said once, under ``-v``."""
+    from ckptfix.formats import inert
+
+    entries = model_entries(obj)
+    states = [obj] if entries == [""] else [obj[e] for e in entries]
+    params = views = grads = 0
+    for value in (v for state in states for v in state.values()):
+        if isinstance(value, inert.Inert):
+            t = inert.tensor_of(value)
+            params += isinstance(value, inert.InertParameter)
+            views += not t.is_contiguous()
+            grads += bool(value.args[1] if isinstance(value, inert.InertParameter) else t.args[4])
+        elif is_tensor(value) and hasattr(value, "requires_grad"):  # a torch tensor (not a safetensors record)
+            params += type(value).__name__ == "Parameter"
+            views += not value.is_contiguous() or value.untyped_storage().nbytes() > value.nbytes
+            grads += bool(value.requires_grad)
+    lost = [f"{n} {what}" for n, what in ((params, "Parameters stored as tensors"), (views, "views stored as "
+            "contiguous tensors"), (grads, "requires_grad flags")) if n]  # fmt: skip
+    return f".safetensors keeps values only: {', '.join(lost)} not kept" if lost else None
 
 
 def cast_floating(conversion: Conversion, dtype: str) -> None:

@@ -102,7 +102,7 @@ def _check_no_shadowing(keys: Sequence[str], *, source: str) -> None:
                 bare = key[len(wrapper.prefix) :]
                 raise LayoutError(
                     f"{source}: holds both '{key}' and '{bare}', a mix of wrapped and plain keys; "
-                    f"remove one of them (e.g. with --rename) before converting"
+                    f"remove one of them (e.g. with renames=) before converting"
                 )
 
 
@@ -129,7 +129,7 @@ def regex_rename(pattern: str, repl: str) -> KeyMap:
     try:
         compiled = re.compile(pattern)
     except re.error as e:
-        raise LayoutError(f"--rename '{pattern}={repl}': not a valid regular expression ({e})") from e
+        raise LayoutError(f"renames='{pattern}={repl}': not a valid regular expression ({e})") from e
     return lambda key: compiled.sub(repl, key)
 
 
@@ -146,7 +146,7 @@ def parse_rename(spec: str) -> KeyMap:
     """Parse the CLI's ``REGEX=REPL`` form; the first ``=`` not escaped as ``\\=`` splits the two."""
     match = re.match(r"^((?:[^=\\]|\\.)*)=(.*)$", spec)
     if match is None:
-        raise LayoutError(f"--rename '{spec}': expected REGEX=REPL, e.g. --rename '^model\\.=' ")
+        raise LayoutError(f"renames='{spec}': expected REGEX=REPL, e.g. renames='^model\\.='")
     return regex_rename(match.group(1).replace("\\=", "="), match.group(2))
 
 

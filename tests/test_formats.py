@@ -116,7 +116,7 @@ def test_safetensors_ties_are_stored_once_and_restored(tmp_path: Path) -> None:
 def test_safetensors_refuses_optimizer_state_with_a_way_out(tmp_path: Path, gloo_world: None) -> None:
     src, dst = tmp_path / "in.pt", tmp_path / "out.safetensors"
     torch.save(full_checkpoint("single"), src)
-    with pytest.raises(OutputError, match=r"entry 'optimizer'.*write a \.pt file.*--model-only"):
+    with pytest.raises(OutputError, match=r"entry 'optimizer'.*write a \.pt file.*model_only=True"):
         convert_file(src, dst)
     assert not dst.exists()
     convert_file(src, dst, model_only=True)
@@ -181,7 +181,7 @@ def test_dangerous_globals_cannot_be_allowed(tmp_path: Path) -> None:
 def test_namespace_args_need_allow_global(tmp_path: Path) -> None:
     path = tmp_path / "ns.pt"
     torch.save({"model": make_net().state_dict(), "args": argparse.Namespace(lr=0.1)}, path)
-    with pytest.raises(UnsafeCheckpointError, match=r"argparse\.Namespace.*--allow-global argparse\.Namespace"):
+    with pytest.raises(UnsafeCheckpointError, match=r"argparse\.Namespace.*allow_globals='argparse\.Namespace'"):
         ckptfix.load(path)
     assert ckptfix.load(path, allow_globals=["argparse.Namespace"])["args"].lr == 0.1
 
@@ -277,3 +277,27 @@ def test_load_into_adapts_to_the_models_own_layout(
     report = ckptfix.load_into(wrap(kind, net), path)
     assert report.ok
     assert torch.equal(net(PROBE), make_net()(PROBE))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_what_safetensors_cannot_keep_is_said_once_under_verbose(tmp_path: Path, fast: bool) -> None:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    layer = torch.nn.Linear(3, 2)
+    torch.save({"w": layer.weight, "v": torch.arange(12.0).reshape(3, 4)[:, :2]}, tmp_path / "in.pt")
+    args = ["convert", str(tmp_path / "in.pt"), str(tmp_path / "out.safetensors"), "-v"] + (
+        [] if fast else ["--no-fast"]
+    )
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    expected = (
+        ".safetensors keeps values only: 1 Parameters stored as tensors, 1 views stored as contiguous tensors, "
+        "1 requires_grad flags not kept"
+    )
+    assert result.stderr.count(expected) == 1
+    out = ckptfix.load(tmp_path / "out.safetensors")
+    assert torch.equal(out["w"], layer.weight.detach()) and torch.equal(
+        out["v"], torch.arange(12.0).reshape(3, 4)[:, :2]
+    )

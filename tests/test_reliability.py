@@ -332,7 +332,7 @@ def test_numpy_scalars_need_every_global_named(tmp_path: Path) -> None:
         ckptfix.load(path)
     needed = info.value.globals_needed
     # torch's unpickler asks for the dtype's class only when it builds the dtype: a second, safe refusal
-    with pytest.raises(UnsafeCheckpointError, match=r"--allow-global numpy\.dtypes\.Float64DType") as more:
+    with pytest.raises(UnsafeCheckpointError, match=r"allow_globals='numpy\.dtypes\.Float64DType'") as more:
         ckptfix.load(path, allow_globals=needed)
     loaded = ckptfix.load(path, allow_globals=[*needed, *more.value.globals_needed])
     assert loaded["best_acc"] == np.float64(0.91)

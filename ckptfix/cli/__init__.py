@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ckptfix import __version__
-from ckptfix.cli.render import printable
+from ckptfix.cli.render import as_flags, printable
 from ckptfix.errors import CkptfixError
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
@@ -51,7 +51,7 @@ class _Group(click.Group):
         except CkptfixError as e:
             if debug:
                 raise
-            _error(f"ckptfix: error: {e}")
+            _error(f"ckptfix: error: {as_flags(str(e))}")
             ctx.exit(e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise

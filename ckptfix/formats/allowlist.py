@@ -119,13 +119,13 @@ def allowed_names(extra: Iterable[str], *, source: str) -> frozenset[str]:
             continue
         if can_run_code(name):
             raise UnsafeCheckpointError(
-                f"{source}: --allow-global {raw}: refused, it can run code or reach the system; no option "
-                f"allows it (only --unsafe-pickle, on a file you fully trust)"
+                f"{source}: allow_globals='{raw}': refused, it can run code or reach the system; no option "
+                f"allows it (only unsafe=True, on a file you fully trust)"
             )
         if name not in KNOWN_SAFE:
             raise UnsafeCheckpointError(
-                f"{source}: --allow-global {raw}: refused, not a known-safe class (ckptfix allows plain data "
-                f"constructors such as argparse.Namespace and pathlib.PosixPath); only --unsafe-pickle opens "
+                f"{source}: allow_globals='{raw}': refused, not a known-safe class (ckptfix allows plain data "
+                f"constructors such as argparse.Namespace and pathlib.PosixPath); only unsafe=True opens "
                 f"this file, and only if you fully trust it"
             )
         names.add(name)
@@ -154,10 +154,10 @@ def refuse(names: Iterable[str], *, source: str) -> None:
     if unknown:
         raise UnsafeCheckpointError(
             f"{source}: refused: its pickle builds {', '.join(unknown)}, not a known-safe class; nothing was "
-            f"executed. Only --unsafe-pickle opens it, and only if you fully trust the file",
+            f"executed. Only unsafe=True opens it, and only if you fully trust the file",
             globals_needed=needed,
         )
-    flags = " ".join(f"--allow-global {g}" for g in needed)
+    flags = " ".join(f"allow_globals='{g}'" for g in needed)
     raise UnsafeCheckpointError(
         f"{source}: needs globals outside the weights-only allowlist: {', '.join(needed)}; if you trust "
         f"where it came from, add {flags}",
@@ -176,7 +176,7 @@ def resolve(names: Iterable[str], *, source: str) -> list[Callable[..., Any] | t
                 obj = getattr(obj, part)
         except (ImportError, AttributeError, ValueError) as e:
             raise UnsafeCheckpointError(
-                f"{source}: --allow-global {name}: cannot import it ({e}); install the package that defines it"
+                f"{source}: allow_globals='{name}': cannot import it ({e}); install the package that defines it"
             ) from e
         objects.append((obj, name))
     return objects

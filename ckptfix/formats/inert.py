@@ -492,9 +492,9 @@ def walk(obj: Any) -> Iterator[Any]:
         seen.add(id(item))
         yield item
         if isinstance(item, InertParameter):
-            stack.append(item.args)
+            stack.append(item.args[0])
         elif isinstance(item, InertTensor):
-            stack.extend(item.args)
+            stack.append(item.storage)  # the rest of a tensor record is numbers, checked when it was read
         else:
             stack.extend(_children(item))
 

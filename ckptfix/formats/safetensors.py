@@ -190,7 +190,7 @@ def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str
         if not _encodable(key):
             raise OutputError(
                 f"{out}: key {key!r} is not valid Unicode, which .safetensors cannot store; rename it "
-                f"(--rename) or write a .pt file"
+                f"(renames=) or write a .pt file"
             )
     if is_state_dict(obj):
         return obj, {"entry": ""}
@@ -199,7 +199,7 @@ def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str
         what = f"several model state dicts ({', '.join(entries)})" if entries else "no model state dict"
         raise OutputError(
             f"{out}: the checkpoint holds {what}; a .safetensors file holds one: write a .pt file, or pick "
-            f"one with --entry NAME --model-only"
+            f"one with entries='NAME' and model_only=True"
         )
     entry = entries[0]
     extras: dict[str, Any] = {}
@@ -209,7 +209,7 @@ def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str
         if not isinstance(key, str) or not _is_simple(value):
             raise OutputError(
                 f"{out}: entry '{key}' ({type(value).__name__}) cannot go into .safetensors metadata; "
-                f"write a .pt file to keep it, or pass --model-only to keep only '{entry}'"
+                f"write a .pt file to keep it, or model_only=True to keep only '{entry}'"
             )
         extras[key] = value
     return obj[entry], {"entry": entry, "extras": extras, "order": [str(k) for k in obj]}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ckptfix.errors import FormatError
 
 CHUNK = 16 << 20
+_WRITEBACK_MIN = 1 << 20
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
 Progress = Callable[[int], None]
 
@@ -159,7 +160,8 @@ class Copier:
             n = self._kernel_copy(src, dst, step) if self.kernel else 0
             if n == 0:
                 n = self._buffered_copy(src, dst, step)
-            start_writeback(self.dst_fd, dst, n)
+            if n >= _WRITEBACK_MIN:  # one syscall per tiny record costs more than it saves; fsync takes those
+                start_writeback(self.dst_fd, dst, n)
             src, dst, left = src + n, dst + n, left - n
             if self.progress is not None:
                 self.progress(n)
