@@ -176,3 +176,14 @@ def test_a_closed_stdout_pipe_ends_quietly(tmp_path: Path, as_json: bool) -> Non
     torch.save({k: v + 1 for k, v in a.items()}, tmp_path / "b.pt")
     result = _with_closed_stdout(["diff", "a.pt", "b.pt", *(["--json"] if as_json else [])], tmp_path)
     assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_unsafe_pickle_warning_is_printed_whatever_the_warning_filters(tmp_path: Path) -> None:
+    import argparse
+
+    torch.save({"model": {"w": torch.ones(2)}, "args": argparse.Namespace(lr=1)}, tmp_path / "ns.pt")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "ckptfix", "inspect", str(tmp_path / "ns.pt"), "--unsafe-pickle"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("ns.pt: unsafe pickle loading: this can run code from the file") == 1

@@ -44,10 +44,7 @@ def load_torch(
     """Load a torch file weights-only onto the CPU; the unpickler never calls anything off the allowlist."""
     if unsafe:
         # a warning filter must not hide this: printed, not warned
-        print(
-            f"ckptfix: {source}: loading with unsafe=True (--unsafe-pickle): this can run code from the file",
-            file=sys.stderr,
-        )
+        print(f"ckptfix: {source}: unsafe pickle loading: this can run code from the file", file=sys.stderr)
         return _torch_load(path, source=source, weights_only=False, mmap=False)
     extra = list(allow_globals)
     allowed = allowlist.allowed_names(extra, source=source)
