@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import OutputError
-from ckptfix.formats import detect_format, load, output_format, save
+from ckptfix.formats import detect_format, output_format, read, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.layouts import TARGETS, Layout, parse_rename
 from ckptfix.signature import strict_keywords
@@ -91,35 +91,40 @@ def convert_file(
         dtype=dtype,
     )
     source = os.fspath(src)
-    output_format(dst)
+    out_fmt = output_format(dst)
     check_output(dst, inputs=(src,))
-    detect_format(src)
+    in_fmt = detect_format(src)
     allow = tuple(allow_globals)
     notes: list[str] = []
-    if fast and dtype is None and not unsafe:
+    if fast and dtype is None and not unsafe and in_fmt != "torch-legacy":
         from ckptfix.stream import Fallback, fast_convert
 
         try:
             result: Conversion = fast_convert(
-                src, dst, transform=lambda tree: options.apply(tree, source=source), allow_globals=allow
+                src,
+                dst,
+                in_fmt=in_fmt,
+                out_fmt=out_fmt,
+                transform=lambda tree: options.apply(tree, source=source),
+                allow_globals=allow,
             )
             result.method = "stream"
-            _note_losses(result, dst)
+            _note_losses(result, out_fmt)
             return result
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
-    conversion = options.apply(load(src, unsafe=unsafe, allow_globals=allow), source=source)
+    conversion = options.apply(read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow), source=source)
     if dtype is not None:
         cast_floating(conversion, dtype)
-    save(conversion.obj, dst)
+    write(conversion.obj, dst, fmt=out_fmt)
     conversion.method = "torch"
     conversion.notes.extend(notes)
-    _note_losses(conversion, dst)
+    _note_losses(conversion, out_fmt)
     return conversion
 
 
-def _note_losses(conversion: Conversion, dst: PathLike) -> None:
-    if output_format(dst) == "safetensors" and (lost := safetensors_losses(conversion.obj)):
+def _note_losses(conversion: Conversion, out_fmt: str) -> None:
+    if out_fmt == "safetensors" and (lost := safetensors_losses(conversion.obj)):
         conversion.notes.append(lost)
 
 

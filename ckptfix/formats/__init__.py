@@ -79,8 +79,20 @@ def load(
 
     >>> ckpt = ckptfix.load("run/last.pt")
     """
+    return read(path, fmt=detect_format(path), unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify)
+
+
+def read(
+    path: PathLike,
+    *,
+    fmt: str,
+    unsafe: bool = False,
+    allow_globals: Iterable[str] = (),
+    mmap: bool = True,
+    verify: bool = True,
+) -> Any:
+    """:func:`load` for a file whose format was already detected."""
     source = os.fspath(path)
-    fmt = detect_format(path)
     if fmt == "safetensors":
         from ckptfix.formats.safetensors import load_safetensors
 
@@ -99,6 +111,11 @@ def save(obj: Any, path: PathLike) -> None:
     """
     fmt = output_format(path)
     check_output(path)
+    write(obj, path, fmt=fmt)
+
+
+def write(obj: Any, path: PathLike, *, fmt: str) -> None:
+    """:func:`save` to an output already checked, in format ``fmt``."""
     if fmt == "safetensors":
         from ckptfix.formats.safetensors import save_safetensors
 
@@ -109,4 +126,4 @@ def save(obj: Any, path: PathLike) -> None:
         save_torch(obj, path)
 
 
-__all__ = ["detect_format", "load", "output_format", "save"]
+__all__ = ["detect_format", "load", "output_format", "read", "save", "write"]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import OutputError
-from ckptfix.formats import allowlist, inert, output_format
+from ckptfix.formats import allowlist, detect_format, inert, output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.safetensors import read_header
@@ -40,33 +40,37 @@ def fast_convert(
     src: PathLike,
     dst: PathLike,
     *,
+    in_fmt: str | None = None,
+    out_fmt: str | None = None,
     transform: Callable[[Any], Any],
     allow_globals: tuple[str, ...] = (),
     progress: Progress | None = None,
 ) -> Any:
     """Convert ``src`` into ``dst`` by rewriting only the pickle or header; returns what ``transform`` returned.
 
+    ``in_fmt``/``out_fmt`` are the formats when the caller already detected them (and checked the output).
     ``transform(tree)`` gets the checkpoint with inert tensor records and returns an object whose ``.obj`` is
     the tree to write (a ``ckptfix.checkpoint.Conversion``); a line on what was copied is added to its notes.
     Raises :class:`Fallback` when the fast path does not apply, ``FormatError`` for a corrupt input,
     ``UnsafeCheckpointError`` for a dangerous pickle.
     """
     source, out = os.fspath(src), os.fspath(dst)
-    out_fmt = output_format(dst)
-    check_output(dst, inputs=(src,))
+    if out_fmt is None:  # a caller that has not checked the output yet (convert_file has)
+        out_fmt = output_format(dst)
+        check_output(dst, inputs=(src,))
+    in_fmt = in_fmt or detect_format(src)
     with open(source, "rb") as f:
         fd = f.fileno()
         before = file_identity(fd)
-        head = os.pread(fd, 4, 0)
         inp: TorchZip | None = None
-        if head == b"PK\x03\x04":
+        if in_fmt == "torch-zip":
             inp = read_torch_zip(fd, source, allowed=allowlist.allowed_names(allow_globals, source=source))
             _check_writable(inp.tree)
             conversion = transform(inp.tree)
-        elif len(head) == 4 and os.pread(fd, 1, 8) in (b"{", b"[", b" "):
+        elif in_fmt == "safetensors":
             conversion = transform(tree_from_header(read_header(source), source=source))
         else:
-            raise Fallback("input is a legacy (non-zip) torch file")
+            raise Fallback(f"input is a {in_fmt} file")
         total = os.fstat(fd).st_size
         with progress_bar(total, enabled=progress is None) as bar:
             report = _write(
