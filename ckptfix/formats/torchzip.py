@@ -41,7 +41,7 @@ def read_torch_zip(fd: int, path: str, *, allowed: frozenset[str], verify: bool 
     archive = read_archive(fd, path)
     pkl = _pickle_record(archive, path)
     data = os.pread(fd, pkl.size, pkl.data_offset)
-    check_crc(path, pkl, zlib.crc32(data))
+    check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))
     (tree,), storages = inert.load(data, source=path, allowed=allowed)
     for key, ref in storages.items():
         rec = archive.get(f"data/{key}")

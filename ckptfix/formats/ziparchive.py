@@ -220,11 +220,11 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
     return records
 
 
-def check_crc(path: str, rec: Record, actual: int) -> None:
+def check_crc(path: str, name: str, stored: int, actual: int) -> None:
     """The one CRC rule and its message."""
-    if actual != rec.crc:
+    if actual != stored:
         raise FormatError(
-            f"{path}: record '{rec.name}' fails its CRC check (stored {rec.crc:08x}, actual {actual:08x}); "
+            f"{path}: record '{name}' fails its CRC check (stored {stored:08x}, actual {actual:08x}); "
             f"the file is corrupt: re-download or re-save it"
         )
 
@@ -239,7 +239,7 @@ def verify_records(fd: int, path: str, records: list[Record], *, chunk: int = 1 
                 break
             crc = zlib.crc32(data, crc)
             at, left = at + len(data), left - len(data)
-        check_crc(path, rec, crc)
+        check_crc(path, rec.name, rec.crc, crc)
 
 
 class ZipWriter:

@@ -159,10 +159,7 @@ def _pt_locator(inp: TorchZip) -> Callable[[Any], tuple[str, tuple[int, ...], in
             raise Fallback("a tensor is a non-contiguous view")
         width = DTYPES[t.dtype].itemsize
         nbytes = t.numel() * width
-        rec = inp.archive.get(f"data/{t.storage.key}")
-        # An empty view may sit past the end of its (empty) storage: there are no bytes to find.
-        if rec is None or (nbytes and (t.offset + t.numel()) * width > rec.size):
-            raise Fallback(f"tensor bytes outside storage data/{t.storage.key}")
+        rec = inp.archive.by_name[f"{inp.archive.prefix}data/{t.storage.key}"]  # present and in bounds: read_torch_zip
         ident = (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
         return t.dtype, t.shape, rec.data_offset + t.offset * width, nbytes, ident
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.ziparchive import check_crc
 
 CHUNK = 16 << 20
 _WRITEBACK_MIN = 1 << 20
@@ -114,12 +115,12 @@ class _Verifier(threading.Thread):
         for check in self.checks:
             actual = crc_range(self.fd, check.offset, check.length)
             self.crcs.append(actual)
-            if check.crc is not None and actual != check.crc:
-                self.error = FormatError(
-                    f"{self.source}: record '{check.name}' fails its CRC check (stored {check.crc:08x}, actual "
-                    f"{actual:08x}); the file is corrupt: re-download or re-save it"
-                )
-                return
+            if check.crc is not None:
+                try:
+                    check_crc(self.source, check.name, check.crc, actual)
+                except FormatError as e:
+                    self.error = e
+                    return
 
 
 class Copier:
