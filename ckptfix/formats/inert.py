@@ -437,6 +437,10 @@ def _children(item: Any) -> list[Any]:
     return []
 
 
+def _is_container(item: Any) -> bool:
+    return isinstance(item, (dict, list, tuple)) or (isinstance(item, Inert) and not item.__ckptfix_tensor__)
+
+
 def measure(tree: Any, *, budget: int, source: str) -> int:
     """The tree's size with shared references counted each time they are reached; refuse cycles, depth, blow-up.
 
@@ -466,10 +470,10 @@ def measure(tree: Any, *, budget: int, source: str) -> int:
             for kid in kids:
                 if id(kid) in on_path:
                     raise FormatError(f"{source}: its pickle has a container that contains itself; refusing it")
-                if id(kid) not in sizes:
+                if id(kid) not in sizes and _is_container(kid):  # leaves count 1 and are not remembered
                     stack.append((kid, None))
             continue
-        total = 1 + sum(sizes[id(k)] for k in kids)
+        total = 1 + sum(sizes.get(id(k), 1) for k in kids)
         if total > budget:
             raise FormatError(
                 f"{source}: its pickle shares containers so often that following them visits more than {budget} "
@@ -478,7 +482,7 @@ def measure(tree: Any, *, budget: int, source: str) -> int:
         sizes[ident] = total
         on_path.discard(ident)
         stack.pop()
-    return sizes[id(tree)]
+    return sizes.get(id(tree), 1)
 
 
 def walk(obj: Any) -> Iterator[Any]:
