@@ -16,6 +16,7 @@ from typing import Any
 
 from ckptfix import layouts
 from ckptfix.errors import LayoutError
+from ckptfix.signature import strict_keywords
 
 # Where full checkpoints keep model state dicts, most common first (the first found is the "primary").
 MODEL_ENTRY_NAMES: tuple[str, ...] = (
@@ -206,13 +207,33 @@ def convert_checkpoint(
     return result
 
 
-def convert(obj: Any, to: str = "single", **options: Any) -> Any:
+@strict_keywords
+def convert(
+    obj: Any,
+    to: layouts.Layout | None = "single",
+    *,
+    strip_prefixes: Iterable[str] = (),
+    add_prefixes: Iterable[str] = (),
+    renames: Iterable[str] = (),
+    model_only: bool = False,
+    entries: Iterable[str] | None = None,
+    source: str = "checkpoint",
+) -> Any:
     """Convert a state dict or full checkpoint to layout ``to``; returns a new object.
 
     >>> sd = convert(ddp_model.state_dict(), to="single")
     >>> plain_model.load_state_dict(sd)
     """
-    return convert_checkpoint(obj, to=to, **options).obj
+    return convert_checkpoint(
+        obj,
+        to=to,
+        strip_prefixes=strip_prefixes,
+        add_prefixes=add_prefixes,
+        renames=renames,
+        model_only=model_only,
+        entries=entries,
+        source=source,
+    ).obj
 
 
 def _check_strips(keys: Iterable[str], prefixes: Sequence[str], *, source: str) -> None:

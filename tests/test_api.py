@@ -45,3 +45,37 @@ def test_options_are_checked_once_before_any_file_is_opened(tmp_path: Path) -> N
         ckptfix.convert_file(tmp_path / "missing.pt", tmp_path / "b.pt", to="plain")  # type: ignore[arg-type]
     with pytest.raises(ckptfix.OutputError, match=r"dtype='int8': not a floating-point dtype"):
         ckptfix.ConvertOptions(dtype="int8")
+
+
+# Layers, top first: a module may import its own layer and those below it, never one above.
+LAYERS = [
+    "ckptfix.cli",
+    "ckptfix.conversion",
+    "ckptfix.stream",
+    "ckptfix.formats",
+    "ckptfix.checkpoint",
+    "ckptfix.layouts",
+    "ckptfix.signature",
+    "ckptfix.errors",
+]
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("ckptfix.")}
+
+
+@pytest.mark.parametrize("index", range(1, len(LAYERS)))
+def test_layers_import_only_downwards(index: int) -> None:
+    layer, above = LAYERS[index], LAYERS[:index]
+    root = INIT.parent
+    rel = layer.removeprefix("ckptfix.").replace(".", "/")
+    files = sorted((root / rel).rglob("*.py")) if (root / rel).is_dir() else [root / f"{rel}.py"]
+    for path in files:
+        for name in _imports(path):
+            assert not name.startswith(tuple(above)), f"{path.relative_to(root)} imports {name}, a layer above it"

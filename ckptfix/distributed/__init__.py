@@ -65,8 +65,8 @@ def load_for_ddp(
             (keys with a wrong shape are skipped; keys the checkpoint lacks keep each rank's own values).
         allow_globals: extra pickle globals the checkpoint may use (``"argparse.Namespace"``); same on every rank.
         bucket_mb: broadcast bucket size; a receiver holds at most one bucket beyond its own model.
-        timeout: seconds (or a ``timedelta``) any rank waits for another one, in any phase (the source's
-            read, a check, one broadcast that makes no progress), before every rank gives up together.
+        timeout: seconds (or a ``timedelta``) a rank waits for the others at any step (the source's read,
+            every rank's check, one broadcast) before every rank gives up with the same error.
 
     Returns:
         The checkpoint's entries other than the model's state dict (optimizer and scheduler state, epoch,
@@ -76,12 +76,16 @@ def load_for_ddp(
     Raises:
         CkptfixError: the same subclass and message on every rank, naming the rank that failed (the
             source's ``FormatError`` or ``UnsafeCheckpointError``, a ``MismatchError``, or
-            ``DistributedError`` for a rank that hung, died or failed otherwise). On failure no rank's model
-            has been changed, except the source's when a later check on another rank fails.
+            ``DistributedError`` for ranks given different arguments, entries that cannot be broadcast, or a
+            rank that hung, died or failed otherwise), within about ``timeout`` of the last step that
+            completed; a rank that was frozen raises it as soon as it runs again. A failure before the
+            transfer changes no model but the source's. After one during the transfer, a receiver's model is
+            partly loaded and the process group may hold abandoned work: end the job (torchrun restarts it).
 
     >>> extras = ckptfix.load_for_ddp(model, "run/last.pt")      # every rank, before DDP(model)
     >>> optimizer.load_state_dict(extras["optimizer"]); start = extras["epoch"] + 1
     """
+    allowed = sorted(allow_globals)
     session = protocol.open_session(
         group,
         src=src,
@@ -89,28 +93,22 @@ def load_for_ddp(
         call="load_for_ddp",
         path=os.fspath(path),
         # Every rank must make the same broadcasts in the same pieces: these are agreed on before anything else.
-        options={"strict": strict, "broadcast_model": broadcast_model, "bucket_mb": bucket_mb,
-                 "allow_globals": sorted(allow_globals)},
-    )  # fmt: skip
+        options={
+            "strict": strict,
+            "broadcast_model": broadcast_model,
+            "bucket_mb": bucket_mb,
+            "allow_globals": allowed,
+        },
+    )
     if not broadcast_model and src != session.ranks[0]:
         raise DistributedError(
             f"broadcast_model=False needs src to be the group's first rank {session.ranks[0]} (DDP syncs from "
             f"there), got src={src}; keep broadcast_model=True"
         )
-    allowed = sorted(allow_globals)
     if session.is_src:
-        try:
-            plan, extras = _read_on_source(model, path, strict=strict, allowed=allowed, session=session)
-        except Exception as e:
-            session.fail("status", e)
-        session.announce(wire.dumps((plan.manifest, plan.skeleton, plan.extra_entries)))
-        session.agree(None)
+        plan, extras = _prepare_source(model, path, strict=strict, allowed=allowed, session=session)
     else:
-        received = _check_receiver(model, session.hear(), strict=strict, allowed=allowed, session=session)
-        session.agree(received if isinstance(received, Exception) else None)
-        if isinstance(received, Exception):  # agree() raised it on every rank already; this is for mypy
-            raise received
-        plan = received
+        plan = _prepare_receiver(model, strict=strict, allowed=allowed, session=session)
     try:
         _transfer(plan, session, broadcast_model=broadcast_model, bucket_mb=bucket_mb)
     except Exception as e:
@@ -122,6 +120,26 @@ def load_for_ddp(
         return extras
     result: dict[str, Any] = buckets.fill_tensors(plan.skeleton, plan.extra_tensors)
     return result
+
+
+def _prepare_source(
+    model: torch.nn.Module, path: PathLike, *, strict: bool, allowed: list[str], session: protocol.Session
+) -> tuple[_Plan, dict[str, Any]]:
+    try:
+        plan, extras = _read_on_source(model, path, strict=strict, allowed=allowed, session=session)
+    except Exception as e:
+        session.fail("status", e)
+    session.announce(wire.dumps((plan.manifest, plan.skeleton, plan.extra_entries)))
+    session.agree(None)
+    return plan, extras
+
+
+def _prepare_receiver(model: torch.nn.Module, *, strict: bool, allowed: list[str], session: protocol.Session) -> _Plan:
+    received = _check_receiver(model, session.hear(), strict=strict, allowed=allowed, session=session)
+    session.agree(received if isinstance(received, Exception) else None)
+    if isinstance(received, Exception):  # agree() raised it on every rank already; this is for mypy
+        raise received
+    return received
 
 
 @dataclass

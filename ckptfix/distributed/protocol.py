@@ -72,7 +72,7 @@ class Failure:
         return kind(message)
 
 
-def who(ranks: list[int]) -> str:
+def _who(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
@@ -134,33 +134,40 @@ class Session:
         import torch.distributed as dist
 
         stalled = (
-            f"the broadcast from rank {self.src} (the source) made no progress for {self.timeout:g} s; "
+            f"a broadcast from rank {self.src} (the source) did not complete within {self.timeout:g} s; "
             f"a rank has hung or died: see the logs, or pass a larger timeout="
         )
         broken = (
-            f"the broadcast from rank {self.src} failed mid-transfer; a rank died or lost its connection: see its log"
+            f"a broadcast from rank {self.src} failed mid-transfer; a rank died or lost its connection: see its log"
         )
         try:
             work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
         except (RuntimeError, OSError) as e:
             self._give_up(broken, e)
-        # Polled rather than waited on: a wait with a timeout marks an NCCL communicator as failed, and a
-        # blocking wait could not hear of a failure on another rank.
-        start = look = time.monotonic()
-        pause = 0.0001
-        while not work.is_completed():
-            now = time.monotonic()
-            if now - start > self.timeout:
+        start = time.monotonic()
+        while not self._finished(work):
+            if time.monotonic() - start > self.timeout:
                 self._give_up(stalled, None)
-            if now - look > _POLL:
-                self._settled("transfer")
-                look = now
-            time.sleep(pause)
-            pause = min(pause * 2, 0.001)  # a finished transfer is noticed within a millisecond
+            self._settled("transfer")  # another rank may have given up already
         try:
             work.wait()  # raises the transfer's own error; under NCCL also orders the current stream after it
         except (RuntimeError, OSError) as e:
             self._give_up(broken, e)
+
+    def _finished(self, work: Any) -> bool:
+        """Whether ``work`` has ended (well or not), after waiting up to about ``_POLL`` seconds for it."""
+        if self.device.type == "cpu":
+            # Gloo: a wait that times out leaves the work running, and a wait wakes the moment it ends.
+            with contextlib.suppress(RuntimeError):
+                work.wait(timeout=timedelta(seconds=_POLL))
+            return bool(work.is_completed())
+        # NCCL: a timed-out wait counts as the work failing (the watchdog may abort the communicator);
+        # poll the GPU's progress instead.
+        pause, deadline = 0.0001, time.monotonic() + _POLL
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
+        return bool(work.is_completed())
 
     def announce(self, payload: bytes) -> None:
         """Source: its part succeeded; ``payload`` goes to every other rank."""
@@ -180,7 +187,7 @@ class Session:
             "check",
             wire.dumps(mine),
             late=lambda missing: (
-                f"{who(missing)} did not finish checking the model within {self.timeout:g} s; it has hung or "
+                f"{_who(missing)} did not finish checking the model within {self.timeout:g} s; it has hung or "
                 f"died: see its log, or pass a larger timeout="
             ),
         )
@@ -200,7 +207,7 @@ class Session:
             "transfer",
             b"",
             late=lambda missing: (
-                f"{who(missing)} did not finish the transfer within {self.timeout:g} s; it has hung or died: "
+                f"{_who(missing)} did not finish the transfer within {self.timeout:g} s; it has hung or died: "
                 f"see its log, or pass a larger timeout="
             ),
         )
@@ -277,8 +284,9 @@ def open_session(
     tag = f"{_PREFIX}/{'-'.join(map(str, ranks))}"
     # Every rank of the group makes the same calls in the same order, so per-rank counters agree; kept in the
     # store rather than in this process so that a re-initialized group with the same store never reads stale keys.
-    seq = store.add(f"{tag}/calls/{rank}", 1)
-    session = Session(group, src, rank, ranks, store, f"{tag}/{seq}", seconds, call)
+    session = Session(group, src, rank, ranks, store, "", seconds, call)
+    seq = session._op(store.add, f"{tag}/calls/{rank}", 1)
+    session.key = f"{tag}/{seq}"
     session.device = comm_device(dist, group)
     _agree_on_arguments(session, path=path, options=options)
     if src not in ranks:
@@ -303,7 +311,7 @@ def _agree_on_arguments(session: Session, *, path: str, options: Mapping[str, An
         "start",
         wire.dumps((mine, path)),
         late=lambda missing: (
-            f"{who(missing)} did not call {session.call} within {session.timeout:g} s; call it on every rank of "
+            f"{_who(missing)} did not call {session.call} within {session.timeout:g} s; call it on every rank of "
             f"the group, in the same order as other collectives, or pass a larger timeout="
         ),
     )

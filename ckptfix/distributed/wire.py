@@ -135,7 +135,7 @@ def _object_problem(value: Any, error: Exception) -> tuple[str, str]:
 
     if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)):
         # A storage pickles through a full (unsafe) torch.load of its bytes: never offer to allow that.
-        return f"a raw storage ({type(value).__name__})", "save the tensor it belongs to, or drop the entry"
+        return "a raw torch storage", "save the tensor it belongs to, or drop the entry"
     cls = type(value)
     own = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(error, RefusedGlobalError) and error.name == own:
