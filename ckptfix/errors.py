@@ -7,6 +7,8 @@ what was expected and the fix. ``exit_code`` follows the CLI contract: 1 when a 
 
 from __future__ import annotations
 
+import re
+
 
 class CkptfixError(Exception):
     """Base of every error ckptfix raises for bad input or bad usage."""
@@ -50,6 +52,30 @@ class DistributedError(CkptfixError):
     """A collective load or save failed on some rank; every rank raises it with the failing rank's message."""
 
 
+# The library names its options as keywords (``renames='^a\\.='``); people at a shell read them as flags.
+_FLAGS = {
+    "strip_prefixes": "--strip-prefix", "add_prefixes": "--add-prefix", "renames": "--rename", "entries": "--entry",
+    "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
+}  # fmt: skip
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|'[^']*')?")
+
+
+def as_flags(message: str) -> str:
+    """A library message with its keyword options spelled as the CLI's flags.
+
+    >>> as_flags("use renames='^model[.]=' or model_only=True")
+    "use --rename '^model[.]=' or --model-only"
+    """
+
+    def flag(match: re.Match[str]) -> str:
+        value = match.group(2)
+        if match.group(1) == "allow_globals" and value:  # a dotted class name needs no quotes at a shell
+            value = value[1:-1]
+        return _FLAGS[match.group(1)] + (f" {value}" if value and value != "True" else "")
+
+    return _KEYWORD.sub(flag, message)
+
+
 __all__ = [
     "CkptfixError",
     "DistributedError",
@@ -59,4 +85,5 @@ __all__ = [
     "MismatchError",
     "OutputError",
     "UnsafeCheckpointError",
+    "as_flags",
 ]

@@ -1,39 +1,17 @@
-"""Shared test models and real wrapped state dicts (DataParallel, DDP on gloo, torch.compile)."""
+"""Shared fixtures: a one-process gloo group, real wrapped state dicts, per-rank DDP checkpoints (models: models.py)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
-
-class SmallNet(nn.Module):
-    """A small CNN with BatchNorm, like the models whose checkpoints users fix."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).mean(dim=(2, 3)))
-
-
-def make_net(seed: int = 0) -> SmallNet:
-    torch.manual_seed(seed)
-    net = SmallNet()
-    # Non-default BatchNorm statistics, so a dropped or mangled buffer changes the output.
-    net.train()
-    with torch.no_grad():
-        net(torch.randn(16, 3, 6, 6))
-    return net.eval()
-
-
-PROBE = torch.linspace(-1, 1, 2 * 3 * 6 * 6).reshape(2, 3, 6, 6)
+from tests import models
 
 
 @pytest.fixture(scope="session")
@@ -50,42 +28,28 @@ def gloo_world() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def wrap(kind: str, net: nn.Module) -> nn.Module:
-    """The wrapped model a training script would hold; its state_dict() is what users save."""
-    if kind == "single":
-        return net
-    if kind == "dp":
-        return nn.DataParallel(net)
-    if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(net)
-    if kind == "compiled":
-        return torch.compile(net)  # type: ignore[return-value]
-    if kind == "ddp-compiled":
-        return nn.parallel.DistributedDataParallel(torch.compile(net))  # type: ignore[arg-type]
-    if kind == "compiled-ddp":
-        return torch.compile(nn.parallel.DistributedDataParallel(net))  # type: ignore[return-value]
-    raise ValueError(kind)
-
-
-WRAPPERS = ["single", "dp", "ddp", "compiled", "ddp-compiled", "compiled-ddp"]
-PREFIX = {
-    "single": "",
-    "dp": "module.",
-    "ddp": "module.",
-    "compiled": "_orig_mod.",
-    "ddp-compiled": "module._orig_mod.",
-    "compiled-ddp": "_orig_mod.module.",
-}
-
-
 @pytest.fixture
 def wrapped_state(gloo_world: None) -> Callable[[str], dict[str, torch.Tensor]]:
     """state_dict() of make_net() under a real wrapper of the given kind."""
 
     def make(kind: str) -> dict[str, torch.Tensor]:
-        return wrap(kind, make_net()).state_dict()
+        return models.wrap(kind, models.make_net()).state_dict()
 
     return make
+
+
+@pytest.fixture
+def ddp_ckpt(tmp_path: Path, wrapped_state: Callable[[str], Any]) -> Path:
+    """A full checkpoint (epoch, optimizer) whose model entry is a real DDP state dict."""
+    path = tmp_path / "ddp.pt"
+    torch.save({"epoch": 4, "model": wrapped_state("ddp"), "optimizer": {"state": {}, "param_groups": []}}, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Per-rank checkpoints of a 2-rank DDP run of SmallNet with buffer sync off (made once per session)."""
+    return models.rank_files(tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,31 +1,24 @@
-"""Models and a real 2-process gloo DDP run for the merge, validate and diff tests.
+"""The one test model, the few variants that particular checks need, its real wrapped forms, and a 2-rank DDP run.
 
-Factories for ``--model``: ``tests.checks_models:SmallCNN``, ``…:RenamedCNN``, ``…:ScaledHead``, ``…:wrong_head``.
+Factories for ``--model``: ``tests.models:SmallNet``, ``…:small_net``, ``…:wrong_head``, ``…:RenamedNet``,
+``…:Refusing``, ``…:ScaledHead``.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-WORLD = 2
-STEPS = 3
 
+class SmallNet(nn.Module):
+    """A small CNN with two BatchNorm layers, like the models whose checkpoints users fix; seeded, so deterministic."""
 
-def small_cnn(classes: int = 3) -> nn.Module:
-    """The reference model of these tests as a factory function."""
-    return SmallCNN(classes=classes)
-
-
-class SmallCNN(nn.Module):
-    """small_cnn as a class with a forward (DDP needs a real forward)."""
-
-    def __init__(self, classes: int = 3, width: int = 4) -> None:
+    def __init__(self, classes: int = 3, width: int = 4, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.features = nn.Sequential(
             nn.Conv2d(3, width, 3),
             nn.BatchNorm2d(width),
@@ -41,19 +34,73 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))  # type: ignore[no-any-return]
 
 
-class RenamedCNN(nn.Module):
-    """SmallCNN with ``features`` renamed to ``backbone`` (same shapes)."""
+# SmallNet's state dict keys, spelled out.
+KEYS = {
+    "features.0.weight",
+    "features.0.bias",
+    "features.1.weight",
+    "features.1.bias",
+    "features.1.running_mean",
+    "features.1.running_var",
+    "features.1.num_batches_tracked",
+    "features.3.weight",
+    "features.3.bias",
+    "features.4.weight",
+    "features.4.bias",
+    "features.4.running_mean",
+    "features.4.running_var",
+    "features.4.num_batches_tracked",
+    "head.weight",
+    "head.bias",
+}
+
+
+def make_net(seed: int = 0) -> SmallNet:
+    """SmallNet in eval mode with non-default BatchNorm statistics: a dropped or mangled buffer changes the output."""
+    net = SmallNet(seed=seed)
+    net.train()
+    with torch.no_grad():
+        net(torch.randn(16, 3, 6, 6))
+    return net.eval()
+
+
+PROBE = torch.linspace(-1, 1, 2 * 3 * 6 * 6).reshape(2, 3, 6, 6)
+
+
+def small_net(classes: int = 3) -> nn.Module:
+    """SmallNet from a factory function rather than a class."""
+    return SmallNet(classes=classes)
+
+
+def wrong_head() -> nn.Module:
+    """SmallNet with 5 classes: head.{weight,bias} have the wrong shape."""
+    return SmallNet(classes=5)
+
+
+class RenamedNet(SmallNet):
+    """SmallNet with ``features`` renamed to ``backbone`` (same shapes, same order), for rename detection."""
 
     def __init__(self) -> None:
         super().__init__()
-        inner = SmallCNN()
-        self.backbone = inner.features
-        self.head = inner.head
+        features, head = self.features, self.head
+        del self.features, self.head
+        self.backbone, self.head = features, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))  # type: ignore[no-any-return]
+
+
+class Refusing(SmallNet):
+    """SmallNet whose own ``_load_from_state_dict`` refuses every checkpoint, as a version check in user code does."""
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        error_msgs = args[-1]
+        error_msgs.append("checkpoint too old:\n\tre-export it")
 
 
 class ScaledHead(nn.Module):
-    """A linear head and a float buffer outside BatchNorm, under a submodule that happens to be named ``module``
-    (so the model's buffers alone look DDP-wrapped, and only the full key list tells the layout)."""
+    """Not a SmallNet: a linear head and a float buffer outside BatchNorm, under a submodule that happens to be named
+    ``module`` (so the model's buffers alone look DDP-wrapped, and only the full key list tells the layout)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,15 +110,86 @@ class ScaledHead(nn.Module):
         self.module.register_buffer("scale", torch.ones(2))
 
 
-def wrong_head() -> nn.Module:
-    """SmallCNN with 5 classes: head.{weight,bias} have the wrong shape."""
-    return SmallCNN(classes=5)
+# --- the real wrappers ------------------------------------------------------------------------------------------
+
+
+def wrap(kind: str, net: nn.Module) -> nn.Module:
+    """The wrapped model a training script would hold; its state_dict() is what users save (ddp needs a group)."""
+    if kind == "single":
+        return net
+    if kind == "dp":
+        return nn.DataParallel(net)
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(net)
+    if kind == "compiled":
+        return torch.compile(net)  # type: ignore[return-value]
+    if kind == "ddp-compiled":
+        return nn.parallel.DistributedDataParallel(torch.compile(net))  # type: ignore[arg-type]
+    if kind == "compiled-ddp":
+        return torch.compile(nn.parallel.DistributedDataParallel(net))  # type: ignore[return-value]
+    raise ValueError(kind)
+
+
+WRAPPERS = ["single", "dp", "ddp", "compiled", "ddp-compiled", "compiled-ddp"]
+PREFIX = {
+    "single": "",
+    "dp": "module.",
+    "ddp": "module.",
+    "compiled": "_orig_mod.",
+    "ddp-compiled": "module._orig_mod.",
+    "compiled-ddp": "_orig_mod.module.",
+}
+
+
+# --- a 2-rank DDP run with buffer sync off: per-rank BatchNorm statistics, identical parameters -----------------
+
+WORLD = 2
+STEPS = 3
 
 
 def inputs(rank: int, n: int = 8) -> torch.Tensor:
     """Per-rank data with a rank-dependent mean and scale, so BatchNorm statistics really differ."""
     gen = torch.Generator().manual_seed(100 + rank)
     return torch.randn(n, 3, 8, 8, generator=gen) * (1 + rank) + 2.0 * rank
+
+
+def _save_rank(out: Path, rank: int, wrapped: nn.Module, opt: torch.optim.Optimizer) -> Path:
+    path = out / f"rank{rank}.pt"
+    torch.save({"model": wrapped.state_dict(), "epoch": STEPS, "optimizer": opt.state_dict(), "rank": rank}, path)
+    return path
+
+
+def rank_files(out: Path) -> list[Path]:
+    """The per-rank checkpoints that :func:`ddp_rank_files` saves, computed in this process in a fraction of the time.
+
+    DDP gives every rank the sum of the ranks' gradients each scaled by 1/WORLD, and with buffer sync off each
+    rank keeps the BatchNorm statistics of its own data; doing the same here gives the same bits
+    (tests/test_merging.py checks that against a real gloo run).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the DDP workers run: the same summation order in the convolutions
+    try:
+        nets = [SmallNet() for _ in range(WORLD)]
+        opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in nets]
+        for step in range(STEPS):
+            for rank, (net, opt) in enumerate(zip(nets, opts, strict=True)):
+                loss = net(inputs(rank * 10 + step)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+            for params in zip(*(net.parameters() for net in nets), strict=True):
+                grads = [p.grad * (1 / WORLD) for p in params if p.grad is not None]
+                total = grads[0]
+                for grad in grads[1:]:
+                    total = total + grad
+                for p in params:
+                    p.grad = total.clone()
+            for opt in opts:
+                opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    # DataParallel's state dict is DDP's: the same module. prefix and _metadata.
+    return [_save_rank(out, rank, nn.DataParallel(net), opts[rank]) for rank, net in enumerate(nets)]
 
 
 def _ddp_worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -83,7 +201,7 @@ def _ddp_worker(rank: int, store_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     try:
         # Buffers synced at start only; each rank then keeps its own BatchNorm running statistics.
-        ddp = DistributedDataParallel(SmallCNN(), forward_sync_buffers=False)
+        ddp = DistributedDataParallel(SmallNet(), forward_sync_buffers=False)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for step in range(STEPS):
             x = inputs(rank * 10 + step)
@@ -91,21 +209,14 @@ def _ddp_worker(rank: int, store_path: str, out_dir: str) -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        torch.save(
-            {"model": ddp.state_dict(), "epoch": STEPS, "optimizer": opt.state_dict(), "rank": rank},
-            os.path.join(out_dir, f"rank{rank}.pt"),
-        )
+        _save_rank(Path(out_dir), rank, ddp, opt)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def ddp_rank_files(base: Path) -> list[Path]:
-    """Per-rank checkpoints of a real 2-process gloo DDP run (made once per test session under ``base``)."""
-    out = base / "checks_ddp_run"
-    files = [out / f"rank{r}.pt" for r in range(WORLD)]
-    if all(f.exists() for f in files):
-        return files
+def ddp_rank_files(out: Path) -> list[Path]:
+    """Per-rank checkpoints of a real 2-process gloo DDP run, saved under ``out``."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
@@ -114,4 +225,4 @@ def ddp_rank_files(base: Path) -> list[Path]:
     # would inherit an initialised default group (the session gloo_world fixture), so spawn then.
     method = "spawn" if dist.is_initialized() else "fork"
     mp.start_processes(_ddp_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True, start_method=method)
-    return files
+    return [out / f"rank{r}.pt" for r in range(WORLD)]

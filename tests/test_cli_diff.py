@@ -1,26 +1,19 @@
-"""``ckptfix diff`` through the real click group, on real per-rank DDP files."""
+"""``ckptfix diff`` through the real click group, on per-rank DDP checkpoints (the conftest rank_files)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.checks_models import ddp_rank_files
 
 
 def run(*args: str | Path) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return ddp_rank_files(tmp_path_factory.getbasetemp())
 
 
 def test_diff_identical_layout_only_and_different(rank_files: list[Path], tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``ckptfix merge`` through the real click group, on real per-rank DDP files."""
+"""``ckptfix merge`` through the real click group, on per-rank DDP checkpoints (the conftest rank_files)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.checks_models import ScaledHead, SmallCNN, ddp_rank_files
+from tests.models import ScaledHead, SmallNet
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
 TRAINER = "ckptfix.trainer.model:build_model"
@@ -19,11 +19,6 @@ TRAINER = "ckptfix.trainer.model:build_model"
 
 def run(*args: str | Path) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return ddp_rank_files(tmp_path_factory.getbasetemp())
 
 
 def test_merge_writes_the_merged_checkpoint(rank_files: list[Path], tmp_path: Path) -> None:
@@ -37,7 +32,7 @@ def test_merge_writes_the_merged_checkpoint(rank_files: list[Path], tmp_path: Pa
     assert list(merged["model"]) == list(expected["model"])
     for key, value in expected["model"].items():
         assert torch.equal(merged["model"][key], value), key
-    model = SmallCNN()
+    model = SmallNet()
     assert ckptfix.load_into(model, out).loads_as_is
     model.eval()
     assert torch.equal(model.features[1].running_var, expected["model"]["features.1.running_var"])
@@ -89,7 +84,7 @@ def test_merge_with_model_averages_other_float_buffers(tmp_path: Path) -> None:
     out = tmp_path / "merged.pt"
     refused = run("merge", *files, "-o", out)
     assert refused.exit_code == 1 and "  module.scale  max |Δ| 2" in refused.stdout and not out.exists()
-    result = run("merge", *files, "-o", out, "--model", "tests.checks_models:ScaledHead")
+    result = run("merge", *files, "-o", out, "--model", "tests.models:ScaledHead")
     assert result.exit_code == 0, result.output
     assert "other buffers (pooled): module.scale" in result.stdout
     merged = ckptfix.load(out)["model"]

@@ -1,4 +1,4 @@
-"""``ckptfix validate`` through the real click group, on real per-rank DDP files and the trainer's fixtures."""
+"""``ckptfix validate`` through the real click group, on per-rank DDP files and the trainer's fixtures."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.checks_models import SmallCNN, ddp_rank_files
+from tests.models import Refusing, SmallNet
 
-MODEL = "tests.checks_models:SmallCNN"
+MODEL = "tests.models:SmallNet"
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
 TRAINER = "ckptfix.trainer.model:build_model"
 REPO = Path(__file__).resolve().parent.parent
@@ -27,11 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run(*args: str | Path) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return ddp_rank_files(tmp_path_factory.getbasetemp())
 
 
 @pytest.mark.parametrize("which", [0, 1])
@@ -52,7 +47,7 @@ def test_validate_rank_files_prints_the_fix_and_the_fix_works(
 
 
 def test_validate_renamed_model_pairs_and_rule(rank_files: list[Path], tmp_path: Path) -> None:
-    result = run("validate", rank_files[0], "--model", "tests.checks_models:RenamedCNN")
+    result = run("validate", rank_files[0], "--model", "tests.models:RenamedNet")
     assert result.exit_code == 1
     assert "missing from the checkpoint (14):" in result.stdout
     assert "  features.0.weight -> backbone.0.weight" in result.stdout
@@ -60,15 +55,15 @@ def test_validate_renamed_model_pairs_and_rule(rank_files: list[Path], tmp_path:
     words = shlex.split(result.stdout.splitlines()[-1])
     assert words[:2] == ["ckptfix", "convert"] and "--rename" in words
     assert run("convert", words[2], out, *words[4:]).exit_code == 0
-    assert run("validate", out, "--model", "tests.checks_models:RenamedCNN").exit_code == 0
+    assert run("validate", out, "--model", "tests.models:RenamedNet").exit_code == 0
 
 
 def test_validate_wrong_shape_and_json(rank_files: list[Path]) -> None:
-    result = run("validate", rank_files[0], "--model", "tests.checks_models:small_cnn", "--kwargs", '{"classes": 5}')
+    result = run("validate", rank_files[0], "--model", "tests.models:small_net", "--kwargs", '{"classes": 5}')
     assert result.exit_code == 1
     assert "wrong shape, checkpoint [3, 4] vs model [5, 4] (1):\n  head.weight" in result.stdout
     assert "FAIL: would not load with strict=True: 2 wrong shape" in result.stdout
-    result = run("validate", rank_files[0], "--model", "tests.checks_models:wrong_head", "--json")
+    result = run("validate", rank_files[0], "--model", "tests.models:wrong_head", "--json")
     report = json.loads(result.stdout)
     assert result.exit_code == 1 and report["exit_code"] == 1 and report["fix_command"] is None
     assert report["wrong_shape"]["head.bias"] == {"checkpoint": [3], "model": [5]}
@@ -76,7 +71,7 @@ def test_validate_wrong_shape_and_json(rank_files: list[Path]) -> None:
 
 
 def test_validate_cannot_run_exits_2(rank_files: list[Path], tmp_path: Path) -> None:
-    result = run("validate", rank_files[0], "--model", "tests.checks_models:Nope")
+    result = run("validate", rank_files[0], "--model", "tests.models:Nope")
     assert result.exit_code == 2 and "has no attribute 'Nope'" in result.stderr
     result = run("validate", tmp_path / "missing.pt", "--model", MODEL)
     assert result.exit_code == 2 and "Traceback" not in result.output
@@ -115,26 +110,14 @@ def test_validate_every_fixture_against_the_reference_model(name: str) -> None:
         )
 
 
-class Refusing(nn.Module):
-    """A model whose own ``_load_from_state_dict`` refuses every checkpoint, as a version check in user code does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(2, 2)
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
-        error_msgs = args[-1]
-        error_msgs.append("checkpoint too old:\n\tre-export it")
-
-
 @pytest.mark.parametrize("version", ["2", [2]])
 def test_validate_refuses_a_batchnorm_version_that_load_state_dict_cannot_compare(tmp_path: Path, version: Any) -> None:
-    state = SmallCNN().state_dict()
+    state = SmallNet().state_dict()
     state._metadata["features.1"]["version"] = version  # type: ignore[attr-defined]
     path = tmp_path / "bad_version.pt"
     torch.save({"model": state}, path)
     with pytest.raises(TypeError):  # what a user's own load_state_dict would do
-        SmallCNN().load_state_dict(ckptfix.load(path)["model"])
+        SmallNet().load_state_dict(ckptfix.load(path)["model"])
     result = run("validate", path, "--model", MODEL)
     assert result.exit_code == 1 and "Traceback" not in result.output
     problem = (
@@ -152,14 +135,14 @@ def test_validate_refuses_a_batchnorm_version_that_load_state_dict_cannot_compar
 
 
 def test_validate_old_batchnorm_checkpoint_without_num_batches_tracked_loads(tmp_path: Path) -> None:
-    state = SmallCNN().state_dict()
+    state = SmallNet().state_dict()
     for key in ("features.1.num_batches_tracked", "features.4.num_batches_tracked"):
         del state[key]
     for path in ("features.1", "features.4"):
         state._metadata[path]["version"] = 1  # type: ignore[attr-defined]
     old = tmp_path / "old.pt"
     torch.save(state, old)
-    SmallCNN().load_state_dict(ckptfix.load(old))  # torch fills num_batches_tracked in for version 1
+    SmallNet().load_state_dict(ckptfix.load(old))  # torch fills num_batches_tracked in for version 1
     assert run("validate", old, "--model", MODEL).stdout.endswith("OK: loads with load_state_dict(strict=True)\n")
     state._metadata["features.4"]["version"] = 2  # type: ignore[attr-defined]
     torch.save(state, old)
@@ -172,7 +155,7 @@ def test_validate_old_batchnorm_checkpoint_without_num_batches_tracked_loads(tmp
 def test_validate_reports_what_a_trial_load_raises(tmp_path: Path) -> None:
     path = tmp_path / "lin.pt"
     torch.save(Refusing().state_dict(), path)
-    result = run("validate", path, "--model", "tests.test_cli_validate:Refusing")
+    result = run("validate", path, "--model", "tests.models:Refusing")
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert result.stdout.splitlines()[-1] == (
         "FAIL: would not load with strict=True: load_state_dict raised RuntimeError: Error(s) in loading "
@@ -181,7 +164,7 @@ def test_validate_reports_what_a_trial_load_raises(tmp_path: Path) -> None:
 
 
 def test_validate_prints_hostile_key_names_escaped(tmp_path: Path) -> None:
-    state = SmallCNN().state_dict()
+    state = SmallNet().state_dict()
     state["evil\nOK: loads with load_state_dict(strict=True)\x1b[2J"] = torch.zeros(1)
     path = tmp_path / "evil.pt"
     torch.save(state, path)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ckptfix.diff import diff, tensor_diff
-from tests.checks_models import SmallCNN
+from tests.models import SmallNet
 
 
 def _ckpt(state: dict[str, torch.Tensor], epoch: int = 3) -> dict[str, object]:
@@ -18,16 +18,16 @@ def _ckpt(state: dict[str, torch.Tensor], epoch: int = 3) -> dict[str, object]:
 
 
 def test_identical_and_layout_only_different_are_equal() -> None:
-    state = SmallCNN().state_dict()
+    state = SmallNet().state_dict()
     assert diff(_ckpt(state), _ckpt(dict(state))).equal
-    report = diff(_ckpt(state), _ckpt(nn.DataParallel(SmallCNN()).state_dict()))
+    report = diff(_ckpt(state), _ckpt(nn.DataParallel(SmallNet()).state_dict()))
     assert report.equal and report.layouts_differ
     assert (report.entries[0].layout_a, report.entries[0].layout_b) == ("single", "ddp")
     assert report.entries[0].compared == 16
 
 
 def test_value_shape_dtype_and_key_differences() -> None:
-    a = SmallCNN().state_dict()
+    a = SmallNet().state_dict()
     b = dict(a)
     b["head.weight"] = a["head.weight"] + 0.25
     b["head.bias"] = a["head.bias"].half()
@@ -84,7 +84,7 @@ def test_non_model_entries_compared_as_data() -> None:
 
 
 def test_bare_state_against_full_checkpoint_pairs_the_lone_entry() -> None:
-    state = SmallCNN().state_dict()
+    state = SmallNet().state_dict()
     report = diff(state, {"state_dict": state, "epoch": 1})
     assert report.entries[0].equal
     assert [(o.path, o.a) for o in report.other] == [("epoch", "(absent)")]

@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 import ckptfix
 from ckptfix.errors import CkptfixError
 from tests import hostile
-from tests.conftest import make_net
 from tests.hostile import P
+from tests.models import make_net
 
 MARKER = Path(tempfile.gettempdir()) / "ckptfix-fuzz-PWNED"  # what the payloads in generated files would create
 EXAMPLES = int(os.environ.get("CKPTFIX_FUZZ_EXAMPLES", "40"))

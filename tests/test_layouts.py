@@ -8,7 +8,7 @@ import torch
 from ckptfix import layouts
 from ckptfix.checkpoint import convert
 from ckptfix.errors import LayoutError
-from tests.conftest import PREFIX, WRAPPERS, make_net
+from tests.models import PREFIX, WRAPPERS, make_net
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)
@@ -33,7 +33,7 @@ def test_convert_every_pair(source: str, target: str, wrapped_state: Callable[[s
 def test_converted_state_loads_strictly_and_matches_output(
     wrapped_state: Callable[[str], dict[str, torch.Tensor]],
 ) -> None:
-    from tests.conftest import PROBE
+    from tests.models import PROBE
 
     reference = make_net()
     for kind in WRAPPERS:

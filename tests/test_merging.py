@@ -1,4 +1,4 @@
-"""ckptfix.merge on per-rank checkpoints of a real 2-process gloo DDP run with buffer sync off."""
+"""ckptfix.merge on per-rank checkpoints of a 2-rank DDP run with buffer sync off (a real gloo run checks them)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import ckptfix
 from ckptfix.errors import MergeError
 from ckptfix.loading import load_into
 from ckptfix.merging import plan_merge
-from tests.checks_models import SmallCNN, ddp_rank_files
+from tests import models
+from tests.models import SmallNet
 
 BN = ["features.1.", "features.4."]
-
-
-@pytest.fixture(scope="module")
-def rank_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    return ddp_rank_files(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture
@@ -36,6 +32,17 @@ def test_fixture_really_has_per_rank_statistics(ranks: list[Any]) -> None:
     for prefix in BN:
         assert not torch.equal(a[prefix + "running_mean"], b[prefix + "running_mean"])
     assert torch.equal(a["head.weight"], b["head.weight"])
+
+
+@pytest.mark.slow
+def test_rank_files_are_bitwise_what_a_real_gloo_ddp_run_saves(ranks: list[Any], tmp_path: Path) -> None:
+    real = [ckptfix.load(f) for f in models.ddp_rank_files(tmp_path)]
+    for ours, theirs in zip(ranks, real, strict=True):
+        assert list(ours) == list(theirs) and list(ours["model"]) == list(theirs["model"])
+        for key, value in theirs["model"].items():
+            assert torch.equal(ours["model"][key], value), key
+        assert ours["model"]._metadata == theirs["model"]._metadata
+        assert {k: v for k, v in ours.items() if k != "model"} == {k: v for k, v in theirs.items() if k != "model"}
 
 
 @pytest.mark.parametrize("strategy", ["pooled", "mean", "rank0"])
@@ -68,7 +75,7 @@ def test_parameters_are_bit_identical_to_rank0_and_the_result_loads(ranks: list[
     for key in ["features.0.weight", "features.1.weight", "head.bias"]:
         assert torch.equal(merged["model"][key], rank0[key])
     assert merged["epoch"] == ranks[0]["epoch"] and merged["rank"] == 0  # non-model entries from rank 0
-    model = SmallCNN()
+    model = SmallNet()
     report = load_into(model, merged)
     assert report.ok and report.layout_from == "single"
     assert torch.equal(model.features[4].running_mean, merged["model"]["features.4.running_mean"])

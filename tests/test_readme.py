@@ -21,3 +21,9 @@ def test_ci_runs_the_readme_commands_verbatim() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     for command in commands:
         assert command in ci
+
+
+def test_ci_runs_the_slow_tier_after_the_readme_tests() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    fast, slow = ".venv/bin/python -m pytest -q", ".venv/bin/python -m pytest -q -m slow"
+    assert slow in ci and ci.index(fast) < ci.index(slow)

@@ -21,7 +21,7 @@ import torch
 import ckptfix
 from ckptfix.conversion import convert_file
 from ckptfix.errors import CkptfixError, FormatError, OutputError, UnsafeCheckpointError
-from tests.conftest import make_net
+from tests.models import make_net
 
 PAYLOADS = {
     "os.system": lambda marker: (os.system, (f"touch {marker}",)),
@@ -270,6 +270,7 @@ def _save_failing(obj: Any, path: Any, fail: Any) -> None:
         fail()
 
 
+@pytest.mark.slow  # 50 forked writers of 16 MB files
 def test_sigkill_during_writes_never_leaves_a_partial_file(tmp_path: Path) -> None:
     import random
     import signal

@@ -21,7 +21,7 @@ from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.ziparchive import read_archive
 from ckptfix.stream import Fallback, fast_convert
-from tests.conftest import make_net
+from tests.models import make_net
 
 
 def _fast(src: Path, dst: Path, **options: Any) -> Any:
@@ -347,6 +347,7 @@ def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor
     return small
 
 
+@pytest.mark.slow
 def test_zip64_offsets_read_and_written(tmp_path: Path) -> None:
     src = tmp_path / "far.pt"
     small = _write_sparse_torch(src, start=(1 << 32) + 100)

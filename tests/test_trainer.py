@@ -177,22 +177,16 @@ def test_single_process_resume_returns_what_load_for_ddp_returns(tmp_path: Path)
 
 def test_resume_needing_a_global_says_which(tmp_path: Path) -> None:
     config = TrainConfig(out=str(tmp_path), epochs=2, resume=str(FIXTURES / "namespace_args.pt"), **SMALL)
-    with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"--allow-global argparse\.Namespace"):
+    with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"allow_globals='argparse\.Namespace'"):
         train(config)
     config.allow_globals = ["argparse.Namespace"]
     assert ckptfix.load(train(config).checkpoint)["epoch"] == 2
 
 
-def test_cli_train_single(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["train", "--out", str(tmp_path), "--epochs", "1", *SMALL_ARGS])
-    assert result.exit_code == 0, result.output
-    assert "global batch 32" in result.output
-    assert ckptfix.load(tmp_path / "checkpoint.pt")["epoch"] == 1
-
-
 # --- DDP: two gloo processes on the CPU --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_ddp_equals_single_process_on_the_same_global_batch(tmp_path: Path) -> None:
     """Without BatchNorm, 2 ranks x batch 16 must match 1 process x batch 32: sharding and averaging are right."""
     common = ["--norm", "none", "--epochs", "1", "--samples", "128", "--val-samples", "32", "--warmup-epochs", "1"]
@@ -215,6 +209,7 @@ def build_fresh() -> dict[str, torch.Tensor]:
     return build_model(norm="none").state_dict()
 
 
+@pytest.mark.slow
 def test_ddp_per_rank_files_differ_in_batchnorm_statistics_only(tmp_path: Path) -> None:
     out = tmp_path / "drift"
     args = ["--mode", "ddp", "--nproc-per-node", "2", "--epochs", "1", "--out", str(out), *SMALL_ARGS]
@@ -225,15 +220,6 @@ def test_ddp_per_rank_files_differ_in_batchnorm_statistics_only(tmp_path: Path) 
     differ = {k for k in rank0 if not torch.equal(rank0[k], rank1[k])}
     assert differ == {k for k in rank0 if k.endswith(("running_mean", "running_var"))}
     _assert_equal_states(_model(out / "checkpoint.pt"), rank0)
-
-
-@pytest.mark.slow
-def test_ddp_worker_error_is_one_line_and_exit_code(tmp_path: Path) -> None:
-    # The ckptfix.distributed loader refuses a checkpoint that does not fit, on every rank, promptly.
-    args = ["--mode", "ddp", "--nproc-per-node", "2", "--out", str(tmp_path), "--norm", "none", *SMALL_ARGS]
-    result = _ckptfix("train", *args, "--resume", str(FIXTURES / "single.pt"))
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "ckptfix: error: ddp: " in result.stderr
 
 
 @pytest.mark.slow
@@ -251,29 +237,7 @@ def test_ddp_resume_matches_an_uninterrupted_run(tmp_path: Path) -> None:
         torch.testing.assert_close(a[key], c[key], rtol=1e-5, atol=1e-6)
 
 
-# --- the demo's checking half, on a fixture (the full demo trains, and runs in CI as python -m ckptfix.demo) --
-
-
-def test_demo_rows_pass_for_a_real_wrapped_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptfix import demo
-    from ckptfix.trainer.data import VAL_SEED, make_images
-
-    (tmp_path / "converted").mkdir()
-    images, labels = make_images(64, seed=VAL_SEED)
-    rows = demo._check("dp", FIXTURES / "dp_wrapped.pt", tmp_path, images, labels)
-    assert len(rows) == len(demo.TARGETS) * len(demo.FORMATS)
-    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
-    demo.render(rows, rich=False)
-    out = capsys.readouterr().out
-    assert "compiled-ddp.safetensors" in out and "FAIL" not in out
-
-
-def test_demo_row_fails_on_any_output_difference() -> None:
-    from ckptfix.demo import Row
-
-    assert Row("dp", "single.pt", "ok", "ok", 0.0, 0.9).ok
-    assert not Row("dp", "single.pt", "ok", "ok", 1e-7, 0.9).ok
-    assert not Row("dp", "single.pt", "ok", "FAIL: x", 0.0, 0.9).ok
+# --- the launcher ------------------------------------------------------------------------------------------
 
 
 def test_launcher_flags_single_node_and_multi_node() -> None:

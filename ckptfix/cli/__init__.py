@@ -14,8 +14,8 @@ from typing import Any
 import click
 
 from ckptfix import __version__
-from ckptfix.cli.render import as_flags, printable
-from ckptfix.errors import CkptfixError
+from ckptfix.cli.render import printable
+from ckptfix.errors import CkptfixError, as_flags
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
 _COMMAND_MODULES: list[str] = ["convert", "inspect", "diff", "merge", "validate", "train"]

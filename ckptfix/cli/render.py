@@ -8,7 +8,6 @@ terminal raw. ``--json`` output needs none of it: JSON escapes control character
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -30,30 +29,6 @@ def printable(text: object) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-# The library names its options as keywords (``renames='^a\\.='``); people at a shell read them as flags.
-_FLAGS = {
-    "strip_prefixes": "--strip-prefix", "add_prefixes": "--add-prefix", "renames": "--rename", "entries": "--entry",
-    "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
-}  # fmt: skip
-_KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|'[^']*')?")
-
-
-def as_flags(message: str) -> str:
-    """A library message with its keyword options spelled as the CLI's flags.
-
-    >>> as_flags("use renames='^model[.]=' or model_only=True")
-    "use --rename '^model[.]=' or --model-only"
-    """
-
-    def flag(match: re.Match[str]) -> str:
-        value = match.group(2)
-        if match.group(1) == "allow_globals" and value:  # a dotted class name needs no quotes at a shell
-            value = value[1:-1]
-        return _FLAGS[match.group(1)] + (f" {value}" if value and value != "True" else "")
-
-    return _KEYWORD.sub(flag, message)
 
 
 def echo(line: str = "", *, err: bool = False) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ckptfix.errors import CkptfixError
+from ckptfix.errors import CkptfixError, as_flags
 from ckptfix.trainer.config import TrainConfig, parse_args
 
 if TYPE_CHECKING:
@@ -365,6 +365,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(parse_args(argv))
     except CkptfixError as e:
-        print(f"ckptfix.trainer: error: {e}", file=sys.stderr, flush=True)
+        print(f"ckptfix.trainer: error: {as_flags(str(e))}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0

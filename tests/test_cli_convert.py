@@ -1,0 +1,73 @@
+"""``ckptfix convert`` through the real click group: what it changed, formats, prefixes and renames, usage errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptfix
+from ckptfix.cli import cli
+from tests.models import PROBE, make_net
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_convert_reports_what_changed(tmp_path: Path, ddp_ckpt: Path) -> None:
+    out = tmp_path / "plain.pt"
+    result = run("convert", str(ddp_ckpt), str(out))
+    assert result.exit_code == 0, result.output
+    assert "'model': ddp -> single, 16 keys (16 renamed)" in result.output
+    assert "kept unchanged: epoch, optimizer" in result.output
+    net = make_net(seed=3)
+    net.load_state_dict(ckptfix.load(out)["model"], strict=True)
+    assert torch.equal(net(PROBE), make_net()(PROBE))
+
+
+def test_convert_to_safetensors_model_only(tmp_path: Path, ddp_ckpt: Path) -> None:
+    out = tmp_path / "model.safetensors"
+    result = run("convert", str(ddp_ckpt), str(out), "--model-only", "--dtype", "float16")
+    assert result.exit_code == 0, result.output
+    assert "dropped (--model-only): epoch, optimizer" in result.output
+    state = ckptfix.load(out)
+    assert state["head.weight"].dtype == torch.float16
+    assert state["features.1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_custom_prefixes_and_renames(tmp_path: Path) -> None:
+    src = tmp_path / "lightning.ckpt.pt"
+    torch.save({"state_dict": {f"model.{k}": v for k, v in make_net().state_dict().items()}}, src)
+    out = tmp_path / "out.pt"
+    result = run("convert", str(src), str(out), "--strip-prefix", "model.", "--to", "ddp")
+    assert result.exit_code == 0, result.output
+    assert all(k.startswith("module.features") or k.startswith("module.head") for k in ckptfix.load(out)["state_dict"])
+    result = run("convert", str(src), str(out), "--rename", r"^model\.head\.=classifier.", "--keep-layout")
+    assert result.exit_code == 0, result.output
+    assert "classifier.weight" in ckptfix.load(out)["state_dict"]
+    result = run("convert", str(src), str(out), "--strip-prefix", "net.")
+    assert result.exit_code == 2
+    assert "--strip-prefix 'net.' does not match key 'model.features.0.weight'" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["missing.pt", "out.pt"], "missing.pt: no such file; check the path"),
+        (["IN", "IN"], "is the input file"),
+        (["IN", "out.txt"], "unknown output extension"),
+        (["IN", "no/such/dir/out.pt"], "does not exist; create it first"),
+        (["IN", "out.pt", "--to", "fsdp"], "Invalid value for '--to'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(tmp_path: Path, ddp_ckpt: Path, args: list[str], message: str) -> None:
+    args = [str(ddp_ckpt) if a == "IN" else str(tmp_path / a) if a.endswith((".pt", ".txt")) else a for a in args]
+    result = run("convert", *args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,45 @@
+"""ckptfix.factory: build_model from a ``package.module:factory`` spec and JSON keyword arguments."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from ckptfix.factory import ModelSpecError, build_model
+from tests.models import SmallNet
+
+
+def test_build_model_from_a_spec() -> None:
+    model = build_model("torch.nn:Linear", kwargs='{"in_features": 2, "out_features": 3}')
+    assert isinstance(model, nn.Linear) and model.weight.shape == (3, 2)
+    assert isinstance(build_model("tests.models:small_net", kwargs={"classes": 5}), SmallNet)
+    for spec, kwargs, argument, match in [
+        ("torch.nn.Linear", None, "spec", r"build_model\(spec='torch.nn.Linear'\): expected package.module:factory"),
+        ("no_such_pkg_x:f", None, "spec", "cannot import 'no_such_pkg_x'.*to sys.path or PYTHONPATH$"),
+        ("torch.nn:Nope", None, "spec", "has no attribute 'Nope'"),
+        ("torch.nn:Linear", "{bad", "kwargs", r"build_model\(kwargs='\{bad'\): not valid JSON"),
+        ("torch.nn:Linear", "[1]", "kwargs", "expected a JSON object"),
+        ("torch.nn:Linear", None, "spec", "building the model failed: TypeError"),
+        ("tests.models:inputs", '{"rank": 0}', "spec", "returned Tensor, not a torch.nn.Module"),
+    ]:
+        with pytest.raises(ModelSpecError, match=match) as caught:
+            build_model(spec, kwargs=kwargs)
+        assert caught.value.argument == argument and "--" not in str(caught.value)  # library terms, not flags
+
+
+def test_build_model_searches_a_folder_last_and_only_while_building(tmp_path: Path) -> None:
+    (tmp_path / "ckptfix_test_factory.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(2, 3)\n"
+    )
+    (tmp_path / "torch.py").write_text("raise RuntimeError('the installed torch must win')\n")
+    path_before = list(sys.path)
+    with pytest.raises(ModelSpecError, match="cannot import 'ckptfix_test_factory'"):
+        build_model("ckptfix_test_factory:build")
+    assert isinstance(build_model("ckptfix_test_factory:build", search_path=tmp_path), nn.Linear)
+    assert sys.path == path_before
+    (tmp_path / "ckptfix_test_broken.py").write_text("raise ValueError('no')\n")
+    with pytest.raises(ModelSpecError, match="importing 'ckptfix_test_broken' failed: ValueError: no"):
+        build_model("ckptfix_test_broken:f", search_path=tmp_path)
