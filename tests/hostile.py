@@ -817,6 +817,9 @@ def storage_bypasses() -> dict[str, bytes]:
         "overflowing-size": one(P.tensor(P.storage(s0, numel=2), shape=[2**32, 2**32], stride=[2**32, 1])),
         "overflowing-stride": one(P.tensor(P.storage(s0, numel=2), shape=[2, 2], stride=[2**62, 1])),
         "negative-dim": one(P.tensor(P.storage(s0, numel=2), shape=[-1], stride=[1])),
+        # no element at all, yet torch refuses them: it multiplies the sizes before it meets the 0
+        "zero-elements-numel-overflow": one(P.tensor(P.storage(s0, numel=2), shape=[2**62, 4, 0], stride=[4, 1, 1])),
+        "zero-elements-size-past-int64": one(P.tensor(P.storage(s0, numel=2), shape=[2**63, 0], stride=[1, 1])),
     }
 
 

@@ -22,6 +22,7 @@ from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, storage_it
 
 MAX_DEPTH = 1000  # containers nested deeper than this are refused (consumers walk trees recursively)
 EXPANDED_LIMIT = 256 << 20  # bytes an expanded (stride-0) view may claim beyond its storage
+_INT64 = (1 << 63) - 1
 _BASE_NODES = 10_000_000  # plus 8 per pickle byte: the tree's size with shared references counted each time
 _VIEW_FUNCS = {"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
                "torch._utils._rebuild_qtensor"}  # fmt: skip
@@ -153,9 +154,15 @@ def _check_view(func: str, args: tuple[Any, ...], *, dtype: str | None) -> None:
     if dtype is None or dtype not in DTYPES:
         raise FormatError(f"tensor in storage '{ref.key}' has unknown dtype {dtype!r}; the file is corrupt")
     width = DTYPES[dtype].itemsize
-    numel = 1
-    for d in shape:
+    numel, overflow = 1, any(v > _INT64 for v in (offset, *shape, *stride))
+    for d in shape:  # torch multiplies the sizes in order and fails on overflow, even when a later size is 0
         numel *= d
+        overflow = overflow or numel > _INT64
+    if overflow:
+        raise FormatError(
+            f"tensor in storage '{ref.key}' has sizes or strides past 64 bits ({list(shape)}, {list(stride)}); "
+            f"torch cannot build it"
+        )
     if numel == 0:
         return
     extent = offset + 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
