@@ -15,6 +15,7 @@ import signal
 import subprocess
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import FileStore, TCPStore  # type: ignore[attr-defined]  # public, not in the stubs
 
 import ckptfix
 from ckptfix.distributed import load_for_ddp, save_for_ddp
@@ -192,10 +194,13 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
 
 def extras_values() -> dict[str, Any]:
     """The extra checkpoint entry of each ``extras_<kind>`` scenario: all load weights-only on the source."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized dtypes are deprecated, but checkpoints hold them
+        quantized = torch.quantize_per_tensor(torch.linspace(-1, 1, 4), 0.1, 0, torch.qint8)
     return {
         # Cannot travel as plain data: every rank must refuse them before any tensor moves.
         "meta": torch.empty(3, 2, device="meta"),
-        "quantized": torch.quantize_per_tensor(torch.linspace(-1, 1, 4), 0.1, 0, torch.qint8),
+        "quantized": quantized,
         "sparse": torch.eye(3).to_sparse(),
         "storage": torch.arange(4.0).untyped_storage(),
         # Inert values and tensors in unusual but plain forms: every rank must receive them equal.
@@ -258,6 +263,12 @@ def _src_differs(ctx: Ctx) -> Any:
     return load_for_ddp(ctx.model(), ctx.path("plain.pt"), src=ctx.rank, timeout=HANG_TIMEOUT)
 
 
+def _rank1_never_calls(ctx: Ctx) -> Any:
+    if ctx.rank == 1:
+        return "skipped"
+    return load_for_ddp(ctx.model(), ctx.path("plain.pt"), timeout=HANG_TIMEOUT)
+
+
 def _extras(name: str) -> Callable[[Ctx], Any]:
     def run(ctx: Ctx) -> Any:
         model = ctx.model()
@@ -272,18 +283,19 @@ SCENARIOS.update(
         "src_frozen_reading": _src_frozen_reading,
         "src_frozen_mid_broadcast": _src_frozen_mid_broadcast,
         "src_differs": _src_differs,
+        "rank1_never_calls": _rank1_never_calls,
         **{f"extras_{kind}": _extras(f"extras_{kind}.pt") for kind in EXTRAS_KINDS},
     }
 )
-# After these the gloo group holds abandoned work (a frozen peer, a mismatched broadcast): skip the orderly
-# destroy_process_group, which would wait on that work, and exit once the results are written.
-LEAVE_GROUP_BROKEN = {"src_frozen_mid_broadcast", "src_differs"}
+# After these the group may hold abandoned work (a broadcast or a store request to a frozen peer): skip the
+# orderly destroy_process_group, which could wait on that work, and exit once the results are written.
+LEAVE_GROUP_BROKEN = {"src_frozen_mid_broadcast", "src_frozen_reading", "src_differs", "rank1_never_calls"}
 
 
-def start(tmp: Path, world: int, scenarios: list[str]) -> list[Any]:
-    """Start ``world`` processes that run ``scenarios`` on one fresh gloo group (a FileStore under ``tmp``)."""
+def start(tmp: Path, world: int, scenarios: list[str], *, store: str = "file") -> list[Any]:
+    """Start ``world`` processes that run ``scenarios`` on one fresh gloo group; see :func:`main` for ``store``."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=main, args=(r, world, str(tmp), scenarios)) for r in range(world)]
+    procs = [ctx.Process(target=main, args=(r, world, str(tmp), scenarios, store)) for r in range(world)]
     for p in procs:
         p.start()
     return procs
@@ -310,10 +322,29 @@ def spawn(tmp: Path, world: int, scenarios: list[str], *, limit: float = 240) ->
     return collect(tmp, start(tmp, world, scenarios), limit=limit)
 
 
-def main(rank: int, world: int, tmp: str, scenarios: list[str]) -> None:
-    """Entry point of one spawned rank; writes ``result<rank>.pkl`` with one record per scenario."""
+def _tcp_store(rank: int, world: int, tmp: Path) -> Any:
+    """A TCPStore hosted by rank 0, as ``env://`` or ``tcp://`` make it, on a port the OS picked (no collisions)."""
+    timeout = timedelta(seconds=60)
+    port_file = tmp / "store-port"
+    if rank == 0:
+        store = TCPStore("127.0.0.1", 0, world, True, timeout, wait_for_workers=False)
+        (tmp / "store-port.tmp").write_text(str(store.port))
+        (tmp / "store-port.tmp").rename(port_file)  # atomic: the others never read half a number
+        return store
+    deadline = time.monotonic() + 60
+    while not port_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return TCPStore("127.0.0.1", int(port_file.read_text()), world, False, timeout)
+
+
+def main(rank: int, world: int, tmp: str, scenarios: list[str], store_kind: str = "file") -> None:
+    """Entry point of one spawned rank; writes ``result<rank>.pkl`` with one record per scenario.
+
+    ``store_kind`` is ``"file"`` (a FileStore under ``tmp``: it lives on whatever happens to a rank, like
+    torchrun's agent store) or ``"tcp"`` (hosted inside rank 0, so it stops when rank 0 is stopped).
+    """
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), world)  # type: ignore[attr-defined]  # public, unstubbed
+    store = _tcp_store(rank, world, Path(tmp)) if store_kind == "tcp" else FileStore(f"{tmp}/store", world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     ctx = Ctx(rank, world, Path(tmp))
     if world == 3 and "src_dies_before_status" in scenarios:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.distributed import buckets, protocol, wire
+from ckptfix.distributed import buckets, failures, wire
 from ckptfix.errors import DistributedError, FormatError, MismatchError, UnsafeCheckpointError
 from tests import ddp_workers
 
@@ -105,6 +105,7 @@ def _assert_same_failure(results: list[dict[str, Any]], name: str, kind: type, n
     assert len({r["message"] for r in records}) == 1, [r["message"] for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["plain", "ddp", "compiled", "into_compiled", "into_ddp", "small_buckets", "src1"])
 def test_every_rank_ends_bitwise_equal_to_the_checkpoint(two: Any, name: str) -> None:
     results, fixtures = two
@@ -113,6 +114,7 @@ def test_every_rank_ends_bitwise_equal_to_the_checkpoint(two: Any, name: str) ->
         _assert_state(value["state"], fixtures["plain"], prefix)
 
 
+@pytest.mark.slow
 def test_ranks_with_differently_wrapped_models_both_load(two: Any) -> None:
     results, fixtures = two
     rank0, rank1 = _ok(results, "mixed_wrappers", range(2))
@@ -120,6 +122,7 @@ def test_ranks_with_differently_wrapped_models_both_load(two: Any) -> None:
     _assert_state(rank1["state"], fixtures["plain"], "_orig_mod.")
 
 
+@pytest.mark.slow
 def test_full_checkpoint_returns_other_entries_and_optimizer_steps_identically(two: Any) -> None:
     results, fixtures = two
     values = _ok(results, "full", range(2))
@@ -151,12 +154,14 @@ def test_full_checkpoint_returns_other_entries_and_optimizer_steps_identically(t
         assert torch.equal(values[0]["stepped"][key], values[1]["stepped"][key]), key
 
 
+@pytest.mark.slow
 def test_small_buckets_carry_the_other_entries(two: Any) -> None:
     results, fixtures = two
     for value in _ok(results, "small_buckets", range(2)):
         _assert_state(value["extras"]["ema"], fixtures["full"]["ema"])
 
 
+@pytest.mark.slow
 def test_without_model_broadcast_receivers_keep_their_weights_but_get_the_rest(two: Any) -> None:
     results, fixtures = two
     src, receiver = _ok(results, "no_model_broadcast", range(2))
@@ -166,6 +171,7 @@ def test_without_model_broadcast_receivers_keep_their_weights_but_get_the_rest(t
     _assert_state(receiver["extras"]["ema"], fixtures["full"]["ema"])
 
 
+@pytest.mark.slow
 def test_non_strict_loads_what_fits_on_every_rank(two: Any) -> None:
     results, fixtures = two
     for rank, value in enumerate(_ok(results, "non_strict", range(2))):
@@ -189,11 +195,13 @@ def test_non_strict_loads_what_fits_on_every_rank(two: Any) -> None:
         ("fail_save", ckptfix.OutputError, "no-such-folder"),
     ],
 )
+@pytest.mark.slow
 def test_a_failure_anywhere_raises_the_same_error_on_every_rank(two: Any, name: str, kind: type, needle: str) -> None:
     results, _ = two
     _assert_same_failure(results, name, kind, needle)
 
 
+@pytest.mark.slow
 def test_save_for_ddp_writes_once_in_the_single_layout(two: Any) -> None:
     results, _ = two
     values = _ok(results, "save", range(2))
@@ -230,7 +238,9 @@ def test_receivers_give_up_within_seconds_when_the_source_dies(tmp_path: Path) -
     for rank in (0, 1):
         record = results[rank]["src_dies_mid_broadcast"]
         assert record["kind"] == "DistributedError", record
-        assert "broadcast from rank 2 failed" in record["message"]
+        assert record["message"] == (
+            "a broadcast from rank 2 failed mid-transfer; a rank died or lost its connection: see its log"
+        )
         assert record["seconds"] < 10
     record = results[0]["src_dies_before_status"]
     assert record["kind"] == "DistributedError", record
@@ -264,10 +274,10 @@ def test_strip_and_fill_tensors_round_trip() -> None:
 
 
 def test_failure_rebuilds_the_same_class_with_the_rank() -> None:
-    error = protocol.Failure.of(UnsafeCheckpointError("x.pt: needs os.system", globals_needed=["os.system"]), 3).error()
+    error = failures.Failure.of(UnsafeCheckpointError("x.pt: needs os.system", globals_needed=["os.system"]), 3).error()
     assert isinstance(error, UnsafeCheckpointError) and error.globals_needed == ["os.system"]
     assert str(error) == "rank 3: x.pt: needs os.system"
-    other = protocol.Failure.of(KeyError("boom"), 1).error()
+    other = failures.Failure.of(KeyError("boom"), 1).error()
     assert type(other) is DistributedError and "KeyError" in str(other)
 
 

@@ -419,3 +419,18 @@ def test_an_input_overwritten_during_the_copy_is_refused(
         convert_file(src, tmp_path / out, to="single")
     assert not (tmp_path / out).exists()
     assert src.read_bytes() != original  # the rewrite happened: the refusal is what caught it
+
+
+def test_a_real_optimizer_with_thousands_of_parameters_loads(tmp_path: Path) -> None:
+    # many sibling containers (one state dict per parameter) are wide, not deep
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2500)]
+    opt = torch.optim.Adam(params)
+    sum(p.sum() for p in params).backward()
+    opt.step()
+    torch.save({"model": {f"p{i}": p for i, p in enumerate(params)}, "optimizer": opt.state_dict()}, tmp_path / "a.pt")
+    loaded = ckptfix.load(tmp_path / "a.pt")
+    assert len(loaded["optimizer"]["state"]) == 2500
+    assert torch.equal(loaded["optimizer"]["state"][2499]["exp_avg"], opt.state_dict()["state"][2499]["exp_avg"])
+    for fast in (True, False):
+        convert_file(tmp_path / "a.pt", tmp_path / f"out-{fast}.pt", fast=fast)
+        assert len(torch.load(tmp_path / f"out-{fast}.pt")["optimizer"]["state"]) == 2500

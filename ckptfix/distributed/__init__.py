@@ -3,7 +3,8 @@
 ``load_for_ddp`` reads, converts and checks the checkpoint on rank ``src`` only, tells every rank whether that
 worked before any tensor moves, and then broadcasts the weights (and the optimizer and other state) in bounded
 buckets straight into each rank's own parameters. A failure anywhere, on the source or on a rank whose model
-was built differently, makes every rank raise the same error within seconds; no rank is left in a collective.
+was built differently, makes every rank raise the same error within seconds, and a rank that hangs or dies
+releases the others within ``timeout``; no rank is left in a collective (see ``protocol``).
 ``save_for_ddp`` writes once, atomically, from one rank and returns on every rank when the file is complete.
 
 Nothing here is imported by the CLI at start-up; torch is imported inside the functions.
@@ -190,6 +191,11 @@ def _read_on_source(
     obj = load(path, allow_globals=allowed)
     state = model_state_of(obj, source=source)
     adapted, report = adapt_to_model(state, model, source=source)
+    if strict:
+        report.raise_if_failed()
+    else:  # load_state_dict raises on a shape mismatch even when not strict; skip those keys instead
+        for key in report.wrong_shape:
+            del adapted[key]
     primary = primary_entry(obj)
     extras = {key: value for key, value in obj.items() if key != primary} if primary else {}
     entries: list[buckets.Entry] = []
@@ -197,11 +203,6 @@ def _read_on_source(
     skeleton = buckets.strip_tensors(extras, entries, tensors)
     # Before the model changes and before any rank is told to go on: a refusal here reaches every rank as is.
     wire.check_sendable(skeleton, entries, tensors, source=source, allowed=allowed)
-    if strict:
-        report.raise_if_failed()
-    else:  # load_state_dict raises on a shape mismatch even when not strict; skip those keys instead
-        for key in report.wrong_shape:
-            del adapted[key]
     model.load_state_dict(adapted, strict=strict)
     own = model.state_dict()
     prefix = _layout_prefix(own)
@@ -269,6 +270,7 @@ def save_for_ddp(
     )
     if not session.is_src:
         session.hear()
+        session.close("status")
         return
     try:
         from ckptfix.formats import save
@@ -277,6 +279,7 @@ def save_for_ddp(
     except Exception as e:
         session.fail("status", e)
     session.announce(b"")
+    session.close("status")
 
 
 def _unwrapped(obj: Any, *, source: str) -> Any:

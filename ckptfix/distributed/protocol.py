@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ckptfix import errors
 from ckptfix.distributed import wire
-from ckptfix.errors import CkptfixError, DistributedError, UnsafeCheckpointError
+from ckptfix.distributed.failures import Failure, disagreement, who
+from ckptfix.distributed.store import Board
+from ckptfix.errors import CkptfixError, DistributedError
 
 if TYPE_CHECKING:
     import torch
@@ -35,45 +36,14 @@ PROTOCOL = 2
 _POLL = 0.1
 
 
-@dataclass(frozen=True)
-class Failure:
-    """A failure in a form that crosses process boundaries: the failing rank (if one), class name, message."""
+def _pause(waited: float) -> float:
+    """How long to sleep before the next look at the store, after ``waited`` seconds of waiting.
 
-    rank: int | None
-    kind: str
-    message: str
-    globals_needed: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, exc: BaseException, rank: int | None) -> Failure:
-        """Describe ``exc``; errors from outside ckptfix travel as :class:`DistributedError`."""
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        if isinstance(exc, CkptfixError):
-            # The nearest class that every rank can rebuild by name.
-            kind = next(k.__name__ for k in type(exc).__mro__ if getattr(errors, k.__name__, None) is k)
-        else:
-            kind, message = "DistributedError", f"{type(exc).__name__}: {message}"
-        needed = tuple(getattr(exc, "globals_needed", ()) or ())
-        return cls(rank, kind, message, needed)
-
-    @classmethod
-    def common(cls, message: str) -> Failure:
-        """A hang, a lost connection or a disagreement: the message names the ranks, not the one that noticed."""
-        return cls(None, "DistributedError", message)
-
-    def error(self) -> CkptfixError:
-        """The error every rank raises: the failing rank's class and message, prefixed with that rank."""
-        kind = getattr(errors, self.kind, None)
-        if not (isinstance(kind, type) and issubclass(kind, CkptfixError)):
-            kind = DistributedError
-        message = self.message if self.rank is None else f"rank {self.rank}: {self.message}"
-        if kind is UnsafeCheckpointError:
-            return UnsafeCheckpointError(message, globals_needed=list(self.globals_needed))
-        return kind(message)
-
-
-def _who(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    A tenth of the time already waited: a short wait (the common case) ends within a millisecond or so of
+    its event, and a long one costs the store a few looks per second (server-side waits would not need
+    polling, but a FileStore rounds their timeout up to a second).
+    """
+    return min(_POLL, max(0.001, waited / 10))
 
 
 @dataclass
@@ -84,17 +54,22 @@ class Session:
     src: int
     rank: int
     ranks: list[int]
-    store: Any
+    board: Board
     key: str
     timeout: float
     call: str
     source_path: str = ""  # the path as the source named it; a receiver's own path may mean nothing there
-    failed: bool = False  # an outcome of failure was committed: this rank's error is already the agreed one
+    adopted: bool = False  # this rank raised a committed failure: its error is the one every rank raises
     device: torch.device = field(init=False)
 
     @property
     def is_src(self) -> bool:
         return self.rank == self.src
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank's error needs no more agreement: it was agreed on, or the store is gone."""
+        return self.adopted or self.board.gone
 
     def exchange(
         self, phase: str, value: bytes | None, *, late: Callable[[list[int]], str], senders: list[int] | None = None
@@ -106,22 +81,28 @@ class Session:
         senders = self.ranks if senders is None else senders
         keys = [f"{self.key}/{phase}/{rank}" for rank in senders]
         if value is not None:
-            self._op(self.store.set, f"{self.key}/{phase}/{self.rank}", value)
-        deadline = time.monotonic() + self.timeout
-        pause = 0.001
-        while not self._settled(phase) and not self._has(keys):
-            if time.monotonic() > deadline:
-                missing = [rank for rank, key in zip(senders, keys, strict=True) if not self._has([key])]
-                if missing:
-                    self.settle(phase, Failure.common(late(missing)))  # returns only if all arrived meanwhile
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL)
-        return [bytes(self._op(self.store.get, key)) for key in keys]
+            self.board.set(f"{self.key}/{phase}/{self.rank}", value)
+        start = look = time.monotonic()
+        while not self.board.check(keys):
+            if time.monotonic() - look > _POLL:  # a failure may end the phase before every value is in
+                look = time.monotonic()
+                if self._settled(phase):
+                    break
+            if time.monotonic() - start > self.timeout:
+                missing = [rank for rank, key in zip(senders, keys, strict=True) if not self.board.check([key])]
+                if missing:  # settle returns only if they all arrived meanwhile
+                    self.settle(phase, Failure.common(late(missing), absent=tuple(missing)))
+            time.sleep(_pause(time.monotonic() - start))
+        return [self.board.get(key) for key in keys]
 
     def settle(self, phase: str, failure: Failure | None) -> None:
         """Commit this rank's verdict on ``phase`` unless another rank did first; raise the agreed failure."""
-        winner = self._op(self.store.compare_set, self._outcome(phase), "", wire.dumps(failure))
-        self._raise_if_failure(bytes(winner))
+        self.board.touch()
+        if self.board.behind:
+            # The others gave up on this rank meanwhile; if they could not record it (this rank hosts the
+            # store), they raised the board's message, so this rank raises that one too.
+            failure = Failure.common(self.board.lost(), absent=None)
+        self._raise_if_failure(phase, self.board.compare_set(self._outcome(phase), "", wire.dumps(failure)))
 
     def fail(self, phase: str, exc: BaseException) -> NoReturn:
         """This rank failed in ``phase``: raise on every rank the error that was committed first."""
@@ -129,30 +110,87 @@ class Session:
         self.settle(phase, failure)
         raise failure.error() from exc  # only if the phase had already succeeded everywhere
 
+    def announce(self, payload: bytes) -> None:
+        """Source: its part succeeded; ``payload`` goes to every other rank."""
+        self.exchange("status", payload, senders=[self.src], late=self._source_late)
+        self.settle("status", None)
+
+    def hear(self) -> bytes:
+        """Receivers: the source's payload, or the source's failure raised."""
+        (payload,) = self.exchange("status", None, senders=[self.src], late=self._source_late)
+        self.settle("status", None)
+        return payload
+
+    def agree(self, problem: BaseException | None) -> None:
+        """Every rank reports its own check; all raise the lowest failing rank's error, or all go on."""
+        mine = None if problem is None else Failure.of(problem, self.rank)
+        raws = self.exchange("check", wire.dumps(mine), late=lambda missing: self._late(missing, "check the model"))
+        failures = [f for f in map(wire.loads, raws) if f is not None]
+        first = min(failures, key=lambda f: -1 if f.rank is None else f.rank, default=None)
+        try:
+            self.settle("check", first)
+        except CkptfixError as e:
+            raise e from problem
+        if self.is_src:
+            # Every rank has read the status (it posted its check after reading it): the payload can go.
+            self.board.delete(f"{self.key}/status/{self.src}")
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         """``dist.broadcast`` from the source that gives up on a stall, or when another rank failed."""
         import torch.distributed as dist
 
-        stalled = (
-            f"a broadcast from rank {self.src} (the source) did not complete within {self.timeout:g} s; "
-            f"a rank has hung or died: see the logs, or pass a larger timeout="
-        )
-        broken = (
-            f"a broadcast from rank {self.src} failed mid-transfer; a rank died or lost its connection: see its log"
-        )
+        self._keep_up()
         try:
             work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
         except (RuntimeError, OSError) as e:
-            self._give_up(broken, e)
+            self._give_up(self._broken(), e)
         start = time.monotonic()
         while not self._finished(work):
+            self._keep_up()
             if time.monotonic() - start > self.timeout:
-                self._give_up(stalled, None)
+                self._give_up(
+                    f"a broadcast from rank {self.src} (the source) did not complete within {self.timeout:g} s; "
+                    f"a rank has hung or died: see the logs, or pass a larger timeout=",
+                    None,
+                )
             self._settled("transfer")  # another rank may have given up already
         try:
             work.wait()  # raises the transfer's own error; under NCCL also orders the current stream after it
         except (RuntimeError, OSError) as e:
-            self._give_up(broken, e)
+            self._give_up(self._broken(), e)
+        self._keep_up()
+
+    def finish(self) -> None:
+        """After the last broadcast: return on every rank only if the transfer completed on every rank."""
+        self.exchange("transfer", b"", late=lambda missing: self._late(missing, "finish the transfer"))
+        self.settle("transfer", None)
+        self.close("transfer")
+
+    def close(self, phase: str) -> None:
+        """The call succeeded: return once every rank has seen that (see :meth:`_farewell`)."""
+        self._farewell(phase, ())
+
+    def _farewell(self, phase: str, absent: tuple[int, ...] | None) -> None:
+        # The process that hosts the store (rank 0 under env://) may exit as soon as its call returns or
+        # raises. So each rank waits, briefly, until every rank still there has read the outcome: none of
+        # them is then left with a lost store instead of the result the others got.
+        if self.board.gone:
+            return
+        expected = len(self.ranks) - len(absent or ())
+        start, grace = time.monotonic(), min(self.timeout, 0.5 if absent is None else 5.0)
+        key = f"{self.key}/{phase}/seen"
+        with contextlib.suppress(DistributedError):  # the outcome stands even if the store goes now
+            seen = self.board.add(key, 1)
+            while seen < expected and time.monotonic() - start < grace:
+                time.sleep(_pause(time.monotonic() - start))
+                seen = self.board.add(key, 0)
+
+    def _keep_up(self) -> None:
+        # A rank that was stopped for longer than the timeout (the others gave up on it) stops at once, with
+        # the others' verdict or the board's, instead of sending into or waiting on ranks that left.
+        self.board.touch()
+        if self.board.behind:
+            self.settle("transfer", None)
 
     def _finished(self, work: Any) -> bool:
         """Whether ``work`` has ended (well or not), after waiting up to about ``_POLL`` seconds for it."""
@@ -169,49 +207,18 @@ class Session:
             pause = min(pause * 2, 0.001)
         return bool(work.is_completed())
 
-    def announce(self, payload: bytes) -> None:
-        """Source: its part succeeded; ``payload`` goes to every other rank."""
-        self.exchange("status", payload, senders=[self.src], late=self._source_late)
-        self.settle("status", None)
+    def _give_up(self, message: str, cause: BaseException | None) -> NoReturn:
+        self.settle("transfer", Failure.common(message, absent=None))
+        raise DistributedError(message) from cause  # settle raised unless the transfer had already ended
 
-    def hear(self) -> bytes:
-        """Receivers: the source's payload, or the source's failure raised."""
-        (payload,) = self.exchange("status", None, senders=[self.src], late=self._source_late)
-        self.settle("status", None)
-        return payload
+    def _broken(self) -> str:
+        return f"a broadcast from rank {self.src} failed mid-transfer; a rank died or lost its connection: see its log"
 
-    def agree(self, problem: BaseException | None) -> None:
-        """Every rank reports its own check; all raise the lowest failing rank's error, or all go on."""
-        mine = None if problem is None else Failure.of(problem, self.rank)
-        raws = self.exchange(
-            "check",
-            wire.dumps(mine),
-            late=lambda missing: (
-                f"{_who(missing)} did not finish checking the model within {self.timeout:g} s; it has hung or "
-                f"died: see its log, or pass a larger timeout="
-            ),
+    def _late(self, missing: list[int], doing: str) -> str:
+        return (
+            f"{who(missing)} did not {doing} within {self.timeout:g} s; it has hung or died: see its log, "
+            f"or pass a larger timeout="
         )
-        failures = [f for f in map(wire.loads, raws) if f is not None]
-        first = min(failures, key=lambda f: -1 if f.rank is None else f.rank, default=None)
-        try:
-            self.settle("check", first)
-        except CkptfixError as e:
-            raise e from problem
-        if self.is_src:
-            # Every rank has read the status (it posted its check after reading it): the payload can go.
-            self._forget(f"{self.key}/status/{self.src}")
-
-    def finish(self) -> None:
-        """After the last broadcast: return on every rank only if the transfer completed on every rank."""
-        self.exchange(
-            "transfer",
-            b"",
-            late=lambda missing: (
-                f"{_who(missing)} did not finish the transfer within {self.timeout:g} s; it has hung or died: "
-                f"see its log, or pass a larger timeout="
-            ),
-        )
-        self.settle("transfer", None)
 
     def _source_late(self, missing: list[int]) -> str:
         doing = {"load_for_ddp": "reading", "save_for_ddp": "writing"}.get(self.call, "its part of")
@@ -220,43 +227,22 @@ class Session:
             f"it has hung or died: see its log, or pass a larger timeout= for very large or slow files"
         )
 
-    def _forget(self, key: str) -> None:
-        # A store without delete_key keeps a few kilobytes per call; harmless.
-        with contextlib.suppress(RuntimeError, OSError, AttributeError):
-            self.store.delete_key(key)
-
-    def _give_up(self, message: str, cause: BaseException | None) -> NoReturn:
-        self.settle("transfer", Failure.common(message))
-        raise DistributedError(message) from cause  # settle raised unless the transfer had already ended
-
     def _outcome(self, phase: str) -> str:
         return f"{self.key}/{phase}/outcome"
 
     def _settled(self, phase: str) -> bool:
         """Whether ``phase`` has an outcome; raises it if it is a failure."""
-        if not self._has([self._outcome(phase)]):
+        if not self.board.check([self._outcome(phase)]):
             return False
-        self._raise_if_failure(bytes(self._op(self.store.get, self._outcome(phase))))
+        self._raise_if_failure(phase, self.board.get(self._outcome(phase)))
         return True
 
-    def _raise_if_failure(self, raw: bytes) -> None:
+    def _raise_if_failure(self, phase: str, raw: bytes) -> None:
         failure = wire.loads(raw)
         if failure is not None:
-            self.failed = True
+            self.adopted = True
+            self._farewell(phase, failure.absent)
             raise failure.error()
-
-    def _has(self, keys: list[str]) -> bool:
-        return bool(self._op(self.store.check, keys))
-
-    def _op(self, method: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return method(*args)
-        except (RuntimeError, OSError) as e:
-            self.failed = True
-            raise DistributedError(
-                f"lost the process group's store during {self.call}; the rank that hosts it (usually rank 0) "
-                f"has died or the network failed: see its log"
-            ) from e
 
 
 def open_session(
@@ -280,13 +266,12 @@ def open_session(
     ranks = list(dist.get_process_group_ranks(group))
     if rank not in ranks:
         raise DistributedError(f"rank {rank} is not in the group {ranks}; call this only on the group's ranks")
-    store = _store()
+    board = Board(_store(), timeout=seconds, call=call)
     tag = f"{_PREFIX}/{'-'.join(map(str, ranks))}"
     # Every rank of the group makes the same calls in the same order, so per-rank counters agree; kept in the
     # store rather than in this process so that a re-initialized group with the same store never reads stale keys.
-    session = Session(group, src, rank, ranks, store, "", seconds, call)
-    seq = session._op(store.add, f"{tag}/calls/{rank}", 1)
-    session.key = f"{tag}/{seq}"
+    seq = board.add(f"{tag}/calls/{rank}", 1)
+    session = Session(group, src, rank, ranks, board, f"{tag}/{seq}", seconds, call)
     session.device = comm_device(dist, group)
     _agree_on_arguments(session, path=path, options=options)
     if src not in ranks:
@@ -311,36 +296,13 @@ def _agree_on_arguments(session: Session, *, path: str, options: Mapping[str, An
         "start",
         wire.dumps((mine, path)),
         late=lambda missing: (
-            f"{_who(missing)} did not call {session.call} within {session.timeout:g} s; call it on every rank of "
-            f"the group, in the same order as other collectives, or pass a larger timeout="
+            f"{who(missing)} did not call {session.call} within {session.timeout:g} s; call it on every rank of the "
+            f"group, in the same order as other collectives, or pass a larger timeout="
         ),
     )
     hellos = [wire.loads(raw) for raw in raws]
     session.source_path = hellos[session.ranks.index(session.src)][1] if session.src in session.ranks else path
-    session.settle("start", _disagreement([args for args, _ in hellos], session.ranks))
-
-
-def _disagreement(arguments: list[dict[str, Any]], ranks: list[int]) -> Failure | None:
-    names = list(dict.fromkeys(name for args in arguments for name in args))
-    parts, differ = [], []
-    for name in names:
-        by_value: dict[str, list[int]] = {}
-        for rank, args in zip(ranks, arguments, strict=True):
-            by_value.setdefault(repr(args.get(name)), []).append(rank)
-        if len(by_value) > 1:
-            differ.append(name)
-            parts.append(", ".join(f"{name}={value} on ranks {on}" for value, on in by_value.items()))
-    if not differ:
-        return None
-    if "protocol" in differ:
-        fix = "install the same ckptfix version on every rank"
-    elif "call" in differ:
-        fix = "make the same ckptfix calls on every rank, in the same order"
-    else:
-        fix = f"pass the same {', '.join(differ)} on every rank"
-    calls = {args.get("call") for args in arguments}
-    head = f"{calls.pop()} was called" if len(calls) == 1 else "ckptfix collectives were called"
-    return Failure.common(f"{head} with different arguments on different ranks: {'; '.join(parts)}; {fix}")
+    session.settle("start", disagreement([args for args, _ in hellos], session.ranks))
 
 
 def _store() -> Any:

@@ -30,7 +30,7 @@ _ALLOWED = {
     ("builtins", "slice"),
     ("builtins", "range"),
     ("builtins", "bytearray"),
-    ("ckptfix.distributed.protocol", "Failure"),
+    ("ckptfix.distributed.failures", "Failure"),
     ("ckptfix.distributed.buckets", "Entry"),
     ("ckptfix.distributed.buckets", "TensorRef"),
     ("torch", "Size"),

@@ -470,7 +470,7 @@ def measure(tree: Any, *, budget: int, source: str) -> int:
                 sizes[ident] = 1
                 stack.pop()
                 continue
-            if len(stack) > MAX_DEPTH:
+            if len(on_path) >= MAX_DEPTH:  # the containers being sized: this one's ancestors (not its siblings)
                 raise FormatError(f"{source}: its pickle nests containers more than {MAX_DEPTH} deep; refusing it")
             on_path.add(ident)
             stack[-1] = (item, kids)
