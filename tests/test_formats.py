@@ -4,6 +4,8 @@ import argparse
 import os
 import pickle
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -300,3 +302,18 @@ def test_what_safetensors_cannot_keep_is_said_once_under_verbose(tmp_path: Path,
     assert torch.equal(out["w"], layer.weight.detach()) and torch.equal(
         out["v"], torch.arange(12.0).reshape(3, 4)[:, :2]
     )
+
+
+def test_safetensors_output_needs_no_numpy(tmp_path: Path) -> None:
+    # numpy is not a dependency: `pip install ckptfix` alone must write .safetensors on the torch path too
+    torch.save({"module.w": torch.arange(6.0).reshape(2, 3).t()}, tmp_path / "in.pt")
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import ckptfix\n"
+        f"r = ckptfix.convert_file({str(tmp_path / 'in.pt')!r}, {str(tmp_path / 'out.safetensors')!r}, fast=False)\n"
+        "print(r.method)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "torch", proc.stderr
+    out = ckptfix.load(tmp_path / "out.safetensors")
+    assert torch.equal(out["w"], torch.arange(6.0).reshape(2, 3).t())

@@ -252,7 +252,23 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
         f.write(encode_header(state, meta, stored, aliases))
         for t in tensors.values():
             if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                f.write(tensor_bytes(t))
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """A CPU tensor's bytes in row-major order, without a copy when it is contiguous, and without numpy.
+
+    ``Tensor.numpy()`` needs numpy, which a plain ``pip install ckptfix`` does not bring.
+    """
+    import ctypes
+
+    flat = t.detach().contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
+    view = memoryview(raw).cast("B")
+    # the view must keep the tensor alive: ctypes holds no reference to torch's memory
+    raw._ckptfix_owner = flat
+    return view
 
 
 def encode_header(
