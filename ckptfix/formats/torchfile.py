@@ -1,11 +1,13 @@
 """Materialize torch checkpoint files (.pt/.pth/.bin) with torch, and save them: the torch path.
 
 Every file is first read and checked by the same readers the streaming path uses (:mod:`torchzip` or
-:mod:`legacy`); only an accepted file reaches ``torch.load``, weights-only, with the same allowlist.
+:mod:`legacy`). A zip's tensors are then built from that description (:mod:`materialize`); the legacy format,
+and the few recipes the builder leaves to torch, reach ``torch.load``, weights-only, with the same allowlist.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -18,7 +20,10 @@ from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats import allowlist
 from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.legacy import check_legacy
+from ckptfix.formats.materialize import NotBuilt, materialize
 from ckptfix.formats.torchzip import read_torch_zip
+
+_NOT_BUILT = object()
 
 
 def file_identity(fd: int) -> tuple[int, ...]:
@@ -53,12 +58,16 @@ def load_torch(
 
     with open(path, "rb") as f:
         before = file_identity(f.fileno())
+        obj = _NOT_BUILT
         if fmt == "torch-legacy":
             check_legacy(source, allowed=allowed)
         else:
-            read_torch_zip(f.fileno(), source, allowed=allowed, verify=verify)
-        with torch.serialization.safe_globals(objects):
-            obj = _torch_load(path, source=source, weights_only=True, mmap=mmap and fmt == "torch-zip")
+            described = read_torch_zip(f.fileno(), source, allowed=allowed, verify=verify)
+            with contextlib.suppress(NotBuilt):
+                obj = materialize(described, f.fileno(), mmap=mmap)
+        if obj is _NOT_BUILT:  # the legacy format, and recipes only torch rebuilds (quantized, sparse, ...)
+            with torch.serialization.safe_globals(objects):
+                obj = _torch_load(path, source=source, weights_only=True, mmap=mmap and fmt == "torch-zip")
         if file_identity(f.fileno()) != before:
             raise changed_while_reading(source)
     return obj
