@@ -30,21 +30,19 @@ from torch.distributed import FileStore, TCPStore  # type: ignore[attr-defined] 
 import ckptfix
 from ckptfix.distributed import load_for_ddp, save_for_ddp
 from ckptfix.errors import CkptfixError
+from tests.models import SmallNet
 
 
-class Net(nn.Module):
-    """Conv, BatchNorm (int64 counter), Linear, and bf16 and bool buffers, so every dtype path is used."""
+class Net(SmallNet):
+    """The shared test model plus bf16 and bool buffers, so every dtype path of the broadcast is used."""
 
     def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
-        self.head = nn.Linear(width, 4)
+        super().__init__(classes=4, width=width, seed=int(torch.initial_seed()) % 2**31)
         self.register_buffer("scale", torch.randn(width).to(torch.bfloat16))
         self.register_buffer("mask", torch.rand(width) > 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.features(x).mean(dim=(2, 3)) * self.scale.float() * self.mask.float()
-        return self.head(h)  # type: ignore[no-any-return]
+        return self.head(self.features(x) * self.scale.float() * self.mask.float())  # type: ignore[no-any-return]
 
 
 def build(seed: int, width: int = 8) -> Net:
