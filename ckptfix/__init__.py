@@ -1,8 +1,9 @@
 """ckptfix: make PyTorch checkpoints portable between single-device, DataParallel, DDP and torch.compile.
 
 Public names are imported lazily so that ``import ckptfix`` (and the CLI's start-up) does not import torch.
-:data:`_EXPORTS` maps each public name to its module; ``__all__`` and the type checker's imports repeat the
-names because tools read them statically (tests/test_api.py keeps the three equal).
+:data:`_EXPORTS` is the one list of public names (each with its module); ``__all__`` follows from it, and the
+type checker's imports below repeat it because type checkers read imports, not dictionaries (tests/test_api.py
+keeps the two equal).
 """
 
 from __future__ import annotations
@@ -44,59 +45,93 @@ _EXPORTS: dict[str, str] = {
     "save_for_ddp": "ckptfix.distributed",
 }
 
-__all__ = [
-    "CkptfixError",
-    "Conversion",
-    "ConvertOptions",
-    "DiffReport",
-    "DistributedError",
-    "FormatError",
-    "KeyReport",
-    "Layout",
-    "LayoutError",
-    "MergeError",
-    "MergeResult",
-    "MismatchError",
-    "OutputError",
-    "UnsafeCheckpointError",
-    "__version__",
-    "check",
-    "convert",
-    "convert_checkpoint",
-    "convert_file",
-    "detect",
-    "diff",
-    "load",
-    "load_for_ddp",
-    "load_into",
-    "merge",
-    "model_entries",
-    "save",
-    "save_for_ddp",
-    "summarize",
-]
+__all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from ckptfix.checkpoint import Conversion, convert, convert_checkpoint, model_entries
-    from ckptfix.compare import KeyReport, check
-    from ckptfix.conversion import ConvertOptions, convert_file
-    from ckptfix.diff import DiffReport, diff
-    from ckptfix.distributed import load_for_ddp, save_for_ddp
-    from ckptfix.errors import (
-        CkptfixError,
-        DistributedError,
-        FormatError,
-        LayoutError,
-        MergeError,
-        MismatchError,
-        OutputError,
-        UnsafeCheckpointError,
+    from ckptfix.checkpoint import (
+        Conversion as Conversion,
     )
-    from ckptfix.formats import load, save
-    from ckptfix.layouts import Layout, detect
-    from ckptfix.loading import load_into
-    from ckptfix.merging import MergeResult, merge
-    from ckptfix.summary import summarize
+    from ckptfix.checkpoint import (
+        convert as convert,
+    )
+    from ckptfix.checkpoint import (
+        convert_checkpoint as convert_checkpoint,
+    )
+    from ckptfix.checkpoint import (
+        model_entries as model_entries,
+    )
+    from ckptfix.compare import (
+        KeyReport as KeyReport,
+    )
+    from ckptfix.compare import (
+        check as check,
+    )
+    from ckptfix.conversion import (
+        ConvertOptions as ConvertOptions,
+    )
+    from ckptfix.conversion import (
+        convert_file as convert_file,
+    )
+    from ckptfix.diff import (
+        DiffReport as DiffReport,
+    )
+    from ckptfix.diff import (
+        diff as diff,
+    )
+    from ckptfix.distributed import (
+        load_for_ddp as load_for_ddp,
+    )
+    from ckptfix.distributed import (
+        save_for_ddp as save_for_ddp,
+    )
+    from ckptfix.errors import (
+        CkptfixError as CkptfixError,
+    )
+    from ckptfix.errors import (
+        DistributedError as DistributedError,
+    )
+    from ckptfix.errors import (
+        FormatError as FormatError,
+    )
+    from ckptfix.errors import (
+        LayoutError as LayoutError,
+    )
+    from ckptfix.errors import (
+        MergeError as MergeError,
+    )
+    from ckptfix.errors import (
+        MismatchError as MismatchError,
+    )
+    from ckptfix.errors import (
+        OutputError as OutputError,
+    )
+    from ckptfix.errors import (
+        UnsafeCheckpointError as UnsafeCheckpointError,
+    )
+    from ckptfix.formats import (
+        load as load,
+    )
+    from ckptfix.formats import (
+        save as save,
+    )
+    from ckptfix.layouts import (
+        Layout as Layout,
+    )
+    from ckptfix.layouts import (
+        detect as detect,
+    )
+    from ckptfix.loading import (
+        load_into as load_into,
+    )
+    from ckptfix.merging import (
+        MergeResult as MergeResult,
+    )
+    from ckptfix.merging import (
+        merge as merge,
+    )
+    from ckptfix.summary import (
+        summarize as summarize,
+    )
 
 
 def __getattr__(name: str) -> Any:
