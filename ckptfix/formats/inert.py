@@ -521,6 +521,8 @@ class _Pickler:
         self.memo: dict[int, int] = {}
         self.keep: list[Any] = []  # memoized objects must stay alive so their ids stay unique
         self.by_name: dict[str, type[Global]] = {}
+        self._odict = make_global("collections", "OrderedDict")  # made once: a class per call costs 20 µs
+        self._encode = make_global("_codecs", "encode")
 
     def dump(self, obj: Any) -> bytes:
         self.save(obj)
@@ -565,7 +567,7 @@ class _Pickler:
             out += b"X" + struct.pack("<I", len(raw)) + raw
             self._memoize(obj)
         elif type(obj) is bytes:
-            self._save_call(make_global("_codecs", "encode"), (obj.decode("latin1"), "latin1"))
+            self._save_call(self._encode, (obj.decode("latin1"), "latin1"))
         elif self._get(obj):
             return
         elif type(obj) is tuple:
@@ -579,7 +581,7 @@ class _Pickler:
             self._memoize(obj)
             self._batch(list(obj.items()), b"s", b"u")
         elif type(obj) is OrderedDict:
-            self._save_global(make_global("collections", "OrderedDict"))
+            self._save_global(self._odict)
             out += b")R"
             self._memoize(obj)
             self._batch(list(obj.items()), b"s", b"u")
