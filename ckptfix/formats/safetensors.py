@@ -258,7 +258,7 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
 def tensor_bytes(t: Any) -> memoryview:
     """A CPU tensor's bytes in row-major order, without a copy when it is contiguous, and without numpy.
 
-    ``Tensor.numpy()`` needs numpy, which a plain ``pip install ckptfix`` does not bring.
+    Going through numpy would need numpy, which a plain ``pip install ckptfix`` does not bring.
     """
     import ctypes
 
