@@ -18,6 +18,7 @@ import ckptfix
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats import detect_format
+from tests.assertions import assert_same
 from tests.models import PROBE, make_net, wrap
 
 FORMATS = {"zip": ".pt", "legacy": ".pth", "safetensors": ".safetensors"}
@@ -319,25 +320,6 @@ def test_safetensors_output_needs_no_numpy(tmp_path: Path) -> None:
     assert torch.equal(out["w"], torch.arange(6.0).reshape(2, 3).t())
 
 
-def _same(x: Any, y: Any, path: str = "") -> None:
-    assert type(x) is type(y), (path, type(x), type(y))
-    if isinstance(x, torch.Tensor):
-        assert (x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad) == (
-            y.dtype, y.shape, y.stride(), y.storage_offset(), y.requires_grad
-        ), path  # fmt: skip
-        assert torch.equal(x, y), path
-    elif isinstance(x, dict):
-        assert list(x) == list(y) and getattr(x, "_metadata", None) == getattr(y, "_metadata", None), path
-        for key in x:
-            _same(x[key], y[key], f"{path}.{key}")
-    elif isinstance(x, (list, tuple)):
-        assert len(x) == len(y), path
-        for i, (a, b) in enumerate(zip(x, y, strict=True)):
-            _same(a, b, f"{path}[{i}]")
-    else:
-        assert x == y, (path, x, y)
-
-
 def test_tensors_built_from_the_description_equal_torch_load(tmp_path: Path) -> None:
     net = make_net()
     opt = torch.optim.Adam(net.parameters())
@@ -353,7 +335,7 @@ def test_tensors_built_from_the_description_equal_torch_load(tmp_path: Path) -> 
     torch.save(ckpt, tmp_path / "rich.pt")
     for mmap in (True, False):
         ours = ckptfix.load(tmp_path / "rich.pt", mmap=mmap)
-        _same(ours, torch.load(tmp_path / "rich.pt", weights_only=True))
+        assert_same(ours, torch.load(tmp_path / "rich.pt", weights_only=True))
         assert ours["tied"][0] is ours["tied"][1]  # shared stays shared, as torch.load keeps it
         assert isinstance(ours["tied"][0], nn.Parameter) and ours["tied"][0].requires_grad
     mapped = ckptfix.load(tmp_path / "rich.pt", mmap=True)

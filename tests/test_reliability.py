@@ -431,3 +431,25 @@ def test_a_real_optimizer_with_thousands_of_parameters_loads(tmp_path: Path) -> 
     for fast in (True, False):
         convert_file(tmp_path / "a.pt", tmp_path / f"out-{fast}.pt", fast=fast)
         assert len(torch.load(tmp_path / f"out-{fast}.pt")["optimizer"]["state"]) == 2500
+
+
+def test_an_input_rewritten_after_its_check_is_refused_on_the_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the CRCs were checked before the rewrite: only the before/after comparison of the file can catch it
+    import ckptfix.formats.torchfile as torchfile
+
+    src = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(1000)}, src)
+    time.sleep(0.05)  # file times tick at a few ms: the rewrite below must land on a later tick than the save
+    real = torchfile.materialize
+
+    def rewrite_then_build(described: Any, fd: int, *, mmap: bool = True) -> Any:
+        with open(src, "r+b") as f:  # another process rewrites a record that has just passed its CRC check
+            f.seek(described.archive.get("data/0").data_offset)
+            f.write(b"\x00" * 16)
+        return real(described, fd, mmap=mmap)
+
+    monkeypatch.setattr(torchfile, "materialize", rewrite_then_build)
+    with pytest.raises(FormatError, match=r"in\.pt: the file changed while it was being read"):
+        ckptfix.load(src)

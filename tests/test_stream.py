@@ -21,6 +21,7 @@ from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.ziparchive import read_archive
 from ckptfix.stream import Fallback, fast_convert
+from tests.assertions import assert_same
 from tests.models import make_net
 
 
@@ -32,34 +33,9 @@ def _slow(src: Path, dst: Path, **options: Any) -> Any:
     return convert_file(src, dst, fast=False, **options)
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().flatten().view(torch.uint8) if t.numel() else t.detach().flatten()
-
-
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Same structure, same key order, torch.equal tensors of the same dtype and type (Parameter or not)."""
-    assert type(a) is type(b), where
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
-        # Bytes, not values: random bit patterns hold NaNs, which torch.equal never calls equal.
-        assert torch.equal(_raw(a), _raw(b)), where
-        assert a.requires_grad == b.requires_grad, where
-    elif isinstance(a, dict):
-        assert list(a.keys()) == list(b.keys()), where
-        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def _check_torch_output(fast: Path, slow: Path) -> None:
     for mmap in (False, True):
-        _assert_same(
+        assert_same(
             torch.load(fast, weights_only=True, mmap=mmap), torch.load(slow, weights_only=True, mmap=mmap), str(mmap)
         )
     with open(fast, "rb") as f:

@@ -1,0 +1,34 @@
+"""The one deep comparison of loaded checkpoints the tests share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().flatten().view(torch.uint8) if t.numel() else t.detach().flatten()
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Same structure and key order, same types (Parameter or not), tensors equal byte for byte with the same
+    dtype, shape, strides, storage offset and requires_grad, and the same ``_metadata``."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
+            b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad
+        ), where  # fmt: skip
+        # bytes, not values: random bit patterns hold NaNs, which torch.equal never calls equal
+        assert torch.equal(_raw(a), _raw(b)), where
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), where
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
