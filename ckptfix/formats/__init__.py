@@ -24,8 +24,13 @@ SAFETENSORS_EXTENSIONS = (".safetensors",)
 
 
 def detect_format(path: PathLike) -> str:
-    """``torch-zip``, ``torch-legacy`` or ``safetensors``, from the first bytes of the file."""
+    """``torch-zip``, ``torch-legacy``, ``safetensors`` or ``folder``, from the first bytes of the file.
+
+    ``folder`` is a folder of shards or training state, or a shard index file (JSON) in one.
+    """
     source = os.fspath(path)
+    if os.path.isdir(source):
+        return "folder"
     try:
         with open(path, "rb") as f:
             head = f.read(32)
@@ -38,6 +43,8 @@ def detect_format(path: PathLike) -> str:
         raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
     if not head:
         raise FormatError(f"{source}: file is empty; re-download or re-save it")
+    if head.lstrip().startswith(b"{"):
+        return "folder"  # an index file: folder.describe checks that it is one
     if head.startswith(b"PK\x03\x04"):
         return "torch-zip"
     if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
@@ -71,15 +78,26 @@ def load(
     allow_globals: Iterable[str] = (),
     mmap: bool = True,
     verify: bool = True,
+    model_only: bool = False,
 ) -> Any:
     """Load a checkpoint safely: weights-only, onto the CPU, memory-mapped where the format allows.
 
     ``allow_globals`` names extra classes the pickle may build (``argparse.Namespace``); never ``os.system``
-    and the like. ``unsafe=True`` runs the full unpickler: only for files you fully trust.
+    and the like. ``unsafe=True`` runs the full unpickler: only for files you fully trust. ``path`` may be a
+    folder (transformers shards with their index, an accelerate ``save_state`` folder) or its index file;
+    ``model_only=True`` leaves a folder's optimizer, scheduler and RNG files unread.
 
     >>> ckpt = ckptfix.load("run/last.pt")
     """
-    return read(path, fmt=detect_format(path), unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify)
+    return read(
+        path,
+        fmt=detect_format(path),
+        unsafe=unsafe,
+        allow_globals=allow_globals,
+        mmap=mmap,
+        verify=verify,
+        model_only=model_only,
+    )
 
 
 def read(
@@ -90,9 +108,18 @@ def read(
     allow_globals: Iterable[str] = (),
     mmap: bool = True,
     verify: bool = True,
+    model_only: bool = False,
 ) -> Any:
     """:func:`load` for a file whose format was already detected."""
     source = os.fspath(path)
+    if fmt == "folder":
+        from ckptfix.formats.folder import load_folder
+
+        def shard(file: str) -> Any:
+            return read(file, fmt=detect_format(file), unsafe=unsafe, allow_globals=allow_globals, mmap=mmap,
+                        verify=verify)  # fmt: skip
+
+        return load_folder(path, read=shard, model_only=model_only)
     if fmt == "safetensors":
         from ckptfix.formats.safetensors import load_safetensors
 
@@ -104,19 +131,26 @@ def read(
     )
 
 
-def save(obj: Any, path: PathLike) -> None:
+def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
     """Write ``obj`` atomically in the format OUT's extension names (temp file, fsync, rename).
+
+    With ``shard_size`` (bytes) a state dict is written as transformers shards of at most that size beside
+    OUT (``model-00001-of-00003.safetensors`` …) with OUT's index (``model.safetensors.index.json``).
 
     >>> ckptfix.save({"model": model.state_dict(), "epoch": 3}, "run/last.pt")
     """
     fmt = output_format(path)
     check_output(path)
-    write(obj, path, fmt=fmt)
+    write(obj, path, fmt=fmt, shard_size=shard_size)
 
 
-def write(obj: Any, path: PathLike, *, fmt: str) -> None:
+def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None) -> None:
     """:func:`save` to an output already checked, in format ``fmt``."""
-    if fmt == "safetensors":
+    if shard_size is not None:
+        from ckptfix.formats.folder import save_sharded
+
+        save_sharded(obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt))
+    elif fmt == "safetensors":
         from ckptfix.formats.safetensors import save_safetensors
 
         save_safetensors(obj, path)

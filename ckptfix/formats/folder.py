@@ -1,0 +1,400 @@
+"""Checkpoints that are folders: transformers/accelerate shards with an index, and accelerate ``save_state`` folders.
+
+A folder is recognised by what its files hold, never by their names alone: an index is a JSON object with a
+``weight_map``; a shard is whatever file format its bytes say. Every rule a single file obeys holds for each
+shard, and the folder adds its own: the index names only plain files inside the folder (no ``..``, no absolute
+path, no symlink out), every shard it names exists, every key sits in exactly the shard the index says, and no
+shard holds a key the index does not list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
+from ckptfix.formats.atomic import PathLike
+
+INDEX_SUFFIX = ".index.json"
+MAX_INDEX = 64 << 20  # a 1M-key weight map is ~60 MB of JSON; anything larger is not an index
+# accelerate's save_state names (accelerate.utils.constants): model files first, then the training state.
+_MODEL_FILE = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
+_STATE_FILE = re.compile(
+    r"^(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin|scaler\.pt"
+    r"|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
+)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+          "tib": 1 << 40}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Folder:
+    """What a checkpoint folder holds: entry name → the files that make it up, in order.
+
+    ``flat`` folders (transformers shards, one ``model.safetensors``) load as one state dict; the others
+    (accelerate ``save_state``) load as a checkpoint whose entries are named after their files
+    (``model``, ``model_1``, ``optimizer``, ``random_states_0`` …).
+    """
+
+    root: str
+    kind: str  # "sharded" or "accelerate"
+    index: str | None
+    entries: Mapping[str, tuple[str, ...]]
+    weight_map: Mapping[str, str]  # key → shard path, for sharded folders
+
+    @property
+    def flat(self) -> bool:
+        return self.kind == "sharded"
+
+    @property
+    def files(self) -> list[str]:
+        return [path for paths in self.entries.values() for path in paths]
+
+
+def is_folder_input(path: PathLike) -> bool:
+    """A folder, or a file that is an index (JSON, by content)."""
+    return os.path.isdir(path) or _looks_like_json(path)
+
+
+def _looks_like_json(path: PathLike) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    return head.lstrip().startswith(b"{")
+
+
+def describe(path: PathLike) -> Folder:
+    """Find and check what a folder (or an index file) holds; no tensor is read."""
+    source = os.fspath(path)
+    if not os.path.isdir(source):
+        return _sharded(os.path.dirname(os.path.abspath(source)) or ".", source)
+    names = _listing(source)
+    indexes = [n for n in names if n.endswith(INDEX_SUFFIX) and _is_index(os.path.join(source, n))]
+    if len(indexes) > 1:
+        raise FormatError(
+            f"{source}: holds {len(indexes)} index files ({', '.join(indexes)}); pass the one to read, "
+            f"e.g. {os.path.join(source, indexes[0])}"
+        )
+    if indexes:
+        return _sharded(source, os.path.join(source, indexes[0]))
+    return _accelerate(source, names)
+
+
+def _listing(root: str) -> list[str]:
+    try:
+        return sorted(os.listdir(root))
+    except OSError as e:
+        raise FormatError(f"{root}: cannot list the folder ({e.strerror})") from e
+
+
+def _is_index(path: str) -> bool:
+    try:
+        return isinstance(_read_index(path).get("weight_map"), dict)
+    except FormatError:
+        return False
+
+
+def _read_index(path: str) -> dict[str, Any]:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise FormatError(f"{path}: key '{key}' appears twice in the index; the index is damaged")
+            out[key] = value
+        return out
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_INDEX + 1)
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read it ({e.strerror})") from e
+    if len(raw) > MAX_INDEX:
+        raise FormatError(f"{path}: over {MAX_INDEX >> 20} MiB, too large for an index file; it is not one")
+    try:
+        parsed = json.loads(raw, object_pairs_hook=no_duplicates)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{path}: not a JSON index ({e}); re-download it") from e
+    if not isinstance(parsed, dict):
+        raise FormatError(f"{path}: not an index (a JSON object with a 'weight_map' was expected)")
+    return parsed
+
+
+def _sharded(root: str, index: str) -> Folder:
+    parsed = _read_index(index)
+    weight_map = parsed.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError(f"{index}: has no 'weight_map' of keys to shard files; it is not a checkpoint index")
+    shards: dict[str, str] = {}
+    paths: dict[str, str] = {}
+    for key, name in weight_map.items():
+        if not isinstance(name, str):
+            raise FormatError(f"{index}: key '{key}' maps to {name!r}, not a file name; the index is damaged")
+        if name not in shards:
+            shards[name] = inside(root, name, source=index, key=key)
+        paths[key] = shards[name]
+    ordered = tuple(shards[name] for name in sorted(shards))  # numbered names: the order they were written in
+    return Folder(root=root, kind="sharded", index=index, entries={"": ordered}, weight_map=paths)
+
+
+def inside(root: str, name: str, *, source: str, key: str = "") -> str:
+    """The path of ``name`` inside ``root``, refused when it names anything outside it or is not a file."""
+    what = f"key '{key}' names shard '{name}'" if key else f"'{name}'"
+    parts = name.replace("\\", "/").split("/")
+    if not name or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
+        raise FormatError(f"{source}: {what}, a path outside the folder; refusing the index")
+    path = os.path.join(root, name)
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise FormatError(f"{source}: {what}, a link to outside the folder; refusing it")
+    if not os.path.isfile(path):
+        raise FormatError(f"{source}: {what}, which is missing; download the whole folder again")
+    return path
+
+
+def _accelerate(root: str, names: list[str]) -> Folder:
+    models = [n for n in names if _MODEL_FILE.match(n)]
+    if not models:
+        raise FormatError(
+            f"{root}: no checkpoint here (no *.index.json, model.safetensors, pytorch_model.bin or "
+            f"model_N.safetensors); pass a checkpoint file or a folder that holds one"
+        )
+    stems = [n.rsplit(".", 1)[0] for n in models]
+    if len(set(stems)) != len(stems):
+        twice = sorted({s for s in stems if stems.count(s) > 1})
+        raise FormatError(f"{root}: model '{twice[0]}' is there as both .safetensors and .bin; keep one")
+    states = [n for n in names if _STATE_FILE.match(n)]
+    entries = {n.rsplit(".", 1)[0]: (inside(root, n, source=root),) for n in models + states}
+    if len(entries) == 1:  # one model file (save_pretrained without sharding): the state dict itself
+        return Folder(root=root, kind="sharded", index=None, entries={"": next(iter(entries.values()))},
+                      weight_map={})  # fmt: skip
+    return Folder(root=root, kind="accelerate", index=None, entries=entries, weight_map={})
+
+
+def check_shard(folder: Folder, path: str, keys: Iterable[str]) -> None:
+    """Every key of a shard is one the index puts in that shard (the index's own keys are checked after)."""
+    if not folder.index:
+        return
+    for key in keys:
+        expected = folder.weight_map.get(key)
+        if expected is None:
+            raise FormatError(
+                f"{path}: holds key '{key}', which the index {folder.index} does not list; the folder mixes "
+                f"two checkpoints: download it again"
+            )
+        if expected != path:
+            raise FormatError(
+                f"{path}: holds key '{key}', which the index puts in {os.path.basename(expected)}; "
+                f"two shards claim one key: download the folder again"
+            )
+
+
+def check_complete(folder: Folder, found: Iterable[str]) -> None:
+    """Every key the index lists was found in its shard."""
+    missing = set(folder.weight_map) - set(found)
+    if missing:
+        key = min(missing)
+        raise FormatError(
+            f"{folder.index}: key '{key}' is listed in {os.path.basename(folder.weight_map[key])} but not there "
+            f"({len(missing)} such keys); the shard is from another checkpoint: download the folder again"
+        )
+
+
+def load_folder(path: PathLike, *, read: Any, model_only: bool = False) -> Any:
+    """One state dict (shards) or one checkpoint (accelerate folder), every shard read by ``read(path)``.
+
+    ``model_only`` leaves the training-state files of an accelerate folder unopened.
+    """
+    from ckptfix.checkpoint import is_state_dict
+
+    folder = describe(path)
+    out: OrderedDict[str, Any] = OrderedDict()
+    versions: OrderedDict[str, Any] = OrderedDict()
+    for entry, paths in folder.entries.items():
+        if model_only and not folder.flat and not _MODEL_FILE.match(os.path.basename(paths[0])):
+            continue
+        merged: OrderedDict[str, Any] = OrderedDict()
+        for shard in paths:
+            obj = _read_entry(read, shard, hint=not folder.flat)
+            if folder.flat and not is_state_dict(obj):
+                raise FormatError(f"{shard}: holds a {type(obj).__name__}, not a state dict; it is not a shard")
+            if folder.flat:
+                check_shard(folder, shard, obj.keys())
+                for key in obj:
+                    if key in merged:  # only without an index: two model files cannot both hold a key
+                        raise FormatError(f"{shard}: key '{key}' is in two shards; download the folder again")
+                versions.update(getattr(obj, "_metadata", None) or {})
+                merged.update(obj)
+            else:
+                out[entry] = obj
+        if folder.flat:
+            check_complete(folder, merged)
+            if versions:
+                merged._metadata = versions  # type: ignore[attr-defined]
+            return merged
+    return out
+
+
+def _read_entry(read: Any, path: str, *, hint: bool) -> Any:
+    try:
+        return read(path)
+    except UnsafeCheckpointError as e:
+        if not hint or _MODEL_FILE.match(os.path.basename(path)):
+            raise
+        raise UnsafeCheckpointError(
+            f"{e}; or model_only=True to leave the folder's training state unread", globals_needed=e.globals_needed
+        ) from e
+
+
+# -- writing ------------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` (10⁹, as transformers and accelerate count), ``512MiB``, ``1000000`` → bytes."""
+    match = _SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise OutputError(f"shard size {text!r}: not a size; write it like 5GB, 500MB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+
+
+def shard_names(out: PathLike, count: int) -> tuple[list[str], str]:
+    """transformers' file names for ``count`` shards of OUT (``model.safetensors`` → ``model-00001-of-00002…``)."""
+    base = os.path.basename(os.fspath(out))
+    stem, dot, ext = base.rpartition(".")
+    if count == 1:
+        return [base], base + INDEX_SUFFIX
+    return [f"{stem}-{i:05d}-of-{count:05d}{dot}{ext}" for i in range(1, count + 1)], base + INDEX_SUFFIX
+
+
+def plan_shards(sizes: Iterable[tuple[str, int, Any]], *, limit: int) -> list[list[str]]:
+    """Keys grouped into shards of at most ``limit`` bytes, in order, as huggingface_hub splits them.
+
+    ``sizes`` gives (key, bytes, storage identity): keys that share a storage (tied weights) go in the shard
+    of the first and count once; a tensor larger than ``limit`` gets a shard of its own.
+    """
+    shards: list[list[str]] = []
+    used = 0
+    home: dict[Any, list[str]] = {}
+    for key, nbytes, storage in sizes:
+        if storage is not None and storage in home:
+            home[storage].append(key)
+            continue
+        if not shards or (used + nbytes > limit and shards[-1]):
+            shards.append([])
+            used = 0
+        shards[-1].append(key)
+        used += nbytes
+        if storage is not None:
+            home[storage] = shards[-1]
+    return shards
+
+
+def check_folder_output(out: PathLike, names: Iterable[str]) -> None:
+    """Refuse an OUT folder that would end up mixing these shards with another checkpoint's."""
+    folder = os.path.dirname(os.path.abspath(os.fspath(out)))
+    clash = [n for n in names if os.path.lexists(os.path.join(folder, n))]
+    if clash:
+        raise OutputError(
+            f"{os.path.join(folder, clash[0])}: already exists; write the shards to a new or empty folder "
+            f"(mixing two checkpoints' shards in one folder breaks both)"
+        )
+
+
+@contextlib.contextmanager
+def staged(out: PathLike) -> Iterator[str]:
+    """A temporary folder beside OUT's folder whose files move into OUT's folder when the block succeeds.
+
+    Shards appear in OUT's folder only once all of them are written and synced, the index last, so a reader
+    never sees an index naming a shard that is not there yet.
+    """
+    folder = os.path.dirname(os.path.abspath(os.fspath(out)))
+    os.makedirs(folder, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".ckptfix-shards.", suffix=".ckptfix-tmp", dir=folder)
+    moved: list[str] = []
+    try:
+        yield tmp
+        names = sorted(os.listdir(tmp), key=lambda n: n.endswith(INDEX_SUFFIX))  # the index last
+        for name in names:
+            os.rename(os.path.join(tmp, name), os.path.join(folder, name))
+            moved.append(os.path.join(folder, name))
+        _fsync(folder)
+    except BaseException:
+        for path in moved:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(folder: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def index_json(weight_map: Mapping[str, str], *, total_size: int) -> bytes:
+    """The index as transformers writes it: metadata, then the weight map sorted by key."""
+    body = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(body, indent=2) + "\n").encode()
+
+
+def save_sharded(state: Mapping[str, Any], out: PathLike, *, limit: int, write: Any) -> list[str]:
+    """Write a state dict as shards of at most ``limit`` bytes next to OUT, plus the index; the written paths.
+
+    ``write(sub_state, path)`` writes one shard file. One shard is written as OUT itself, with no index, as
+    transformers does.
+    """
+    from ckptfix.checkpoint import is_state_dict
+
+    if not is_state_dict(state):
+        raise OutputError(
+            f"{os.fspath(out)}: shards hold one state dict; this checkpoint has other entries: add model_only=True"
+        )
+    sizes = [(key, t.numel() * t.element_size(), _storage(t)) for key, t in state.items()]
+    groups = plan_shards(sizes, limit=limit)
+    names, index_name = shard_names(out, len(groups))
+    check_folder_output(out, [*names, index_name])
+    versions = getattr(state, "_metadata", None)
+    weight_map: dict[str, str] = {}
+    with staged(out) as tmp:
+        for i, (name, keys) in enumerate(zip(names, groups, strict=True)):
+            sub: OrderedDict[str, Any] = OrderedDict((k, state[k]) for k in keys)
+            if versions is not None and i == 0:  # module versions once, with the first shard
+                sub._metadata = versions  # type: ignore[attr-defined]
+            write(sub, os.path.join(tmp, name))
+            weight_map.update(dict.fromkeys(keys, name))
+        if len(names) > 1:
+            total = sum(nbytes for key, nbytes, storage in _unique(sizes))
+            with open(os.path.join(tmp, index_name), "wb") as f:
+                f.write(index_json(weight_map, total_size=total))
+                os.fsync(f.fileno())
+    folder = os.path.dirname(os.path.abspath(os.fspath(out)))
+    return [os.path.join(folder, n) for n in names] + ([os.path.join(folder, index_name)] if len(names) > 1 else [])
+
+
+def _storage(t: Any) -> Any:
+    if t.numel() == 0:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+
+def _unique(sizes: list[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
+    seen: set[Any] = set()
+    for item in sizes:
+        if item[2] is None or item[2] not in seen:
+            seen.add(item[2])
+            yield item
