@@ -46,6 +46,7 @@ def detect_format(path: PathLike) -> str:
     if head.lstrip().startswith(b"{"):
         return "folder"  # an index file: folder.describe checks that it is one
     if head.startswith(b"PK\x03\x04"):
+        _not_a_dcp_shard(source)
         return "torch-zip"
     if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
         return "torch-legacy"
@@ -59,6 +60,15 @@ def detect_format(path: PathLike) -> str:
         f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
         f"found bytes {head[:8]!r})"
     )
+
+
+def _not_a_dcp_shard(source: str) -> None:
+    folder = os.path.dirname(os.path.abspath(source))
+    if source.endswith(".distcp") and os.path.isfile(os.path.join(folder, ".metadata")):
+        raise FormatError(
+            f"{source}: is one data file of a torch.distributed.checkpoint folder, not a checkpoint on its own; "
+            f"pass the folder {folder}"
+        )
 
 
 def output_format(path: PathLike) -> str:
@@ -113,7 +123,11 @@ def read(
     """:func:`load` for a file whose format was already detected."""
     source = os.fspath(path)
     if fmt == "folder":
+        from ckptfix.formats.dcp import is_dcp, load_dcp
         from ckptfix.formats.folder import load_folder
+
+        if is_dcp(source):
+            return load_dcp(source, allow_globals=allow_globals, mmap=mmap, verify=verify)
 
         def shard(file: str) -> Any:
             return read(file, fmt=detect_format(file), unsafe=unsafe, allow_globals=allow_globals, mmap=mmap,

@@ -364,6 +364,19 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
         return known  # one object per key, so tensors that share a storage share the reference too
 
 
+# Protocol 4 adds framing, short strings, memo shortcuts and STACK_GLOBAL (a GLOBAL whose names come from the
+# stack, resolved by the same find_class): data-only opcodes that DCP's pickled metadata uses.
+_PROTOCOL4 = frozenset({pickle.FRAME, pickle.SHORT_BINUNICODE, pickle.BINUNICODE8, pickle.MEMOIZE,
+                        pickle.STACK_GLOBAL, pickle.SHORT_BINBYTES, pickle.BINBYTES, pickle.BINBYTES8})  # fmt: skip
+
+
+class _Protocol4Unpickler(_Unpickler):
+    dispatch: ClassVar[dict[int, Any]] = {
+        **_Unpickler.dispatch,
+        **{code[0]: pickle._Unpickler.dispatch[code[0]] for code in _PROTOCOL4},
+    }
+
+
 def _checked_pid(pid: Any, *, legacy: bool) -> tuple[Any, ...]:
     size = 6 if legacy else 5
     if not isinstance(pid, tuple) or len(pid) != size or pid[0] != "storage":
@@ -382,11 +395,18 @@ def _short(value: Any) -> str:
 
 
 def load(
-    data: bytes | IO[bytes], *, source: str, allowed: frozenset[str], count: int = 1, legacy: bool = False
+    data: bytes | IO[bytes],
+    *,
+    source: str,
+    allowed: frozenset[str],
+    count: int = 1,
+    legacy: bool = False,
+    protocol4: bool = False,
 ) -> tuple[list[Any], dict[str, StorageRef]]:
     """The inert trees of ``count`` consecutive pickles and their storages by key, every rule checked.
 
     Refuses (one error listing every offending global) a pickle that names a global outside ``allowed``.
+    ``protocol4`` also reads protocol 4's data-only opcodes (torch.save never writes them; DCP metadata does).
     """
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     trees: list[Any] = []
@@ -394,7 +414,7 @@ def load(
     refused: list[str] = []
     foreign: dict[int, None] = {}
     for _ in range(count):
-        unpickler = _Unpickler(stream, allowed=allowed, legacy=legacy)
+        unpickler = (_Protocol4Unpickler if protocol4 else _Unpickler)(stream, allowed=allowed, legacy=legacy)
         try:
             trees.append(unpickler.load())
         except CkptfixError as e:

@@ -36,9 +36,12 @@ class TorchZip:
     pkl: Record
 
 
-def read_torch_zip(fd: int, path: str, *, allowed: frozenset[str], verify: bool = False) -> TorchZip:
-    """Parse and check the archive and its pickle; with ``verify`` also every record's CRC."""
-    archive = read_archive(fd, path)
+def read_torch_zip(
+    fd: int, path: str, *, allowed: frozenset[str], verify: bool = False, start: int = 0, end: int | None = None
+) -> TorchZip:
+    """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
+    every record's CRC."""
+    archive = read_archive(fd, path, start=start, end=end)
     pkl = _pickle_record(archive, path)
     data = os.pread(fd, pkl.size, pkl.data_offset)
     check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))

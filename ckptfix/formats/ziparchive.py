@@ -99,10 +99,14 @@ def _zip64_fields(extra: bytes, wanted: int) -> list[int]:
     raise ValueError("zip64 extra field missing or short")
 
 
-def read_archive(fd: int, path: str) -> Archive:
-    """Parse the end records, the central directory and every local header, reading no record data."""
-    size = os.fstat(fd).st_size
-    tail_len = min(size, _EOCD.size + _U16)
+def read_archive(fd: int, path: str, *, start: int = 0, end: int | None = None) -> Archive:
+    """Parse the end records, the central directory and every local header, reading no record data.
+
+    ``start``/``end`` bound an archive embedded in a larger file (a DCP ``.distcp`` holds one per tensor chunk):
+    every rule applies inside the span, and records' offsets are the file's.
+    """
+    size = os.fstat(fd).st_size if end is None else end
+    tail_len = min(size - start, _EOCD.size + _U16)
     tail = _pread(fd, tail_len, size - tail_len, path=path, what="zip end record")
     pos = tail.rfind(struct.pack("<I", _SIG_EOCD))
     if pos < 0 or pos + _EOCD.size > len(tail):
@@ -117,31 +121,32 @@ def read_archive(fd: int, path: str) -> Archive:
     cd_end = eocd_offset
     locator_at = eocd_offset - _LOCATOR.size
     # torch.save always writes the zip64 end records; other writers only when a field overflows
-    has_locator = locator_at >= 0 and os.pread(fd, 4, locator_at) == struct.pack("<I", _SIG_LOCATOR)
+    has_locator = locator_at >= start and os.pread(fd, 4, locator_at) == struct.pack("<I", _SIG_LOCATOR)
     if has_locator or _U32 in (cd_size, cd_offset) or count == _U16:
         loc = _LOCATOR.unpack(_pread(fd, _LOCATOR.size, locator_at, path=path, what="zip64 locator"))
         if loc[0] != _SIG_LOCATOR:
             raise damaged(path, "zip64 locator missing")
-        rec = _EOCD64.unpack(_pread(fd, _EOCD64.size, loc[2], path=path, what="zip64 end record"))
-        if rec[0] != _SIG_EOCD64 or loc[2] + _EOCD64.size != locator_at:
+        rec = _EOCD64.unpack(_pread(fd, _EOCD64.size, start + loc[2], path=path, what="zip64 end record"))
+        if rec[0] != _SIG_EOCD64 or start + loc[2] + _EOCD64.size != locator_at:
             raise damaged(path, "zip64 end record missing or not where its locator says")
         disk, cd_disk, count, cd_size, cd_offset = rec[4], rec[5], rec[7], rec[8], rec[9]
-        cd_end = loc[2]
+        cd_end = start + loc[2]
     if disk or cd_disk:
         raise damaged(path, "multi-disk zip archive")
+    cd_offset += start
     if cd_offset + cd_size != cd_end:
         # a prepended or concatenated archive, or bytes hidden before the end records
         raise damaged(path, f"central directory at byte {cd_offset} does not end where the end record starts")
     cd = _pread(fd, cd_size, cd_offset, path=path, what="central directory")
-    records = _parse_central(fd, cd, count, path=path, cd_offset=cd_offset)
+    records = _parse_central(fd, cd, count, path=path, cd_offset=cd_offset, base=start)
     records.sort(key=lambda r: r.header_offset)
-    _check_tiling(records, cd_offset, path=path)
+    _check_tiling(records, cd_offset, path=path, start=start)
     return Archive(records=records, comment=comment)
 
 
-def _check_tiling(records: list[Record], cd_offset: int, *, path: str) -> None:
+def _check_tiling(records: list[Record], cd_offset: int, *, path: str, start: int) -> None:
     """Records must follow each other from byte 0 to the central directory: nothing hidden, nothing shared."""
-    at = 0
+    at = start
     seen: dict[str, str] = {}
     for rec in records:
         folded = rec.name.casefold()
@@ -160,7 +165,7 @@ def _descriptor_gap(gap: int) -> bool:
     return gap in (12, 16, 20, 24)
 
 
-def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int) -> list[Record]:
+def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int, base: int) -> list[Record]:
     records: list[Record] = []
     pos = 0
     for _ in range(count):
@@ -188,6 +193,7 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int)
             usize = next(values) if usize == _U32 else usize
             csize = next(values) if csize == _U32 else csize
             offset = next(values) if offset == _U32 else offset
+        offset += base
         if method != 0 or csize != usize:
             raise FormatError(
                 f"{path}: record '{name}' is compressed; torch.save never compresses, so the file was altered; "

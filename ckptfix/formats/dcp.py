@@ -1,0 +1,310 @@
+"""torch.distributed.checkpoint (DCP) folders, read without running their pickles.
+
+A DCP folder is a ``.metadata`` pickle (plain dataclasses: which tensors exist, their dtypes and global shapes,
+how each is chunked, and where each chunk's bytes are) and ``__R_S.distcp`` files that hold, per chunk, a whole
+``torch.save`` archive of that chunk (or of a non-tensor value). DCP's own reader unpickles ``.metadata`` with
+plain ``pickle.load``; ckptfix reads it inertly, with exactly the classes below allowed as data, and reads each
+chunk's archive with the same reader and rules as a ``.pt`` file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.errors import FormatError
+from ckptfix.formats import allowlist, inert
+from ckptfix.formats.dtypes import DTYPES
+
+METADATA = ".metadata"
+MAX_METADATA = 1 << 30
+MAX_CHUNKS = 1 << 16  # per tensor; the overlap check is quadratic in it
+_META = "torch.distributed.checkpoint.metadata."
+_CLASSES = frozenset(
+    {_META + n for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                         "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    | {"torch.distributed.checkpoint.filesystem._StorageInfo", "pathlib.PosixPath", "pathlib.WindowsPath",
+       "pathlib.PurePosixPath", "pathlib.PureWindowsPath", "torch.serialization._get_layout", "torch.Size"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one stored item's ``torch.save`` archive lies: file, first byte, length."""
+
+    path: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Dcp:
+    """A checked DCP folder: tensors and other values by flat key, and each key's path in the nested dict."""
+
+    root: str
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Span]
+    paths: dict[str, tuple[str | int, ...]]
+
+
+def is_dcp(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
+
+
+def _fields(obj: Any, cls: str, names: tuple[str, ...], *, source: str) -> dict[str, Any]:
+    """The dataclass fields of an inert ``cls`` record (state as a dict, or as a tuple in field order)."""
+    if not isinstance(obj, inert.Inert) or obj.func.full != cls:
+        raise FormatError(f"{source}: expected a {cls.rsplit('.', 1)[1]} record, found {type(obj).__name__}; the "
+                          f"metadata is damaged or from an unsupported torch")  # fmt: skip
+    state = obj.state if obj.has_state else {}
+    if isinstance(state, tuple):
+        state = dict(zip(names, state, strict=False))
+    if not isinstance(state, dict):
+        raise FormatError(f"{source}: {cls.rsplit('.', 1)[1]} record has no fields; the metadata is damaged")
+    return state
+
+
+def _size(obj: Any, *, source: str) -> tuple[int, ...]:
+    if isinstance(obj, inert.Inert) and obj.func.full == "torch.Size" and len(obj.args) == 1:
+        dims = obj.args[0]
+        if isinstance(dims, tuple) and all(type(d) is int and d >= 0 for d in dims):
+            return dims
+    raise FormatError(f"{source}: a tensor size is not a torch.Size of non-negative ints; the metadata is damaged")
+
+
+def read_dcp(root: str) -> Dcp:
+    """Read and check ``root/.metadata``: every chunk inside its tensor, chunks tiling it exactly, every byte span
+    inside a file of the folder. No chunk data is read."""
+    from ckptfix.formats.folder import inside
+
+    source = os.path.join(root, METADATA)
+    with open(source, "rb") as f:
+        data = f.read(MAX_METADATA + 1)
+    if len(data) > MAX_METADATA:
+        raise FormatError(f"{source}: over 1 GiB of metadata; refusing it")
+    allowed = allowlist.allowed_names([], source=source) | _CLASSES
+    (tree,), _ = inert.load(data, source=source, allowed=allowed, protocol4=True)
+    meta = _fields(tree, _META + "Metadata", (), source=source)
+    entries = meta.get("state_dict_metadata")
+    storage = meta.get("storage_data")
+    planner = meta.get("planner_data") or {}
+    if not isinstance(entries, dict) or not isinstance(storage, dict) or not isinstance(planner, dict):
+        raise FormatError(f"{source}: no state_dict_metadata or storage_data; not a DCP checkpoint ckptfix reads")
+    spans = _spans(storage, root=root, source=source, inside=inside)
+    tensors: dict[str, TensorEntry] = {}
+    values: dict[str, Span] = {}
+    for key, entry in entries.items():
+        if not isinstance(key, str):
+            raise FormatError(f"{source}: a key is {type(key).__name__}, not a string; the metadata is damaged")
+        if isinstance(entry, inert.Inert) and entry.func.full == _META + "BytesStorageMetadata":
+            if (key, None) not in spans:
+                raise FormatError(f"{source}: value '{key}' has no stored bytes; the checkpoint is incomplete")
+            values[key] = spans[(key, None)]
+        else:
+            tensors[key] = _tensor(key, entry, spans, source=source)
+    paths = {key: _path(key, planner.get(key), source=source) for key in entries}
+    return Dcp(root=root, tensors=tensors, values=values, paths=paths)
+
+
+def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> dict[tuple[str, Any], Span]:
+    sizes: dict[str, int] = {}
+    out: dict[tuple[str, Any], Span] = {}
+    for index, info in storage.items():
+        idx = _fields(index, _META + "MetadataIndex", ("fqn", "offset", "index"), source=source)
+        where = _fields(info, "torch.distributed.checkpoint.filesystem._StorageInfo",
+                        ("relative_path", "offset", "length", "transform_descriptors"), source=source)  # fmt: skip
+        fqn, name = idx.get("fqn"), where.get("relative_path")
+        offset, length = where.get("offset"), where.get("length")
+        if not isinstance(fqn, str) or not isinstance(name, str) or type(offset) is not int or type(length) is not int:
+            raise FormatError(f"{source}: a storage entry is malformed; the metadata is damaged")
+        if where.get("transform_descriptors"):
+            raise FormatError(
+                f"{source}: '{fqn}' is stored through {where['transform_descriptors']} (a DCP storage extension); "
+                f"ckptfix reads plain DCP: re-save without extensions"
+            )
+        path = inside(root, name, source=source, key=fqn)
+        if path not in sizes:
+            sizes[path] = os.path.getsize(path)
+        if offset < 0 or length <= 0 or offset + length > sizes[path]:
+            raise FormatError(f"{source}: '{fqn}' is stored at bytes {offset}..{offset + length} of {name}, which "
+                              f"has {sizes[path]}; the file is truncated: copy the folder again")  # fmt: skip
+        chunk = None if idx.get("offset") is None else _size(idx["offset"], source=source)
+        out[(fqn, chunk)] = Span(path, offset, length)
+    return out
+
+
+def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source: str) -> TensorEntry:
+    fields = _fields(entry, _META + "TensorStorageMetadata", ("properties", "size", "chunks"), source=source)
+    props = _fields(fields.get("properties"), _META + "TensorProperties",
+                    ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), source=source)  # fmt: skip
+    dtype_glob = props.get("dtype")
+    dtype = getattr(dtype_glob, "full", "").removeprefix("torch.")
+    if dtype not in DTYPES:
+        raise FormatError(f"{source}: tensor '{key}' has dtype {dtype_glob!r}, which ckptfix does not know")
+    shape = _size(fields.get("size"), source=source)
+    raw_chunks = fields.get("chunks")
+    if not isinstance(raw_chunks, list) or len(raw_chunks) > MAX_CHUNKS:
+        raise FormatError(f"{source}: tensor '{key}' has no chunk list (or over {MAX_CHUNKS}); metadata damaged")
+    boxes = []
+    for raw in raw_chunks:
+        c = _fields(raw, _META + "ChunkStorageMetadata", ("offsets", "sizes"), source=source)
+        boxes.append((_size(c.get("offsets"), source=source), _size(c.get("sizes"), source=source)))
+    _check_tiling(key, shape, boxes, source=source)
+    chunks = []
+    for offsets, sizes in sorted(boxes):
+        span = spans.get((key, offsets))
+        if span is None:
+            raise FormatError(f"{source}: tensor '{key}' chunk at {list(offsets)} has no stored bytes; the "
+                              f"checkpoint is incomplete (a rank's file missing?)")  # fmt: skip
+        chunks.append(Chunk(offsets, sizes, span))
+    return TensorEntry(dtype=dtype, shape=shape, chunks=tuple(chunks))
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # a chunk's offsets and sizes
+
+
+def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], *, source: str) -> None:
+    """Chunks lie inside the tensor, do not overlap, and cover it: their volumes sum to its size."""
+    for offsets, sizes in boxes:
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True))
+        ):
+            raise FormatError(f"{source}: tensor '{key}' {list(shape)} has a chunk at {list(offsets)} of size "
+                              f"{list(sizes)} outside it; the metadata is damaged")  # fmt: skip
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1 :]:
+            if all(ao < bo + bs and bo < ao + an and an and bs
+                   for ao, an, bo, bs in zip(a_off, a_size, b_off, b_size, strict=True)):  # fmt: skip
+                raise FormatError(f"{source}: tensor '{key}' has overlapping chunks at {list(a_off)} and "
+                                  f"{list(b_off)}; the metadata is damaged")  # fmt: skip
+    covered = sum(math.prod(sizes) for _, sizes in boxes)
+    if covered != math.prod(shape):
+        raise FormatError(
+            f"{source}: tensor '{key}' {list(shape)}: its chunks cover {covered} of {math.prod(shape)} elements; "
+            f"the checkpoint is incomplete (a rank's file missing?)"
+        )
+
+
+def _path(key: str, path: Any, *, source: str) -> tuple[str | int, ...]:
+    if path is None:
+        return (key,)
+    if isinstance(path, tuple) and path and all(type(p) in (str, int) for p in path):
+        return path
+    raise FormatError(f"{source}: key '{key}' has a malformed planner path {path!r}; the metadata is damaged")
+
+
+def nest(flat: dict[str, Any], paths: dict[str, tuple[str | int, ...]]) -> Any:
+    """DCP's flat keys put back where the planner took them from (``('model', 'fc.weight')`` → nested dict)."""
+    out: dict[Any, Any] = {}
+    for key, value in flat.items():
+        *parents, last = paths.get(key, (key,))
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise FormatError(f"key '{key}' nests under a value; the metadata is damaged")
+        node[last] = value
+    return _lists(out)
+
+
+def _lists(node: Any) -> Any:
+    # DCP flattens lists (optimizer param_groups) to integer path parts: rebuild them as lists
+    if not isinstance(node, dict):
+        return node
+    items = {k: _lists(v) for k, v in node.items()}
+    if items and all(type(k) is int for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
+
+
+def spans_of(d: Dcp) -> Iterator[Span]:
+    for t in d.tensors.values():
+        for c in t.chunks:
+            yield c.span
+    yield from d.values.values()
+
+
+def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: bool = True) -> Any:
+    """The checkpoint a DCP folder holds, as the nested dict ``dcp.save`` was given, with full (unsharded) tensors.
+
+    Each chunk is read like a ``.pt`` file (structure, pickle allowlist, CRCs); a tensor stored whole is used
+    as it is mapped, a chunked one is assembled into one tensor.
+    """
+    import torch
+
+    from ckptfix.formats.materialize import materialize
+    from ckptfix.formats.torchfile import changed_while_reading, file_identity
+    from ckptfix.formats.torchzip import read_torch_zip
+
+    d = read_dcp(root)
+    allowed = allowlist.allowed_names(list(allow_globals), source=root)
+    files: dict[str, tuple[int, tuple[int, ...]]] = {}
+
+    def item(span: Span) -> Any:
+        if span.path not in files:
+            fd = os.open(span.path, os.O_RDONLY)
+            files[span.path] = (fd, file_identity(fd))
+        fd = files[span.path][0]
+        z = read_torch_zip(fd, span.path, allowed=allowed, verify=verify, start=span.offset,
+                           end=span.offset + span.length)  # fmt: skip
+        return materialize(z, fd, mmap=mmap)
+
+    try:
+        flat: dict[str, Any] = {}
+        for key, entry in d.tensors.items():
+            flat[key] = _assemble(torch, key, entry, item)
+        for key, span in d.values.items():
+            flat[key] = item(span)
+        for path, (fd, before) in files.items():
+            if file_identity(fd) != before:
+                raise changed_while_reading(path)
+    finally:
+        for fd, _ in files.values():
+            os.close(fd)
+    return nest(flat, d.paths)
+
+
+def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
+    dtype = getattr(torch, entry.dtype)
+    whole = None if len(entry.chunks) != 1 else entry.chunks[0]
+    out = None
+    for c in entry.chunks:
+        part = item(c.span)
+        if not isinstance(part, torch.Tensor) or tuple(part.shape) != c.sizes or part.dtype != dtype:
+            what = f"{part.dtype} {list(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
+            raise FormatError(
+                f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} holds {what}, expected {entry.dtype} "
+                f"{list(c.sizes)}; the folder mixes two checkpoints: copy it again"
+            )
+        if c is whole:
+            return part
+        if out is None:
+            out = torch.empty(entry.shape, dtype=dtype)
+        region = out
+        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
+            region = region.narrow(dim, o, s)
+        region.copy_(part)
+    return out if out is not None else torch.empty(entry.shape, dtype=dtype)

@@ -1,0 +1,68 @@
+"""Sharded checkpoints written by the real writers: torch.distributed.checkpoint from 2 gloo processes, with the
+model under FSDP2 (``fully_shard``: each rank holds half of every parameter) or replicated (DDP).
+
+Each run leaves in its folder: ``dcp/`` (``dcp.save`` of the model and optimizer state dicts), ``rank<R>.pt``
+(``torch.save(model.state_dict())`` on every rank: DTensor shards under FSDP2), and ``full.pt`` (rank 0's
+``get_model_state_dict(full_state_dict=True)`` and the full optimizer state: the truth to compare with).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.models import SmallNet, inputs
+
+WORLD = 2
+
+
+def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        model: torch.nn.Module = SmallNet(width=8)
+        if mode == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+        else:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(inputs(rank)).square().mean().backward()
+        opt.step()
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=str(out / "dcp"))  # fmt: skip
+        torch.save(model.state_dict(), out / f"rank{rank}.pt")
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        truth = {"model": get_model_state_dict(model, options=full),
+                 "optim": get_optimizer_state_dict(model, opt, options=full)}  # fmt: skip
+        if rank == 0:
+            torch.save(truth, out / "full.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def write(out: Path, mode: str) -> Path:
+    """Run the 2-process job (``mode``: ``fsdp2`` or ``ddp``) writing into ``out``; returns ``out``."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    method = "spawn" if dist.is_initialized() else "fork"
+    mp.start_processes(_worker, args=(str(out / "store"), str(out), mode), nprocs=WORLD, join=True,
+                       start_method=method)  # fmt: skip
+    return out

@@ -1,0 +1,159 @@
+"""torch.distributed.checkpoint folders: read inertly, reassembled exactly, refused when damaged or hostile."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import ckptfix
+from ckptfix.errors import FormatError, UnsafeCheckpointError
+from tests import sharded_writers
+from tests.models import SmallNet
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    """Equal nested values; tensors equal byte for byte with the same dtype and shape."""
+    if isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(b, dict):
+        assert isinstance(a, dict) and set(a) == set(b), (where, set(a) ^ set(b))
+        for k in b:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def _torch_truth(folder: Path, tmp: Path) -> Any:
+    """What torch's own converter makes of the folder (it unpickles the metadata: only for files we wrote)."""
+    dcp_to_torch_save(str(folder), str(tmp / "truth.pt"))
+    return torch.load(tmp / "truth.pt", weights_only=False)
+
+
+@pytest.fixture
+def single(tmp_path: Path) -> Path:
+    """A DCP folder from one process: a model, a step counter and nested optimizer-like values."""
+    state = {"model": SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    return tmp_path / "dcp"
+
+
+def test_a_single_process_dcp_folder_reads_as_what_torch_makes_of_it(single: Path, tmp_path: Path) -> None:
+    got = ckptfix.load(single)
+    _same(got, _torch_truth(single, tmp_path))
+    _same(got["model"], SmallNet().state_dict())
+    assert got["step"] == 3 and got["opt"]["lr"] == 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+def test_a_two_rank_dcp_folder_is_reassembled_exactly(tmp_path: Path, mode: str) -> None:
+    out = sharded_writers.write(tmp_path / mode, mode)
+    got = ckptfix.load(out / "dcp")
+    _same(got, _torch_truth(out / "dcp", tmp_path))
+    full = torch.load(out / "full.pt", weights_only=True)
+    params = {k for k in full["model"] if "running" not in k}  # BatchNorm statistics differ between ranks
+    _same({k: got["model"][k] for k in params}, {k: full["model"][k] for k in params})
+    _same(got["optim"], full["optim"])
+
+
+# -- damaged and hostile folders ---------------------------------------------------------------------------------
+
+
+def _rewrite_metadata(folder: Path, edit: Any) -> None:
+    path = folder / ".metadata"
+    meta = pickle.loads(path.read_bytes())  # our own file: safe to unpickle here
+    edit(meta)
+    path.write_bytes(pickle.dumps(meta, protocol=4))
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_metadata_pickle_that_runs_code_is_refused_and_never_run(single: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    _rewrite_metadata(single, lambda meta: setattr(meta, "planner_data", _Payload(marker)))
+    with pytest.raises(UnsafeCheckpointError, match=r"os.system|posix.system"):
+        ckptfix.load(single)
+    assert not marker.exists()
+
+
+def _first_tensor(meta: Any) -> tuple[str, Any]:
+    return next((k, v) for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks"))
+
+
+def test_a_missing_data_file_is_named(single: Path) -> None:
+    (single / "__0_0.distcp").unlink()
+    with pytest.raises(FormatError, match=r"names shard '__0_0.distcp', which is missing"):
+        ckptfix.load(single)
+
+
+def test_a_truncated_data_file_is_refused(single: Path) -> None:
+    data = single / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(FormatError, match="the file is truncated: copy the folder again"):
+        ckptfix.load(single)
+
+
+def test_a_data_path_outside_the_folder_is_refused(single: Path) -> None:
+    def edit(meta: Any) -> None:
+        for index, info in list(meta.storage_data.items()):
+            meta.storage_data[index] = dataclasses.replace(info, relative_path="../__0_0.distcp")
+
+    _rewrite_metadata(single, edit)
+    with pytest.raises(FormatError, match="a path outside the folder"):
+        ckptfix.load(single)
+
+
+def test_a_tensor_missing_a_chunk_is_refused(single: Path) -> None:
+    def edit(meta: Any) -> None:
+        _, entry = _first_tensor(meta)
+        entry.chunks[0] = dataclasses.replace(entry.chunks[0], sizes=torch.Size([1, *entry.chunks[0].sizes[1:]]))
+
+    _rewrite_metadata(single, edit)
+    with pytest.raises(FormatError, match=r"its chunks cover .* elements; the checkpoint is incomplete"):
+        ckptfix.load(single)
+
+
+def test_overlapping_chunks_are_refused(single: Path) -> None:
+    def edit(meta: Any) -> None:
+        _, entry = _first_tensor(meta)
+        entry.chunks.append(entry.chunks[0])
+
+    _rewrite_metadata(single, edit)
+    with pytest.raises(FormatError, match="overlapping chunks"):
+        ckptfix.load(single)
+
+
+def test_a_chunk_outside_its_tensor_is_refused(single: Path) -> None:
+    def edit(meta: Any) -> None:
+        _, entry = _first_tensor(meta)
+        entry.chunks[0] = dataclasses.replace(entry.chunks[0], offsets=torch.Size([1, *entry.chunks[0].offsets[1:]]))
+
+    _rewrite_metadata(single, edit)
+    with pytest.raises(FormatError, match="outside it"):
+        ckptfix.load(single)
+
+
+def test_one_data_file_alone_says_to_pass_the_folder(single: Path) -> None:
+    with pytest.raises(
+        FormatError, match=f"one data file of a torch.distributed.checkpoint folder.*pass the folder {single}"
+    ):
+        ckptfix.load(single / "__0_0.distcp")
