@@ -56,6 +56,41 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
+def _resume_worker(rank: int, store_path: str, ckpt_dir: str, out_path: str) -> None:
+    """FSDP2 resuming from a DCP folder as training code does: ``dcp.load`` into the sharded model's state dict."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        model = SmallNet(width=8, seed=99)  # different weights: everything must come from the checkpoint
+        fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_model_state_dict(model, state["model"])
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def resume_fsdp2(ckpt_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Load ``ckpt_dir`` into a 2-rank FSDP2 model; its full state dict afterwards."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    method = "spawn" if dist.is_initialized() else "fork"
+    mp.start_processes(_resume_worker, args=(str(out.parent / "resume-store"), str(ckpt_dir), str(out)),
+                       nprocs=WORLD, join=True, start_method=method)  # fmt: skip
+    return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
+
+
 def write(out: Path, mode: str) -> Path:
     """Run the 2-process job (``mode``: ``fsdp2`` or ``ddp``) writing into ``out``; returns ``out``."""
     import torch.distributed as dist

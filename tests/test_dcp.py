@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptfix
-from ckptfix.errors import FormatError, UnsafeCheckpointError
+from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from tests import sharded_writers
 from tests.models import SmallNet
 
@@ -157,3 +157,37 @@ def test_one_data_file_alone_says_to_pass_the_folder(single: Path) -> None:
         FormatError, match=f"one data file of a torch.distributed.checkpoint folder.*pass the folder {single}"
     ):
         ckptfix.load(single / "__0_0.distcp")
+
+
+# -- writing: one file → a DCP folder torch loads ------------------------------------------------------------------
+
+
+def test_a_checkpoint_written_as_dcp_loads_in_torch_dcp(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    state = {"model": SmallNet().state_dict(), "epoch": 7}
+    ckptfix.save(state, f"{tmp_path / 'out'}/")
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary folder left beside it
+    target = {"model": SmallNet(seed=5).state_dict(), "epoch": 0}
+    dcp.load(target, checkpoint_id=str(tmp_path / "out"))  # torch's reader, as a resuming FSDP job calls it
+    _same(target, state)
+    _same(ckptfix.load(tmp_path / "out"), state)
+
+
+def test_dcp_output_needs_a_new_or_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="exists and is not an empty folder"):
+        ckptfix.save({"w": torch.zeros(2)}, tmp_path / "taken")
+    assert os.listdir(tmp_path / "taken") == ["notes.txt"]
+    (tmp_path / "empty").mkdir()
+    ckptfix.save({"w": torch.ones(2)}, tmp_path / "empty")
+    _same(ckptfix.load(tmp_path / "empty"), {"w": torch.ones(2)})
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_from_a_single_device_checkpoint_converted_to_dcp(tmp_path: Path) -> None:
+    model = SmallNet(width=8)
+    ckptfix.save({"model": model.state_dict(), "epoch": 2}, tmp_path / "single.pt")
+    ckptfix.save(ckptfix.load(tmp_path / "single.pt"), f"{tmp_path / 'dcp'}/")
+    resumed = sharded_writers.resume_fsdp2(tmp_path / "dcp", tmp_path / "resumed.pt")
+    _same(resumed, model.state_dict())

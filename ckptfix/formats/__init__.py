@@ -72,7 +72,9 @@ def _not_a_dcp_shard(source: str) -> None:
 
 
 def output_format(path: PathLike) -> str:
-    """``torch`` or ``safetensors`` from OUT's extension."""
+    """``torch`` or ``safetensors`` from OUT's extension; ``dcp`` for a folder (ending in ``/`` or existing)."""
+    if os.fspath(path).endswith(os.sep) or os.path.isdir(path):
+        return "dcp"
     name = os.fspath(path).lower()
     if name.endswith(SAFETENSORS_EXTENSIONS):
         return "safetensors"
@@ -149,18 +151,27 @@ def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
     """Write ``obj`` atomically in the format OUT's extension names (temp file, fsync, rename).
 
     With ``shard_size`` (bytes) a state dict is written as transformers shards of at most that size beside
-    OUT (``model-00001-of-00003.safetensors`` …) with OUT's index (``model.safetensors.index.json``).
+    OUT (``model-00001-of-00003.safetensors`` …) with OUT's index (``model.safetensors.index.json``); OUT may
+    be a folder (``model.safetensors`` in it). A folder OUT without ``shard_size`` (ending in ``/``, or an
+    existing empty folder) gets a torch.distributed.checkpoint (DCP) folder.
 
     >>> ckptfix.save({"model": model.state_dict(), "epoch": 3}, "run/last.pt")
     """
+    if shard_size is not None and output_format(path) == "dcp":
+        path = os.path.join(path, "model.safetensors")  # a folder of shards, named as transformers names them
     fmt = output_format(path)
-    check_output(path)
+    if fmt != "dcp":
+        check_output(path)
     write(obj, path, fmt=fmt, shard_size=shard_size)
 
 
 def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None) -> None:
     """:func:`save` to an output already checked, in format ``fmt``."""
-    if shard_size is not None:
+    if fmt == "dcp":
+        from ckptfix.formats.dcp import save_dcp
+
+        save_dcp(obj, os.fspath(path))
+    elif shard_size is not None:
         from ckptfix.formats.folder import save_sharded
 
         save_sharded(obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt))

@@ -308,3 +308,38 @@ def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
             region = region.narrow(dim, o, s)
         region.copy_(part)
     return out if out is not None else torch.empty(entry.shape, dtype=dtype)
+
+
+def save_dcp(obj: Any, out: str) -> None:
+    """Write ``obj`` (a state dict or a full checkpoint) as a DCP folder that ``torch.distributed.checkpoint.load``
+    reads, e.g. to resume FSDP from a single-device or DDP checkpoint.
+
+    torch's own writer does the writing (from this one process, no process group needed) into a temporary
+    folder beside OUT, which becomes OUT only when complete. OUT must not exist or be empty.
+    """
+    import contextlib
+    import shutil
+    import tempfile
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptfix.errors import OutputError
+
+    out = os.path.abspath(out.rstrip(os.sep) or os.sep)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise OutputError(f"{out}: exists and is not an empty folder; a DCP checkpoint needs a new or empty folder")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".ckptfix-tmp", dir=parent)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
+            dcp.save(obj, checkpoint_id=tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
