@@ -322,7 +322,7 @@ def save_dcp(obj: Any, out: str) -> None:
     import tempfile
     import warnings
 
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     from ckptfix.errors import OutputError
 
@@ -336,7 +336,7 @@ def save_dcp(obj: Any, out: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
-            dcp.save(obj, checkpoint_id=tmp)
+            dcp_save(obj, checkpoint_id=tmp)
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(out)
         os.rename(tmp, out)
