@@ -30,8 +30,8 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
     out = Path(out_dir)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
-        model: torch.nn.Module = SmallNet(width=8)
-        if mode == "fsdp2":
+        model: torch.nn.Module = SmallNet(width=12 if mode.endswith("-wide") else 8)
+        if mode.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
@@ -92,7 +92,7 @@ def resume_fsdp2(ckpt_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 def write(out: Path, mode: str) -> Path:
-    """Run the 2-process job (``mode``: ``fsdp2`` or ``ddp``) writing into ``out``; returns ``out``."""
+    """Run the 2-process job (``mode``: ``fsdp2``, ``ddp``, or ``fsdp2-wide``, a wider model) writing into ``out``."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 

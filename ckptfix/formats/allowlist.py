@@ -137,6 +137,10 @@ def refuse(names: Iterable[str], *, source: str) -> None:
     needed = list(dict.fromkeys(canonical(n) for n in names))
     if not needed:
         return
+    from ckptfix.formats.shards import explain  # sharded tensors: say what the file is and how to merge it
+
+    if sharded := explain(needed, source=source):
+        raise sharded
     unsupported = [n for n in needed if n in UNSUPPORTED]
     if unsupported and len(unsupported) == len(needed):
         raise FormatError(

@@ -402,11 +402,14 @@ def load(
     count: int = 1,
     legacy: bool = False,
     protocol4: bool = False,
+    as_data: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], dict[str, StorageRef]]:
     """The inert trees of ``count`` consecutive pickles and their storages by key, every rule checked.
 
     Refuses (one error listing every offending global) a pickle that names a global outside ``allowed``.
     ``protocol4`` also reads protocol 4's data-only opcodes (torch.save never writes them; DCP metadata does).
+    ``as_data`` names globals otherwise refused that this caller reads as records and never builds (the
+    DTensor classes, for reassembling shards).
     """
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     trees: list[Any] = []
@@ -431,7 +434,7 @@ def load(
             refused += unpickler.refused
             foreign.update(unpickler.foreign)
             storages.update(unpickler.storages)
-    allowlist.refuse(refused, source=source)
+    allowlist.refuse([name for name in refused if name not in as_data], source=source)
     if foreign:
         raise FormatError(
             f"{source}: its pickle uses opcodes {', '.join(repr(bytes([c])) for c in foreign)}, which torch's "

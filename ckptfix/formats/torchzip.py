@@ -37,15 +37,22 @@ class TorchZip:
 
 
 def read_torch_zip(
-    fd: int, path: str, *, allowed: frozenset[str], verify: bool = False, start: int = 0, end: int | None = None
+    fd: int,
+    path: str,
+    *,
+    allowed: frozenset[str],
+    verify: bool = False,
+    start: int = 0,
+    end: int | None = None,
+    as_data: frozenset[str] = frozenset(),
 ) -> TorchZip:
     """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
-    every record's CRC."""
+    every record's CRC. ``as_data``: see :func:`inert.load`."""
     archive = read_archive(fd, path, start=start, end=end)
     pkl = _pickle_record(archive, path)
     data = os.pread(fd, pkl.size, pkl.data_offset)
     check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))
-    (tree,), storages = inert.load(data, source=path, allowed=allowed)
+    (tree,), storages = inert.load(data, source=path, allowed=allowed, as_data=as_data)
     for key, ref in storages.items():
         rec = archive.get(f"data/{key}")
         if rec is None:

@@ -1,0 +1,275 @@
+"""Sharded tensors inside single files: one rank's part of an FSDP2 / tensor-parallel model (DTensor), an FSDP1
+local state dict (ShardedTensor) or FSDP1 flat parameters. Recognised without building them, never passed off as
+a full model, and (DTensor) reassembled from every rank's file.
+
+A DTensor pickles as ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, (global dtype, shape …),
+{"_local_tensor": …, "_spec": DTensorSpec(mesh, placements, tensor_meta)})``. Its classes are read as data here
+(allowed for this reader only, never called): the local tensor, the mesh's shape, this rank's coordinate on it and
+the placements are all that reassembly needs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.errors import FormatError, MergeError
+from ckptfix.formats import inert
+
+_DT = "torch.distributed.tensor."
+DTENSOR_GLOBALS = frozenset(
+    {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass", _DT + "DTensor",
+     _DT + "_api.DTensor", _DT + "_dtensor_spec.DTensorSpec", _DT + "_dtensor_spec.TensorMeta",
+     _DT + "_dtensor_spec.ShardOrderEntry", _DT + "placement_types.Shard", _DT + "placement_types.Replicate",
+     _DT + "placement_types._StridedShard", _DT + "placement_types.Partial",
+     "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
+     "torch.distributed._mesh_layout._FlatLayout", "torch.device", "torch.serialization._get_layout"}
+)  # fmt: skip
+_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
+FLAT_PARAM = "_flat_param"
+
+
+class ShardedCheckpointError(FormatError):
+    """A file holds one rank's shards, not full tensors: merge every rank's file, or save a full state dict."""
+
+
+def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | None:
+    """The error for a file refused only for naming sharded-tensor classes, saying what it is; else None."""
+    names = set(names)
+    if not names:
+        return None
+    if names <= DTENSOR_GLOBALS and any("DTensor" in n for n in names):
+        return ShardedCheckpointError(
+            f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
+            f"tensors; reassemble them from every rank's file: ckptfix merge rank0.pt … rankN.pt -o full.pt (or "
+            f"save get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+        )
+    if any(n.startswith(_SHARDED_TENSOR) for n in names):
+        return ShardedCheckpointError(
+            f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
+            f"part), not full tensors, and ckptfix does not reassemble them; save a FULL_STATE_DICT "
+            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) or use DCP"
+        )
+    return None
+
+
+def flat_param_keys(state: Any) -> list[str]:
+    """Keys of FSDP1 flat parameters (each rank's 1-D slice of many parameters), which no model loads."""
+    if not isinstance(state, dict):
+        return []
+    return [k for k in state if isinstance(k, str) and (k.endswith(FLAT_PARAM) or ".flat_param" in k)]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's local part of a DTensor and where it goes."""
+
+    dtype: str
+    shape: tuple[int, ...]  # the global (full) shape
+    mesh: tuple[int, ...]
+    coordinate: tuple[int, ...]
+    placements: tuple[tuple[str, int], ...]  # ("shard", dim) or ("replicate", -1) per mesh dimension
+    local: Any  # the inert local tensor
+
+
+def piece(obj: Any, *, key: str, source: str) -> Piece | None:
+    """The DTensor an inert record stands for, or None when it is not one."""
+    if not (isinstance(obj, inert.Inert) and obj.func.full == "torch._tensor._rebuild_from_type_v2"):
+        return None
+    try:
+        _func, cls, args, raw_state = obj.args
+        if not getattr(cls, "full", "").endswith("DTensor"):
+            return None
+        state = _merged(raw_state)
+        local = state["_local_tensor"]
+        spec = _state(state["_spec"])
+        mesh = _state(spec["mesh"])
+        placements = tuple(_placement(p) for p in spec["placements"])
+        mesh_tensor = mesh.get("_rank_map", mesh.get("mesh"))
+        shape = tuple(args[2])
+        coordinate = tuple(mesh["_coordinate_on_dim"])
+        dims = tuple(inert.tensor_of(mesh_tensor).shape)
+        dtype = getattr(args[1], "full", "").removeprefix("torch.")
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise FormatError(
+            f"{source}: key '{key}' is a DTensor whose pickle ckptfix does not understand ({type(e).__name__}: "
+            f"{e}); save a full state dict instead"
+        ) from e
+    if len(placements) != len(dims) or len(coordinate) != len(dims):
+        raise FormatError(f"{source}: key '{key}': its DTensor placements do not match its mesh; the file is damaged")
+    return Piece(dtype, shape, dims, coordinate, placements, local)
+
+
+def _merged(state: Any) -> dict[str, Any]:
+    """Pickle's object state: a dict, or (dict or None, slots dict)."""
+    if isinstance(state, tuple) and len(state) == 2:
+        return {**(state[0] or {}), **(state[1] or {})}
+    if not isinstance(state, dict):
+        raise TypeError(f"expected fields, found {type(state).__name__}")
+    return state
+
+
+def _state(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, inert.Inert):
+        raise TypeError(f"expected an object with fields, found {obj!r}")
+    return _merged(obj.state)
+
+
+def _placement(obj: Any) -> tuple[str, int]:
+    name = obj.func.full.rsplit(".", 1)[1] if isinstance(obj, inert.Inert) else type(obj).__name__
+    if name == "Shard":
+        return ("shard", int(_state(obj)["dim"]))
+    if name == "Replicate":
+        return ("replicate", -1)
+    raise ValueError(f"placement {name} is not supported (only Shard and Replicate)")
+
+
+def region(p: Piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The offsets and sizes of ``p``'s local tensor in the full tensor, as torch.chunk splits each sharded dim."""
+    offsets, sizes = [0] * len(p.shape), list(p.shape)
+    for (kind, dim), parts, at in zip(p.placements, p.mesh, p.coordinate, strict=True):
+        if kind != "shard":
+            continue
+        if offsets[dim] or sizes[dim] != p.shape[dim]:
+            raise ValueError(f"dimension {dim} is sharded over two mesh dimensions, which ckptfix does not reassemble")
+        step = math.ceil(p.shape[dim] / parts) if p.shape[dim] else 0
+        offsets[dim] = min(at * step, p.shape[dim])
+        sizes[dim] = max(0, min(step, p.shape[dim] - offsets[dim]))
+    return tuple(offsets), tuple(sizes)
+
+
+def load_ranks(paths: Sequence[str], *, allow_globals: Iterable[str] = ()) -> list[Any]:
+    """Each rank file's checkpoint with its DTensors replaced by the full tensors reassembled from all files.
+
+    Every rank of the mesh must be there exactly once; each local tensor must have the shape its placement gives
+    it; the pieces of a tensor must tile it exactly; replicated copies must be equal byte for byte.
+    """
+    import torch
+
+    from ckptfix.formats import allowlist
+    from ckptfix.formats.materialize import materialize
+    from ckptfix.formats.torchzip import read_torch_zip
+
+    allowed = allowlist.allowed_names(list(allow_globals), source=paths[0]) | DTENSOR_GLOBALS
+    trees: list[Any] = []
+    locals_: list[dict[str, Piece]] = []
+    for path in paths:
+        with open(path, "rb") as f:
+            z = read_torch_zip(f.fileno(), path, allowed=allowed, verify=True, as_data=DTENSOR_GLOBALS)
+            pieces: dict[str, Piece] = {}
+            tree = _swap_pieces(z.tree, pieces, source=path)
+            built = materialize(_with_locals(z, tree, pieces), f.fileno(), mmap=False)
+        trees.append(built)
+        locals_.append({k: Piece(**{**p.__dict__, "local": built[_LOCAL][k]}) for k, p in pieces.items()})
+        del built[_LOCAL]
+    full = _assemble(torch, locals_, paths)
+    for tree in trees:
+        for key, value in full.items():
+            _owner(tree, key)[key.split("\0")[-1]] = value  # one tensor object, shared by every rank's tree
+    return trees
+
+
+_LOCAL = "\0ckptfix-local"
+
+
+def _owner(tree: Any, key: str) -> Any:
+    node = tree
+    for part in key.split("\0")[:-1]:
+        node = node[part]
+    return node
+
+
+def _swap_pieces(obj: Any, pieces: dict[str, Piece], *, source: str, path: str = "") -> Any:
+    """The tree with each DTensor replaced by None, its piece recorded under its path (parts joined by NUL)."""
+    if isinstance(obj, dict):
+        out = type(obj)() if isinstance(obj, OrderedDict) else {}
+        if isinstance(obj, OrderedDict) and hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        for k, v in obj.items():
+            key = f"{path}\0{k}" if path else str(k)
+            found = piece(v, key=str(k), source=source)
+            if found is not None:
+                pieces[key] = found
+                out[k] = None
+            else:
+                out[k] = _swap_pieces(v, pieces, source=source, path=key)
+        return out
+    return obj
+
+
+def _with_locals(z: Any, tree: Any, pieces: dict[str, Piece]) -> Any:
+    import dataclasses
+
+    if not isinstance(tree, dict):
+        raise FormatError("a rank file's checkpoint is not a dict")
+    tree[_LOCAL] = {k: p.local for k, p in pieces.items()}
+    return dataclasses.replace(z, tree=tree)
+
+
+def _assemble(torch: Any, ranks: list[dict[str, Piece]], paths: Sequence[str]) -> dict[str, Any]:
+    keys = list(ranks[0])
+    for path, pieces in zip(paths, ranks, strict=True):
+        if list(pieces) != keys:
+            odd = sorted(set(pieces) ^ set(keys))
+            raise MergeError(f"{path}: its sharded keys differ from {paths[0]}'s ({odd[0]!r}…); files of two runs?")
+    full: dict[str, Any] = {}
+    for key in keys:
+        parts = [r[key] for r in ranks]
+        mesh = parts[0].mesh
+        name = key.replace("\0", ".")
+        coords = sorted(p.coordinate for p in parts)
+        if len(parts) != math.prod(mesh) or coords != sorted(set(coords)):
+            raise MergeError(
+                f"'{name}': {len(parts)} files for a mesh of {math.prod(mesh)} ranks {list(mesh)} (coordinates "
+                f"{coords}); pass every rank's file exactly once"
+            )
+        for p, path in zip(parts, paths, strict=True):
+            if (p.dtype, p.shape, p.mesh, p.placements) != (parts[0].dtype, parts[0].shape, mesh, parts[0].placements):
+                raise MergeError(
+                    f"{path}: '{name}' is {p.dtype} {list(p.shape)} sharded {p.placements} over mesh {list(p.mesh)}, "
+                    f"but {paths[0]} has {parts[0].dtype} {list(parts[0].shape)} {parts[0].placements} over "
+                    f"{list(mesh)}; the files are from different runs"
+                )
+        full[key] = _tensor(torch, name, parts, paths)
+    return full
+
+
+def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> Any:
+    first = parts[0]
+    out = torch.empty(first.shape, dtype=getattr(torch, first.dtype))
+    boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, str]] = {}
+    for p, path in zip(parts, paths, strict=True):
+        try:
+            box = region(p)
+        except ValueError as e:
+            raise MergeError(f"{path}: '{name}': {e}") from e
+        if tuple(p.local.shape) != box[1] or p.local.dtype != out.dtype:
+            raise MergeError(
+                f"{path}: '{name}' local shard is {p.local.dtype} {list(p.local.shape)} where rank "
+                f"{list(p.coordinate)} of mesh {list(p.mesh)} holds {list(box[1])} of {list(first.shape)}; the "
+                f"files are from different runs or damaged"
+            )
+        if box in boxes:  # a replicated copy: must be the same bytes
+            other, where = boxes[box]
+            if not torch.equal(other, p.local):
+                raise MergeError(f"'{name}': replicated copies differ between {where} and {path}")
+            continue
+        boxes[box] = (p.local, path)
+        target = out
+        for dim, (o, s) in enumerate(zip(*box, strict=True)):
+            target = target.narrow(dim, o, s)
+        target.copy_(p.local)
+    try:
+        from ckptfix.formats.dcp import _check_tiling
+
+        _check_tiling(name, first.shape, list(boxes), source=os.path.dirname(paths[0]) or ".")
+    except FormatError as e:
+        raise MergeError(str(e)) from e
+    return out
+
+
+__all__ = ["DTENSOR_GLOBALS", "ShardedCheckpointError", "explain", "flat_param_keys", "load_ranks"]
