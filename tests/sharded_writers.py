@@ -34,8 +34,16 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
         if mode.startswith("fsdp2"):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            from torch.distributed.tensor import Shard
 
-            fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+            # "-cols": matrices split by their last dimension, so DCP chunks are column blocks, not row ranges
+            cols = mode.endswith("-cols")
+
+            def place(p: torch.Tensor) -> Shard:  # FSDP2 shards dims other than 0 only evenly
+                even = [d for d in range(1, p.ndim) if p.shape[d] % WORLD == 0]
+                return Shard(even[-1] if cols and even else 0)
+
+            fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)), shard_placement_fn=place)
         else:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -92,7 +100,8 @@ def resume_fsdp2(ckpt_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 def write(out: Path, mode: str) -> Path:
-    """Run the 2-process job (``mode``: ``fsdp2``, ``ddp``, or ``fsdp2-wide``, a wider model) writing into ``out``."""
+    """Run the 2-process job writing into ``out``. ``mode``: ``ddp``, ``fsdp2``, ``fsdp2-wide`` (a wider model) or
+    ``fsdp2-cols`` (matrices sharded by columns)."""
     import torch.distributed as dist
     import torch.multiprocessing as mp
 

@@ -191,3 +191,33 @@ def test_fsdp2_resumes_from_a_single_device_checkpoint_converted_to_dcp(tmp_path
     ckptfix.save(ckptfix.load(tmp_path / "single.pt"), f"{tmp_path / 'dcp'}/")
     resumed = sharded_writers.resume_fsdp2(tmp_path / "dcp", tmp_path / "resumed.pt")
     _same(resumed, model.state_dict())
+
+
+# -- streaming: a DCP folder to one .safetensors file ------------------------------------------------------------
+
+
+def _stream(folder: Path, out: Path) -> Any:
+    from ckptfix.conversion import ConvertOptions
+    from ckptfix.stream.dcp import convert_dcp
+
+    options = ConvertOptions(model_only=True, entries=("model",))
+    return convert_dcp(str(folder), str(out), transform=lambda tree: options.apply(tree, source=str(folder)))
+
+
+def test_a_dcp_model_streams_into_safetensors_as_byte_ranges(single: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    result = _stream(single, tmp_path / "model.safetensors")
+    assert result.notes[-1].endswith("16 copied as byte ranges, 0 gathered in memory")
+    _same(load_file(tmp_path / "model.safetensors"), SmallNet().state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "gathered"), [("fsdp2", 0), ("ddp", 0), ("fsdp2-cols", 2)])
+def test_two_rank_dcp_folders_stream_exactly(tmp_path: Path, mode: str, gathered: int) -> None:
+    from safetensors.torch import load_file
+
+    out = sharded_writers.write(tmp_path / mode, mode)
+    result = _stream(out / "dcp", tmp_path / "model.safetensors")
+    assert result.notes[-1].endswith(f"{gathered} gathered in memory")
+    _same(load_file(tmp_path / "model.safetensors"), _torch_truth(out / "dcp", tmp_path)["model"])
