@@ -122,7 +122,7 @@ def _chunk_bytes(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allow
     z = read_torch_zip(fd, c.span.path, allowed=allowed, verify=True, start=c.span.offset,
                        end=c.span.offset + c.span.length)  # fmt: skip
     t = z.tree
-    if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous:
+    if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
         raise FormatError(
             f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} is not a contiguous {entry.dtype} tensor of "
             f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
