@@ -198,10 +198,10 @@ def test_fsdp2_resumes_from_a_single_device_checkpoint_converted_to_dcp(tmp_path
 
 def _stream(folder: Path, out: Path) -> Any:
     from ckptfix.conversion import ConvertOptions
-    from ckptfix.stream.dcp import convert_dcp
+    from ckptfix.stream.folders import convert_folder
 
     options = ConvertOptions(model_only=True, entries=("model",))
-    return convert_dcp(str(folder), str(out), transform=lambda tree: options.apply(tree, source=str(folder)))
+    return convert_folder(str(folder), str(out), transform=lambda tree: options.apply(tree, source=str(folder)))
 
 
 def test_a_dcp_model_streams_into_safetensors_as_byte_ranges(single: Path, tmp_path: Path) -> None:

@@ -255,3 +255,35 @@ def test_our_shards_load_in_transformers_and_accelerate(tmp_path: Path) -> None:
     fresh = transformers.GPT2LMHeadModel(model.config)
     accelerate.load_checkpoint_in_model(fresh, str(tmp_path / "model.safetensors.index.json"))
     assert all(torch.equal(fresh.state_dict()[k], t) for k, t in model.state_dict().items())
+
+
+# -- streaming shards into one file ------------------------------------------------------------------------------
+
+
+def _stream(folder: Path, out: Path) -> Any:
+    from ckptfix.conversion import ConvertOptions
+    from ckptfix.stream.folders import convert_folder
+
+    options = ConvertOptions()
+    return convert_folder(str(folder), str(out), transform=lambda tree: options.apply(tree, source=str(folder)))
+
+
+def test_shards_stream_into_one_file_byte_range_by_byte_range(tmp_path: Path) -> None:
+    state = _state()
+    state["tied.weight"] = state["features.0.weight"]
+    (tmp_path / "ckpt").mkdir()
+    ckptfix.save(state, tmp_path / "ckpt" / "model.safetensors", shard_size=200)
+    result = _stream(tmp_path / "ckpt", tmp_path / "one.safetensors")
+    assert result.notes[-1] == "shards -> safetensors: 16 tensors, 16 copied as byte ranges, 0 gathered in memory"
+    back = ckptfix.load(tmp_path / "one.safetensors")
+    assert back["tied.weight"].data_ptr() == back["features.0.weight"].data_ptr()  # still stored once
+    assert back._metadata == state._metadata  # type: ignore[attr-defined]
+    assert all(torch.equal(back[k], t) for k, t in state.items()) and set(back) == set(state)
+
+
+def test_torch_shards_take_the_torch_path(tmp_path: Path) -> None:
+    from ckptfix.stream.fallback import Fallback
+
+    folder = _sharded(tmp_path, "pytorch_model.bin")
+    with pytest.raises(Fallback, match="is a torch file"):
+        _stream(folder, tmp_path / "one.safetensors")

@@ -1,30 +1,34 @@
-"""A DCP folder to one .safetensors file in constant memory: the header from DCP's metadata, then each tensor's
-bytes straight from its chunks.
+"""A checkpoint folder to one .safetensors file in constant memory: the header from the folder's metadata, then each
+tensor's bytes straight from the files that hold them.
 
-A chunk that is a whole range of rows (every FSDP2 ``Shard(0)`` chunk, every unsharded tensor) is a contiguous
-byte range of the full tensor: it is copied file to file (``copy_file_range``), never held in memory. Other
-chunks (columns, 2-D meshes) are gathered one tensor at a time into a buffer of that tensor's size. Each chunk's
-archive is read and CRC-checked by the same reader as a ``.pt`` file.
+- transformers/accelerate safetensors shards: each tensor is one byte range of one shard, copied as it is.
+- DCP folders: a chunk that is a whole range of rows (every FSDP2 ``Shard(0)`` chunk, every unsharded tensor)
+  is a contiguous byte range of the full tensor: it is copied file to file (``copy_file_range``), never held in
+  memory. Other chunks (columns, 2-D meshes) are gathered one tensor at a time into a buffer of that tensor's
+  size. Each chunk's archive is read and CRC-checked by the same reader as a ``.pt`` file.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
 
 from ckptfix.checkpoint import Conversion, is_tensor
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats import allowlist, inert
+from ckptfix.formats import allowlist, detect_format, inert
 from ckptfix.formats.atomic import atomic_output
-from ckptfix.formats.dcp import Chunk, TensorEntry, nest, read_dcp
+from ckptfix.formats.dcp import Chunk, TensorEntry, is_dcp, nest, read_dcp
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
-from ckptfix.formats.safetensors import encode_header, split_checkpoint
+from ckptfix.formats.folder import check_complete, check_shard, describe
+from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
 from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.st import tree_from_header
 
 _COPY = 1 << 26
 
@@ -68,47 +72,99 @@ class _Files:
             os.close(fd)
 
 
-def convert_dcp(
+@dataclass(eq=False)
+class ShardTensor:
+    """A tensor of a safetensors shard: bytes ``[start, start + nbytes)`` of file ``path``."""
+
+    __ckptfix_tensor__: ClassVar[bool] = True
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+    start: int
+    nbytes: int
+
+
+def convert_folder(
     src: str, dst: str, *, transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...] = ()
 ) -> Conversion:
-    """Write the one state dict of DCP folder ``src`` (after ``transform``) as ``dst`` (.safetensors)."""
-    d = read_dcp(src)
+    """Write the one state dict of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``dst``."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
     files = _Files()
     try:
-        flat: dict[str, Any] = {key: DcpTensor(key, entry) for key, entry in d.tensors.items()}
-        for key, span in d.values.items():
-            z = read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
-                               end=span.offset + span.length)  # fmt: skip
-            if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
-                raise Fallback(f"value '{key}' holds tensors or objects, which the torch path rebuilds")
-            flat[key] = z.tree
-        conversion = transform(nest(flat, d.paths))
+        tree, kind = _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
+        conversion = transform(tree)
         state, meta = split_checkpoint(conversion.obj, out=dst)
-        stored = [_stored(dst, key, t) for key, t in state.items()]
+        aliases: dict[str, str] = {}
+        first: dict[int, str] = {}
+        stored = []
+        for key, t in state.items():
+            if id(t) in first:  # tied: one tensor under two names, stored once as save_safetensors does
+                aliases[key] = first[id(t)]
+            else:
+                first[id(t)] = key
+                stored.append(_stored(dst, key, t))
         copied = gathered = 0
         with atomic_output(dst) as out:
-            out.write(encode_header(state, meta, stored, {}))
-            for t in state.values():
-                way = _write_tensor(out, t, files, allowed=allowed)
+            out.write(encode_header(state, meta, stored, aliases))
+            for key, *_ in stored:
+                way = _write_tensor(out, state[key], files, allowed=allowed)
                 copied += way == "copied"
                 gathered += way == "gathered"
         files.check_unchanged()
     finally:
         files.close()
     conversion.notes.append(
-        f"dcp -> safetensors: {len(stored)} tensors, {copied} copied as byte ranges, {gathered} gathered in memory"
+        f"{kind} -> safetensors: {len(stored)} tensors, {copied} copied as byte ranges, {gathered} gathered in memory"
     )
     return conversion
 
 
+def _dcp_tree(src: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any, str]:
+    d = read_dcp(src)
+    flat: dict[str, Any] = {key: DcpTensor(key, entry) for key, entry in d.tensors.items()}
+    for key, span in d.values.items():
+        z = read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
+                           end=span.offset + span.length)  # fmt: skip
+        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
+            raise Fallback(f"value '{key}' holds tensors or objects, which the torch path rebuilds")
+        flat[key] = z.tree
+    return nest(flat, d.paths), "dcp"
+
+
+def _shards_tree(src: str) -> tuple[Any, str]:
+    folder = describe(src)
+    if not folder.flat:
+        raise Fallback("an accelerate folder is read file by file")
+    merged: OrderedDict[str, Any] = OrderedDict()
+    versions: OrderedDict[str, Any] = OrderedDict()
+    for path in folder.files:
+        if detect_format(path) != "safetensors":
+            raise Fallback(f"shard {os.path.basename(path)} is a torch file")
+        state = tree_from_header(read_header(path), source=path)
+        if not isinstance(state, dict):
+            raise FormatError(f"{path}: holds a checkpoint with entries, not one state dict; it is not a shard")
+        check_shard(folder, path, state.keys())
+        shared: dict[int, ShardTensor] = {}
+        for key, t in state.items():
+            if key in merged:
+                raise FormatError(f"{path}: key '{key}' is in two shards; download the folder again")
+            if id(t) not in shared:
+                shared[id(t)] = ShardTensor(t.dtype, t.shape, path, t.start, t.end - t.start)
+            merged[key] = shared[id(t)]
+        versions.update(getattr(state, "_metadata", None) or {})
+    check_complete(folder, merged)
+    if versions:
+        merged._metadata = versions  # type: ignore[attr-defined]
+    return merged, "shards"
+
+
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
-    if not isinstance(t, DcpTensor):
+    if not isinstance(t, (DcpTensor, ShardTensor)):
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
         raise OutputError(f"{out}: key '{key}' has dtype {t.dtype}, which safetensors cannot store; write a .pt file")
-    return key, t.dtype, t.shape, t.entry.nbytes
+    return key, t.dtype, t.shape, t.entry.nbytes if isinstance(t, DcpTensor) else t.nbytes
 
 
 def _rows(entry: TensorEntry, c: Chunk) -> bool:
@@ -131,7 +187,10 @@ def _chunk_bytes(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allow
     return fd, rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize
 
 
-def _write_tensor(out: BinaryIO, t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> str:
+def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor, files: _Files, *, allowed: frozenset[str]) -> str:
+    if isinstance(t, ShardTensor):
+        _copy(files.fd(t.path), t.start, t.nbytes, out)
+        return "copied"
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
     if entry.nbytes == 0:
         return "copied"
@@ -183,4 +242,4 @@ def _gather(out: BinaryIO, t: DcpTensor, files: _Files, *, allowed: frozenset[st
     out.write(tensor_bytes(full))
 
 
-__all__ = ["DcpTensor", "convert_dcp"]
+__all__ = ["DcpTensor", "ShardTensor", "convert_folder"]
