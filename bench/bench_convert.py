@@ -2,17 +2,23 @@
 
     python bench/bench_convert.py                  # ~2 GB DataParallel checkpoint, 3 runs each, warm cache
     python bench/bench_convert.py --size-mb 500 --cold
+    python bench/bench_convert.py --xfs            # on a loop-mounted XFS with reflink (root): blocks shared
     python bench/bench_convert.py --quick          # tiny, seconds: a smoke test
 
 Each method runs in its own process (wall time includes Python and torch start-up, as a user sees it) and its
 peak RSS comes from wait4(). ``--cold`` evicts the input from the page cache before each run with
 posix_fadvise(DONTNEED), which touches only this benchmark's files. ckptfix fsyncs its output (crash-safe
 writes), so ``cp + sync`` is the fair reference for ratios; plain ``cp`` is listed too.
+
+``--xfs`` makes a sparse XFS image (``mkfs.xfs -m reflink=1``) in ``--dir``, attaches it to a loop device with
+direct I/O (so the host's page cache does not hold a second copy), mounts it, and always unmounts and detaches
+it at the end. Its table adds the blocks each method allocated (free space before and after, from statvfs).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -21,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PY = sys.executable
@@ -28,6 +35,7 @@ NAIVE = (
     "import sys, torch; sd = torch.load(sys.argv[1], weights_only=True{mmap}); "
     "sd = {{k.removeprefix('module.'): v for k, v in sd.items()}}; torch.save(sd, sys.argv[2])"
 )
+Method = tuple[str, Path, list[str], Path]  # name, input, argv, output
 
 
 def _make_inputs(folder: Path, size_mb: int) -> tuple[Path, Path]:
@@ -63,6 +71,20 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+def _used(folder: Path) -> int:
+    """Bytes allocated on the file system, once it is done freeing deleted files (XFS frees in the background)."""
+    os.sync()
+    last, deadline = -1, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = os.statvfs(folder)
+        used = (s.f_blocks - s.f_bfree) * s.f_frsize
+        if used == last:
+            return used
+        last = used
+        time.sleep(0.2)
+    return last
+
+
 def _run(argv: list[str], out: Path) -> tuple[float, int]:
     if out.exists():
         out.unlink()
@@ -76,6 +98,140 @@ def _run(argv: list[str], out: Path) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024
 
 
+def _measure(
+    methods: list[Method], *, repeat: int, cold: bool, blocks: bool
+) -> list[tuple[str, float, float, int, int]]:
+    """(name, min s, median s, peak RSS, new bytes allocated) per method; the last only with ``blocks``."""
+    rows = []
+    for name, src, argv, out in methods:
+        if not cold:
+            _run(argv, out)  # warm-up: inputs and Python/torch in the page cache
+        times, rss, grew = [], 0, 0
+        for _ in range(repeat):
+            if cold:
+                _evict(src)
+            if out.exists():
+                out.unlink()
+            before = _used(out.parent) if blocks else 0
+            wall, peak = _run(argv, out)
+            grew = max(grew, _used(out.parent) - before) if blocks else 0
+            times.append(wall)
+            rss = max(rss, peak)
+        rows.append((name, min(times), statistics.median(times), rss, grew))
+        med = statistics.median(times)
+        print(
+            f"{name}: min {min(times):.2f}s median {med:.2f}s rss {rss >> 20} MB new {grew >> 20} MB", file=sys.stderr
+        )
+    return rows
+
+
+def _header(size: int, size_mb: int, cache: str, repeat: int, where: str) -> str:
+    return (
+        f"Input: {size / 1e9:.2f} GB DataParallel state dict ({size_mb} MB requested), {cache} page cache, "
+        f"{repeat} runs each, {where}; {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
+        f"Python {platform.python_version()}."
+    )
+
+
+def _standard(folder: Path, pt: Path, st: Path, args: argparse.Namespace, size_mb: int, repeat: int) -> str:
+    o = folder / "out"
+    ckptfix = [PY, "-m", "ckptfix", "convert"]
+    methods: list[Method] = [
+        ("cp", pt, ["cp", str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+        ("cp + sync", pt, ["sh", "-c", f'cp "{pt}" "{o}.pt" && sync "{o}.pt"'], Path(f"{o}.pt")),
+        ("torch.load → strip → torch.save", pt, [PY, "-c", NAIVE.format(mmap=""), str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+        (
+            "torch.load(mmap=True) → save",
+            pt,
+            [PY, "-c", NAIVE.format(mmap=", mmap=True"), str(pt), f"{o}.pt"],
+            Path(f"{o}.pt"),
+        ),
+        ("ckptfix convert pt→pt", pt, [*ckptfix, str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+        ("ckptfix convert st→st", st, [*ckptfix, str(st), f"{o}.safetensors"], Path(f"{o}.safetensors")),
+        ("ckptfix convert pt→st", pt, [*ckptfix, str(pt), f"{o}.safetensors"], Path(f"{o}.safetensors")),
+        ("ckptfix convert st→pt", st, [*ckptfix, str(st), f"{o}.pt"], Path(f"{o}.pt")),
+        ("ckptfix convert pt→pt --no-fast", pt, [*ckptfix, "--no-fast", str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+    ]
+    if args.only:
+        methods = [m for m in methods if m[0] in ("cp", "cp + sync") or any(t in m[0] for t in args.only)]
+    rows = _measure(methods, repeat=repeat, cold=args.cold, blocks=False)
+    base = next(r[1] for r in rows if r[0] == "cp + sync")
+    lines = [
+        _header(pt.stat().st_size, size_mb, "cold" if args.cold else "warm", repeat, f"in {args.dir}"),
+        "",
+        "| method | min (s) | median (s) | × cp + sync (min) | peak RSS (MB) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {n} | {lo:.2f} | {med:.2f} | {lo / base:.2f} | {rss / 2**20:.0f} |" for n, lo, med, rss, _ in rows]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _xfs_mount(folder: Path, size: int) -> Iterator[Path]:
+    """A sparse XFS image with reflink on a direct-I/O loop device, mounted; unmounted and detached at the end."""
+    if os.name != "posix" or os.geteuid() != 0:
+        raise SystemExit("--xfs: skipped, mounting a loop image needs root")
+    if shutil.which("mkfs.xfs") is None:
+        raise SystemExit("--xfs: skipped, mkfs.xfs not found (Debian/Ubuntu: apt-get install -y xfsprogs)")
+    image, mnt = folder / "xfs.img", folder / "xfs"
+    with open(image, "wb") as f:
+        f.truncate(size)
+    subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], check=True)
+    found = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(image)], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"--xfs: skipped, no loop device: {found.stderr.strip()}")
+    device = found.stdout.strip()
+    try:
+        mnt.mkdir()
+        mounted = subprocess.run(["mount", device, str(mnt)], capture_output=True, text=True)
+        if mounted.returncode != 0:
+            raise SystemExit(f"--xfs: skipped, cannot mount {device}: {mounted.stderr.strip()}")
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", str(mnt)], check=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], check=True)
+
+
+def _xfs(folder: Path, args: argparse.Namespace, size_mb: int, repeat: int) -> str:
+    # inputs, three outputs that cannot share (cp --reflink=never, the round trip, pt→st) and some room
+    with _xfs_mount(folder, (size_mb << 20) * 6 + (1 << 30)) as fs:
+        pt, st = _make_inputs(fs, size_mb)
+        o = fs / "out"
+        cli = [PY, "-m", "ckptfix", "convert"]
+        methods: list[Method] = [
+            ("cat IN > /dev/null (read once)", pt, ["sh", "-c", f'cat "{pt}" > /dev/null'], Path(f"{o}.none")),
+            ("cp --reflink=always", pt, ["cp", "--reflink=always", str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+            ("cp --reflink=never + sync", pt, ["sh", "-c", f'cp --reflink=never "{pt}" "{o}.pt" && sync "{o}.pt"'],
+             Path(f"{o}.pt")),
+            ("torch.load → strip → torch.save + sync", pt,
+             ["sh", "-c", f'"{PY}" -c "$0" "{pt}" "{o}.pt" && sync "{o}.pt"', NAIVE.format(mmap="")], Path(f"{o}.pt")),
+            ("ckptfix convert pt→pt", pt, [*cli, str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+            ("ckptfix convert pt→pt --no-verify", pt, [*cli, "--no-verify", str(pt), f"{o}.pt"], Path(f"{o}.pt")),
+            ("ckptfix convert st→st (no CRCs to verify)", st, [*cli, str(st), f"{o}.safetensors"],
+             Path(f"{o}.safetensors")),
+            ("ckptfix convert st→pt (CRCs computed)", st, [*cli, str(st), f"{o}.pt"], Path(f"{o}.pt")),
+            ("ckptfix convert pt→st", pt, [*cli, str(pt), f"{o}.safetensors"], Path(f"{o}.safetensors")),
+        ]  # fmt: skip
+        if args.only:
+            methods = [m for m in methods if m[0].startswith("cat") or any(t in m[0] for t in args.only)]
+        rows = _measure(methods, repeat=repeat, cold=args.cold, blocks=True)
+        size = pt.stat().st_size
+    read = rows[0][1]
+    lines = [
+        _header(size, size_mb, "cold" if args.cold else "warm", repeat, "on a loop-mounted XFS with reflink"),
+        "",
+        "| method | min (s) | median (s) | × reading it (min) | peak RSS (MB) | new blocks (MB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {n} | {lo:.2f} | {med:.2f} | {lo / read:.2f} | {rss / 2**20:.0f} | {grew / 1e6:.1f} |"
+        for n, lo, med, rss, grew in rows
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--make-inputs"]:
         _write_inputs(Path(sys.argv[2]), int(sys.argv[3]))
@@ -85,64 +241,19 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per method (default 3)")
     parser.add_argument("--quick", action="store_true", help="tiny checkpoint, one run: a smoke test")
     parser.add_argument("--cold", action="store_true", help="evict the input from the page cache before each run")
+    parser.add_argument("--xfs", action="store_true", help="run on a loop-mounted XFS image with reflink (root)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to put the files (default /tmp)")
     parser.add_argument("--out", help="also write the Markdown table to this file")
     parser.add_argument("--only", action="append", default=[], help="run only methods containing this text")
     args = parser.parse_args()
     size_mb, repeat = (4, 1) if args.quick else (args.size_mb, args.repeat)
     folder = Path(tempfile.mkdtemp(prefix="ckptfix-bench-", dir=args.dir))
-    ckptfix = [PY, "-m", "ckptfix", "convert"]
     try:
-        pt, st = _make_inputs(folder, size_mb)
-        o = folder / "out"
-        methods = [
-            ("cp", pt, ["cp", str(pt), f"{o}.pt"], ".pt"),
-            ("cp + sync", pt, ["sh", "-c", f'cp "{pt}" "{o}.pt" && sync "{o}.pt"'], ".pt"),
-            ("torch.load → strip → torch.save", pt, [PY, "-c", NAIVE.format(mmap=""), str(pt), f"{o}.pt"], ".pt"),
-            (
-                "torch.load(mmap=True) → save",
-                pt,
-                [PY, "-c", NAIVE.format(mmap=", mmap=True"), str(pt), f"{o}.pt"],
-                ".pt",
-            ),
-            ("ckptfix convert pt→pt", pt, [*ckptfix, str(pt), f"{o}.pt"], ".pt"),
-            ("ckptfix convert st→st", st, [*ckptfix, str(st), f"{o}.safetensors"], ".safetensors"),
-            ("ckptfix convert pt→st", pt, [*ckptfix, str(pt), f"{o}.safetensors"], ".safetensors"),
-            ("ckptfix convert st→pt", st, [*ckptfix, str(st), f"{o}.pt"], ".pt"),
-            ("ckptfix convert pt→pt --no-fast", pt, [*ckptfix, "--no-fast", str(pt), f"{o}.pt"], ".pt"),
-        ]
-        if args.only:
-            methods = [m for m in methods if m[0] in ("cp", "cp + sync") or any(t in m[0] for t in args.only)]
-        rows = []
-        for name, src, argv, ext in methods:
-            if not args.cold:
-                _run(argv, Path(f"{o}{ext}"))  # warm-up: inputs and Python/torch in the page cache
-            times, rss = [], 0
-            for _ in range(repeat):
-                if args.cold:
-                    _evict(src)
-                wall, peak = _run(argv, Path(f"{o}{ext}"))
-                times.append(wall)
-                rss = max(rss, peak)
-            rows.append((name, min(times), statistics.median(times), rss))
-            print(
-                f"{name}: min {min(times):.2f}s median {statistics.median(times):.2f}s rss {rss >> 20} MB",
-                file=sys.stderr,
-            )
-        base = next(r[1] for r in rows if r[0] == "cp + sync")
-        size = pt.stat().st_size
-        cache = "cold" if args.cold else "warm"
-        lines = [
-            f"Input: {size / 1e9:.2f} GB DataParallel state dict ({size_mb} MB requested), {cache} page cache, "
-            f"{repeat} runs each; {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, "
-            f"Python {platform.python_version()}.",
-            "",
-            "| method | min (s) | median (s) | × cp + sync (min) | peak RSS (MB) |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for name, lo, med, rss in rows:
-            lines.append(f"| {name} | {lo:.2f} | {med:.2f} | {lo / base:.2f} | {rss / 2**20:.0f} |")
-        table = "\n".join(lines)
+        if args.xfs:
+            table = _xfs(folder, args, size_mb, repeat)
+        else:
+            pt, st = _make_inputs(folder, size_mb)
+            table = _standard(folder, pt, st, args, size_mb, repeat)
         print(table)
         if args.out:
             Path(args.out).write_text(table + "\n")

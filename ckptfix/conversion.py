@@ -47,6 +47,7 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
+        refuse_flat_params(obj, source=source)
         return convert_checkpoint(
             obj,
             to=self.to,
@@ -57,6 +58,19 @@ class ConvertOptions:
             entries=self.entries,
             source=source,
         )
+
+
+def refuse_flat_params(obj: Any, *, source: str) -> None:
+    """FSDP1 flat parameters are one rank's slices of many parameters: never pass them off as a model."""
+    from ckptfix.formats.shards import ShardedCheckpointError, flat_param_keys
+
+    for entry in model_entries(obj):
+        if flat := flat_param_keys(obj if entry == "" else obj[entry]):
+            raise ShardedCheckpointError(
+                f"{source}: key '{flat[0]}' is an FSDP1 flat parameter (one rank's 1-D slice of many parameters "
+                f"joined), which no model loads and which cannot be split without FSDP's own metadata; save a full "
+                f"state dict instead (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+            )
 
 
 @strict_keywords
@@ -74,10 +88,19 @@ def convert_file(
     unsafe: bool = False,
     allow_globals: Iterable[str] = (),
     fast: bool = True,
+    verify: bool = True,
+    shard_size: int | None = None,
 ) -> Conversion:
-    """Convert checkpoint file ``src`` into ``dst`` (format from its extension); returns what changed.
+    """Convert checkpoint ``src`` into ``dst`` (format from its extension); returns what changed.
+
+    ``src`` may be a folder (transformers shards, an accelerate ``save_state`` folder, a DCP folder) or its
+    index file. ``dst`` ending in ``/`` (or an existing empty folder) gets a DCP folder; ``shard_size`` (bytes)
+    writes transformers shards of at most that size beside ``dst`` (or in it, when it is a folder).
 
     ``result.method`` says which path ran ("stream" or "torch") and ``result.notes`` why and what was copied.
+    ``verify=False`` lets the fast path skip reading a .pt input for its CRCs when the output is a .pt: the
+    output keeps the input's CRCs, so a corrupt record is still refused when the output is loaded. Every other
+    conversion checks them (a .safetensors output has no CRCs; the torch path writes new ones).
 
     >>> ckptfix.convert_file("ddp.pt", "model.safetensors", to="single")
     """
@@ -92,11 +115,31 @@ def convert_file(
     )
     source = os.fspath(src)
     out_fmt = output_format(dst)
-    check_output(dst, inputs=(src,))
+    if shard_size is not None and out_fmt == "dcp":
+        dst, out_fmt = os.path.join(dst, "model.safetensors"), "safetensors"  # shards in that folder
+    if out_fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
+        check_output(dst, inputs=(src,))
     in_fmt = detect_format(src)
     allow = tuple(allow_globals)
     notes: list[str] = []
-    if fast and dtype is None and not unsafe and in_fmt != "torch-legacy":
+    why_not = _torch_path_reason(
+        fast=fast, dtype=dtype, unsafe=unsafe, in_fmt=in_fmt, out_fmt=out_fmt, sharded=shard_size is not None
+    )
+    if why_not is not None:
+        notes.append(f"fast path not taken: {why_not}")
+    elif in_fmt == "folder":
+        from ckptfix.stream import Fallback
+        from ckptfix.stream.folders import convert_folder
+
+        try:
+            streamed = convert_folder(
+                source, os.fspath(dst), transform=lambda tree: options.apply(tree, source=source), allow_globals=allow
+            )
+            streamed.method = "stream"
+            return streamed
+        except Fallback as e:
+            notes.append(f"fast path not taken: {e}")
+    else:
         from ckptfix.stream import Fallback, fast_convert
 
         try:
@@ -107,20 +150,43 @@ def convert_file(
                 out_fmt=out_fmt,
                 transform=lambda tree: options.apply(tree, source=source),
                 allow_globals=allow,
+                verify=verify,
             )
             result.method = "stream"
             _note_losses(result, out_fmt)
             return result
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
-    conversion = options.apply(read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow), source=source)
+    obj = read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
+    conversion = options.apply(obj, source=source)
     if dtype is not None:
         cast_floating(conversion, dtype)
-    write(conversion.obj, dst, fmt=out_fmt)
+    write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size)
     conversion.method = "torch"
     conversion.notes.extend(notes)
     _note_losses(conversion, out_fmt)
     return conversion
+
+
+def _torch_path_reason(
+    *, fast: bool, dtype: str | None, unsafe: bool, in_fmt: str, out_fmt: str, sharded: bool
+) -> str | None:
+    """Why the fast path is not even tried, for ``-v`` (None: it is tried)."""
+    if out_fmt == "dcp":
+        return "torch's DCP writer writes the folder"
+    if sharded:
+        return "shards are written one by one from the loaded checkpoint"
+    if in_fmt == "folder" and out_fmt != "safetensors":
+        return "a folder streams only into a .safetensors file"
+    if not fast:
+        return "the torch path was asked for"
+    if dtype is not None:
+        return f"casting to {dtype} needs torch"
+    if unsafe:
+        return "the unsafe option runs the file's pickle, which only torch.load does"
+    if in_fmt == "torch-legacy":
+        return "the input is a legacy (pre-1.6, not zip) torch file"
+    return None
 
 
 def _note_losses(conversion: Conversion, out_fmt: str) -> None:

@@ -64,6 +64,36 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
+def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
+    """FSDP1 (flat parameters): each rank's flat-parameter slice, and its LOCAL_STATE_DICT (ShardedTensor)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        model = FullyShardedDataParallel(SmallNet(width=8), device_id=torch.device("cpu"), use_orig_params=False)
+        torch.save({name: p.detach() for name, p in model.named_parameters()}, out / f"flat{rank}.pt")
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            torch.save(model.state_dict(), out / f"local{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def write_fsdp1(out: Path) -> Path:
+    """``flat<R>.pt`` and ``local<R>.pt`` of a 2-rank FSDP1 job, in ``out``."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    method = "spawn" if dist.is_initialized() else "fork"
+    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True,
+                       start_method=method)  # fmt: skip
+    return out
+
+
 def _resume_worker(rank: int, store_path: str, ckpt_dir: str, out_path: str) -> None:
     """FSDP2 resuming from a DCP folder as training code does: ``dcp.load`` into the sharded model's state dict."""
     import torch.distributed as dist

@@ -71,3 +71,26 @@ def test_usage_errors_exit_2_with_one_line(tmp_path: Path, ddp_ckpt: Path, args:
     assert message in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        ([], "path: stream; pt -> torch: "),
+        (["--dtype", "float16"], "path: torch; fast path not taken: casting to float16 needs torch"),
+        (["--no-fast"], "path: torch; fast path not taken: the torch path was asked for"),
+        (["--unsafe-pickle"], "path: torch; fast path not taken: the unsafe option runs the file's pickle"),
+    ],
+)
+def test_verbose_says_which_path_ran_and_why(tmp_path: Path, ddp_ckpt: Path, args: list[str], path: str) -> None:
+    result = run("convert", str(ddp_ckpt), str(tmp_path / "out.pt"), "-v", *args)
+    assert result.exit_code == 0, result.output
+    assert path in result.output
+
+
+def test_verbose_names_a_legacy_input(tmp_path: Path) -> None:
+    src = tmp_path / "old.pt"
+    torch.save({"module.w": torch.ones(2)}, src, _use_new_zipfile_serialization=False)
+    result = run("convert", str(src), str(tmp_path / "out.pt"), "-v")
+    assert result.exit_code == 0, result.output
+    assert "path: torch; fast path not taken: the input is a legacy (pre-1.6, not zip) torch file" in result.output

@@ -45,8 +45,7 @@ def _torch_truth(folder: Path, tmp: Path) -> Any:
 def single(tmp_path: Path) -> Path:
     """A DCP folder from one process: a model, a step counter and nested optimizer-like values."""
     state = {"model": SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
-    with pytest.warns(UserWarning, match="single process"):
-        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # one process, whatever group exists
     return tmp_path / "dcp"
 
 
@@ -221,3 +220,40 @@ def test_two_rank_dcp_folders_stream_exactly(tmp_path: Path, mode: str, gathered
     result = _stream(out / "dcp", tmp_path / "model.safetensors")
     assert result.notes[-1].endswith(f"{gathered} gathered in memory")
     _same(load_file(tmp_path / "model.safetensors"), _torch_truth(out / "dcp", tmp_path)["model"])
+
+
+def test_convert_streams_a_dcp_folder_and_writes_one(single: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    out = tmp_path / "model.safetensors"
+    done = CliRunner().invoke(cli, ["convert", str(single), str(out), "--model-only", "--entry", "model", "-v"])
+    assert done.exit_code == 0, done.output
+    assert "path: stream; dcp -> safetensors: 16 tensors, 16 copied as byte ranges" in done.output
+    _same(dict(ckptfix.load(out)), SmallNet().state_dict())
+    back = CliRunner().invoke(cli, ["convert", str(out), f"{tmp_path / 'again'}/"])
+    assert back.exit_code == 0, back.output
+    target = SmallNet(seed=3).state_dict()
+    dcp.load(target, checkpoint_id=str(tmp_path / "again"))
+    _same(target, SmallNet().state_dict())
+
+
+def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path: Path) -> None:
+    from ckptfix.conversion import ConvertOptions
+    from ckptfix.formats.ziparchive import read_archive
+    from ckptfix.stream.folders import convert_folder
+
+    meta = pickle.loads((single / ".metadata").read_bytes())  # our own file: safe to unpickle here
+    span = next(info for index, info in meta.storage_data.items() if index.fqn == "model.features.3.weight")
+    data = bytearray((single / "__0_0.distcp").read_bytes())
+    with open(single / "__0_0.distcp", "rb") as f:
+        records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
+    tensor = next(r for r in records if r.name.endswith("data/0"))
+    data[tensor.data_offset + tensor.size // 2] ^= 0xFF  # one bit pattern inside the tensor's bytes
+    (single / "__0_0.distcp").write_bytes(bytes(data))
+    out = tmp_path / "model.safetensors"
+    options = ConvertOptions(model_only=True)
+    with pytest.raises(FormatError, match="CRC"):
+        convert_folder(str(single), str(out), transform=lambda tree: options.apply(tree, source="x"))
+    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["dcp"]

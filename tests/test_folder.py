@@ -287,3 +287,50 @@ def test_torch_shards_take_the_torch_path(tmp_path: Path) -> None:
     folder = _sharded(tmp_path, "pytorch_model.bin")
     with pytest.raises(Fallback, match="is a torch file"):
         _stream(folder, tmp_path / "one.safetensors")
+
+
+# -- the CLI ---------------------------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_convert_writes_shards_into_a_new_folder_and_reads_them_back(tmp_path: Path) -> None:
+    ckptfix.save({"model": _state(), "epoch": 3}, tmp_path / "run.pt")
+    made = _cli("convert", str(tmp_path / "run.pt"), f"{tmp_path / 'hf'}/", "--shard-size", "0.2kB", "--model-only")
+    assert made.exit_code == 0, made.output
+    assert len(list((tmp_path / "hf").glob("model-*-of-00004.safetensors"))) == 4
+    back = _cli("convert", str(tmp_path / "hf"), str(tmp_path / "one.safetensors"), "-v")
+    assert back.exit_code == 0, back.output
+    assert "path: stream; shards -> safetensors: 16 tensors, 16 copied as byte ranges" in back.output
+    assert_same(ckptfix.load(tmp_path / "one.safetensors"), _state())
+
+
+def test_convert_refuses_a_damaged_folder_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    folder = _sharded(tmp_path)
+    _rewrite(folder, lambda wm: wm.update({"head.bias": "../evil.safetensors"}))
+    result = _cli("convert", str(folder), str(tmp_path / "out.safetensors"))
+    assert result.exit_code == 2
+    assert result.output.count("\n") == 1 and "a path outside the folder" in result.output
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_an_accelerate_folder_converts_with_model_only(tmp_path: Path) -> None:
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
+    model = SmallNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = accelerate.Accelerator(cpu=True)
+    model, optimizer = acc.prepare(model, optimizer)
+    acc.save_state(str(tmp_path / "state"))
+    refused = _cli("convert", str(tmp_path / "state"), str(tmp_path / "m.pt"))
+    assert refused.exit_code == 2 and "--model-only to leave the folder's training state unread" in refused.output
+    done = _cli("convert", str(tmp_path / "state"), str(tmp_path / "m.pt"), "--model-only")
+    assert done.exit_code == 0, done.output
+    back = ckptfix.load(tmp_path / "m.pt")  # --model-only: the model's state dict itself
+    assert set(back) == set(model.state_dict())
+    assert all(torch.equal(back[k], t) for k, t in model.state_dict().items())

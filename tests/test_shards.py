@@ -67,3 +67,19 @@ def test_rank_files_of_two_runs_are_refused(run: Path, tmp_path: Path) -> None:
     with pytest.raises(MergeError, match=r"is float32 \[12, 3, 3, 3\] sharded .* the files are from different runs"):
         load_ranks([_ranks(run)[0], str(other / "rank1.pt")])
     shutil.rmtree(other)
+
+
+@pytest.fixture(scope="module")
+def fsdp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return sharded_writers.write_fsdp1(tmp_path_factory.mktemp("fsdp1"))
+
+
+def test_fsdp1_flat_parameters_are_never_written_as_a_model(fsdp1: Path, tmp_path: Path) -> None:
+    with pytest.raises(ShardedCheckpointError, match=r"'_fsdp_wrapped_module._flat_param' is an FSDP1 flat parameter"):
+        ckptfix.convert_file(fsdp1 / "flat0.pt", tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_fsdp1_local_state_dicts_say_what_they_are(fsdp1: Path) -> None:
+    with pytest.raises(ShardedCheckpointError, match=r"holds ShardedTensor shards \(an FSDP1 LOCAL_STATE_DICT"):
+        ckptfix.load(fsdp1 / "local0.pt")

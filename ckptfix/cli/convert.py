@@ -7,12 +7,13 @@ from typing import cast
 import click
 
 from ckptfix.cli.options import safety_options
+from ckptfix.formats.folder import parse_size
 from ckptfix.layouts import TARGETS, Layout
 
 
 @click.command()
-@click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
-@click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False))
+@click.argument("src", metavar="IN", type=click.Path())
+@click.argument("dst", metavar="OUT", type=click.Path())
 @click.option("--to", type=click.Choice(TARGETS), default="single", show_default=True, help="Target key layout.")
 @click.option("--keep-layout", is_flag=True, help="Do not change the layout (only rename, cast or change format).")
 @click.option("--strip-prefix", multiple=True, metavar="P", help="Remove P from every key (all keys must have it).")
@@ -22,7 +23,20 @@ from ckptfix.layouts import TARGETS, Layout
 @click.option("--model-only", is_flag=True, help="Keep only the model state dict, drop optimizer, epoch, …")
 @click.option("--dtype", metavar="DTYPE", help="Cast floating-point tensors (float16, bfloat16, float32, float64).")
 @click.option("--no-fast", is_flag=True, help="Always load and save through torch (the reference path).")
-@click.option("-v", "--verbose", is_flag=True, help="Say which path ran and why.")
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Fast .pt to .pt only: do not read the input for its CRCs. The output keeps them, so a corrupt record "
+    "is still refused when the output is loaded.",
+)
+@click.option(
+    "--shard-size",
+    metavar="SIZE",
+    callback=lambda ctx, param, value: None if value is None else parse_size(value),
+    help="Write transformers shards of at most SIZE (5GB, 500MB, 2GiB) and their index beside OUT (in OUT if it "
+    "is a folder).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
 @safety_options
 def convert(
     src: str,
@@ -36,11 +50,18 @@ def convert(
     model_only: bool,
     dtype: str | None,
     no_fast: bool,
+    no_verify: bool,
+    shard_size: int | None,
     verbose: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
     """Convert checkpoint IN to layout --to and write OUT (format from OUT's extension).
+
+    \b
+    IN may be a folder: transformers shards (or their *.index.json), an accelerate save_state folder, or a
+    torch.distributed.checkpoint (DCP) folder. OUT ending in / (or an empty folder) gets a DCP folder that
+    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards.
 
     \b
     Layouts: single (conv1.weight), dp/ddp (module.conv1.weight), compiled (_orig_mod.conv1.weight),
@@ -60,6 +81,8 @@ def convert(
         unsafe=unsafe_pickle,
         allow_globals=allow_globals,
         fast=not no_fast,
+        verify=not no_verify,
+        shard_size=shard_size,
         strip_prefixes=strip_prefix,
         add_prefixes=add_prefix,
         renames=rename,

@@ -43,19 +43,22 @@ def detect_format(path: PathLike) -> str:
         raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
     if not head:
         raise FormatError(f"{source}: file is empty; re-download or re-save it")
-    if head.lstrip().startswith(b"{"):
-        return "folder"  # an index file: folder.describe checks that it is one
     if head.startswith(b"PK\x03\x04"):
         _not_a_dcp_shard(source)
         return "torch-zip"
     if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
         return "torch-legacy"
+    json_text = head.lstrip().startswith(b"{")
     if len(head) >= 9 and head[8:9] in (b"{", b"[", b" "):
-        # safetensors: an 8-byte little-endian header length, then the JSON header
+        # safetensors: an 8-byte little-endian header length, then the JSON header. Text never passes for one:
+        # eight bytes of text read as a length are over 2**61.
         (header_len,) = struct.unpack("<Q", head[:8])
-        if header_len + 8 > size:
+        if header_len + 8 <= size:
+            return "safetensors"
+        if not json_text:
             raise FormatError(f"{source}: safetensors header runs past the end of the file; it is truncated")
-        return "safetensors"
+    if json_text:
+        return "folder"  # a shard index (JSON): folder.describe checks that it is one
     raise FormatError(
         f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
         f"found bytes {head[:8]!r})"
@@ -160,7 +163,7 @@ def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
     if shard_size is not None and output_format(path) == "dcp":
         path = os.path.join(path, "model.safetensors")  # a folder of shards, named as transformers names them
     fmt = output_format(path)
-    if fmt != "dcp":
+    if fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
         check_output(path)
     write(obj, path, fmt=fmt, shard_size=shard_size)
 

@@ -336,7 +336,7 @@ def save_dcp(obj: Any, out: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
-            dcp_save(obj, checkpoint_id=tmp)
+            dcp_save(obj, checkpoint_id=tmp, no_dist=True)  # this process alone, even inside a distributed job
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(out)
         os.rename(tmp, out)

@@ -276,10 +276,14 @@ def encode_header(
     meta: dict[str, Any],
     stored: Iterable[tuple[str, str, tuple[int, ...], int]],
     aliases: Mapping[str, str],
+    *,
+    congruent_to: int | None = None,
 ) -> bytes:
     """The length prefix and padded JSON header for ``stored`` (key, torch dtype name, shape, bytes), in order.
 
-    Shared by the torch writer and the streaming path, so both write byte-identical headers.
+    Shared by the torch writer and the streaming path, so both write byte-identical headers. ``congruent_to``
+    (a multiple of 8) pads the header with up to 4 KiB of spaces so that the data buffer starts at an offset
+    congruent to it modulo 4096: copied from a source at that offset, the data can share the file system's blocks.
     """
     meta["aliases"] = dict(aliases)
     if aliases:  # restoring aliases appends them; keep the original key order to put them back in place
@@ -297,7 +301,11 @@ def encode_header(
         }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
+    # The data buffer starts 64-byte aligned (safetensors pads to 8): tensors at multiples of 64 are then aligned
+    # as torch.save aligns its records, so a .pt made from this file can share their blocks.
+    raw += b" " * (-(8 + len(raw)) % 64)
+    if congruent_to is not None and congruent_to % 8 == 0:
+        raw += b" " * ((congruent_to - 8 - len(raw)) % 4096)
     return struct.pack("<Q", len(raw)) + raw
 
 

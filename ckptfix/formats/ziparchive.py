@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ckptfix.errors import FormatError
 
 ALIGN = 64
+BLOCK = 4096  # the file-system block: ranges congruent modulo it can share blocks when copied
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra length: 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
 _EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
@@ -255,16 +256,29 @@ class ZipWriter:
         self.fd = fd
         self.offset = 0
         self.records: list[Record] = []
+        # headers, descriptors and the central directory are small and mostly back to back: they are gathered
+        # and written in one call per run of adjacent bytes (a million records, a few thousand writes)
+        self._pending = bytearray()
+        self._pending_at = 0
 
-    def begin(self, name: str, size: int, *, like: Record | None = None) -> int:
-        """Write the local header of a record of ``size`` bytes; returns the (64-aligned) data offset."""
+    def begin(self, name: str, size: int, *, like: Record | None = None, congruent_to: int | None = None) -> int:
+        """Write the local header of a record of ``size`` bytes; returns the (64-aligned) data offset.
+
+        ``congruent_to`` (a 64-aligned source offset) places the data at an offset congruent to it modulo 4096,
+        with up to 4 KiB more padding, so that a copy from that source can share the file system's blocks. Only
+        for records torch finds through their own header: it computes where every storage after the first one
+        starts from the smallest padding (``torch.utils.serialization.config.load.calculate_storage_offsets``).
+        """
         raw_name = name.encode("utf-8")
         zip64 = b""
         if size >= _U32:
             zip64 = struct.pack("<HHQQ", _ZIP64_ID, 16, size, 0)
         elif self.offset >= _U32:
             zip64 = struct.pack("<HHQ", _ZIP64_ID, 8, self.offset)
-        pad = -(self.offset + _LOCAL.size + len(raw_name) + len(zip64) + 4) % ALIGN
+        start = self.offset + _LOCAL.size + len(raw_name) + len(zip64) + 4
+        pad = -start % ALIGN
+        if congruent_to is not None and congruent_to % ALIGN == 0:
+            pad = (congruent_to - start) % BLOCK
         extra = zip64 + struct.pack("<HH", _PAD_ID, pad) + b"Z" * pad
         base = like or Record(name, 0, 0, 0, 0)
         flags = base.flags | FLAG_DESCRIPTOR
@@ -373,11 +387,26 @@ class ZipWriter:
             )
             + comment
         )
+        self.flush()
         return self.offset
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
+        if self.offset != self._pending_at + len(self._pending) or len(self._pending) >= _PENDING_MAX:
+            self.flush()
+            self._pending_at = self.offset
+        self._pending += data
+        self.offset += len(data)
+
+    def flush(self) -> None:
+        """Write the gathered bytes (``finish`` does; others only before reading the file back)."""
+        view, at = memoryview(self._pending), self._pending_at
         while view:
-            n = os.pwrite(self.fd, view, self.offset)
-            self.offset += n
+            n = os.pwrite(self.fd, view, at)
+            at += n
             view = view[n:]
+        view.release()
+        self._pending.clear()
+        self._pending_at = self.offset
+
+
+_PENDING_MAX = 1 << 20

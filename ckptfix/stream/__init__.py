@@ -23,7 +23,8 @@ from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip, read_torch_zip, referenced_storages, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import verify_records
-from ckptfix.stream.copy import Check, Copier, Job, Progress
+from ckptfix.stream.copy import Copier, Job, Progress
+from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header
@@ -45,12 +46,16 @@ def fast_convert(
     transform: Callable[[Any], Any],
     allow_globals: tuple[str, ...] = (),
     progress: Progress | None = None,
+    verify: bool = True,
 ) -> Any:
     """Convert ``src`` into ``dst`` by rewriting only the pickle or header; returns what ``transform`` returned.
 
     ``in_fmt``/``out_fmt`` are the formats when the caller already detected them (and checked the output).
     ``transform(tree)`` gets the checkpoint with inert tensor records and returns an object whose ``.obj`` is
     the tree to write (a ``ckptfix.checkpoint.Conversion``); a line on what was copied is added to its notes.
+    ``verify=False`` skips reading the input for its CRCs where the output keeps them (.pt to .pt): a corrupt
+    record then stays detectable in the output. A .safetensors output has no CRCs to keep, and a .pt made from
+    a .safetensors needs the CRCs computed, so those still read the input.
     Raises :class:`Fallback` when the fast path does not apply, ``FormatError`` for a corrupt input,
     ``UnsafeCheckpointError`` for a dangerous pickle.
     """
@@ -74,7 +79,15 @@ def fast_convert(
         total = os.fstat(fd).st_size
         with progress_bar(total, enabled=progress is None) as bar:
             report = _write(
-                fd, inp, conversion.obj, out, out_fmt, source=source, progress=progress or bar, before=before
+                fd,
+                inp,
+                conversion.obj,
+                out,
+                out_fmt,
+                source=source,
+                progress=progress or bar,
+                before=before,
+                verify=verify,
             )
     kind = "pt" if inp is not None else "safetensors"
     conversion.notes.append(f"{kind} -> {out_fmt}: {report}")
@@ -99,6 +112,7 @@ def _write(
     source: str,
     progress: Progress | None,
     before: tuple[int, ...],
+    verify: bool,
 ) -> str:
     def unchanged() -> None:
         # what was checked is what was copied: any write to the input since it was opened changes its ctime
@@ -108,7 +122,8 @@ def _write(
     if out_fmt == "safetensors":
         locate = _pt_locator(inp) if inp is not None else _st_locate
         try:
-            plan = plan_safetensors(tree, out=out, locate=locate)
+            # a .pt input's records are not laid out like a data buffer: keep the torch path's bytes instead
+            plan = plan_safetensors(tree, out=out, locate=locate, keep_offsets=inp is None)
         except OutputError:
             if inp is not None:  # a damaged input is reported before what the output cannot hold, as torch does
                 verify_records(fd, source, inp.archive.records)
@@ -120,24 +135,43 @@ def _write(
             for offset, length in plan.ranges:
                 jobs.append(Job(offset, at, length))
                 at += length
-            Copier(fd, f.fileno(), source=source, progress=progress).run(jobs, checks=checks)
+            copier = Copier(fd, f.fileno(), source=source, progress=progress)
+            copier.run(jobs, checks=checks)
             unchanged()
-        return f"{len(plan.ranges)} tensors, {plan.size - len(plan.header)} bytes copied"
+        said = (", CRCs checked" if checks else "") + ("" if verify or not checks else " (.safetensors keeps none)")
+        return f"{len(plan.ranges)} tensors, {_moved(copier)}{said}"
     if inp is not None:
         with atomic_output(out) as f:
             zplan = plan_torch_to_torch(inp, tree, f.fileno())
-            Copier(fd, f.fileno(), source=source, progress=progress).run(zplan.jobs, checks=zplan.checks)
+            copier = Copier(fd, f.fileno(), source=source, progress=progress)
+            copier.run(zplan.jobs, checks=zplan.checks if verify else ())
             unchanged()
-        return f"{len(zplan.jobs)} records, {zplan.copied} bytes copied, CRCs checked"
+        said = ", CRCs checked" if verify else ", CRCs not checked: the output keeps the input's CRCs"
+        return f"{len(zplan.jobs)} records, {_moved(copier)}{said}"
     new_tree, sources = _st_to_torch_tree(tree)
     with atomic_output(out) as f:
         zplan = plan_new_torch(new_tree, sources, f.fileno())
-        crcs = Copier(fd, f.fileno(), source=source, progress=progress).run(zplan.jobs, checks=zplan.checks)
+        copier = Copier(fd, f.fileno(), source=source, progress=progress)
+        crcs = copier.run(zplan.jobs, checks=zplan.checks)
         for slot, crc in zip(zplan.crc_slots, crcs, strict=True):
             zplan.writer.set_crc(slot, crc)
         zplan.writer.finish()
         unchanged()
-    return f"{len(sources)} tensors, {zplan.copied} bytes copied"
+    return f"{len(sources)} tensors, {_moved(copier)}, CRCs computed"
+
+
+def _moved(copier: Copier) -> str:
+    """What the file system did: blocks shared with the input (nothing written) and bytes copied."""
+    if copier.shared:
+        return f"{_size(copier.shared)} shared with the input, {_size(copier.copied)} copied"
+    return f"{_size(copier.copied)} copied"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -1,28 +1,40 @@
-"""Move byte ranges between files in the kernel, checking zip CRCs on the side.
+"""Move byte ranges between files in the kernel, sharing blocks where the file system can, checking CRCs on the side.
 
-``os.copy_file_range`` copies without the bytes entering Python (and shares extents on file systems that can);
-where the kernel refuses it, a buffered ``pread``/``pwrite`` loop with one reusable buffer takes over. The CRC
-of each source record is computed in a second thread from the same (by then cached) pages, so on two cores
-checking costs little wall time, and memory stays at two small buffers whatever the file size.
+A range whose source and destination offsets are congruent modulo the block size (the planners keep them so)
+is copied as a head, a block-aligned middle and a tail. The middle is cloned (``FICLONERANGE``): on XFS with
+reflink, btrfs, bcachefs or ZFS the output then shares the input's blocks and nothing is written. Where the file
+system refuses (ext4, tmpfs, another device), ``os.copy_file_range`` copies without the bytes entering Python,
+and where the kernel refuses that too, a buffered ``pread``/``pwrite`` loop with one reusable buffer takes over.
+CRCs are computed by :class:`ckptfix.stream.crc.Verifier` threads meanwhile, so checking overlaps the copy.
 """
 
 from __future__ import annotations
 
 import errno
-import mmap
+import functools
 import os
-import threading
-import zlib
+import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.ziparchive import check_crc
+from ckptfix.formats.ziparchive import BLOCK
+from ckptfix.stream.crc import Check, Verifier
 
 CHUNK = 16 << 20
+CLONE_STEP = 1 << 30  # one ioctl per GiB shared: progress still moves, and each call returns in milliseconds
+SHARE_MIN = 2 * BLOCK  # a congruent range this long holds at least one whole block to share
 _WRITEBACK_MIN = 1 << 20
+_JOIN_MAX = 64 << 10  # longer than any header torch writes (name, zip64 and padding fields)
 _NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
+_NO_CLONE = _NO_KERNEL_COPY | {errno.ENOTTY, errno.ETXTBSY, errno.EISDIR}
+_FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range), Linux
+_CLONE_ARGS = struct.Struct("qQQQ")  # src_fd, src_offset, src_length, dest_offset
 Progress = Callable[[int], None]
+
+__all__ = ["Check", "Copier", "Job", "start_writeback"]
 
 
 @dataclass(frozen=True)
@@ -34,31 +46,22 @@ class Job:
     length: int
 
 
-@dataclass(frozen=True)
-class Check:
-    """The bytes ``[offset, offset + length)`` of record ``name`` must have CRC-32 ``crc`` (None: compute it)."""
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range, looked up on first use (a clone-only conversion never pays for ctypes)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-    name: str
-    offset: int
-    length: int
-    crc: int | None
-
-
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        func = libc.sync_file_range
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range  # libc is loaded already: no library search
     except (OSError, AttributeError):
         return None
     func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     func.restype = ctypes.c_int
-    return func
+    return cast("Callable[[int, int, int, int], int]", func)
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range() if os.name == "posix" else None
 _SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -68,94 +71,96 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     The final fsync then finds most pages already written: disk write-back overlaps the copy instead of
     following it, which is most of the difference between ``cp && sync`` and a copy that is durable on return.
     """
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-def crc_range(fd: int, offset: int, length: int) -> int:
-    """CRC-32 of a byte range, through a small sliding memory map (no copy into Python; RSS stays bounded)."""
-    crc = 0
-    if offset + length > os.fstat(fd).st_size:  # a map past the end would fault (SIGBUS), pread just stops
-        return _crc_pread(fd, offset, length, crc)
-    while length > 0:
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
-        n = min(length, CHUNK)
-        try:
-            window = mmap.mmap(fd, offset - base + n, offset=base, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
-            return _crc_pread(fd, offset, length, crc)
-        with window, memoryview(window) as view:
-            crc = zlib.crc32(view[offset - base :], crc)
-        offset += n
-        length -= n
-    return crc
-
-
-def _crc_pread(fd: int, offset: int, length: int, crc: int) -> int:
-    buf = bytearray(min(CHUNK, max(length, 1)))
-    view = memoryview(buf)
-    while length > 0:
-        n = os.preadv(fd, [view[: min(length, len(buf))]], offset)
-        if n <= 0:
-            break
-        crc = zlib.crc32(view[:n], crc)
-        offset += n
-        length -= n
-    return crc
-
-
-class _Verifier(threading.Thread):
-    def __init__(self, fd: int, checks: Sequence[Check], source: str) -> None:
-        super().__init__(name="ckptfix-crc", daemon=True)
-        self.fd, self.checks, self.source = fd, checks, source
-        self.error: FormatError | None = None
-        self.crcs: list[int] = []
-
-    def run(self) -> None:
-        for check in self.checks:
-            actual = crc_range(self.fd, check.offset, check.length)
-            self.crcs.append(actual)
-            if check.crc is not None:
-                try:
-                    check_crc(self.source, check.name, check.crc, actual)
-                except FormatError as e:
-                    self.error = e
-                    return
+    func = _sync_file_range()
+    if func is not None:
+        func(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 class Copier:
-    """Runs copy jobs from ``src_fd`` into ``dst_fd``; falls back to buffered I/O once the kernel refuses."""
+    """Runs copy jobs from ``src_fd`` into ``dst_fd``; counts the bytes shared with the source and those copied."""
 
     def __init__(self, src_fd: int, dst_fd: int, *, source: str, progress: Progress | None = None) -> None:
         self.src_fd, self.dst_fd, self.source = src_fd, dst_fd, source
         self.progress = progress
         self.kernel = hasattr(os, "copy_file_range")
+        self.clone = self.kernel  # Linux: where copy_file_range exists, so does the FICLONERANGE ioctl
+        self.shared = 0  # bytes the file system reported sharing (a clone succeeded)
+        self.copied = 0
         self._buf: bytearray | None = None
 
     def run(self, jobs: Sequence[Job], *, checks: Sequence[Check] = ()) -> list[int]:
-        """Copy every job while a second thread computes the CRC of each check; raise on the first mismatch.
+        """Copy every job while other threads compute the CRC of each check; raise on the first mismatch.
 
         The output is fsynced while the CRCs are still being computed: the disk write-back and the checksum
         then overlap instead of adding up (the atomic writer's own fsync finds nothing left).
         """
-        verifier = _Verifier(self.src_fd, checks, self.source) if checks else None
+        verifier = Verifier(self.src_fd, checks, source=self.source) if checks else None
         if verifier is not None:
             verifier.start()
         try:
-            for job in jobs:
+            for job in self._joined(jobs):
                 self.copy(job)
             os.fsync(self.dst_fd)
-        finally:
+        except BaseException:
             if verifier is not None:
-                verifier.join()
-        if verifier is None:
-            return []
-        if verifier.error is not None:
-            raise verifier.error
-        return verifier.crcs
+                verifier.cancel()
+            raise
+        return verifier.join() if verifier is not None else []
+
+    def _joined(self, jobs: Sequence[Job]) -> list[Job]:
+        """Join neighbouring jobs whose bytes between them are already the same in both files (zip headers).
+
+        The joined range then shares the blocks that hold record headers and small records too, and takes
+        one call instead of one per record.
+        """
+        joined: list[Job] = []
+        for job in jobs:
+            gap = self._same_between(joined[-1], job) if joined else None
+            if gap is None:
+                joined.append(job)
+            else:
+                joined[-1] = Job(joined[-1].src, joined[-1].dst, joined[-1].length + gap + job.length)
+        return joined
+
+    def _same_between(self, a: Job, b: Job) -> int | None:
+        """The length of the bytes between jobs ``a`` and ``b`` when they are equal in both files, else None."""
+        gap = b.src - a.src - a.length
+        if not 0 <= gap <= _JOIN_MAX or b.dst - a.dst - a.length != gap:
+            return None
+        same = os.pread(self.src_fd, gap, b.src - gap) == os.pread(self.dst_fd, gap, b.dst - gap)
+        return gap if same else None
 
     def copy(self, job: Job) -> None:
-        src, dst, left = job.src, job.dst, job.length
+        src, dst, length = job.src, job.dst, job.length
+        if self.clone and length >= SHARE_MIN and (src - dst) % BLOCK == 0:
+            head = -dst % BLOCK
+            middle = (length - head) // BLOCK * BLOCK
+            self._copy(src, dst, head)
+            shared = self._clone(src + head, dst + head, middle)
+            src, dst, length = src + head + shared, dst + head + shared, length - head - shared
+        self._copy(src, dst, length)
+
+    def _clone(self, src: int, dst: int, length: int) -> int:
+        """Share ``length`` block-aligned bytes; returns how many were shared before the file system refused."""
+        import fcntl
+
+        done = 0
+        while done < length and self.clone:
+            step = min(length - done, CLONE_STEP)
+            try:
+                fcntl.ioctl(self.dst_fd, _FICLONERANGE, _CLONE_ARGS.pack(self.src_fd, src + done, step, dst + done))
+            except OSError as e:
+                if e.errno not in _NO_CLONE:
+                    raise
+                self.clone = False  # ext4, tmpfs, another device: copy from now on
+                break
+            done += step
+            self.shared += step
+            if self.progress is not None:
+                self.progress(step)
+        return done
+
+    def _copy(self, src: int, dst: int, left: int) -> None:
         while left > 0:
             step = min(left, CHUNK)
             n = self._kernel_copy(src, dst, step) if self.kernel else 0
@@ -164,6 +169,7 @@ class Copier:
             if n >= _WRITEBACK_MIN:  # one syscall per tiny record costs more than it saves; fsync takes those
                 start_writeback(self.dst_fd, dst, n)
             src, dst, left = src + n, dst + n, left - n
+            self.copied += n
             if self.progress is not None:
                 self.progress(n)
 

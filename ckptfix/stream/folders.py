@@ -27,6 +27,7 @@ from ckptfix.formats.folder import check_complete, check_shard, describe
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
+from ckptfix.stream.crc import Check, Verifier
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.st import tree_from_header
 
@@ -51,10 +52,13 @@ class DcpTensor:
 
 
 class _Files:
-    """The folder's data files, each opened once and checked unchanged at the end."""
+    """The folder's data files, each opened once and checked unchanged at the end; where each chunk's bytes are
+    and the CRC checks of every record of their archives."""
 
     def __init__(self) -> None:
         self.open: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.located: dict[int, tuple[int, int]] = {}  # id(chunk) -> (fd, offset of its bytes)
+        self.checks: dict[str, list[Check]] = {}
 
     def fd(self, path: str) -> int:
         if path not in self.open:
@@ -103,13 +107,27 @@ def convert_folder(
             else:
                 first[id(t)] = key
                 stored.append(_stored(dst, key, t))
+        for key, *_ in stored:  # every chunk archive parsed before the first byte out
+            if isinstance(state[key], DcpTensor):
+                for c in state[key].entry.chunks:
+                    _locate(c, files, entry=state[key].entry, key=key, allowed=allowed)
         copied = gathered = 0
-        with atomic_output(dst) as out:
-            out.write(encode_header(state, meta, stored, aliases))
-            for key, *_ in stored:
-                way = _write_tensor(out, state[key], files, allowed=allowed)
-                copied += way == "copied"
-                gathered += way == "gathered"
+        verifiers = [Verifier(files.fd(path), checks, source=path, workers=2) for path, checks in files.checks.items()]
+        try:
+            for v in verifiers:  # CRCs on other threads while the bytes are copied: the input is read once more
+                v.start()
+            with atomic_output(dst) as out:
+                out.write(encode_header(state, meta, stored, aliases))
+                for key, *_ in stored:
+                    way = _write_tensor(out, state[key], files)
+                    copied += way == "copied"
+                    gathered += way == "gathered"
+                for v in verifiers:
+                    v.join()  # a bad CRC raises here, and the output is discarded
+        except BaseException:
+            for v in verifiers:
+                v.cancel()
+            raise
         files.check_unchanged()
     finally:
         files.close()
@@ -117,6 +135,27 @@ def convert_folder(
         f"{kind} -> safetensors: {len(stored)} tensors, {copied} copied as byte ranges, {gathered} gathered in memory"
     )
     return conversion
+
+
+def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, str]:
+    """The checkpoint a folder holds with tensor records (:class:`DcpTensor`, :class:`ShardTensor`: dtype,
+    shape, and where the bytes are) in place of tensors, and its kind (``dcp`` or ``shards``); no tensor byte is
+    read (DCP's small non-tensor values are). Raises Fallback for folders it does not describe (accelerate
+    folders, torch shards)."""
+    allowed = allowlist.allowed_names(allow_globals, source=src)
+    files = _Files()
+    try:
+        return _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
+    finally:
+        files.close()
+
+
+def chunking(t: DcpTensor) -> str:
+    """How a DCP tensor is stored: ``2 row chunks in __0_0.distcp, __1_0.distcp`` (for ``inspect``)."""
+    kind = "row" if all(_rows(t.entry, c) for c in t.entry.chunks) else "block"
+    files = sorted({os.path.basename(c.span.path) for c in t.entry.chunks})
+    n = len(t.entry.chunks)
+    return f"{n} {kind} chunk{'s' * (n != 1)} in {', '.join(files)}"
 
 
 def _dcp_tree(src: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any, str]:
@@ -172,11 +211,11 @@ def _rows(entry: TensorEntry, c: Chunk) -> bool:
     return all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == entry.shape[1:]
 
 
-def _chunk_bytes(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> tuple[int, int]:
-    """The file offset of the chunk's bytes (row-major, contiguous) in its data file, checked against the metadata."""
+def _locate(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
+    """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
+    (row-major, contiguous) are; refused unless it is the tensor the metadata says."""
     fd = files.fd(c.span.path)
-    z = read_torch_zip(fd, c.span.path, allowed=allowed, verify=True, start=c.span.offset,
-                       end=c.span.offset + c.span.length)  # fmt: skip
+    z = read_torch_zip(fd, c.span.path, allowed=allowed, start=c.span.offset, end=c.span.offset + c.span.length)
     t = z.tree
     if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
         raise FormatError(
@@ -184,10 +223,14 @@ def _chunk_bytes(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allow
             f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
         )
     rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
-    return fd, rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize
+    files.located[id(c)] = (fd, rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
+    files.checks.setdefault(c.span.path, []).extend(
+        Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)
+        for r in z.archive.records
+    )
 
 
-def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor, files: _Files, *, allowed: frozenset[str]) -> str:
+def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor, files: _Files) -> str:
     if isinstance(t, ShardTensor):
         _copy(files.fd(t.path), t.start, t.nbytes, out)
         return "copied"
@@ -196,10 +239,10 @@ def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor, files: _Files, *, a
         return "copied"
     if all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
         for c in entry.chunks:
-            fd, at = _chunk_bytes(c, files, entry=entry, key=t.key, allowed=allowed)
+            fd, at = files.located[id(c)]
             _copy(fd, at, math.prod(c.sizes) * item, out)
         return "copied"
-    _gather(out, t, files, allowed=allowed)
+    _gather(out, t, files)
     return "gathered"
 
 
@@ -221,7 +264,7 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
     os.lseek(dst, pos, os.SEEK_SET)
 
 
-def _gather(out: BinaryIO, t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> None:
+def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
     import torch
 
     from ckptfix.formats.safetensors import tensor_bytes
@@ -230,7 +273,7 @@ def _gather(out: BinaryIO, t: DcpTensor, files: _Files, *, allowed: frozenset[st
     dtype = getattr(torch, entry.dtype)
     full = torch.empty(entry.shape, dtype=dtype)  # the bounded buffer: one tensor, never the whole folder
     for c in entry.chunks:
-        fd, at = _chunk_bytes(c, files, entry=entry, key=t.key, allowed=allowed)
+        fd, at = files.located[id(c)]
         buf = bytearray(math.prod(c.sizes) * DTYPES[entry.dtype].itemsize)
         if not buf:
             continue
@@ -242,4 +285,4 @@ def _gather(out: BinaryIO, t: DcpTensor, files: _Files, *, allowed: frozenset[st
     out.write(tensor_bytes(full))
 
 
-__all__ = ["DcpTensor", "ShardTensor", "convert_folder"]
+__all__ = ["DcpTensor", "ShardTensor", "chunking", "convert_folder", "folder_tree"]

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.dtypes import FROM_SAFETENSORS, safetensors_code
 from ckptfix.formats.safetensors import Header, encode_header, restore, split_checkpoint
+from ckptfix.formats.ziparchive import BLOCK
 from ckptfix.stream.fallback import Fallback
 
 
@@ -49,11 +50,13 @@ class StOutput:
         return len(self.header) + sum(n for _, n in self.ranges)
 
 
-def plan_safetensors(obj: Any, *, out: str, locate: Any) -> StOutput:
+def plan_safetensors(obj: Any, *, out: str, locate: Any, keep_offsets: bool = False) -> StOutput:
     """Header and data ranges for ``obj`` (a state dict or a checkpoint with one model entry).
 
     ``locate(value) -> (dtype, shape, source_offset, nbytes, identity)`` finds a tensor's bytes or raises
-    Fallback. Mirrors ``save_safetensors``: tied tensors stored once and recorded as aliases.
+    Fallback. Mirrors ``save_safetensors``: tied tensors stored once and recorded as aliases. With
+    ``keep_offsets`` the header is padded so that the most bytes keep their source offset modulo 4096 (all of
+    them when the data keeps its order, as .safetensors to .safetensors does), for a copy that shares blocks.
     """
     state, meta = split_checkpoint(obj, out=out)
     ranges: list[tuple[int, int]] = []
@@ -72,4 +75,17 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any) -> StOutput:
         seen[ident] = key
         stored.append((key, dtype, tuple(shape), nbytes))
         ranges.append((src, nbytes))
-    return StOutput(encode_header(state, meta, stored, aliases), ranges)
+    start = _best_data_start(ranges) if keep_offsets else None
+    return StOutput(encode_header(state, meta, stored, aliases, congruent_to=start), ranges)
+
+
+def _best_data_start(ranges: list[tuple[int, int]]) -> int | None:
+    """The data buffer's start modulo 4096 that keeps the most bytes at their source offset modulo 4096."""
+    gain: dict[int, int] = {}
+    at = 0
+    for src, nbytes in ranges:
+        start = (src - at) % BLOCK
+        if nbytes and start % 8 == 0:  # the buffer must stay 8-aligned
+            gain[start] = gain.get(start, 0) + nbytes
+        at += nbytes
+    return max(sorted(gain), key=gain.__getitem__) if gain else None

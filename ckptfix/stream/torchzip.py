@@ -9,8 +9,9 @@ from typing import Any
 
 from ckptfix.formats import inert
 from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip, referenced_storages
-from ckptfix.formats.ziparchive import ZipWriter
-from ckptfix.stream.copy import Check, Job
+from ckptfix.formats.ziparchive import ALIGN, ZipWriter
+from ckptfix.stream.copy import SHARE_MIN, Job
+from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 
 
@@ -36,18 +37,28 @@ class Plan:
 
 
 def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
-    """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim."""
+    """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim.
+
+    Records stay where they were modulo 4096, so the copy can share blocks: the first record after the new
+    pickle takes up the shift in its header padding, and the records after it follow at the same distance.
+    torch locates every storage after the first by computing the smallest padding, so only the other records
+    and the first storage may be padded more; a storage after a dropped one stays where torch expects it.
+    """
     keep = referenced_storages(tree)
     pkl = _dump(tree)
     plan = Plan(ZipWriter(dst_fd))
     data_dir = inp.archive.prefix + "data/"
+    first_storage = True
     for rec in inp.archive.records:
         if rec is inp.pkl:
             plan.writer.add(rec.name, pkl, zlib.crc32(pkl), like=rec)
             continue
-        if rec.name.startswith(data_dir) and rec.name[len(data_dir) :] not in keep:
+        storage = rec.name.startswith(data_dir)
+        if storage and rec.name[len(data_dir) :] not in keep:
             continue
-        offset = plan.writer.begin(rec.name, rec.size, like=rec)
+        movable = first_storage or not storage
+        first_storage = first_storage and not storage
+        offset = plan.writer.begin(rec.name, rec.size, like=rec, congruent_to=rec.data_offset if movable else None)
         plan.writer.end(rec.crc)
         plan.jobs.append(Job(rec.data_offset, offset, rec.size))
         plan.checks.append(Check(rec.name, rec.data_offset, rec.size, rec.crc))
@@ -64,15 +75,24 @@ class Source:
 
 
 def plan_new_torch(tree: Any, sources: list[Source], dst_fd: int) -> Plan:
-    """A torch zip laid out as torch.save does, storage ``data/<i>`` copied from ``sources[i]``."""
+    """A torch zip laid out as torch.save does, storage ``data/<i>`` copied from ``sources[i]``.
+
+    A storage whose source is 64-byte aligned and long enough to gain is placed at its source offset modulo
+    4096, so its copy can share blocks. torch.save's ``.format_version`` record lets torch compute where each
+    storage after the first starts, from the smallest padding; when a later storage is padded more, that record
+    is left out, as older torch versions wrote, and torch reads every storage's offset from its header.
+    """
     pkl = _dump(tree)
     plan = Plan(ZipWriter(dst_fd))
     prefix = "archive/"
     plan.writer.add(prefix + "data.pkl", pkl, zlib.crc32(pkl))
+    placed = [src.offset if src.length >= SHARE_MIN and src.offset % ALIGN == 0 else None for src in sources]
+    computable = all(p is None for p in placed[1:])
     for rec_name, data in HEAD:
-        plan.writer.add(prefix + rec_name, data, zlib.crc32(data))
+        if computable or rec_name != ".format_version":
+            plan.writer.add(prefix + rec_name, data, zlib.crc32(data))
     for i, src in enumerate(sources):
-        offset = plan.writer.begin(f"{prefix}data/{i}", src.length)
+        offset = plan.writer.begin(f"{prefix}data/{i}", src.length, congruent_to=placed[i])
         plan.jobs.append(Job(src.offset, offset, src.length))
         # The CRC is known once the bytes have been read: set_crc() patches it in before finish().
         plan.checks.append(Check(f"{prefix}data/{i}", src.offset, src.length, None))
