@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ConvertOptions": "ckptfix.conversion",
     "convert_file": "ckptfix.conversion",
     "KeyReport": "ckptfix.compare",
-    "check": "ckptfix.compare",
+    "check": "ckptfix.loading",
     "load_into": "ckptfix.loading",
     "DiffReport": "ckptfix.diff",
     "diff": "ckptfix.diff",
@@ -62,9 +62,6 @@ if TYPE_CHECKING:
     )
     from ckptfix.compare import (
         KeyReport as KeyReport,
-    )
-    from ckptfix.compare import (
-        check as check,
     )
     from ckptfix.conversion import (
         ConvertOptions as ConvertOptions,
@@ -119,6 +116,9 @@ if TYPE_CHECKING:
     )
     from ckptfix.layouts import (
         detect as detect,
+    )
+    from ckptfix.loading import (
+        check as check,
     )
     from ckptfix.loading import (
         load_into as load_into,

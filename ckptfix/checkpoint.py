@@ -236,15 +236,28 @@ def convert(
     ).obj
 
 
-def _check_strips(keys: Iterable[str], prefixes: Sequence[str], *, source: str) -> None:
+def strip_key_prefixes(
+    state: Mapping[str, Any], prefixes: Iterable[str], *, source: str = "state dict"
+) -> OrderedDict[str, Any]:
+    """Remove each of ``prefixes`` in turn from every key, as ``convert(strip_prefixes=...)`` does (a copy).
+
+    All-or-nothing: a key without the prefix is a :class:`LayoutError` naming it.
+    """
+    strips = list(prefixes)
+    _check_strips(state.keys(), strips, source=source, renames=False)
+    return apply_maps(state, [layouts.strip_prefix(p) for p in strips], source=source)
+
+
+def _check_strips(keys: Iterable[str], prefixes: Sequence[str], *, source: str, renames: bool = True) -> None:
     # Strip-prefix is all-or-nothing like layout detection: a partial match means the prefix is wrong.
     keys = list(keys)
     for prefix in prefixes:
         stray = next((k for k in keys if not k.startswith(prefix)), None)
         if stray is not None:
+            advice = f" (use renames='^{re.escape(prefix)}=' to strip it only where present)" if renames else ""
             raise LayoutError(
                 f"{source}: strip_prefixes='{prefix}' does not match key '{stray}'; every key must start with "
-                f"it (use renames='^{re.escape(prefix)}=' to strip it only where present)"
+                f"it{advice}"
             )
         keys = [k[len(prefix) :] for k in keys]
 

@@ -1,8 +1,10 @@
 """Compare a state dict with a model: what ``load_state_dict(strict=True)`` would refuse, as data.
 
-:func:`check` returns a :class:`KeyReport`: missing, unexpected, wrong-shape and wrong-dtype keys, ``_metadata``
-entries that make ``load_state_dict`` raise, likely renames and the ``ckptfix convert`` command that fixes a
-layout-only or rename-only difference.
+:func:`compare_keys` returns a :class:`KeyReport`: missing, unexpected, wrong-shape and wrong-dtype keys, tied keys
+(absent, but the same tensor in the model as a key that is there), ``_metadata`` entries that make
+``load_state_dict`` raise, likely renames and the ``ckptfix convert`` command that fixes a layout-only, prefix-only
+or rename-only difference. It reads only keys, shapes and dtypes, so tensor records (no bytes) serve as well as
+tensors. The public :func:`ckptfix.check` (in :mod:`ckptfix.loading`) adapts the layout first.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ class KeyReport:
     rename_rules: list[str] = field(default_factory=list)
     # The same rules as (old prefix, new prefix) pairs in the model's layout.
     rename_swaps: list[tuple[str, str]] = field(default_factory=list)
+    # Model keys the checkpoint lacks whose tensor is the same object in the model as a key it has (model key ->
+    # checkpoint key): loading that key loads them, as transformers' tied embeddings are saved once.
+    tied: dict[str, str] = field(default_factory=dict)
+    # (old, new): the key prefix :func:`ckptfix.load_into` swapped, under the layout prefixes, to fit the model:
+    # ``("model.", "")`` strips a LightningModule's attribute, ``("", "model.")`` adds one. None when none was.
+    renamed_prefix: tuple[str, str] | None = None
+    # The layout prefixes around the keys: the checkpoint's (after any strip_prefix) and the model's.
+    source_prefix: str = ""
+    target_prefix: str = ""
     target_layout: str = "single"
     entry: str = ""
 
@@ -59,16 +70,20 @@ class KeyReport:
 
     @property
     def loads_as_is(self) -> bool:
-        """True when ``model.load_state_dict(state, strict=True)`` works without any conversion."""
-        return self.ok and not self.layout_differs
+        """True when ``model.load_state_dict(state, strict=True)`` works without any key change.
+
+        Tied keys are the exception: the checkpoint lacks them and ``load_state_dict`` loads them through the key
+        they share (``strict=True`` would list them missing; :func:`ckptfix.load_into` passes them along).
+        """
+        return self.ok and not self.layout_differs and self.renamed_prefix is None
 
     @property
     def fixable_by_convert(self) -> bool:
-        """True when ``ckptfix convert`` (a layout change and/or ``--rename`` rules) makes the state fit."""
+        """True when ``ckptfix convert`` (a layout change, a prefix, ``--rename`` rules) makes the state fit."""
         if self.wrong_shape or self.wrong_dtype or self.bad_metadata or self.load_error is not None:
             return False
         if self.ok:
-            return self.layout_differs
+            return self.layout_differs or self.renamed_prefix is not None
         return bool(self.rename_rules)
 
     def summary(self) -> str:
@@ -108,19 +123,49 @@ class KeyReport:
         self.raise_if_failed()
         return self
 
-    def fix_command(self, path: str, *, out: str | None = None, allow_globals: Iterable[str] = ()) -> str | None:
-        """The ``ckptfix convert`` command that makes ``path`` fit the model, or None when none does."""
+    def fix_command(
+        self,
+        path: str,
+        *,
+        out: str | None = None,
+        entry: str | None = None,
+        strip_prefixes: Iterable[str] = (),
+        allow_globals: Iterable[str] = (),
+        unsafe: bool = False,
+    ) -> str | None:
+        """The ``ckptfix convert`` command that makes ``path`` fit the model, or None when none does.
+
+        It repeats every option the check itself needed (``entry``, ``strip_prefixes``, ``allow_globals``,
+        ``unsafe``), so running it works.
+        """
         if not self.fixable_by_convert:
             return None
         if out is None:
             stem, ext = os.path.splitext(path)
-            out = f"{stem}.{'fixed' if self.rename_rules else self.target_layout}{ext or '.pt'}"
-        words = ["ckptfix", "convert", path, out, "--to", self.target_layout]
+            renamed = self.rename_rules or self.renamed_prefix
+            out = f"{stem}.{'fixed' if renamed else self.target_layout}{ext or '.pt'}"
+        words = ["ckptfix", "convert", path, out]
+        if entry:
+            words += ["--entry", entry]
+        for prefix in strip_prefixes:
+            words += ["--strip-prefix", prefix]
+        words += self._key_options()
         for rule in self.rename_rules:
             words += ["--rename", rule]
         for name in allow_globals:
             words += ["--allow-global", name]
+        if unsafe:
+            words.append("--unsafe-pickle")
         return shlex.join(words)
+
+    def _key_options(self) -> list[str]:
+        # convert strips prefixes from the checkpoint's own keys, then changes the layout, then adds prefixes.
+        if self.renamed_prefix is None or not self.ok:
+            return ["--to", self.target_layout]
+        old, new = self.renamed_prefix
+        if old:
+            return ["--strip-prefix", self.source_prefix + old, "--to", self.target_layout]
+        return ["--to", "single", "--add-prefix", self.target_prefix + new]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready view (shapes as lists, pairs as two-item lists)."""
@@ -139,6 +184,8 @@ class KeyReport:
             "load_error": self.load_error,
             "renamed": [list(pair) for pair in self.renamed],
             "rename_rules": list(self.rename_rules),
+            "tied": dict(self.tied),
+            "renamed_prefix": list(self.renamed_prefix) if self.renamed_prefix is not None else None,
         }
 
 
@@ -147,13 +194,15 @@ def module_name(path: str) -> str:
     return f"module '{path}'" if path else "the root module"
 
 
-def check(state: Mapping[str, Any], model: torch.nn.Module, *, source: str = "state dict") -> KeyReport:
-    """Compare ``state`` (already in the model's layout) with ``model.state_dict()``.
+def compare_keys(state: Mapping[str, Any], model: torch.nn.Module, *, source: str = "state dict") -> KeyReport:
+    """Compare ``state`` (already in the model's layout) with ``model.state_dict()``: keys, shapes, dtypes.
 
-    >>> report = ckptfix.check(torch.load("ckpt.pt")["model"], model)
-    >>> report.missing, report.unexpected, report.wrong_shape, report.renamed
+    ``state`` may hold tensors or tensor records (anything with ``shape`` and ``dtype``); no value is read.
+
+    >>> report = compare_keys(torch.load("ckpt.pt")["model"], model)
+    >>> report.missing, report.unexpected, report.wrong_shape, report.tied, report.renamed
     """
-    expected = model.state_dict()
+    expected = model.state_dict(keep_vars=True)
     report = KeyReport(source=source)
     missing = [k for k in expected if k not in state]
     report.unexpected = [k for k in state if k not in expected]
@@ -163,12 +212,11 @@ def check(state: Mapping[str, Any], model: torch.nn.Module, *, source: str = "st
             continue
         if tuple(got.shape) != tuple(want.shape):
             report.wrong_shape[key] = (tuple(got.shape), tuple(want.shape))
-        elif got.dtype != want.dtype:
-            report.wrong_dtype[key] = (
-                str(got.dtype).removeprefix("torch."),
-                str(want.dtype).removeprefix("torch."),
-            )
+        elif dtype_name(got) != dtype_name(want):
+            report.wrong_dtype[key] = (dtype_name(got), dtype_name(want))
     report.bad_metadata = metadata_problems(state, model)
+    report.tied = tied_in(missing, state, tied_keys(expected))
+    missing = [k for k in missing if k not in report.tied]
     if missing and report.unexpected:
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         shapes.update({k: tuple(v.shape) for k, v in expected.items() if k not in state})
@@ -178,15 +226,42 @@ def check(state: Mapping[str, Any], model: torch.nn.Module, *, source: str = "st
             missing=missing,
             unexpected=report.unexpected,
             state_keys=state.keys(),
-            model_keys=expected.keys(),
+            model_keys=[k for k in expected if k not in report.tied],
         )
         report.rename_rules = format_rules(report.rename_swaps)
     # A key load_state_dict fills in is not missing, unless it is a renamed key's new name: then the rename
     # brings it (and its module's _metadata entry) along.
     paired = {want for _, want in report.renamed}
-    filled = _filled_by_load(model, getattr(state, "_metadata", None))
+    filled = filled_by_load(model, getattr(state, "_metadata", None))
     report.missing = [k for k in missing if k not in filled or k in paired]
     return report
+
+
+def dtype_name(value: Any) -> str:
+    """``float32`` for a tensor (``torch.float32``) and for a tensor record (``"float32"``) alike."""
+    return str(value.dtype).removeprefix("torch.")
+
+
+def tied_keys(expected: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Keys of a model's ``state_dict(keep_vars=True)`` whose tensor is the same object as another key's.
+
+    Maps each such key to every key of its group, in state-dict order: ``{"lm_head.weight": ["transformer.wte.weight",
+    "lm_head.weight"], …}`` for a GPT-2 whose output layer is its input embedding.
+    """
+    groups: dict[int, list[str]] = {}
+    for key, tensor in expected.items():
+        groups.setdefault(id(tensor), []).append(key)
+    return {key: group for group in groups.values() if len(group) > 1 for key in group}
+
+
+def tied_in(missing: Iterable[str], state: Mapping[str, Any], ties: Mapping[str, list[str]]) -> dict[str, str]:
+    """The ``missing`` keys that share their tensor with a key ``state`` has: missing key -> that key."""
+    found = {}
+    for key in missing:
+        present = next((k for k in ties.get(key, ()) if k in state), None)
+        if present is not None:
+            found[key] = present
+    return found
 
 
 def metadata_problems(state: Mapping[str, Any], model: torch.nn.Module) -> dict[str, str]:
@@ -220,7 +295,7 @@ def metadata_problems(state: Mapping[str, Any], model: torch.nn.Module) -> dict[
     return problems
 
 
-def _filled_by_load(model: torch.nn.Module, metadata: Any) -> set[str]:
+def filled_by_load(model: torch.nn.Module, metadata: Any) -> set[str]:
     """Keys ``load_state_dict`` puts in itself: BatchNorm's ``num_batches_tracked``, for a version below 2.
 
     A checkpoint from before that buffer existed (version 1, or no ``_metadata`` at all) loads with strict=True.

@@ -47,6 +47,8 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
+        from ckptfix.formats.shards import refuse_flat_params
+
         refuse_flat_params(obj, source=source)
         return convert_checkpoint(
             obj,
@@ -58,19 +60,6 @@ class ConvertOptions:
             entries=self.entries,
             source=source,
         )
-
-
-def refuse_flat_params(obj: Any, *, source: str) -> None:
-    """FSDP1 flat parameters are one rank's slices of many parameters: never pass them off as a model."""
-    from ckptfix.formats.shards import ShardedCheckpointError, flat_param_keys
-
-    for entry in model_entries(obj):
-        if flat := flat_param_keys(obj if entry == "" else obj[entry]):
-            raise ShardedCheckpointError(
-                f"{source}: key '{flat[0]}' is an FSDP1 flat parameter (one rank's 1-D slice of many parameters "
-                f"joined), which no model loads and which cannot be split without FSDP's own metadata; save a full "
-                f"state dict instead (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
-            )
 
 
 @strict_keywords

@@ -55,7 +55,7 @@ class DistributedError(CkptfixError):
 # The library names its options as keywords (``renames='^a\\.='``); people at a shell read them as flags.
 _FLAGS = {
     "strip_prefixes": "--strip-prefix", "add_prefixes": "--add-prefix", "renames": "--rename", "entries": "--entry",
-    "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
+    "entry": "--entry", "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
 }  # fmt: skip
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|'[^']*')?")
 

@@ -38,12 +38,14 @@ def build_model(
     *,
     kwargs: str | Mapping[str, Any] | None = None,
     search_path: str | os.PathLike[str] | None = None,
+    device: str | None = None,
 ) -> torch.nn.Module:
     """Build a model from ``package.module:factory`` (a class or function) called with ``kwargs``.
 
     ``kwargs`` is a mapping or a JSON object string. ``factory`` may be dotted (``module:Outer.build``).
     ``search_path`` is a folder searched after every other ``sys.path`` entry, while the factory is imported and
-    called, for a module that is not installed.
+    called, for a module that is not installed. ``device`` is the default device while the factory runs:
+    ``"meta"`` gives the model's structure without allocating or initialising its weights.
 
     Raises:
         ModelSpecError: the spec or kwargs are malformed, or the factory cannot be imported, called, or does not
@@ -76,7 +78,8 @@ def build_model(
         if not callable(factory):
             raise ModelSpecError("spec", spec, f"'{attr}' is not a class or function")
         try:
-            model = factory(**kwargs)
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                model = factory(**kwargs)
         except Exception as e:  # the user's own code: any failure means the model cannot be built
             raise ModelSpecError("spec", spec, f"building the model failed: {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):

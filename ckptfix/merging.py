@@ -4,20 +4,30 @@ With buffer broadcasting off (``DistributedDataParallel(m, broadcast_buffers=Fal
 every rank keeps its own BatchNorm running statistics while the parameters stay identical (the gradient
 all-reduce keeps them so). Merging checks the parameters, then combines the statistics as if the ranks'
 data shards had been one batch: means averaged, variances pooled.
+
+Files are merged key by key (:func:`merge_files`): each key is read from every rank, one tensor at a time,
+compared as bytes first (|Δ| is computed only where bytes differ), combined, and written at once, so memory holds
+a few copies of one tensor, not the ranks' checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
-from ckptfix.checkpoint import apply_maps, model_entries
-from ckptfix.diff import tensor_diff
+from ckptfix.checkpoint import apply_maps, is_tensor, model_entries
+from ckptfix.diff import same_bytes, tensor_diff
 from ckptfix.errors import MergeError
+from ckptfix.formats import output_format, write
+from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
+from ckptfix.writing import CannotStream, Placeholder, streamed_writer
 
 if TYPE_CHECKING:
     import torch
@@ -104,42 +114,78 @@ def plan_merge(
     ``names`` label the inputs in messages (file paths in the CLI; ``rank0``, ``rank1`` … by default).
     Raises :class:`MergeError` for inputs that cannot be merged at all (different keys, shapes, dtypes).
     """
+    _check_options(len(objs), buffers=buffers, to=to)
+    labels = list(names) if names is not None else [f"rank{i}" for i in range(len(objs))]
+    inputs = [in_memory(obj, source=label) for obj, label in zip(objs, labels, strict=True)]
+    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys))
+    collected: dict[tuple[int, str], Any] = {}
+    merger.run(lambda entry, key, value: collected.__setitem__((entry, key), value))
+    if not merger.result.diverged:
+        merger.result.obj = merger.assemble(lambda entry, key, value: collected[entry, key])
+    return merger.finish()
+
+
+def merge_files(
+    paths: Sequence[PathLike],
+    out: PathLike,
+    *,
+    buffers: str = "pooled",
+    atol: float = 0.0,
+    to: str = "single",
+    buffer_keys: Iterable[str] = (),
+    allow_globals: Iterable[str] = (),
+    unsafe: bool = False,
+) -> MergeResult:
+    """Merge per-rank files into ``out`` key by key; nothing is written when parameters diverge.
+
+    Each key is read from every file (one tensor at a time, CRC-checked), compared as bytes first, combined and
+    written at once: memory stays at a few copies of the largest tensor whatever the files' size. The result's
+    ``obj`` is None (the merged checkpoint is in ``out``); ``diverged`` and ``warnings`` are as :func:`plan_merge`
+    gives them.
+
+    >>> result = ckptfix.merging.merge_files(["rank0.pt", "rank1.pt"], "merged.pt")
+    """
+    _check_options(len(paths), buffers=buffers, to=to)
+    fmt = output_format(out)
+    check_output(out, inputs=tuple(paths))
+    labels = [os.fspath(p) for p in paths]
+    with contextlib.ExitStack() as stack:
+        inputs = [
+            stack.enter_context(open_checkpoint(p, allow_globals=tuple(allow_globals), unsafe=unsafe)) for p in paths
+        ]
+        merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys))
+        try:
+            writer = streamed_writer(merger.assemble(merger.template), out, fmt=fmt, base=inputs[0])
+        except CannotStream:  # real tensors, or entries only ckptfix.save writes (or refuses): in memory
+            collected: dict[tuple[int, str], Any] = {}
+            merger.run(lambda entry, key, value: collected.__setitem__((entry, key), value))
+            if not merger.result.diverged:
+                write(merger.assemble(lambda entry, key, value: collected[entry, key]), out, fmt=fmt)
+            return merger.finish()
+        with contextlib.suppress(_Diverged), writer:
+
+            def put(entry: int, key: str, value: Any) -> None:
+                template = merger.entries[entry].template[key]
+                if is_tensor(template):
+                    writer.put(template, value)
+
+            merger.run(put)
+            if merger.result.diverged:
+                raise _Diverged  # the temp file is removed, as for any error: nothing is written
+    return merger.finish()
+
+
+class _Diverged(Exception):  # noqa: N818 - a signal, not an error
+    """Raised inside the output's block so that nothing is written."""
+
+
+def _check_options(count: int, *, buffers: str, to: str) -> None:
     if buffers not in BUFFER_STRATEGIES:
         raise MergeError(f"unknown buffer strategy '{buffers}': choose one of {', '.join(BUFFER_STRATEGIES)}")
     if to not in layouts.LAYOUTS:
         raise MergeError(f"unknown layout '{to}': choose one of {', '.join(layouts.TARGETS)}")
-    if not objs:
+    if not count:
         raise MergeError("no inputs to merge; give one checkpoint per rank")
-    labels = list(names) if names is not None else [f"rank{i}" for i in range(len(objs))]
-    result = MergeResult()
-    if len(objs) == 1:
-        result.warnings.append(f"only one input ({labels[0]}): nothing to merge, the output is a converted copy")
-    pairs = _entry_pairs(objs, labels)
-    merged: dict[str, Any] = {}
-    for entry, states in pairs.items():
-        where = [f"{label}[{entry!r}]" if entry else label for label in labels]
-        singles = []
-        for state, label in zip(states, where, strict=True):
-            found, maps = layouts.conversion_maps(list(state.keys()), to="single", source=label)
-            result.layouts_from.append(found.name)
-            singles.append(apply_maps(state, maps, source=label))
-        state = _merge_entry(singles, where, labels, result, buffers=buffers, atol=atol, buffer_keys=set(buffer_keys))
-        _, maps = layouts.conversion_maps(list(state.keys()), to=to, source=where[0])
-        merged[entry] = apply_maps(state, maps, source=where[0])
-    result.entries = list(pairs)
-    if result.diverged:
-        return result
-    if list(pairs) == [""]:
-        result.obj = merged[""]
-        return result
-    first = objs[0]
-    out = type(first)() if isinstance(first, OrderedDict) else {}
-    for key, value in first.items():
-        out[key] = merged.get(key, value)
-        if key not in merged:
-            result.kept_from_first.append(str(key))
-    result.obj = out
-    return result
 
 
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:
@@ -169,60 +215,211 @@ def _bn_prefixes(keys: Iterable[str]) -> list[str]:
     return [k[: -len(_MEAN)] for k in present if k.endswith(_MEAN) and k[: -len(_MEAN)] + _VAR in present]
 
 
-def _merge_entry(
-    states: list[OrderedDict[str, Any]],
-    where: list[str],
-    labels: list[str],
-    result: MergeResult,
-    *,
-    buffers: str,
-    atol: float,
-    buffer_keys: set[str],
-) -> OrderedDict[str, Any]:
-    import torch
+def _floating(value: Any) -> bool:
+    return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat"))
 
-    first = states[0]
-    _check_same_structure(states, where)
-    prefixes = sorted(_bn_prefixes(first.keys()))
-    stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
-    out: OrderedDict[str, Any] = OrderedDict()
-    counts_differ: list[str] = []
-    for key, value in first.items():
-        column = [s[key] for s in states]
-        if key in stats:
-            out[key] = value  # replaced below, module by module; keeps the key order
-            if key.endswith(_COUNT) and not all(torch.equal(v, value) for v in column[1:]):
-                counts_differ.append(key)
-                out[key] = torch.stack(list(column)).max(dim=0).values
-            continue
-        off = [tensor_diff(v, value, atol=atol, rtol=0.0) for v in column[1:]]
-        bad = [labels[i] for i, d in enumerate(off, start=1) if d is not None]
-        if not bad:
-            out[key] = value  # bit-identical to rank 0, as the issue promises for parameters
-        elif key in buffer_keys and value.is_floating_point():
-            out[key] = value if buffers == "rank0" else _mean(column).to(value.dtype)
-            result.buffers_merged.append(key)
-        else:
-            result.diverged.append(Divergence(key, max(d[0] for d in off if d is not None), bad))
-    for prefix in prefixes:
-        means = [s[prefix + _MEAN] for s in states]
-        variances = [s[prefix + _VAR] for s in states]
-        if not (means[0].is_floating_point() and variances[0].is_floating_point()):
-            raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
-        mean, var = _merge_stats(means, variances, buffers=buffers)
-        out[prefix + _MEAN], out[prefix + _VAR] = mean, var
-        result.bn_modules.append(prefix[:-1] if prefix else "(root)")
-    if counts_differ:
-        example = counts_differ[0]
-        result.warnings.append(
-            f"num_batches_tracked differs across ranks for {len(counts_differ)} module(s), e.g. '{example}' "
-            f"{[int(s[example].item()) for s in states]}: kept the maximum"
+
+@dataclass
+class _Entry:
+    """One model entry to merge: each rank's state in the single layout, and what the output looks like."""
+
+    name: str
+    where: list[str]
+    states: list[OrderedDict[str, Any]]
+    maps: list[layouts.KeyMap]
+    prefixes: list[str]
+    stats: set[str]
+    template: OrderedDict[str, Any]  # single-layout key -> the rank-0 value kept, or a Placeholder to compute
+
+
+class _Merger:
+    """The merge of opened inputs, key by key; ``result`` fills in as :meth:`run` goes."""
+
+    def __init__(
+        self,
+        inputs: list[Opened],
+        labels: list[str],
+        *,
+        buffers: str,
+        atol: float,
+        to: str,
+        buffer_keys: set[str],
+    ) -> None:
+        self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
+        self.result = MergeResult()
+        if len(inputs) == 1:
+            self.result.warnings.append(
+                f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
+            )
+        pairs = _entry_pairs([i.tree for i in inputs], labels)
+        self.result.entries = list(pairs)
+        self.entries = [self._entry(name, states, to=to) for name, states in pairs.items()]
+
+    def _entry(self, name: str, states: list[Mapping[str, Any]], *, to: str) -> _Entry:
+        where = [f"{label}[{name!r}]" if name else label for label in self.labels]
+        singles = []
+        for state, label in zip(states, where, strict=True):
+            found, maps = layouts.conversion_maps(list(state.keys()), to="single", source=label)
+            self.result.layouts_from.append(found.name)
+            singles.append(apply_maps(state, maps, source=label))
+        _check_same_structure(singles, where)
+        first = singles[0]
+        prefixes = sorted(_bn_prefixes(first.keys()))
+        for prefix in prefixes:
+            if not (_floating(first[prefix + _MEAN]) and _floating(first[prefix + _VAR])):
+                raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
+        stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
+        computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
+        template: OrderedDict[str, Any] = OrderedDict(
+            (k, Placeholder(*_spec_args(v)) if k in computed and is_tensor(v) else v) for k, v in first.items()
         )
-    result.warnings.extend(_duplicates(states, labels, stats))
-    metadata = getattr(first, "_metadata", None)
-    if metadata is not None:
-        out._metadata = metadata  # type: ignore[attr-defined]
-    return out
+        _, maps = layouts.conversion_maps(list(first.keys()), to=to, source=where[0])
+        return _Entry(name, where, singles, maps, prefixes, stats, template)
+
+    def template(self, entry: int, key: str, value: Any) -> Any:
+        return self.entries[entry].template[key]
+
+    def assemble(self, value_of: Callable[[int, str, Any], Any]) -> Any:
+        """The merged checkpoint, each model value given by ``value_of(entry index, key, rank-0 value)``."""
+        merged: dict[str, Any] = {}
+        for index, e in enumerate(self.entries):
+            first = e.states[0]
+            state: OrderedDict[str, Any] = OrderedDict((k, value_of(index, k, v)) for k, v in first.items())
+            metadata = getattr(first, "_metadata", None)
+            if metadata is not None:
+                state._metadata = metadata  # type: ignore[attr-defined]
+            merged[e.name] = apply_maps(state, e.maps, source=e.where[0])
+        if list(merged) == [""]:
+            return merged[""]
+        obj = self.inputs[0].tree
+        out = type(obj)() if isinstance(obj, OrderedDict) else {}
+        for key, value in obj.items():
+            out[key] = merged.get(key, value)
+        return out
+
+    def finish(self) -> MergeResult:
+        """The result, with the entries taken from the first input once the merge is known to be written."""
+        obj = self.inputs[0].tree
+        if not self.result.diverged and [e.name for e in self.entries] != [""]:
+            names = {e.name for e in self.entries}
+            self.result.kept_from_first = [str(k) for k in obj if k not in names]
+        return self.result
+
+    def run(self, put: Callable[[int, str, Any], None]) -> None:
+        """Merge every key of every model entry, in order, handing each result to ``put(entry, key, tensor)``."""
+        for index, e in enumerate(self.entries):
+            self._run_entry(index, e, put)
+
+    def _read(self, e: _Entry, rank: int, key: str) -> Any:
+        value = e.states[rank][key]
+        return self.inputs[rank].tensor(value) if is_tensor(value) else value
+
+    def _run_entry(self, index: int, e: _Entry, put: Callable[[int, str, Any], None]) -> None:
+        ranks = range(len(e.states))
+        # pairs of ranks identical so far: the same file twice, or buffers that were synced after all
+        twins = {(i, j) for j in ranks for i in range(j)}
+        stats: dict[str, Any] = {}
+        counts_differ: list[tuple[str, list[int]]] = []
+        for key in e.states[0]:
+            if key in e.stats:
+                column = [self._read(e, r, key) for r in ranks]
+                self._twins(e, key, twins, {r: column[r] for r in ranks})
+                value = self._stat(e, key, column, stats, counts_differ)
+            else:
+                value = self._parameter(e, key, twins)
+            put(index, key, value)
+        if counts_differ:
+            example, values = counts_differ[0]
+            self.result.warnings.append(
+                f"num_batches_tracked differs across ranks for {len(counts_differ)} module(s), e.g. '{example}' "
+                f"{values}: kept the maximum"
+            )
+        self.result.bn_modules.extend(p[:-1] if p else "(root)" for p in e.prefixes)
+        for j in ranks:
+            i = next((i for i in range(j) if (i, j) in twins), None)
+            if i is not None:
+                self.result.warnings.append(
+                    f"{self.labels[j]} is identical to {self.labels[i]} (the same file twice, or buffers were synced); "
+                    f"it adds nothing to the merge"
+                )
+
+    def _twins(self, e: _Entry, key: str, twins: set[tuple[int, int]], held: dict[int, Any]) -> None:
+        """Keep only the pairs of ranks whose values for ``key`` are the same bytes."""
+        for i, j in sorted(twins):
+            x = held[i] if i in held else self._read(e, i, key)
+            y = held[j] if j in held else self._read(e, j, key)
+            if not _same(x, y):
+                twins.discard((i, j))
+
+    def _parameter(self, e: _Entry, key: str, twins: set[tuple[int, int]]) -> Any:
+        first = self._read(e, 0, key)
+        bad: list[str] = []
+        worst = 0.0
+        equal = {0: True}
+        for rank in range(1, len(e.states)):
+            other = self._read(e, rank, key)
+            equal[rank] = _same(other, first)
+            if equal[rank]:
+                continue
+            found = tensor_diff(other, first, atol=self.atol, rtol=0.0) if is_tensor(first) else (float("inf"), 0.0)
+            if found is not None:
+                bad.append(self.labels[rank])
+                worst = max(worst, found[0])
+        # twins: rank 0 settles most pairs without another read
+        for i, j in sorted(twins):
+            if equal[i] != equal[j] or (not equal[i] and not _same(self._read(e, i, key), self._read(e, j, key))):
+                twins.discard((i, j))
+        if not bad:
+            return first  # bit-identical to rank 0, as the issue promises for parameters
+        if key in self.buffer_keys and _floating(first):
+            self.result.buffers_merged.append(key)
+            return first if self.buffers == "rank0" else self._mean(e, key).to(first.dtype)
+        self.result.diverged.append(Divergence(key, worst, bad))
+        return first
+
+    def _mean(self, e: _Entry, key: str) -> torch.Tensor:
+        import torch
+
+        total: torch.Tensor = self._read(e, 0, key).to(torch.float64)
+        for rank in range(1, len(e.states)):
+            total = total + self._read(e, rank, key).to(torch.float64)
+        return total / len(e.states)
+
+    def _stat(
+        self,
+        e: _Entry,
+        key: str,
+        column: list[Any],
+        stats: dict[str, Any],
+        counts_differ: list[tuple[str, list[int]]],
+    ) -> Any:
+        import torch
+
+        if key.endswith(_COUNT):
+            if all(_same(v, column[0]) for v in column[1:]):
+                return column[0]
+            counts_differ.append((key, [int(v.item()) for v in column]))
+            return torch.stack(list(column)).max(dim=0).values
+        if key not in stats:
+            prefix = key[: -len(_MEAN)] if key.endswith(_MEAN) else key[: -len(_VAR)]
+            means = [self._read(e, r, prefix + _MEAN) for r in range(len(e.states))]
+            variances = [self._read(e, r, prefix + _VAR) for r in range(len(e.states))]
+            stats[prefix + _MEAN], stats[prefix + _VAR] = _merge_stats(means, variances, buffers=self.buffers)
+        return stats.pop(key)
+
+
+def _same(x: Any, y: Any) -> bool:
+    if is_tensor(x) and is_tensor(y):
+        return same_bytes(x, y)
+    try:
+        return bool(type(x) is type(y) and x == y)
+    except Exception:  # a value whose == raises or is ambiguous: not the same
+        return False
+
+
+def _spec_args(value: Any) -> tuple[str, tuple[int, ...]]:
+    found = spec(value)
+    return found.dtype, found.shape
 
 
 def _check_same_structure(states: list[OrderedDict[str, Any]], where: list[str]) -> None:
@@ -238,18 +435,17 @@ def _check_same_structure(states: list[OrderedDict[str, Any]], where: list[str])
             )
         for key, value in first.items():
             other = state[key]
-            if tuple(other.shape) != tuple(value.shape) or other.dtype != value.dtype:
+            if is_tensor(value) != is_tensor(other):
+                raise MergeError(f"{label}: '{key}' is a tensor in one file and not in {where[0]}; cannot merge them")
+            if not is_tensor(value):
+                continue
+            mine, theirs = spec(value), spec(other)
+            if mine != theirs:
                 raise MergeError(
-                    f"{label}: '{key}' is {list(other.shape)} {other.dtype} but "
-                    f"{list(value.shape)} {value.dtype} in {where[0]}; per-rank files of one run hold "
+                    f"{label}: '{key}' is {list(theirs.shape)} torch.{theirs.dtype} but "
+                    f"{list(mine.shape)} torch.{mine.dtype} in {where[0]}; per-rank files of one run hold "
                     f"the same shapes and dtypes"
                 )
-
-
-def _mean(column: Sequence[torch.Tensor]) -> torch.Tensor:
-    import torch
-
-    return torch.stack([v.to(torch.float64) for v in column]).mean(dim=0)
 
 
 def _merge_stats(
@@ -259,30 +455,13 @@ def _merge_stats(
     import torch
 
     if buffers == "rank0" or (
-        all(torch.equal(m, means[0]) for m in means) and all(torch.equal(v, variances[0]) for v in variances)
+        all(same_bytes(m, means[0]) for m in means) and all(same_bytes(v, variances[0]) for v in variances)
     ):
         return means[0], variances[0]
     stacked = torch.stack([m.to(torch.float64) for m in means])
     mean = stacked.mean(dim=0)
-    var = _mean(variances)
+    var = torch.stack([v.to(torch.float64) for v in variances]).mean(dim=0)
     if buffers == "pooled":
         # law of total variance: within-shard variance plus the spread of the shard means
         var = var + ((stacked - mean) ** 2).mean(dim=0)
     return mean.to(means[0].dtype), var.to(variances[0].dtype)
-
-
-def _duplicates(states: list[OrderedDict[str, Any]], where: list[str], stats: set[str]) -> list[str]:
-    import torch
-
-    # Statistics first: on real per-rank files they differ, so the comparison stops early.
-    order = sorted(states[0], key=lambda k: k not in stats)
-    found = []
-    for j in range(1, len(states)):
-        for i in range(j):
-            if all(torch.equal(states[i][k], states[j][k]) for k in order):
-                found.append(
-                    f"{where[j]} is identical to {where[i]} (the same file twice, or buffers were synced); "
-                    f"it adds nothing to the merge"
-                )
-                break
-    return found

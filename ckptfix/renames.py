@@ -1,4 +1,5 @@
-"""Guess renamed modules: pair missing and unexpected keys, and the ``--rename`` rules that fix them.
+"""Guess renamed modules: pair missing and unexpected keys, the ``--rename`` rules that fix them, and the one prefix
+that makes a checkpoint's keys fit a model's exactly.
 
 Pure string work, no torch: a pair needs the same shape and the longest dotted suffix match both ways; rules are
 prefix swaps, offered only when applying them makes the key sets equal.
@@ -7,7 +8,7 @@ prefix swaps, offered only when applying them makes the key sets equal.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 
 def _suffix_len(a: Sequence[str], b: Sequence[str]) -> int:
@@ -85,3 +86,39 @@ def prefix_swaps(
     if sorted(apply(k) for k in state_keys) != sorted(model_keys):
         return []
     return ordered
+
+
+def prefix_fits(
+    state_keys: Iterable[str], model_keys: Iterable[str], *, may_lack: Collection[str] = ()
+) -> list[tuple[str, str]]:
+    """Every prefix change that makes the checkpoint's keys the model's exactly: ``(old, "")`` strips ``old`` from
+    every key, ``("", new)`` puts ``new`` in front of every key.
+
+    A wrapper's attribute is the usual cause: a LightningModule saves its network as ``model.…``, a wrapper as
+    ``net.…`` or ``backbone.…``. ``may_lack`` names model keys the checkpoint may leave out (tied keys, keys
+    ``load_state_dict`` fills in). Returns every fitting change, so a caller applies one only when it is alone:
+    two would be a guess. Linear in the keys: a fitting prefix must turn the first key into a model key.
+
+    >>> prefix_fits(["model.fc.w", "model.fc.b"], ["fc.w", "fc.b"])
+    [('model.', '')]
+    """
+    state, model = list(state_keys), list(model_keys)
+    if not state or not model or sorted(state) == sorted(model):
+        return []
+    wanted, required = set(model), set(model) - set(may_lack)
+    fits: list[tuple[str, str]] = []
+    for prefix in _prefixes(state[0], model):
+        renamed = {k[len(prefix) :] for k in state if k.startswith(prefix)}
+        if len(renamed) == len(state) and renamed <= wanted and required <= renamed:
+            fits.append((prefix, ""))
+    first = next((k for k in model if k in required), None)
+    for prefix in _prefixes(first, state) if first is not None else []:
+        renamed = {prefix + k for k in state}
+        if renamed <= wanted and required <= renamed:
+            fits.append(("", prefix))
+    return fits
+
+
+def _prefixes(key: str, candidates: Iterable[str]) -> list[str]:
+    """The dotted prefixes ``p`` with ``key == p + c`` for some candidate ``c``."""
+    return sorted({key[: len(key) - len(c)] for c in candidates if len(c) < len(key) and key.endswith("." + c)})

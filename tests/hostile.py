@@ -926,6 +926,106 @@ EXOTIC_OPCODES: dict[str, bytes] = {
 }
 
 
+# Pickles aimed at the fast reader (the C unpickler after opscan's proof): each must get exactly the answer of the
+# reference reader. BUILD is where the C unpickler differs most: it skips a None state, splits a (state, slots)
+# tuple and writes any __dict__; the memo array is sized by the largest LONG_BINPUT index.
+def _odict_metadata(meta: bytes) -> bytes:
+    return P.build(P.dct([(P.string("_metadata"), meta)]))
+
+
+_W = P.tensor(P.storage(P.string("0"), numel=2), shape=[2])
+_GOOD_META = P.odict([(P.string(""), P.dct([(P.string("version"), P.integer(1))]))])
+C_PATH_CASES: dict[str, bytes] = {
+    "build-none-on-list": P.lst() + P.build(P.none()),
+    "build-none-on-dict": P.dct([]) + P.build(P.none()),
+    "build-memo-none-on-list": P.none() + P.put(200) + P.lst() + P.build(P.get(200)),
+    "build-empty-dict-on-list": P.lst() + P.build(P.dct([])),
+    "build-empty-dict-on-int": P.integer(3) + P.build(P.dct([])),
+    "build-slots-on-odict": P.odict() + P.build(P.tup(P.dct([]), P.dct([(P.string("keys"), P.integer(1))]))),
+    "build-dunder-on-odict": P.odict() + P.build(P.dct([(P.string("__class__"), P.integer(1))])),
+    "build-int-key-on-odict": P.odict() + P.build(P.dct([(P.integer(1), P.integer(1))])),
+    "build-bad-then-good-metadata": P.odict() + _odict_metadata(P.integer(5)) + _odict_metadata(_GOOD_META),
+    "build-metadata-mended-later": P.odict()
+    + P.build(P.dct([(P.string("_metadata"), P.dct([(P.string("a"), P.integer(5))]) + P.put(201))]))
+    + P.get(201)
+    + P.string("a")
+    + P.dct([])
+    + b"s0",  # POP: torch does not read it, neither path accepts
+    "build-metadata-mended-in-list": P.lst(
+        P.odict() + P.build(P.dct([(P.string("_metadata"), P.dct([(P.string("a"), P.integer(5))]) + P.put(202))])),
+        P.get(202) + P.string("a") + P.dct([]) + b"s",
+    ),
+    "build-good-metadata": P.odict([(P.string("w"), _W)]) + _odict_metadata(_GOOD_META),
+    "build-on-odict-class": P.glob("collections", "OrderedDict") + P.build(P.dct([])),
+    "build-on-tensor": _W + P.build(P.dct([])),
+    "build-on-storage": P.storage(P.string("0"), numel=2) + P.build(P.dct([])),
+    "build-on-size": P.call(P.glob("torch", "Size"), P.tup(P.integer(2))) + P.build(P.dct([])),
+    "build-twice-on-size": P.call(P.glob("torch", "Size"), P.tup()) + P.build(P.dct([])) + P.build(P.dct([])),
+    "long-binput-4g": P.integer(1) + b"r\xf0\xff\xff\xff",
+    "long-binput-16m": P.integer(1) + b"r\x00\x00\x00\x01",
+    "long-binget-missing": b"j\xf0\xff\xff\x00",
+    "deep-lists-100k": b"]" * 100_000 + b"a" * 99_999,
+    "deep-tuples-5k": b"(" * 5000 + P.integer(1) + b"t" * 5000,
+    "hooks-filled-after-reduce": P.lst(
+        P.call(
+            P.glob("torch._utils", "_rebuild_tensor_v2"),
+            P.storage(P.string("0"), numel=2),
+            P.integer(0),
+            P.tup(P.integer(2)),
+            P.tup(P.integer(1)),
+            P.boolean(False),
+            P.odict() + P.put(203),
+        ),
+        P.get(203) + P.string("hook") + P.integer(1) + b"s",
+    ),
+    "shape-list-grown-after-reduce": P.lst(
+        P.call(
+            P.glob("torch._utils", "_rebuild_tensor_v2"),
+            P.storage(P.string("0"), numel=2),
+            P.integer(0),
+            P.lst(P.integer(2)) + P.put(204),
+            P.lst(P.integer(1)),
+            P.boolean(False),
+            P.odict(),
+        ),
+        P.get(204) + P.integer(9) + b"a",
+    ),
+    "storage-declared-twice-other-location": P.lst(
+        P.tensor(P.storage(P.string("0"), numel=2), shape=[2]),
+        P.tensor(P.storage(P.string("0"), numel=2, location="cuda:0"), shape=[2]),
+    ),
+    "storage-declared-twice-other-size": P.lst(
+        P.tensor(P.storage(P.string("0"), numel=2), shape=[2]),
+        P.tensor(P.storage(P.string("0"), numel=3), shape=[2]),
+    ),
+    "tensor-called": P.call(_W),
+    "tensor-view-past-storage": P.tensor(P.storage(P.string("0"), numel=2), offset=1, shape=[2]),
+    "tensor-sizes-overflow-then-zero": P.tensor(P.storage(P.string("0"), numel=2), shape=[2**40, 2**40, 0]),
+    "newobj-tensor": P.glob("torch._utils", "_rebuild_tensor_v2")
+    + P.tup(
+        P.storage(P.string("0"), numel=2),
+        P.integer(0),
+        P.tup(P.integer(2)),
+        P.tup(P.integer(1)),
+        P.boolean(False),
+        P.odict(),
+    )
+    + b"\x81",
+    "long-key-and-long-int": P.dct([(P.string("k" * 5000), P.integer(2**200)), (P.string("é" * 90), P.real(-0.0))]),
+    "short-binstring": P.lst(b"U\x03abc", b"U\x03\xff\xfe\x00"),
+    "refused-global-later": P.lst(_W, P.call(P.glob("os", "system"), P.tup(P.string("true")))),
+    "empty-appends-on-dict": P.dct([]) + b"(e",
+    "empty-appends-on-list": P.lst() + b"(e",
+    "empty-setitems-on-list": P.lst() + b"(u",
+    "empty-set-and-none": P.tup(b"\x8f", P.none(), P.boolean(True), P.integer(-5), P.integer(70000)),
+}
+
+
+def c_path_pickle(name: str) -> bytes:
+    """The protocol-2 pickle of ``{"cfg": <case>}``."""
+    return P.proto(2) + P.dct([(P.string("cfg"), C_PATH_CASES[name])]) + P.stop()
+
+
 def exotic_opcode_file(name: str) -> bytes:
     """A torch archive whose ``cfg`` entry is written with opcode ``name`` (``FRAME``: a protocol-4 frame)."""
     if name == "FRAME":

@@ -11,6 +11,7 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.assertions import assert_same
 from tests.models import ScaledHead, SmallNet
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
@@ -133,3 +134,48 @@ def test_merge_prints_hostile_key_names_escaped_and_errors_stay_one_line(tmp_pat
         rf"ckptfix: error: {out}: not written: 1 key(s) differ across ranks (e.g. 'evil\x1b[2J\nparameters: equal "
         "on every rank'); use files of the same step, or --atol if the drift is expected\n"
     )
+
+
+def _rank_ckpt(rank: int, *, legacy: bool = False, path: Path) -> Path:
+    """A per-rank checkpoint with what real ones hold besides plain tensors: tied weights, a view, optimizer state."""
+    net = SmallNet()
+    state = net.state_dict()
+    state["features.1.running_mean"] = state["features.1.running_mean"] + rank  # ranks' own statistics
+    state["features.1.running_var"] = state["features.1.running_var"] * (1 + rank)
+    state["head.tied"] = state["head.weight"]  # one tensor under two names
+    state["head.weight_t"] = state["head.weight"].t()  # a non-contiguous view of the same storage
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    ckpt = {"model": torch.nn.DataParallel(net).state_dict() | {}, "optimizer": optimizer.state_dict(), "rank": 0}
+    ckpt["model"] = type(state)((f"module.{k}", v) for k, v in state.items())
+    ckpt["model"]._metadata = state._metadata  # type: ignore[attr-defined]
+    torch.save(ckpt, path, _use_new_zipfile_serialization=not legacy)
+    return path
+
+
+@pytest.mark.parametrize("out_name", ["merged.pt", "merged.safetensors"])
+@pytest.mark.parametrize("kinds", [("pt", "pt"), ("legacy", "pt"), ("pt", "legacy"), ("st", "pt")])
+def test_the_streamed_merge_writes_what_merging_in_memory_writes(
+    tmp_path: Path, kinds: tuple[str, str], out_name: str
+) -> None:
+    files = []
+    for rank, kind in enumerate(kinds):
+        path = _rank_ckpt(rank, legacy=kind == "legacy", path=tmp_path / f"rank{rank}.pt")
+        if kind == "st":
+            model = ckptfix.load(path)["model"]
+            path = tmp_path / f"rank{rank}.safetensors"
+            ckptfix.save(model, path)
+        files.append(path)
+    out = tmp_path / out_name
+    result = run("merge", *files, "-o", out)
+    if out_name.endswith(".safetensors") and kinds[0] != "st":
+        assert result.exit_code == 2 and "entry 'optimizer'" in result.stderr  # as ckptfix.save refuses it
+        assert not out.exists() and not list(tmp_path.glob(".*ckptfix-tmp"))
+        return
+    assert result.exit_code == 0, result.output
+    reference = tmp_path / f"reference{out.suffix}"
+    ckptfix.save(ckptfix.merge([ckptfix.load(f) for f in files]), reference)
+    assert_same(ckptfix.load(out), ckptfix.load(reference))
+    if out.suffix == ".pt":
+        assert_same(torch.load(out, weights_only=True, mmap=True), torch.load(reference, weights_only=True))

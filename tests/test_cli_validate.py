@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shlex
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.models import Refusing, SmallNet
+from tests.models import Refusing, SmallNet, make_net
+from tests.test_loading import Holder, TiedLM
 
 MODEL = "tests.models:SmallNet"
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
@@ -210,3 +212,130 @@ def test_validate_model_from_the_working_folder_does_not_shadow_installed_packag
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("OK: loads with load_state_dict(strict=True)\n")
     assert sorted(p.name for p in tmp_path.glob("*.ran")) == []
+
+
+# --- parity with load_into: prefixes, entries, tied keys, every flag in the fix command ------------------------
+
+
+class Opaque:
+    """A user object that only the full unpickler rebuilds (--unsafe-pickle)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque)
+
+
+def compiled_holder() -> nn.Module:
+    """``torch.compile`` of a module that keeps its network as ``self.net``: keys ``_orig_mod.net.…``."""
+    return torch.compile(Holder())  # type: ignore[return-value]
+
+
+def _plain() -> dict[str, torch.Tensor]:
+    return make_net().state_dict()
+
+
+def _ddp() -> dict[str, torch.Tensor]:
+    return nn.DataParallel(make_net()).state_dict()
+
+
+# name: (checkpoint, model, validate flags, the fix's output name, the options the fix must carry)
+SCENARIOS: dict[str, tuple[Any, str, list[str], str, list[str]]] = {
+    "layout": ({"model": _ddp()}, MODEL, [], "in.single.ckpt", ["--to", "single"]),
+    "lightning-prefix": (
+        {"state_dict": {f"model.{k}": v for k, v in _plain().items()}, "epoch": 1},
+        MODEL, [], "in.fixed.ckpt", ["--strip-prefix", "model.", "--to", "single"],
+    ),
+    "prefix-under-ddp": (
+        {"state_dict": {f"module.model.{k}": v for k, v in _plain().items()}},
+        MODEL, [], "in.fixed.ckpt", ["--strip-prefix", "module.model.", "--to", "single"],
+    ),
+    "add-prefix": (
+        {"model": _plain()}, "tests.test_loading:Holder", [], "in.fixed.ckpt",
+        ["--to", "single", "--add-prefix", "net."],
+    ),
+    "add-prefix-compiled": (
+        {"model": _ddp()}, "tests.test_cli_validate:compiled_holder", [], "in.fixed.ckpt",
+        ["--to", "single", "--add-prefix", "_orig_mod.net."],
+    ),
+    "ema-entry": (
+        {"state_dict": _plain(), "state_dict_ema": _ddp()}, MODEL, ["--entry", "state_dict_ema"], "in.single.ckpt",
+        ["--entry", "state_dict_ema", "--to", "single"],
+    ),
+    "allow-global": (
+        {"state_dict": {f"model.{k}": v for k, v in _plain().items()}, "hparams": {"root": pathlib.PosixPath("/d")}},
+        MODEL, ["--allow-global", "pathlib.PosixPath"], "in.fixed.ckpt",
+        ["--strip-prefix", "model.", "--to", "single", "--allow-global", "pathlib.PosixPath"],
+    ),
+    "unsafe-pickle": (
+        {"model": _ddp(), "extra": Opaque()}, MODEL, ["--unsafe-pickle"], "in.single.ckpt",
+        ["--to", "single", "--unsafe-pickle"],
+    ),
+    "user-strip": (
+        {"model": {f"student.{k}": v for k, v in _ddp().items()}}, MODEL, ["--strip-prefix", "student."],
+        "in.single.ckpt", ["--strip-prefix", "student.", "--to", "single"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_every_printed_fix_command_works(tmp_path: Path, name: str) -> None:
+    checkpoint, model, flags, out, options = SCENARIOS[name]
+    path = tmp_path / "in.ckpt"
+    torch.save(checkpoint, path)
+    result = run("validate", path, "--model", model, *flags)
+    assert result.exit_code == 1, result.output
+    words = shlex.split(result.stdout.splitlines()[-1])
+    assert words == ["ckptfix", "convert", str(path), str(tmp_path / out), *options]
+    assert run("validate", path, "--model", model, *flags, "--any-layout").exit_code == 0  # load_into adapts it
+    converted = run(*words[1:])
+    assert converted.exit_code == 0, converted.output
+    again = [f for f in flags if f not in ("--strip-prefix", "student.")]  # the fix applied the user's strip
+    fixed = run("validate", words[3], "--model", model, *again)
+    assert fixed.exit_code == 0, fixed.output
+    assert fixed.stdout.splitlines()[-1] == "OK: loads with load_state_dict(strict=True)"
+
+
+def test_validate_reports_tied_keys_as_loaded(tmp_path: Path) -> None:
+    state = TiedLM().state_dict()
+    del state["head.weight"]
+    torch.save(state, tmp_path / "lm.pt")
+    result = run("validate", tmp_path / "lm.pt", "--model", "tests.test_loading:TiedLM")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-3:] == [
+        "tied: left out, the same tensor in the model as a key that is there (1):",
+        "  head.weight = emb.weight",
+        "OK: loads with load_state_dict(strict=True) once the tied keys are passed along (load_into does)",
+    ]
+    report = json.loads(run("validate", tmp_path / "lm.pt", "--model", "tests.test_loading:TiedLM", "--json").stdout)
+    assert report["tied"] == {"head.weight": "emb.weight"} and report["missing"] == []
+
+
+def test_validate_names_the_other_model_entries(tmp_path: Path) -> None:
+    torch.save({"state_dict": _plain(), "state_dict_ema": _plain(), "epoch": 2}, tmp_path / "timm.pth.tar")
+    result = run("validate", tmp_path / "timm.pth.tar", "--model", MODEL)
+    assert result.exit_code == 0
+    assert result.stdout.splitlines()[:2] == [
+        f"checkpoint: {tmp_path / 'timm.pth.tar'} (entry 'state_dict', layout single, 16 keys)",
+        "            also holds model entries 'state_dict_ema' (check one with --entry NAME)",
+    ]
+    report = json.loads(run("validate", tmp_path / "timm.pth.tar", "--model", MODEL, "--json").stdout)
+    assert report["entry"] == "state_dict" and report["other_entries"] == ["state_dict_ema"]
+
+
+def test_validate_reads_no_tensor_byte(tmp_path: Path) -> None:
+    path = tmp_path / "damaged.pt"
+    torch.save({"model": _plain()}, path)
+    data = bytearray(path.read_bytes())
+    data[data.index(b"data/0") + 200] ^= 0xFF  # inside the first storage record's bytes
+    path.write_bytes(bytes(data))
+    refused = run("convert", path, tmp_path / "o.pt")  # reading the bytes finds the damage
+    assert refused.exit_code == 2 and "CRC" in refused.stderr
+    result = run("validate", path, "--model", MODEL)
+    assert result.exit_code == 0 and result.stdout.endswith("OK: loads with load_state_dict(strict=True)\n")
+
+
+def test_a_refusal_names_the_flag_and_the_unsafe_alternative(tmp_path: Path) -> None:
+    torch.save({"model": _plain(), "hparams": {"root": pathlib.PosixPath("/data")}}, tmp_path / "l.ckpt")
+    result = run("validate", tmp_path / "l.ckpt", "--model", MODEL)
+    assert result.exit_code == 2
+    assert "add --allow-global pathlib.PosixPath (" in result.stderr
+    assert "--unsafe-pickle opens it too but runs the file's pickle, which can run any code" in result.stderr

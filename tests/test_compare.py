@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 import ckptfix
+from ckptfix.compare import compare_keys
 from ckptfix.errors import MismatchError
 from ckptfix.loading import adapt_to_model
+from ckptfix.stream.st import StTensor
 from tests.models import SmallNet, wrong_head
 
 
@@ -86,3 +88,40 @@ def test_num_batches_tracked_that_torch_fills_in_is_not_missing() -> None:
     assert ckptfix.check(plain, SmallNet()).loads_as_is  # no _metadata at all: version None, filled in too
     _with_version(state, "features.1", 2)
     assert ckptfix.check(state, SmallNet()).missing == ["features.1.num_batches_tracked"]
+
+
+def test_compare_keys_reads_shapes_and_dtypes_of_records_too() -> None:
+    records = {
+        k: StTensor(str(v.dtype).removeprefix("torch."), tuple(v.shape), 0, 0)
+        for k, v in SmallNet().state_dict().items()
+    }
+    assert compare_keys(records, SmallNet()).loads_as_is
+    records["head.bias"] = StTensor("float16", (3,), 0, 0)
+    records["head.weight"] = StTensor("float32", (5, 4), 0, 0)
+    report = compare_keys(records, SmallNet())
+    assert report.wrong_dtype == {"head.bias": ("float16", "float32")}
+    assert report.wrong_shape == {"head.weight": ((5, 4), (3, 4))}
+
+
+def test_fix_command_repeats_every_option_the_check_needed() -> None:
+    _, report = adapt_to_model(nn.DataParallel(SmallNet()).state_dict(), SmallNet())
+    assert report.fix_command(
+        "run/x.pt", entry="state_dict_ema", strip_prefixes=["student."], allow_globals=["argparse.Namespace"],
+        unsafe=True,
+    ) == (
+        "ckptfix convert run/x.pt run/x.single.pt --entry state_dict_ema --strip-prefix student. --to single "
+        "--allow-global argparse.Namespace --unsafe-pickle"
+    )  # fmt: skip
+    assert report.to_dict()["renamed_prefix"] is None and report.to_dict()["tied"] == {}
+
+
+def test_fix_command_for_a_prefix_strips_under_the_layout_prefix_or_adds_inside_the_models() -> None:
+    state = {f"module.model.{k}": v for k, v in SmallNet().state_dict().items()}
+    _, report = adapt_to_model(state, torch.compile(SmallNet()))  # type: ignore[arg-type]
+    assert report.ok and report.renamed_prefix == ("model.", "")
+    assert report.fix_command("a.pt") == "ckptfix convert a.pt a.fixed.pt --strip-prefix module.model. --to compiled"
+    holder = nn.Module()
+    holder.net = SmallNet()
+    _, report = adapt_to_model(SmallNet().state_dict(), torch.compile(holder))  # type: ignore[arg-type]
+    assert report.renamed_prefix == ("", "net.") and report.to_dict()["renamed_prefix"] == ["", "net."]
+    assert report.fix_command("a.pt") == "ckptfix convert a.pt a.fixed.pt --to single --add-prefix _orig_mod.net."

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from ckptfix.diff import diff, tensor_diff
+import ckptfix
+from ckptfix.diff import diff, diff_files, same_bytes, tensor_diff
 from tests.models import SmallNet
 
 
@@ -88,3 +91,66 @@ def test_bare_state_against_full_checkpoint_pairs_the_lone_entry() -> None:
     report = diff(state, {"state_dict": state, "epoch": 1})
     assert report.entries[0].equal
     assert [(o.path, o.a) for o in report.other] == [("epoch", "(absent)")]
+
+
+def test_the_difference_is_computed_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ckptfix.diff._CHUNK", 7)  # many chunks, one partial
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 11, generator=gen)
+    y = x.clone()
+    y[3, 4] += 0.5
+    y[4, 10] = 0.0
+    delta = (x.double() - y.double()).abs()
+    rel = torch.where(delta == 0, torch.zeros_like(delta), delta / y.double().abs())
+    assert tensor_diff(x, y, atol=0, rtol=0) == (delta.max().item(), rel.max().item())
+    assert tensor_diff(x, y, atol=0.6, rtol=0) is None
+    nan = torch.zeros(30)
+    nan[20] = float("nan")
+    assert tensor_diff(torch.zeros(30), nan, atol=100, rtol=0) == (math.inf, math.inf)
+
+
+def test_equal_bytes_are_equal_values_and_equal_values_need_not_be_equal_bytes() -> None:
+    nan = torch.tensor([float("nan"), 1.0])
+    assert same_bytes(nan, nan.clone()) and tensor_diff(nan, nan.clone(), atol=0, rtol=0) is None
+    zeros, negative = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    assert not same_bytes(zeros, negative) and tensor_diff(zeros, negative, atol=0, rtol=0) is None
+    assert not same_bytes(torch.ones(2), torch.ones(2).half())
+    assert tensor_diff(torch.ones(2), torch.ones(2).half(), atol=0, rtol=0) is None
+    view = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    assert same_bytes(view, view.contiguous())
+
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+PAIRS = [
+    ("ddp_rank0.pt", "ddp_rank1.pt"),
+    ("ddp_wrapped.pt", "ddp_wrapped.safetensors"),
+    ("dp_plain.pt", "ddp_plain.pt"),
+    ("legacy_dp.pt", "dp_wrapped.pt"),
+    ("namespace_args.pt", "single.pt"),
+]
+
+
+@pytest.mark.parametrize(("a", "b"), PAIRS)
+def test_files_read_one_tensor_at_a_time_compare_as_loaded_objects(a: str, b: str) -> None:
+    allow = ("argparse.Namespace",)
+    pa, pb = FIXTURES / a, FIXTURES / b
+    streamed = diff_files(pa, pb, allow_globals=allow)
+    loaded = diff(
+        ckptfix.load(pa, allow_globals=allow), ckptfix.load(pb, allow_globals=allow), names=(str(pa), str(pb))
+    )
+    assert streamed.to_dict() == loaded.to_dict()
+
+
+def test_other_entries_of_inert_descriptions_compare_by_value(tmp_path: Path) -> None:
+    a, b, c = (tmp_path / f"{n}.pt" for n in "abc")
+    state = SmallNet().state_dict()
+    torch.save({"model": state, "args": argparse.Namespace(lr=0.1), "shape": torch.Size([2, 3])}, a)
+    torch.save({"model": state, "args": argparse.Namespace(lr=0.1), "shape": torch.Size([2, 3])}, b)
+    torch.save({"model": state, "args": argparse.Namespace(lr=0.2), "shape": torch.Size([2, 4])}, c)
+    allow = ("argparse.Namespace",)
+    assert diff_files(a, b, allow_globals=allow).equal
+    report = diff_files(a, c, allow_globals=allow)
+    assert [(o.path, o.a, o.b) for o in report.other] == [
+        ("args", "Namespace(lr=0.1)", "Namespace(lr=0.2)"),
+        ("shape.1", "3", "4"),
+    ]

@@ -299,3 +299,33 @@ def test_not_initialized_is_a_clear_error(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.startswith("DistributedError") and "init_process_group" in out.stdout
+
+
+# The options load_for_ddp shares with load_into, on a one-process group.
+
+
+def test_load_for_ddp_takes_the_entry_prefix_and_tied_keys_load_into_does(tmp_path: Path, gloo_world: None) -> None:
+    from tests.models import SmallNet, make_net
+    from tests.test_loading import TiedLM
+
+    trained, ema = make_net(), make_net(seed=9)
+    path = tmp_path / "lightning.ckpt"
+    lightning = {name: {f"model.{k}": v for k, v in net.state_dict().items()} for name, net in
+                 (("state_dict", trained), ("state_dict_ema", ema))}  # fmt: skip
+    torch.save({**lightning, "epoch": 2}, path)
+    for entry, expected in ((None, trained), ("state_dict_ema", ema)):
+        net = SmallNet(seed=5)
+        extras = ckptfix.load_for_ddp(net, path, entry=entry, timeout=30)  # the 'model.' prefix found as load_into
+        _assert_state(net.state_dict(), expected.state_dict())
+        assert extras["epoch"] == 2 and ("state_dict" in extras) == (entry is not None)
+    net = SmallNet(seed=5)
+    ckptfix.load_for_ddp(net, path, strip_prefixes=["model."], timeout=30)
+    _assert_state(net.state_dict(), trained.state_dict())
+    with pytest.raises(ckptfix.LayoutError, match=r"strip_prefixes='student\.' does not match"):
+        ckptfix.load_for_ddp(SmallNet(), path, strip_prefixes=["student."], timeout=30)
+    state = TiedLM().state_dict()
+    del state["head.weight"]
+    torch.save(state, tmp_path / "lm.pt")
+    model = TiedLM(seed=4)
+    ckptfix.load_for_ddp(model, tmp_path / "lm.pt", timeout=30)
+    assert torch.equal(model.emb.weight, TiedLM().emb.weight) and model.head.weight is model.emb.weight

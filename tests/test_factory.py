@@ -43,3 +43,11 @@ def test_build_model_searches_a_folder_last_and_only_while_building(tmp_path: Pa
     (tmp_path / "ckptfix_test_broken.py").write_text("raise ValueError('no')\n")
     with pytest.raises(ModelSpecError, match="importing 'ckptfix_test_broken' failed: ValueError: no"):
         build_model("ckptfix_test_broken:f", search_path=tmp_path)
+
+
+def test_build_model_on_the_meta_device_allocates_nothing() -> None:
+    model = build_model("tests.models:SmallNet", device="meta")
+    assert isinstance(model, SmallNet)
+    assert all(t.is_meta for t in model.state_dict().values())
+    assert set(model.state_dict()) == set(SmallNet().state_dict())
+    assert not any(t.is_meta for t in build_model("tests.models:SmallNet").state_dict().values())

@@ -19,6 +19,7 @@ import json
 import os
 import struct
 import tempfile
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -277,3 +278,92 @@ def test_fuzz_concatenated_archives(data: bytes) -> None:
 @given(storage_references())
 def test_fuzz_storage_references(data: bytes) -> None:
     _check(data, ".pt", secret=hostile.SECRET)
+
+
+# --- the fast pickle reader against the reference reader ---------------------------------------------------------
+
+
+def _seed_pickle() -> bytes:
+    with zipfile.ZipFile(io.BytesIO(SEEDS["zip"])) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+
+
+SEED_PICKLE = _seed_pickle()
+# Pieces that opscan must split right: opcodes with arguments of every width, BUILD after its allowed
+# predecessors and after others, memo puts and gets, and a few opcodes torch does not read.
+_PIECES = [
+    b"}", b"]", b")", b"(", b"t", b"\x85", b"\x86", b"\x87", b"s", b"u", b"a", b"e", b"b", b"N", b"\x88", b"\x89",
+    b"R", b"\x81", b"Q", b"\x8f", b"K\x05", b"M\x01\x02", b"J\xff\xff\xff\xff", b"G" + bytes(8), b"\x8a\x02\x01\x80",
+    b"q\x01", b"h\x01", b"r\x02\x00\x00\x00", b"j\x02\x00\x00\x00", b"r\x00\x00\x00\x7f", b"X\x01\x00\x00\x00a",
+    b"X\x00\x01\x00\x00", b"U\x02ab", b"ctorch\nSize\n", b"ccollections\nOrderedDict\n", b"cos\nsystem\n",
+    b"\x80\x02", b"0", b"2", b"\x94", b"\x8c\x01a", b"\x82\x01", b"I1\n", b".",
+]  # fmt: skip
+
+
+@st.composite
+def pickles(draw: st.DrawFn) -> bytes:
+    if draw(st.booleans()):
+        return b"\x80\x02" + b"".join(draw(st.lists(st.sampled_from(_PIECES), max_size=40))) + b"."
+    data = bytearray(SEED_PICKLE)
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(data) - 1))
+        if draw(st.booleans()):
+            data[at] = draw(st.sampled_from([*b"bNqrhj.su})(", draw(st.integers(0, 255))]))
+        else:
+            data[at:at] = draw(st.sampled_from(_PIECES))
+    return bytes(data)
+
+
+def _opcodes_proven(data: bytes) -> bool:
+    """What opscan.provable must answer, by pickletools' argument sizes: the reference for its regular expression."""
+    import pickletools
+
+    from ckptfix.formats.inert import _OPCODES
+
+    codes = {op.code.encode("latin1"): op for op in pickletools.opcodes}
+    bound = 1 << ((len(data) >> 16).bit_length() + 16)  # the LONG_BINPUT bound opscan documents (well, its cause)
+    pos, previous = 0, b""
+    while pos < len(data):
+        code, op = data[pos : pos + 1], codes.get(data[pos : pos + 1])
+        if op is None or code not in _OPCODES:
+            return False
+        pos += 1
+        n = op.arg.n if op.arg is not None else 0
+        if n == pickletools.UP_TO_NEWLINE:
+            for _ in range(2):
+                end = data.find(b"\n", pos)
+                if end < 0:
+                    return False
+                pos = end + 1
+        elif n < 0:  # counted: 1 or 4 bytes of length first
+            width = 1 if n == pickletools.TAKEN_FROM_ARGUMENT1 else 4
+            if pos + width > len(data):
+                return False
+            pos += width + int.from_bytes(data[pos : pos + width], "little")
+        else:
+            if code == b"r" and int.from_bytes(data[pos : pos + 4], "little") >= bound:
+                return False
+            pos += n
+        if pos > len(data):
+            return False
+        if code == b"b" and previous not in (b"}", b"s", b"u"):
+            return False
+        if code == b"e" and previous == b"(" and data[pos - 2 : pos] == b"(e":
+            return False
+        if code not in (b"q", b"r"):
+            previous = code
+        if code == b".":
+            return True
+    return False
+
+
+@FUZZ
+@given(pickles())
+def test_fuzz_fast_pickle_reader(data: bytes) -> None:
+    """opscan proves exactly what a plain opcode walk proves, and inert.load answers as the reference reader."""
+    from ckptfix.formats import opscan
+    from tests.test_hostile import fast_reader_problem
+
+    assert opscan.provable(data) == _opcodes_proven(data)
+    problem = fast_reader_problem(data)
+    assert problem is None, problem

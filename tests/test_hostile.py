@@ -14,12 +14,14 @@ import json
 import os
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 import time
 import warnings
 import zipfile
 from argparse import Namespace
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +34,10 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import CkptfixError, FormatError, UnsafeCheckpointError
+from ckptfix.formats import allowlist, inert, opscan
 from tests import hostile
 from tests.hostile import P
+from tests.models import make_net
 from tests.test_parity import check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -818,3 +822,98 @@ def pickle_of(obj: Any) -> bytes:
     import pickle
 
     return pickle.dumps(obj, protocol=2)
+
+
+# --- the fast reader (C unpickler) answers exactly as the reference reader ---------------------------------------
+
+ALLOWED = allowlist.allowed_names(("argparse.Namespace",), source="test")
+
+
+def _canonical(obj: Any, ids: dict[int, int]) -> Any:
+    """A comparable image of an inert tree: types, values, names of globals, and which objects are shared."""
+    if obj is None or isinstance(obj, (bool, int, str, bytes)):
+        return obj
+    if isinstance(obj, float):
+        return ("float", struct.pack(">d", obj))  # NaN payloads and -0.0 compare too
+    if id(obj) in ids:
+        return ("shared", ids[id(obj)])
+    ids[id(obj)] = len(ids)
+    if isinstance(obj, dict):
+        items = [(_canonical(k, ids), _canonical(v, ids)) for k, v in obj.items()]
+        attrs = [(k, _canonical(v, ids)) for k, v in vars(obj).items()] if isinstance(obj, OrderedDict) else None
+        return ("odict" if isinstance(obj, OrderedDict) else "dict", items, attrs)
+    if isinstance(obj, (list, tuple, set)):
+        return (type(obj).__name__, [_canonical(v, ids) for v in obj])
+    if isinstance(obj, type) and issubclass(obj, inert.Global):
+        return ("global", obj.full)
+    if obj is OrderedDict:
+        return ("global", "collections.OrderedDict")
+    if isinstance(obj, inert.StorageRef):
+        return ("storage", _canonical(obj.pid, ids))
+    if isinstance(obj, inert.Inert):
+        state = (obj.newobj, obj.has_state, _canonical(obj.args, ids), _canonical(obj.state, ids))
+        return (type(obj).__name__, obj.func.full, state)
+    raise AssertionError(f"unexpected {type(obj)} in an inert tree")
+
+
+def reader_outcome(data: bytes | io.BytesIO) -> Any:
+    """What inert.load answers: a stream always takes the reference reader, bytes the fast one where proven."""
+    try:
+        (tree,), storages = inert.load(data, source="in.pt", allowed=ALLOWED)
+    except CkptfixError as e:
+        return type(e).__name__, re.sub(r"0x[0-9a-f]+", "0x…", str(e))  # an object's address differs per run
+    ids: dict[int, int] = {}
+    return _canonical(tree, ids), sorted((k, _canonical(r, ids)) for k, r in storages.items())
+
+
+def fast_reader_problem(data: bytes) -> str | None:
+    fast, reference = reader_outcome(data), reader_outcome(io.BytesIO(data))
+    return None if fast == reference else f"fast reader: {fast!r:.300}\nreference: {reference!r:.300}"
+
+
+@pytest.mark.parametrize("name", list(hostile.C_PATH_CASES))
+def test_fast_reader_answers_as_the_reference(name: str) -> None:
+    data = hostile.c_path_pickle(name)
+    problem = fast_reader_problem(data)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["build-none-on-list", "build-none-on-dict", "build-memo-none-on-list", "build-slots-on-odict",
+     "build-dunder-on-odict", "build-bad-then-good-metadata", "build-metadata-mended-in-list", "build-on-size",
+     "build-on-tensor", "tensor-called", "refused-global-later", "deep-lists-100k"],
+)  # fmt: skip
+def test_fast_reader_refusals(name: str) -> None:
+    """The cases the C unpickler alone would let through are refused, as torch's weights-only loader does."""
+    assert reader_outcome(hostile.c_path_pickle(name))[0] in ("FormatError", "UnsafeCheckpointError")
+
+
+def test_fast_reader_takes_torch_pickles_and_huge_memo_indices_cheaply() -> None:
+    """torch's own pickles take the fast reader; a 4 GiB memo index in a tiny pickle does not (it would size the
+    C unpickler's memo array), and the answer comes at once."""
+    buffer = io.BytesIO()
+    torch.save({"model": make_net().state_dict(), "epoch": 1}, buffer)
+    with zipfile.ZipFile(buffer) as zf:
+        pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    assert opscan.provable(pkl)
+    assert inert._fast_load(pkl, allowed=ALLOWED) is not None
+    assert fast_reader_problem(pkl) is None
+    huge = hostile.c_path_pickle("long-binput-4g")
+    assert not opscan.provable(huge)
+    start = time.monotonic()
+    assert fast_reader_problem(huge) is None
+    assert time.monotonic() - start < 1
+
+
+def test_fast_reader_on_every_truncation_and_byte_of_a_torch_pickle() -> None:
+    buffer = io.BytesIO()
+    state = OrderedDict((f"module.l{i}.weight", torch.zeros(2)) for i in range(3))
+    state._metadata = OrderedDict([("", {"version": 1})])  # type: ignore[attr-defined]
+    torch.save(state, buffer)
+    with zipfile.ZipFile(buffer) as zf:
+        pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
+    variants = [pkl[:cut] for cut in range(len(pkl))]
+    variants += [pkl[:at] + bytes([op]) + pkl[at + 1 :] for at in range(2, len(pkl), 3) for op in b"bNqrhj.s)"]
+    problems = [p for p in map(fast_reader_problem, variants) if p]
+    assert not problems, problems[0]

@@ -27,3 +27,12 @@ def test_ci_runs_the_slow_tier_after_the_readme_tests() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     fast, slow = ".venv/bin/python -m pytest -q", ".venv/bin/python -m pytest -q -m slow"
     assert slow in ci and ci.index(fast) < ci.index(slow)
+
+
+def test_ci_installs_the_built_wheel_without_extras_and_uses_it() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    smoke = (ROOT / ".ci" / "smoke_install.sh").read_text()
+    assert "bash .ci/smoke_install.sh" in ci
+    assert "--wheel --sdist" in smoke and 'pip" install -q "$WHEEL"' in smoke  # the wheel alone, no [extras]
+    for command in ("convert", "--no-fast", "merge", "inspect", "validate"):
+        assert f"$C {command}" in smoke or f" {command}" in smoke

@@ -8,7 +8,7 @@ from torch import nn
 import ckptfix
 from ckptfix.errors import MismatchError
 from ckptfix.loading import adapt_to_model
-from ckptfix.renames import likely_renames
+from ckptfix.renames import likely_renames, prefix_fits
 from tests.models import KEYS, RenamedNet, SmallNet
 
 
@@ -43,3 +43,26 @@ def test_likely_renames_refuses_ambiguous_pairs() -> None:
         ("enc.0.w", "encoder.0.w"),
         ("dec.0.w", "decoder.0.w"),
     ]
+
+
+def test_prefix_fits_finds_the_prefix_to_strip_or_to_add() -> None:
+    inner = ["fc.weight", "fc.bias", "bn.running_mean"]
+    lightning = [f"model.{k}" for k in inner]
+    assert prefix_fits(lightning, inner) == [("model.", "")]
+    assert prefix_fits(inner, lightning) == [("", "model.")]
+    assert prefix_fits([f"a.b.{k}" for k in inner], inner) == [("a.b.", "")]
+    assert prefix_fits(inner, inner) == []  # nothing to change
+
+
+def test_prefix_fits_only_when_every_key_fits_exactly() -> None:
+    inner = ["fc.weight", "fc.bias"]
+    assert prefix_fits(["model.fc.weight", "model.fc.bias", "criterion.weight"], inner) == []  # an extra key
+    assert prefix_fits(["model.fc.weight"], inner) == []  # a key short
+    assert prefix_fits(["model.fc.weight"], inner, may_lack=["fc.bias"]) == [("model.", "")]  # unless it may be
+    assert prefix_fits(["model.fc.weight", "net.fc.bias"], inner) == []  # two prefixes: not one rule
+
+
+def test_prefix_fits_reports_every_candidate_so_none_is_guessed() -> None:
+    # A model whose root weight is also its submodule 'a''s weight: 'm.' and 'm.a.' both fit.
+    model = ["weight", "a.weight"]
+    assert prefix_fits(["m.a.weight"], model, may_lack=model) == [("m.", ""), ("m.a.", "")]

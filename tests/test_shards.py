@@ -83,3 +83,14 @@ def test_fsdp1_flat_parameters_are_never_written_as_a_model(fsdp1: Path, tmp_pat
 def test_fsdp1_local_state_dicts_say_what_they_are(fsdp1: Path) -> None:
     with pytest.raises(ShardedCheckpointError, match=r"holds ShardedTensor shards \(an FSDP1 LOCAL_STATE_DICT"):
         ckptfix.load(fsdp1 / "local0.pt")
+
+
+def test_validate_reports_rank_files_as_shards_with_exit_1(run: Path, fsdp1: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    for path, what in ((run / "rank0.pt", "holds DTensor shards"), (fsdp1 / "flat0.pt", "is an FSDP1 flat parameter")):
+        result = CliRunner().invoke(cli, ["validate", str(path), "--model", "tests.models:SmallNet"])
+        assert result.exit_code == 1, result.output
+        assert what in result.output and result.output.count("\n") == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from typing import Any
 
@@ -16,12 +17,13 @@ import click
 from ckptfix import __version__
 from ckptfix.cli.render import printable
 from ckptfix.errors import CkptfixError, as_flags
+from ckptfix.formats.atomic import TERMINATING, Terminated, raise_terminated
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
 _COMMAND_MODULES: list[str] = ["convert", "inspect", "diff", "merge", "validate", "train"]
 
 INTERNAL_ERROR = 3
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program stopped by Ctrl-C
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program stopped by Ctrl-C; 128 + N for SIGTERM, SIGHUP
 BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`: the reader of stdout has gone
 
 
@@ -58,6 +60,10 @@ class _Group(click.Group):
         except KeyboardInterrupt:
             _error("ckptfix: interrupted; no output was written")
             ctx.exit(INTERRUPTED)
+        except Terminated as e:
+            # Every temp file has been removed on the way here: the output is the old file or none.
+            _error(f"ckptfix: {e}; no output was written")
+            ctx.exit(128 + e.signum)
         except BrokenPipeError:
             # The reader of stdout has exited (`ckptfix diff A B | head -1`): nothing is wrong, stop quietly.
             if debug:
@@ -88,8 +94,14 @@ for _name in _COMMAND_MODULES:
 
 def main() -> None:
     """Console-script entry point."""
+    # SIGTERM and SIGHUP (a job scheduler, a closed terminal) unwind like Ctrl-C instead of killing the process
+    # mid-write: temp files are removed and the exit status is still 128 + the signal's number.
+    for sig in TERMINATING:
+        signal.signal(sig, raise_terminated)
     try:
         cli.main(prog_name="ckptfix")
+    except Terminated as e:  # arrived outside a command (while parsing, or exiting)
+        sys.exit(128 + e.signum)
     finally:
         # Output to a pipe stays buffered until here; a reader that has gone shows up only at this flush.
         try:

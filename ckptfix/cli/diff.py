@@ -13,26 +13,50 @@ from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, se
 @click.argument("b", metavar="B", type=click.Path(dir_okay=False))
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
+@click.option("--entry", metavar="NAME", help="Compare only this model entry (of each side that has it).")
+@click.option(
+    "--strip-prefix",
+    "strip_prefixes",
+    multiple=True,
+    metavar="PREFIX",
+    help="Remove PREFIX from the keys of each side whose keys all start with it (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @safety_options
 def diff(
-    a: str, b: str, atol: float, rtol: float, as_json: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool
+    a: str,
+    b: str,
+    atol: float,
+    rtol: float,
+    entry: str | None,
+    strip_prefixes: tuple[str, ...],
+    as_json: bool,
+    allow_globals: tuple[str, ...],
+    unsafe_pickle: bool,
 ) -> None:
     """Compare checkpoints A and B after normalising their layouts.
 
     Lists keys only in A or only in B, shape and dtype changes, tensors whose values differ (max |Δ|, max
     relative) and other entries (epoch, optimizer, …) that differ. Tensors are equal when
-    |a - b| <= atol + rtol·|b| everywhere.
+    |a - b| <= atol + rtol·|b| everywhere. Files are read one tensor at a time; equal bytes are not converted.
 
     \b
     Exit codes: 0 equal within tolerance; 1 different; 2 an input cannot be read.
     Example: ckptfix diff ddp_run.pt converted.safetensors --atol 1e-6
+    Example: ckptfix diff lightning.ckpt weights.safetensors --entry state_dict --strip-prefix model.
     """
-    from ckptfix.diff import diff as diff_checkpoints
-    from ckptfix.formats import load
+    from ckptfix.diff import diff_files
 
-    objs = [load(p, unsafe=unsafe_pickle, allow_globals=allow_globals) for p in (a, b)]
-    report = diff_checkpoints(objs[0], objs[1], atol=atol, rtol=rtol, names=(a, b))
+    report = diff_files(
+        a,
+        b,
+        atol=atol,
+        rtol=rtol,
+        entry=entry,
+        strip_prefixes=strip_prefixes,
+        allow_globals=allow_globals,
+        unsafe=unsafe_pickle,
+    )
     code = 0 if report.equal else 1
     if as_json:
         echo_json({**report.to_dict(), "exit_code": code})
@@ -61,6 +85,8 @@ def diff(
     if report.other:
         echo(f"other entries differ ({len(report.other)}):")
         lines([f"{o.path}: {o.a} -> {o.b}" for o in report.other])
+    if not report.others_compared:
+        echo(f"other entries not compared (--entry {entry})")
     tolerance = f" within atol {atol:g}, rtol {rtol:g}" if atol or rtol else ""
     echo(f"equal{tolerance}" if report.equal else "different")
     click.get_current_context().exit(code)

@@ -15,6 +15,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
     lines = [
         f"{summary['path']}: {summary['format']} {summary['kind']}, {human_bytes(summary['file_bytes'])}",
     ]
+    if "loaded_with_torch" in summary:
+        lines.append(f"loaded with torch: {summary['loaded_with_torch']}")
     for name, model in summary["models"].items():
         label = f"model entry '{name}'" if name else "state dict"
         dtypes = ", ".join(f"{d} ×{n}" for d, n in model["dtypes"].items())
@@ -40,6 +42,10 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             lines.append(f"  … {len(groups) - max_groups} more groups (--all shows them)")
     for key, text in summary["other_entries"].items():
         lines.append(f"entry '{key}': {text}")
+    if summary.get("verified") == "crc":
+        lines.append("verified: every record read, every CRC matches")
+    elif "verified" in summary:
+        lines.append("verified: every byte read (this format holds no checksums)")
     return lines
 
 
@@ -47,16 +53,22 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for programs.")
 @click.option("--all", "show_all", is_flag=True, help="Show every key group, however many.")
+@click.option("--verify", is_flag=True, help="Also read every record and check its CRC (reads the whole file).")
 @safety_options
-def inspect(path: str, as_json: bool, show_all: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool) -> None:
+def inspect(
+    path: str, as_json: bool, show_all: bool, verify: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool
+) -> None:
     """Show format, layout, sizes, dtypes, BatchNorm buffers, shared storage and grouped keys of PATH.
+
+    Reads only the file's description (the pickle, inertly, or the safetensors header): no tensor byte, and
+    torch is not imported, so any size takes a moment. --verify reads everything and checks every CRC.
 
     \b
     Example: ckptfix inspect run/last.pt --json | jq .models
     """
     from ckptfix.summary import summarize
 
-    summary = summarize(path, allow_globals=allow_globals, unsafe=unsafe_pickle)
+    summary = summarize(path, allow_globals=allow_globals, unsafe=unsafe_pickle, verify=verify)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -51,15 +51,15 @@ def merge(
     are listed. BatchNorm running statistics are merged per --buffers; num_batches_tracked is kept, or the
     maximum when ranks differ. Other buffers must be equal; with --model, floating ones that differ follow
     --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0.
+    Key by key, each read from every file and written at once: memory holds a few tensors, not the files.
 
     \b
     Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
     """
     from ckptfix.errors import MergeError
-    from ckptfix.formats import load, save
     from ckptfix.formats.atomic import check_output
-    from ckptfix.merging import plan_merge
+    from ckptfix.merging import merge_files
 
     check_output(out, inputs=inputs)
     for j, later in enumerate(inputs):
@@ -67,12 +67,18 @@ def merge(
             if os.path.realpath(later) == os.path.realpath(earlier):
                 warn(f"{later} is given twice; the same file counts as two ranks")
     buffer_keys = _buffer_keys(model_spec, kwargs) if model_spec else []
-    objs = [load(p, unsafe=unsafe_pickle, allow_globals=allow_globals) for p in inputs]
-    result = plan_merge(objs, names=inputs, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys)
+    result = merge_files(
+        inputs,
+        out,
+        buffers=buffers,
+        atol=atol,
+        to=to,
+        buffer_keys=buffer_keys,
+        allow_globals=allow_globals,
+        unsafe=unsafe_pickle,
+    )
     for message in result.warnings:
         warn(message)
-    if not result.diverged:
-        save(result.obj, out)
     if as_json:
         echo_json({**result.to_dict(), "output": out, "written": not result.diverged})
     elif result.diverged:

@@ -30,8 +30,8 @@ def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
-def model_from_options(model_spec: str, kwargs: str | None) -> torch.nn.Module:
-    """The model of ``--model`` and ``--kwargs``; errors name the flags.
+def model_from_options(model_spec: str, kwargs: str | None, *, device: str | None = None) -> torch.nn.Module:
+    """The model of ``--model`` and ``--kwargs`` (on ``device``, see ``build_model``); errors name the flags.
 
     A console script does not put the working folder on sys.path the way ``python -m`` does, yet factories such
     as ``mypkg.models:build`` usually live right there: it is searched last, for the factory's module only.
@@ -39,7 +39,7 @@ def model_from_options(model_spec: str, kwargs: str | None) -> torch.nn.Module:
     from ckptfix.factory import ModelSpecError, build_model
 
     try:
-        return build_model(model_spec, kwargs=kwargs, search_path=os.getcwd())
+        return build_model(model_spec, kwargs=kwargs, search_path=os.getcwd(), device=device)
     except ModelSpecError as e:
         flag = "--kwargs" if e.argument == "kwargs" else f"--model '{model_spec}'"
         raise CkptfixError(f"{flag}: {e.problem}") from e

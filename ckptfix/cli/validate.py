@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ckptfix.cli.options import model_from_options, safety_options
 from ckptfix.cli.render import by_change, echo, echo_json, lines, section
 
+if TYPE_CHECKING:
+    from ckptfix.compare import KeyReport
+
 
 @click.command()
-@click.argument("path", metavar="CKPT", type=click.Path(dir_okay=False))
+@click.argument("path", metavar="CKPT", type=click.Path())
 @click.option("--model", "model_spec", required=True, metavar="MOD:FACTORY", help="e.g. mypkg.models:build_model.")
 @click.option("--kwargs", metavar="JSON", help="Factory keyword arguments as a JSON object, e.g. '{\"depth\": 18}'.")
-@click.option("--entry", metavar="NAME", help="Model entry of a full checkpoint (default: detected).")
-@click.option("--any-layout", is_flag=True, help="Exit 0 also when only the layout differs (load_into adapts it).")
+@click.option("--entry", metavar="NAME", help="Model entry to check, e.g. state_dict_ema (default: detected).")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove P from every key first (as convert does).")
+@click.option("--any-layout", is_flag=True, help="Exit 0 also when only the layout or a prefix differs.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @safety_options
 def validate(
@@ -21,6 +27,7 @@ def validate(
     model_spec: str,
     kwargs: str | None,
     entry: str | None,
+    strip_prefix: tuple[str, ...],
     any_layout: bool,
     as_json: bool,
     allow_globals: tuple[str, ...],
@@ -28,58 +35,84 @@ def validate(
 ) -> None:
     """Check that CKPT loads into the model built by --model with load_state_dict(strict=True).
 
-    Prints missing, unexpected, wrong-shape and wrong-dtype keys, grouped; _metadata entries that make
-    load_state_dict raise; likely renames; and, when a layout change or a rename is all that is wrong, the
-    `ckptfix convert` command that fixes the file. When the keys fit, the state is loaded into the model for real.
+    Reads only the checkpoint's metadata (keys, shapes, dtypes), never its tensor bytes. Prints missing, unexpected,
+    wrong-shape and wrong-dtype keys, grouped; tied keys (left out, but the same tensor in the model as a key that is
+    there); _metadata entries that make load_state_dict raise; likely renames; and, when a layout change, a key
+    prefix or a rename is all that is wrong, the `ckptfix convert` command that fixes the file. When the keys fit,
+    a trial load_state_dict runs on the model built for the check.
 
     \b
     Exit codes: 0 it loads as is; 1 it does not; 2 the check cannot run.
     Example: ckptfix validate ddp_run.pt --model mypkg.models:ResNet --kwargs '{"depth": 18}'
     """
     from ckptfix.compare import module_name
-    from ckptfix.formats import load
-    from ckptfix.loading import adapt_to_model, model_state_of, primary_entry, trial_load
+    from ckptfix.formats.shards import ShardedCheckpointError
+    from ckptfix.loading import validate_file
 
-    model = model_from_options(model_spec, kwargs)
-    model_keys = len(model.state_dict())
-    obj = load(path, unsafe=unsafe_pickle, allow_globals=allow_globals)
-    state = model_state_of(obj, source=path, entry=entry)
-    adapted, report = adapt_to_model(state, model, source=path)
-    if report.ok:  # the model was built for this check, so it may be loaded into
-        report.load_error = trial_load(model, adapted)
-    report.entry = entry or primary_entry(obj)
+    try:
+        found = validate_file(
+            path,
+            lambda device: model_from_options(model_spec, kwargs, device=device),
+            entry=entry,
+            strip_prefixes=strip_prefix,
+            allow_globals=allow_globals,
+            unsafe=unsafe_pickle,
+        )
+    except ShardedCheckpointError as e:  # one rank's shards: a finding about the file (1), not a failed check (2)
+        echo(str(e))
+        click.get_current_context().exit(1)
+    report = found.report
     code = 0 if report.loads_as_is or (any_layout and report.ok) else 1
-    fix = report.fix_command(path, allow_globals=allow_globals)
+    fix = report.fix_command(
+        path, entry=entry, strip_prefixes=strip_prefix, allow_globals=allow_globals, unsafe=unsafe_pickle
+    )
+    others = [e for e in found.entries if e not in ("", report.entry)]
     if as_json:
-        echo_json({**report.to_dict(), "model": model_spec, "fix_command": fix, "exit_code": code})
+        echo_json({**report.to_dict(), "model": model_spec, "other_entries": others, "fix_command": fix,
+                   "exit_code": code})  # fmt: skip
         click.get_current_context().exit(code)
     where = f"entry '{report.entry}', " if report.entry else ""
-    echo(f"checkpoint: {path} ({where}layout {report.layout_from}, {len(state)} keys)")
-    echo(f"model:      {model_spec} (layout {report.layout_to}, {model_keys} keys)")
+    echo(f"checkpoint: {path} ({where}layout {report.layout_from}, {found.keys} keys)")
+    if others:
+        echo(f"            also holds model entries {', '.join(repr(e) for e in others)} (check one with --entry NAME)")
+    echo(f"model:      {model_spec} (layout {report.layout_to}, {found.model_keys} keys)")
     section("missing from the checkpoint", report.missing)
     section("unexpected in the checkpoint", report.unexpected)
     by_change("wrong shape", report.wrong_shape, "checkpoint {a} vs model {b}")
     by_change("wrong dtype", report.wrong_dtype, "checkpoint {a} vs model {b}")
+    if report.tied:
+        echo(f"tied: left out, the same tensor in the model as a key that is there ({len(report.tied)}):")
+        lines([f"{key} = {present}" for key, present in report.tied.items()])
     if report.bad_metadata:
         echo(f"_metadata that load_state_dict refuses ({len(report.bad_metadata)}):")
         lines([f"{module_name(p)}: {problem}" for p, problem in report.bad_metadata.items()])
     if report.renamed:
         echo(f"likely renamed (checkpoint -> model, same shape, unique suffix match) ({len(report.renamed)}):")
         lines([f"{got} -> {want}" for got, want in report.renamed])
+    echo(_verdict(report))
+    if fix and not report.loads_as_is:
+        echo(f"  {fix}")
+    click.get_current_context().exit(code)
+
+
+def _verdict(report: KeyReport) -> str:
     if report.loads_as_is:
-        echo("OK: loads with load_state_dict(strict=True)")
-    elif report.ok:
-        echo(
+        if report.tied:
+            return "OK: loads with load_state_dict(strict=True) once the tied keys are passed along (load_into does)"
+        return "OK: loads with load_state_dict(strict=True)"
+    if report.ok and report.renamed_prefix is not None:
+        old, new = report.renamed_prefix
+        what = f"the checkpoint's keys carry '{old}'" if old else f"the model's keys carry '{new}'"
+        does = "strips" if old else "adds"
+        return f"prefix only: {what} in front; ckptfix.load_into {does} it, or rewrite the file with:"
+    if report.ok:
+        return (
             f"layout only: the checkpoint is {report.layout_from}, the model {report.layout_to}; "
             f"ckptfix.load_into adapts it, or rewrite the file with:"
         )
-        echo(f"  {fix}")
-    elif fix:
-        echo("renamed keys only: rewrite the file with:")
-        echo(f"  {fix}")
-    else:
-        echo(f"FAIL: would not load with strict=True: {report.summary()}")
-    click.get_current_context().exit(code)
+    if report.fixable_by_convert:
+        return "renamed keys only: rewrite the file with:"
+    return f"FAIL: would not load with strict=True: {report.summary()}"
 
 
 COMMANDS: list[click.Command] = [validate]

@@ -38,6 +38,8 @@ def load_for_ddp(
     strict: bool = True,
     group: Any = None,
     broadcast_model: bool = True,
+    entry: str | None = None,
+    strip_prefixes: Iterable[str] = (),
     allow_globals: Iterable[str] = (),
     bucket_mb: float = DEFAULT_BUCKET_MB,
     timeout: float | timedelta = DEFAULT_TIMEOUT,
@@ -64,6 +66,9 @@ def load_for_ddp(
     Args:
         strict: refuse a checkpoint that lacks a model key or has extra ones; ``False`` loads what fits
             (keys with a wrong shape are skipped; keys the checkpoint lacks keep each rank's own values).
+        entry, strip_prefixes: as :func:`ckptfix.load_into`: the model entry to load (``"state_dict_ema"``), and
+            prefixes removed from every key first. Like ``load_into``, a prefix that alone makes the keys fit the
+            model is applied, and tied keys the file leaves out load through the key they share.
         allow_globals: extra pickle globals the checkpoint may use (``"argparse.Namespace"``); same on every rank.
         bucket_mb: broadcast bucket size; a receiver holds at most one bucket beyond its own model.
         timeout: seconds (or a ``timedelta``) a rank waits for the others at any step (the source's read,
@@ -97,6 +102,8 @@ def load_for_ddp(
         options={
             "strict": strict,
             "broadcast_model": broadcast_model,
+            "entry": entry,
+            "strip_prefixes": list(strip_prefixes),
             "bucket_mb": bucket_mb,
             "allow_globals": allowed,
         },
@@ -107,7 +114,9 @@ def load_for_ddp(
             f"there), got src={src}; keep broadcast_model=True"
         )
     if session.is_src:
-        plan, extras = _prepare_source(model, path, strict=strict, allowed=allowed, session=session)
+        plan, extras = _prepare_source(
+            model, path, strict=strict, allowed=allowed, session=session, entry=entry, strips=list(strip_prefixes)
+        )
     else:
         plan = _prepare_receiver(model, strict=strict, allowed=allowed, session=session)
     try:
@@ -124,10 +133,19 @@ def load_for_ddp(
 
 
 def _prepare_source(
-    model: torch.nn.Module, path: PathLike, *, strict: bool, allowed: list[str], session: protocol.Session
+    model: torch.nn.Module,
+    path: PathLike,
+    *,
+    strict: bool,
+    allowed: list[str],
+    session: protocol.Session,
+    entry: str | None,
+    strips: list[str],
 ) -> tuple[_Plan, dict[str, Any]]:
     try:
-        plan, extras = _read_on_source(model, path, strict=strict, allowed=allowed, session=session)
+        plan, extras = _read_on_source(
+            model, path, strict=strict, allowed=allowed, session=session, entry=entry, strips=strips
+        )
     except Exception as e:
         session.fail("status", e)
     session.announce(wire.dumps((plan.manifest, plan.skeleton, plan.extra_entries)))
@@ -180,23 +198,27 @@ def _layout_prefix(own: Mapping[str, Any]) -> str:
 
 
 def _read_on_source(
-    model: torch.nn.Module, path: PathLike, *, strict: bool, allowed: list[str], session: protocol.Session
+    model: torch.nn.Module,
+    path: PathLike,
+    *,
+    strict: bool,
+    allowed: list[str],
+    session: protocol.Session,
+    entry: str | None,
+    strips: list[str],
 ) -> tuple[_Plan, dict[str, Any]]:
     """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
     from ckptfix.formats import load
-    from ckptfix.loading import adapt_to_model, model_state_of, primary_entry
+    from ckptfix.loading import adapt_to_model, model_state_of, primary_entry, ready_to_load
 
     source = os.fspath(path)
     _check_device(model, session)
     obj = load(path, allow_globals=allowed)
-    state = model_state_of(obj, source=source)
-    adapted, report = adapt_to_model(state, model, source=source)
-    if strict:
-        report.raise_if_failed()
-    else:  # load_state_dict raises on a shape mismatch even when not strict; skip those keys instead
-        for key in report.wrong_shape:
-            del adapted[key]
-    primary = primary_entry(obj)
+    state = model_state_of(obj, source=source, entry=entry)
+    adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=strips)
+    report.raise_if_failed(strict=strict)
+    adapted = ready_to_load(adapted, report, strict=strict)  # tied keys added; wrong shapes dropped unless strict
+    primary = entry or primary_entry(obj)
     extras = {key: value for key, value in obj.items() if key != primary} if primary else {}
     entries: list[buckets.Entry] = []
     tensors: list[torch.Tensor] = []
@@ -215,7 +237,7 @@ def _check_receiver(
     model: torch.nn.Module, payload: bytes, *, strict: bool, allowed: list[str], session: protocol.Session
 ) -> _Plan | Exception:
     """This rank's plan, or its problem with the source's payload (returned, so that every rank hears of it)."""
-    from ckptfix.compare import check
+    from ckptfix.compare import compare_keys
 
     try:
         manifest, skeleton, extra_entries = wire.loads(payload, allowed=allowed)
@@ -223,7 +245,7 @@ def _check_receiver(
         prefix = _layout_prefix(own)
         _check_device(model, session)
         # Messages name the source's path: a receiver's own path argument may mean nothing on its machine.
-        report = check({prefix + e.key: e.meta() for e in manifest}, model, source=session.source_path)
+        report = compare_keys({prefix + e.key: e.meta() for e in manifest}, model, source=session.source_path)
     except Exception as e:
         return e
     if not strict:

@@ -3,7 +3,8 @@
 A file may name, without any option, the globals torch's weights-only unpickler accepts by default (a copy of
 torch 2.13's list, so the streaming path needs no torch). ``--allow-global`` may add only names from
 :data:`KNOWN_SAFE`: plain data constructors that build values and call nothing else, the ones torch documents for
-``add_safe_globals``. Any other name is refused as "not a known-safe class", and names that can run code or reach
+``add_safe_globals``, and, named one by one, the enums, dataclasses and named tuples of the user's own code
+(:func:`user_class`). Any other name is refused as "not a known-safe class", and names that can run code or reach
 the system are refused with a message that never suggests an option: the advice ckptfix prints must be safe to
 follow.
 """
@@ -11,7 +12,10 @@ follow.
 from __future__ import annotations
 
 import _compat_pickle
+import dataclasses
+import enum
 import importlib
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -111,7 +115,11 @@ def can_run_code(name: str) -> bool:
 
 
 def allowed_names(extra: Iterable[str], *, source: str) -> frozenset[str]:
-    """The globals a file may name: torch's defaults plus the user's ``--allow-global`` names, each checked."""
+    """The globals a file may name: torch's defaults plus the user's ``--allow-global`` names, each checked.
+
+    A name outside :data:`KNOWN_SAFE` is imported and accepted only when it is an enum, a dataclass or a named
+    tuple (see :func:`user_class`): the user named it, as with torch's ``add_safe_globals``.
+    """
     names = set(TORCH_DEFAULT)
     for raw in extra:
         name = canonical(raw)
@@ -123,13 +131,58 @@ def allowed_names(extra: Iterable[str], *, source: str) -> frozenset[str]:
                 f"allows it (only unsafe=True, on a file you fully trust)"
             )
         if name not in KNOWN_SAFE:
-            raise UnsafeCheckpointError(
-                f"{source}: allow_globals='{raw}': refused, not a known-safe class (ckptfix allows plain data "
-                f"constructors such as argparse.Namespace and pathlib.PosixPath); only unsafe=True opens "
-                f"this file, and only if you fully trust it"
-            )
+            _check_user_class(raw, name, source=source)
         names.add(name)
     return frozenset(names)
+
+
+def user_class(obj: Any) -> str | None:
+    """What kind of data class ``obj`` is (``"an enum"``, ``"a dataclass"``, ``"a named tuple"``), or None.
+
+    Rebuilding one calls nothing beyond its own class: an enum looks its member up by value, a dataclass or named
+    tuple is made with ``cls.__new__`` and given its fields, as pickle and torch's weights-only loader do.
+    """
+    if not isinstance(obj, type):
+        return None
+    if issubclass(obj, enum.Enum):
+        return "an enum"
+    if dataclasses.is_dataclass(obj):
+        return "a dataclass"
+    if issubclass(obj, tuple) and isinstance(getattr(obj, "_fields", None), tuple):
+        return "a named tuple"
+    return None
+
+
+def _check_user_class(raw: str, name: str, *, source: str) -> None:
+    refusal = (
+        f"{source}: allow_globals='{raw}': refused, not a known-safe class (ckptfix allows plain data constructors "
+        f"such as argparse.Namespace and pathlib.PosixPath, and enums, dataclasses and named tuples of your own code)"
+    )
+    try:
+        obj = _import(name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise UnsafeCheckpointError(f"{refusal}; it cannot be imported ({e})") from e
+    if user_class(obj) is None:
+        raise UnsafeCheckpointError(
+            f"{refusal}; only unsafe=True opens this file, and only if you fully trust it (it runs the file's pickle)"
+        )
+
+
+def _import(name: str) -> Any:
+    module_name, _, attr = name.rpartition(".")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _already_imported(name: str) -> Any:
+    """The object behind ``name`` if its module is imported already (nothing is imported here), else None."""
+    module_name, _, attr = name.rpartition(".")
+    obj: Any = sys.modules.get(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def refuse(names: Iterable[str], *, source: str) -> None:
@@ -154,17 +207,21 @@ def refuse(names: Iterable[str], *, source: str) -> None:
             f"executed. Do not load this file unless you wrote it",
             globals_needed=needed,
         )
-    unknown = [n for n in needed if n not in KNOWN_SAFE]
+    # A class of the user's own code may be named, but only one whose module is imported already is offered:
+    # the advice must not lead anyone to import a module a file names.
+    unknown = [n for n in needed if n not in KNOWN_SAFE and user_class(_already_imported(n)) is None]
     if unknown:
         raise UnsafeCheckpointError(
             f"{source}: refused: its pickle builds {', '.join(unknown)}, not a known-safe class; nothing was "
-            f"executed. Only unsafe=True opens it, and only if you fully trust the file",
+            f"executed. Only unsafe=True opens it, and only if you fully trust the file: it runs the file's "
+            f"pickle, which can run any code",
             globals_needed=needed,
         )
     flags = " ".join(f"allow_globals='{g}'" for g in needed)
     raise UnsafeCheckpointError(
         f"{source}: needs globals outside the weights-only allowlist: {', '.join(needed)}; if you trust "
-        f"where it came from, add {flags}",
+        f"where it came from, add {flags} (data classes: they build values and run nothing else); unsafe=True "
+        f"opens it too but runs the file's pickle, which can run any code: only for a file you made yourself",
         globals_needed=needed,
     )
 
@@ -173,11 +230,8 @@ def resolve(names: Iterable[str], *, source: str) -> list[Callable[..., Any] | t
     """Import the objects behind allowed names for torch's ``safe_globals`` (names already checked)."""
     objects: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = []
     for name in names:
-        module_name, _, attr = canonical(name).rpartition(".")
         try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                obj = getattr(obj, part)
+            obj = _import(canonical(name))
         except (ImportError, AttributeError, ValueError) as e:
             raise UnsafeCheckpointError(
                 f"{source}: allow_globals='{name}': cannot import it ({e}); install the package that defines it"

@@ -1,15 +1,19 @@
 """Crash-safe output: write to a temp file beside OUT, fsync, rename over OUT, fsync the folder.
 
 A reader of OUT sees either the previous complete file or the new complete file, never a partial one. Stdlib only,
-so the streaming path can use it without importing torch.
+so the streaming path can use it without importing torch. Only SIGKILL (or a crash) leaves the temp file behind:
+a SIGTERM or SIGHUP that would end the process at once unwinds it first (see :func:`unwinding_signals`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
+from types import FrameType
 from typing import BinaryIO
 
 from ckptfix.errors import OutputError
@@ -46,6 +50,52 @@ def _umask() -> int:
     return mask
 
 
+# Signals whose default action ends the process without running any cleanup (SIGINT raises KeyboardInterrupt).
+TERMINATING = (signal.SIGTERM, signal.SIGHUP) if hasattr(signal, "SIGHUP") else (signal.SIGTERM,)
+
+
+class Terminated(BaseException):
+    """A SIGTERM or SIGHUP arrived: unwind like ``KeyboardInterrupt``, so every ``finally`` runs on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"terminated by {signal.Signals(signum).name}")
+
+
+def raise_terminated(signum: int, frame: FrameType | None) -> None:
+    """A signal handler that turns a termination signal into :class:`Terminated`."""
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def unwinding_signals() -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise :class:`Terminated` where they would kill the process.
+
+    Only signals left at their default action are taken over (a program's own handlers stay), and only in the
+    main thread, where Python runs handlers. Once the stack has unwound (temp files removed), the signal is
+    delivered again with its default action, so the process still ends the way it would have: by the signal.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = {
+        sig: signal.signal(sig, raise_terminated) for sig in TERMINATING if signal.getsignal(sig) == signal.SIG_DFL
+    }
+    try:
+        yield
+    except Terminated as e:
+        if e.signum not in taken:
+            raise
+        for sig, handler in taken.items():
+            signal.signal(sig, handler)
+        taken = {}
+        os.kill(os.getpid(), e.signum)  # the default action, now that nothing is left half-written
+        raise
+    finally:
+        for sig, handler in taken.items():
+            signal.signal(sig, handler)
+
+
 @contextlib.contextmanager
 def atomic_output(out: PathLike) -> Iterator[BinaryIO]:
     """Yield a binary file that becomes ``out`` only when the block completes without an exception.
@@ -53,13 +103,23 @@ def atomic_output(out: PathLike) -> Iterator[BinaryIO]:
     The temp file lives in OUT's folder so the final rename never crosses file systems. It gets the mode a
     plain ``open()`` would give (0666 & ~umask) rather than mkstemp's 0600.
     """
+    with unwinding_signals(), _temp_output(out) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def _temp_output(out: PathLike) -> Iterator[BinaryIO]:
     out_s = os.fspath(out)
     folder = os.path.dirname(os.path.abspath(out_s))
+    tmp = None
+    held = _hold_signals()
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_s)}.", suffix=".ckptfix-tmp", dir=folder)
-    except OSError as e:
-        raise OutputError(f"{out_s}: cannot create a file in '{folder}' ({e.strerror}); check the folder") from e
-    try:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out_s)}.", suffix=".ckptfix-tmp", dir=folder)
+        except OSError as e:
+            raise OutputError(f"{out_s}: cannot create a file in '{folder}' ({e.strerror}); check the folder") from e
+        finally:
+            _release_signals(held)  # a signal that came while the file was being created is handled from here on
         with os.fdopen(fd, "w+b") as f:
             yield f
             f.flush()
@@ -67,12 +127,28 @@ def atomic_output(out: PathLike) -> Iterator[BinaryIO]:
             os.fsync(f.fileno())
         os.replace(tmp, out_s)
     except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(e, OSError):
             raise OutputError(f"{out_s}: write failed ({e.strerror or e}); the output was not written") from e
         raise
     _fsync_dir(folder)
+
+
+_HELD = {signal.SIGINT, *TERMINATING}
+
+
+def _hold_signals() -> set[int | signal.Signals] | None:
+    # Between the temp file's creation and the moment its name is known, a signal's exception would leak it.
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+
+
+def _release_signals(held: set[int | signal.Signals] | None) -> None:
+    if held is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _fsync_dir(folder: str) -> None:

@@ -9,15 +9,19 @@ torch's pickler does (protocol 2), so a tree round-trips and torch loads the res
 
 from __future__ import annotations
 
+import _pickle
+import gc
 import io
+import math
 import pickle
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import IO, Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import CkptfixError, FormatError
-from ckptfix.formats import allowlist
+from ckptfix.formats import allowlist, opscan
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, storage_itemsize
 
 MAX_DEPTH = 1000  # containers nested deeper than this are refused (consumers walk trees recursively)
@@ -33,7 +37,7 @@ _PARAM_FUNCS = {"torch._utils._rebuild_parameter", "torch._utils._rebuild_parame
 class _Frozen(type):
     # Stand-ins are classes so that NEWOBJ accepts them; they can be neither renamed nor given state.
     def __call__(cls, *args: Any) -> Any:
-        return Inert.make(cast("type[Global]", cls), args)
+        return cls.build(cls, args)  # type: ignore[attr-defined]
 
     def __setattr__(cls, name: str, value: Any) -> NoReturn:
         raise FormatError(f"its pickle tries to change the global {cls.__name__} (a BUILD on a class); refusing it")
@@ -45,6 +49,8 @@ class Global(metaclass=_Frozen):
     module: ClassVar[str]
     name: ClassVar[str]
     full: ClassVar[str]
+    width: ClassVar[int | None]  # as a storage class: bytes per element it counts (None: not a storage class)
+    build: ClassVar[Callable[[type[Global], tuple[Any, ...]], Inert]]  # the record of a call
 
     @staticmethod
     def __setstate__(state: Any) -> NoReturn:
@@ -59,35 +65,34 @@ def make_global(module: str, name: str) -> type[Global]:
         obj.newobj = True
         return obj
 
-    namespace = {"module": module, "name": name, "full": f"{module}.{name}", "__new__": new}
+    full = f"{module}.{name}"
+    build = tensor if full in _TENSOR_FUNCS else Inert.make
+    namespace = {"module": module, "name": name, "full": full, "__new__": new, "width": storage_itemsize(name),
+                 "build": staticmethod(build)}  # fmt: skip
     return cast("type[Global]", _Frozen(name, (Global,), namespace))
 
 
 class StorageRef:
-    """A persistent id: the storage ``key``, its class and element count, as the file states them."""
+    """A persistent id: the storage ``key``, its class and element count, as the file states them.
 
-    __slots__ = ("key", "location", "numel", "pid", "storage_type")
+    Read-only by convention (no pickle opcode reaches its attributes: BUILD finds __setstate__ and is refused).
+    """
+
+    __slots__ = ("key", "location", "nbytes", "numel", "pid", "storage_type")
     key: str
     location: str
+    nbytes: int  # size of the storage in bytes (typed storages count elements, untyped ones bytes)
     numel: int
     pid: tuple[Any, ...]
     storage_type: type[Global]
 
     def __init__(self, pid: tuple[Any, ...]) -> None:
-        for name, value in (("pid", pid), ("storage_type", pid[1]), ("key", pid[2]), ("location", pid[3])):
-            object.__setattr__(self, name, value)
-        object.__setattr__(self, "numel", pid[4])
-
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise FormatError("its pickle tries to change a storage reference; refusing it")
+        self.pid = pid
+        self.storage_type, self.key, self.location, self.numel = pid[1:5]
+        self.nbytes = self.numel * (self.storage_type.width or 1)
 
     def __setstate__(self, state: Any) -> NoReturn:
         raise FormatError("its pickle gives state to a storage reference; refusing it")
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the storage in bytes (typed storages count elements, untyped ones bytes)."""
-        return self.numel * (storage_itemsize(self.storage_type.name) or 1)
 
 
 class Inert:
@@ -116,6 +121,9 @@ class Inert:
         return Inert(func, args)
 
     def __setstate__(self, state: Any) -> None:
+        # as torch: state only for an object of an --allow-global class, once (the C unpickler calls this directly)
+        if self.func.full in allowlist.TORCH_DEFAULT:
+            raise FormatError(f"its pickle gives state to {self.func.full}, which torch's weights-only loader refuses")
         if self.has_state or isinstance(self, (InertTensor, InertParameter)):
             raise FormatError(f"its pickle gives state to {self.func.full} twice or to a tensor; refusing it")
         self.has_state = True
@@ -213,11 +221,13 @@ class InertTensor(Inert):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return _ints(self.args[2]) or ()
+        shape = self.args[2]
+        return shape if type(shape) is tuple else (_ints(shape) or ())  # a tuple was checked to hold ints
 
     @property
     def stride(self) -> tuple[int, ...]:
-        return _ints(self.args[3]) or ()
+        stride = self.args[3]
+        return stride if type(stride) is tuple else (_ints(stride) or ())
 
     @property
     def dtype(self) -> str:
@@ -228,24 +238,61 @@ class InertTensor(Inert):
     @property
     def plain(self) -> bool:
         """No backward hooks and no extra metadata: exactly what torch.save writes for a tensor."""
+        if len(self.args) == 6:  # _rebuild_tensor_v2 without metadata (v3 has at least 7)
+            return not self.args[5]
         extra = self.args[7:] if self.func.name.endswith("v3") else self.args[6:]
         return not self.args[5] and not any(extra)
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
-        if self.numel() == 0:  # as torch says: an empty tensor is contiguous whatever its strides
+        shape, strides = self.shape, self.stride
+        if len(shape) == 1:
+            return shape[0] < 2 or strides[0] == 1
+        if 0 in shape:  # as torch says: an empty tensor is contiguous whatever its strides
             return True
         expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
+        for size, stride in zip(reversed(shape), reversed(strides), strict=True):
             if size != 1 and stride != expected:
                 return False
             expected *= size
         return True
+
+
+def tensor(func: type[Global], args: tuple[Any, ...]) -> InertTensor:
+    """``InertTensor(func, args)``, with a shortcut for the one shape torch.save writes (same checks, same result)."""
+    if len(args) == 6 and func.name == "_rebuild_tensor_v2":
+        ref, offset, shape, stride = args[0], args[1], args[2], args[3]
+        if type(ref) is StorageRef and type(offset) is int and type(shape) is tuple and type(stride) is tuple:
+            dtype = STORAGE_DTYPES.get(ref.storage_type.name)
+            if (
+                dtype is not None
+                and dtype not in QUANTIZED
+                and _fits(ref, offset, shape, stride, DTYPES[dtype].itemsize)
+            ):
+                tensor = _new_tensor(InertTensor)
+                tensor.func, tensor.args, tensor.newobj, tensor.has_state, tensor.state = func, args, False, False, None
+                return tensor
+    return InertTensor(func, args)  # every rule, and the message of the one that fails
+
+
+_new_tensor = object.__new__
+
+
+def _fits(ref: StorageRef, offset: int, shape: tuple[Any, ...], stride: tuple[Any, ...], width: int) -> bool:
+    """True when _check_view surely accepts this view (False: let it decide and say why)."""
+    if len(shape) != len(stride) or not 0 <= offset <= _INT64:
+        return False
+    numel, extent = 1, offset + 1
+    for d, s in zip(shape, stride):  # noqa: B905 - lengths checked above
+        if type(d) is not int or type(s) is not int or not 0 <= d <= _INT64 or not 0 <= s <= _INT64:
+            return False
+        numel *= d  # in order, as torch: a product past 64 bits is refused even when a later size is 0
+        if numel > _INT64:
+            return False
+        extent += (d - 1) * s
+    return numel == 0 or (extent * width <= ref.nbytes and numel * width <= ref.nbytes + EXPANDED_LIMIT)
 
 
 class InertParameter(Inert):
@@ -301,6 +348,14 @@ def _check_metadata(metadata: Any) -> None:
         )
 
 
+def _odict_state(state: Any) -> bool:
+    """Whether a BUILD may give ``state`` to an OrderedDict: attributes by plain names (``_metadata`` checked)."""
+    if isinstance(state, dict) and all(type(k) is str and not k.startswith("__") for k in state):
+        _check_metadata(state.get("_metadata"))
+        return True
+    return False
+
+
 def _foreign(code: int, func: Any) -> Any:
     def load(self: _Unpickler) -> None:
         # read on, so that the refusal can still name every global the file needs, then refuse
@@ -330,12 +385,7 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
         # as torch: state only for an OrderedDict (its attributes) or an object of an --allow-global class
         state = self.stack.pop()
         inst = self.stack[-1]
-        if (
-            type(inst) is OrderedDict
-            and isinstance(state, dict)
-            and all(type(k) is str and not k.startswith("__") for k in state)
-        ):
-            _check_metadata(state.get("_metadata"))
+        if type(inst) is OrderedDict and _odict_state(state):
             inst.__dict__.update(state)
         elif type(inst) is Inert and inst.func.full not in allowlist.TORCH_DEFAULT:
             inst.__setstate__(state)
@@ -377,6 +427,180 @@ class _Protocol4Unpickler(_Unpickler):
     }
 
 
+# --- the fast reader ------------------------------------------------------------------------------------------
+#
+# The C unpickler runs the same hooks as the reader above (find_class, persistent_load, the stand-ins' calls and
+# __setstate__), about 20 times faster, but it has no opcode table to restrict and its BUILD is its own. So it is
+# only given a pickle that opscan.provable() has walked: opcodes torch reads, and every BUILD's state a container.
+# BUILD then reaches an object's __setstate__ (stand-ins, records, storage references and the OrderedDict below
+# apply the reference reader's rules) or fails for lack of a __dict__. Whatever it refuses, or anything else it
+# cannot prove, is read again by the reference reader, which gives the answer and its message: the fast reader
+# only ever accepts what the reference reader accepts, with the same tree.
+
+
+class _NotProven(Exception):  # noqa: N818 - a signal: read it with the reference reader
+    pass
+
+
+class _CheckedOrderedDict(OrderedDict[Any, Any]):
+    """An OrderedDict while the C unpickler runs: its BUILD takes the reference reader's rule."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not _odict_state(state):
+            raise _NotProven
+        self.__dict__.update(state)
+
+
+class _FastUnpickler(_pickle.Unpickler):
+    def __init__(self, data: bytes, *, allowed: frozenset[str]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.allowed = allowed
+        self.globals: dict[str, Any] = {}
+        self.storages: dict[str, StorageRef] = {}
+        self.legacy = False  # for persistent_load, shared with the reference reader
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = allowlist.canonical(f"{module}.{name}")
+        if full not in self.allowed or full in allowlist.UNSUPPORTED:
+            raise _NotProven  # the reference reader lists every refused global
+        if full not in self.globals:
+            mod, _, attr = full.rpartition(".")
+            self.globals[full] = _CheckedOrderedDict if full == "collections.OrderedDict" else make_global(mod, attr)
+        return self.globals[full]
+
+    def persistent_load(self, pid: Any) -> Any:
+        # a shortcut for the first reference to a storage in torch.save's form; the rest (repeats, every
+        # refusal) by the reference reader's rule
+        if type(pid) is tuple and len(pid) == 5:
+            tag, kind, key, location, numel = pid
+            if (
+                tag == "storage"
+                and type(kind) is _Frozen
+                and cast("type[Global]", kind).width
+                and type(key) is str
+                and type(location) is str
+                and type(numel) is int
+                and numel >= 0
+                and key not in self.storages
+            ):
+                ref = self.storages[key] = StorageRef(pid)
+                return ref
+        return _Unpickler.persistent_load(self, pid)  # type: ignore[arg-type]
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: building (or writing) a tree of a million containers, none of them
+    garbage, would otherwise trigger collections that rescan it again and again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _fast_load(data: bytes, *, allowed: frozenset[str]) -> tuple[Any, dict[str, StorageRef]] | None:
+    """The tree and storages of ``data`` read by the C unpickler, or None when not proven to match the reference."""
+    if not opscan.provable(data):
+        return None
+    unpickler = _FastUnpickler(data, allowed=allowed)
+    try:
+        with gc_paused():
+            return unpickler.load(), unpickler.storages
+    except Exception:  # any refusal: the reference reader says why
+        return None
+
+
+def _plain_odicts(tree: Any) -> Any:
+    """``tree`` with every _CheckedOrderedDict replaced by an OrderedDict, sharing kept.
+
+    Runs after measure(): the tree is acyclic and at most MAX_DEPTH deep. Dicts and lists are updated in place,
+    tuples and OrderedDicts rebuilt, so every other object keeps its identity. A plain tensor record keeps its
+    own empty hooks as they are (a million conversions for nothing) unless they are also held elsewhere.
+    """
+    done: dict[int, Any] = {id(_CheckedOrderedDict): OrderedDict}  # the class itself, where a pickle holds it
+    keep: list[Any] = []  # the replaced objects stay alive, so their ids are not reused while they are keys
+    seen: set[int] = set()
+    simple: list[Inert] = []  # tensor records whose only container is their own empty hooks
+    other: list[Inert] = []
+    stack: list[tuple[Any, bool]] = [(tree, False)]
+    while stack:
+        obj, ready = stack.pop()
+        if id(obj) in done:
+            continue
+        if not ready:
+            stack.append((obj, True))
+            for kid in _children(obj):
+                if type(kid) is InertTensor or type(kid) is InertParameter:
+                    if id(kid) not in seen:
+                        seen.add(id(kid))
+                        if _own_empty_hooks(kid):
+                            simple.append(kid)
+                        else:
+                            other.append(kid)
+                            stack.append((kid.args, False))
+                elif id(kid) not in done and _is_container(kid):
+                    stack.append((kid, False))
+            continue
+        done[id(obj)] = _rebuilt(obj, done)
+        keep.append(obj)
+    for record in simple:
+        hooks = done.get(id(record.args[5]))
+        if hooks is not None and hooks is not record.args[5]:  # held elsewhere too: one converted object, shared
+            record.args = (*record.args[:5], hooks)
+    for record in other:
+        record.args = done.get(id(record.args), record.args)
+    return done.get(id(tree), tree)
+
+
+def _own_empty_hooks(record: Inert) -> bool:
+    """A torch.save tensor record whose only container argument is an empty hooks dict."""
+    args = record.args
+    return type(record) is InertTensor and len(args) == 6 and type(args[5]) is _CheckedOrderedDict and not args[5] \
+        and not vars(args[5])  # fmt: skip
+
+
+def _rebuilt(obj: Any, done: dict[int, Any]) -> Any:
+    def new(value: Any) -> Any:
+        return done.get(id(value), value)
+
+    if isinstance(obj, _CheckedOrderedDict):
+        out: OrderedDict[Any, Any] = OrderedDict(obj)
+        _renew(out, done)
+        out.__dict__.update((k, new(v)) for k, v in vars(obj).items())
+        return out
+    if isinstance(obj, dict):
+        _renew(obj, done)
+        for key, value in vars(obj).items() if isinstance(obj, OrderedDict) else ():
+            setattr(obj, key, new(value))
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [new(v) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        items = tuple(new(v) for v in obj)
+        return obj if all(a is b for a, b in zip(items, obj, strict=True)) else items
+    if isinstance(obj, Inert):
+        obj.args = new(obj.args)
+        obj.state = new(obj.state)
+    return obj
+
+
+def _renew(mapping: dict[Any, Any], done: dict[int, Any]) -> None:
+    """Replace, in place and in order, the keys and values ``done`` maps to new objects."""
+    if any(done.get(id(k), k) is not k for k in mapping):  # a key replaced (the OrderedDict class as a key)
+        items = [(done.get(id(k), k), done.get(id(v), v)) for k, v in mapping.items()]
+        mapping.clear()
+        mapping.update(items)
+        return
+    for key, value in mapping.items():
+        renewed = done.get(id(value), value)
+        if renewed is not value:
+            mapping[key] = renewed
+
+
 def _checked_pid(pid: Any, *, legacy: bool) -> tuple[Any, ...]:
     size = 6 if legacy else 5
     if not isinstance(pid, tuple) or len(pid) != size or pid[0] != "storage":
@@ -411,6 +635,11 @@ def load(
     ``as_data`` names globals otherwise refused that this caller reads as records and never builds (the
     DTensor classes, for reassembling shards).
     """
+    if isinstance(data, bytes) and count == 1 and not legacy and not protocol4 and not as_data:
+        fast = _fast_load(data, allowed=allowed)
+        if fast is not None:
+            measure(fast[0], budget=_BASE_NODES + 8 * len(data), source=source)
+            return [_plain_odicts(fast[0])], fast[1]
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     trees: list[Any] = []
     storages: dict[str, StorageRef] = {}
@@ -516,152 +745,303 @@ def measure(tree: Any, *, budget: int, source: str) -> int:
 
 
 def walk(obj: Any) -> Iterator[Any]:
-    """Every object reachable from ``obj`` (each once), containers and recipes included."""
+    """Every object reachable from ``obj``: containers and records once each, leaves (numbers, strings, storage
+    references) once per place that holds them."""
     seen: set[int] = set()
     stack = [obj]
     while stack:
         item = stack.pop()
+        kind = type(item)
+        if kind in _LEAVES:
+            yield item
+            continue
         if id(item) in seen:
             continue
         seen.add(id(item))
         yield item
-        if isinstance(item, InertParameter):
+        if kind is InertTensor or kind is InertParameter:
+            # a Parameter's tensor; a tensor's storage (the rest of its record is numbers, checked when read)
             stack.append(item.args[0])
-        elif isinstance(item, InertTensor):
-            stack.append(item.storage)  # the rest of a tensor record is numbers, checked when it was read
         else:
             stack.extend(_children(item))
+
+
+_LEAVES = frozenset({str, int, float, bool, type(None), bytes, complex, StorageRef})
+
+
+def storage_keys(tree: Any) -> set[str]:
+    """Keys of the storages ``tree`` refers to (``walk`` for just that: leaves are not remembered)."""
+    keys: set[str] = set()
+    seen: set[int] = set()
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind is InertTensor:
+            keys.add(item.args[0].key)
+        elif kind is InertParameter:
+            keys.add(item.args[0].args[0].key)
+        elif kind is StorageRef:
+            keys.add(item.key)
+        elif kind not in _LEAVES and id(item) not in seen:
+            seen.add(id(item))
+            stack.extend(_children(item))
+    return keys
 
 
 # --- writer --------------------------------------------------------------------------------------------------
 
 
+_PUT = [b"q" + bytes([i]) for i in range(256)]
+_GET = [b"h" + bytes([i]) for i in range(256)]
+_BYTE = [b"K" + bytes([i]) for i in range(256)]
+_U32 = struct.Struct("<I").pack
+_TUPLE_END = (b")", b"\x85", b"\x86", b"\x87")  # EMPTY_TUPLE, TUPLE1..3: no MARK needed
+
+
+def _plain_record(args: tuple[Any, ...], newobj: bool) -> bool:
+    """Whether a tensor record is exactly what torch.save pickles (then _save_tensor writes it directly)."""
+    if len(args) != 6 or newobj or type(args[0]) is not StorageRef:
+        return False
+    pid, hooks = args[0].pid, args[5]
+    return (
+        type(args[1]) is int
+        and type(args[2]) is tuple
+        and type(args[3]) is tuple
+        and type(args[4]) is bool
+        and type(hooks) in (OrderedDict, _CheckedOrderedDict)
+        and not hooks
+        and not vars(hooks)
+        and len(pid) == 5
+        and type(pid[0]) is str
+        and type(pid[1]) is _Frozen
+        and type(pid[2]) is str
+        and type(pid[3]) is str
+        and type(pid[4]) is int
+    )
+
+
+def _int_bytes(obj: int) -> bytes:
+    if 0 <= obj < 256:
+        return _BYTE[obj]
+    if 0 <= obj < 65536:
+        return b"M" + struct.pack("<H", obj)
+    if -(2**31) <= obj < 2**31:
+        return b"J" + struct.pack("<i", obj)
+    raw = pickle.encode_long(obj)
+    return (b"\x8a" + bytes([len(raw)]) if len(raw) < 256 else b"\x8b" + struct.pack("<i", len(raw))) + raw
+
+
 class _Pickler:
-    """Protocol-2 opcodes for the inert tree, memoized by identity like the standard pickler."""
+    """Protocol-2 opcodes for the inert tree, memoized by identity like the standard pickler.
+
+    Objects whose identity matters (containers, records, storages) and strings (so that a string shared a million
+    times is written once) are memoized; tuples of numbers and a plain tensor's empty hooks are not (sharing them
+    or not makes no difference). The memo maps an object's id to the opcode that gets it back.
+    """
 
     def __init__(self) -> None:
         self.out = bytearray(b"\x80\x02")
-        self.memo: dict[int, int] = {}
+        self.memo: dict[int, bytes] = {}
         self.keep: list[Any] = []  # memoized objects must stay alive so their ids stay unique
         self.by_name: dict[str, type[Global]] = {}
+        self.ints: dict[tuple[int, ...], bytes] = {}  # sizes and strides already encoded: shapes repeat
         self._odict = make_global("collections", "OrderedDict")  # made once: a class per call costs 20 µs
         self._encode = make_global("_codecs", "encode")
+        self._dispatch: dict[type, Callable[[Any], None]] = {
+            str: self._save_str, int: self._save_int, InertTensor: self._save_tensor, tuple: self._save_tuple,
+            type(None): self._save_none, bool: self._save_bool, float: self._save_float, bytes: self._save_bytes,
+            list: self._save_list, dict: self._save_dict, OrderedDict: self._save_odict,
+            _CheckedOrderedDict: self._save_odict, StorageRef: self._save_ref, Inert: self._save_inert,
+            InertParameter: self._save_inert, _Frozen: self._save_global,
+        }  # fmt: skip
 
     def dump(self, obj: Any) -> bytes:
         self.save(obj)
         self.out += b"."
         return bytes(self.out)
 
-    def _memoize(self, obj: Any) -> None:
+    def save(self, obj: Any) -> None:
+        save = self._dispatch.get(type(obj))
+        if save is None:
+            raise TypeError(f"cannot write a {type(obj).__name__} without torch")
+        save(obj)
+
+    def _put(self, obj: Any) -> bytes:
+        """Memoize ``obj``; returns the PUT opcode to write after it."""
         idx = len(self.memo)
-        self.memo[id(obj)] = idx
         self.keep.append(obj)
-        self.out += b"q" + bytes([idx]) if idx < 256 else b"r" + struct.pack("<I", idx)
+        if idx < 256:
+            self.memo[id(obj)] = _GET[idx]
+            return _PUT[idx]
+        self.memo[id(obj)] = b"j" + _U32(idx)
+        return b"r" + _U32(idx)
 
     def _get(self, obj: Any) -> bool:
-        idx = self.memo.get(id(obj))
-        if idx is None:
+        got = self.memo.get(id(obj))
+        if got is None:
             return False
-        self.out += b"h" + bytes([idx]) if idx < 256 else b"j" + struct.pack("<I", idx)
+        self.out += got
         return True
 
-    def save(self, obj: Any) -> None:
-        out = self.out
-        if obj is None:
-            out += b"N"
-        elif obj is True or obj is False:
-            out += b"\x88" if obj else b"\x89"
-        elif type(obj) is int:
-            if 0 <= obj < 256:
-                out += b"K" + bytes([obj])
-            elif 0 <= obj < 65536:
-                out += b"M" + struct.pack("<H", obj)
-            elif -(2**31) <= obj < 2**31:
-                out += b"J" + struct.pack("<i", obj)
-            else:
-                raw = pickle.encode_long(obj)
-                out += (b"\x8a" + bytes([len(raw)]) if len(raw) < 256 else b"\x8b" + struct.pack("<i", len(raw))) + raw
-        elif type(obj) is float:
-            out += b"G" + struct.pack(">d", obj)
-        elif type(obj) is str:
-            if self._get(obj):
-                return
-            raw = obj.encode("utf-8", "surrogatepass")
-            out += b"X" + struct.pack("<I", len(raw)) + raw
-            self._memoize(obj)
-        elif type(obj) is bytes:
-            self._save_call(self._encode, (obj.decode("latin1"), "latin1"))
-        elif self._get(obj):
-            return
-        elif type(obj) is tuple:
-            self._save_tuple(obj)
-        elif type(obj) is list:
-            out += b"]"
-            self._memoize(obj)
-            self._batch(obj, b"a", b"e")
-        elif type(obj) is dict:
-            out += b"}"
-            self._memoize(obj)
-            self._batch(list(obj.items()), b"s", b"u")
-        elif type(obj) is OrderedDict:
-            self._save_global(self._odict)
-            out += b")R"
-            self._memoize(obj)
-            self._batch(list(obj.items()), b"s", b"u")
-            if vars(obj):
-                self.save(dict(vars(obj)))
-                out += b"b"
-        elif isinstance(obj, type) and issubclass(obj, Global):
-            self._save_global(obj)
-        elif isinstance(obj, StorageRef):
-            self.save(obj.pid)
-            out += b"Q"
-        elif isinstance(obj, Inert):
-            self.save(obj.func)
-            self.save(obj.args)
-            out += b"\x81" if obj.newobj else b"R"
-            self._memoize(obj)
-            if obj.has_state:
-                self.save(obj.state)
-                out += b"b"
-        else:
-            raise TypeError(f"cannot write a {type(obj).__name__} without torch")
+    def _save_none(self, obj: None) -> None:
+        self.out += b"N"
 
-    def _save_call(self, func: type[Global], args: tuple[Any, ...]) -> None:
-        self.save(func)
-        self.save(args)
+    def _save_bool(self, obj: bool) -> None:
+        self.out += b"\x88" if obj else b"\x89"
+
+    def _save_int(self, obj: int) -> None:
+        self.out += _int_bytes(obj)
+
+    def _save_float(self, obj: float) -> None:
+        self.out += b"G" + struct.pack(">d", obj)
+
+    def _save_str(self, obj: str) -> None:
+        got = self.memo.get(id(obj))
+        if got is None:
+            raw = obj.encode("utf-8", "surrogatepass")
+            got = b"X" + _U32(len(raw)) + raw + self._put(obj)
+        self.out += got
+
+    def _save_bytes(self, obj: bytes) -> None:
+        self.save(self._encode)
+        self.save((obj.decode("latin1"), "latin1"))
         self.out += b"R"
 
-    def _save_global(self, glob: type[Global]) -> None:
-        first = self.by_name.setdefault(glob.full, glob)  # stand-ins of one name, from several files, written once
-        if self._get(first):
-            return
-        self.out += f"c{glob.module}\n{glob.name}\n".encode()
-        self._memoize(first)
-
     def _save_tuple(self, obj: tuple[Any, ...]) -> None:
-        if not obj:
-            self.out += b")"
+        if self._get(obj):
             return
         if len(obj) > 3:
             self.out += b"("
         for item in obj:
             self.save(item)
-        self.out += b"t" if len(obj) > 3 else b"\x85\x86\x87"[len(obj) - 1 : len(obj)]
-        self._memoize(obj)
+        self.out += b"t" if len(obj) > 3 else _TUPLE_END[len(obj)]
+        if obj:
+            self.out += self._put(obj)
+
+    def _ints(self, obj: tuple[Any, ...]) -> bytes:
+        """A tuple of sizes or strides, not memoized (numbers only: sharing it or not makes no difference)."""
+        got = self.ints.get(obj)  # a tensor record's sizes are ints by construction (the reader checks them)
+        if got is None:
+            if not all(type(v) is int for v in obj):
+                raise TypeError("a tensor's sizes or strides are not integers")
+            items = b"".join(map(_int_bytes, obj))
+            got = (b"(" + items + b"t") if len(obj) > 3 else items + _TUPLE_END[len(obj)]
+            self.ints[obj] = got
+        return got
+
+    def _save_list(self, obj: list[Any]) -> None:
+        if self._get(obj):
+            return
+        self.out += b"]" + self._put(obj)
+        self._batch(obj, b"a", b"e")
+
+    def _save_dict(self, obj: dict[Any, Any]) -> None:
+        if self._get(obj):
+            return
+        self.out += b"}" + self._put(obj)
+        self._batch(list(obj.items()), b"s", b"u")
+
+    def _save_odict(self, obj: OrderedDict[Any, Any]) -> None:
+        if self._get(obj):
+            return
+        self._save_global(self._odict)
+        self.out += b")R" + self._put(obj)
+        self._batch(list(obj.items()), b"s", b"u")
+        if vars(obj):
+            self.save(dict(vars(obj)))
+            self.out += b"b"
+
+    def _save_global(self, glob: type[Global]) -> None:
+        self.out += self._global(glob)
+
+    def _global(self, glob: type[Global]) -> bytes:
+        got = self.memo.get(id(glob))
+        if got is not None:
+            return got
+        first = self.by_name.setdefault(glob.full, glob)  # stand-ins of one name, from several files, written once
+        got = self.memo.get(id(first))
+        if got is None:
+            got = f"c{glob.module}\n{glob.name}\n".encode() + self._put(first)
+        if first is not glob:
+            self.keep.append(glob)
+            self.memo[id(glob)] = self.memo[id(first)]
+        return got
+
+    def _save_ref(self, obj: StorageRef) -> None:
+        self.save(obj.pid)
+        self.out += b"Q"
+
+    def _save_inert(self, obj: Inert) -> None:
+        if self._get(obj):
+            return
+        self.save(obj.func)
+        self.save(obj.args)
+        self.out += (b"\x81" if obj.newobj else b"R") + self._put(obj)
+        if obj.has_state:
+            self.save(obj.state)
+            self.out += b"b"
+
+    def _save_tensor(self, obj: InertTensor) -> None:
+        # torch.save's tensor record in one expression: it is most of what a big state dict holds
+        memo = self.memo
+        args = obj.args
+        if id(obj) in memo or not _plain_record(args, obj.newobj):
+            self._save_inert(obj)  # a tied weight (memo hit) or anything unusual
+            return
+        pid = args[0].pid
+        ref = memo.get(id(pid))
+        if ref is None:  # the first reference to this storage: its persistent id in full
+            key = memo.get(id(pid[2]))
+            if key is None:  # not memoized: a storage's name is in its one persistent id (the pid is memoized)
+                raw = pid[2].encode("utf-8", "surrogatepass")
+                key = b"X" + _U32(len(raw)) + raw
+            tag = memo.get(id(pid[0])) or self._str_bytes(pid[0])
+            loc = memo.get(id(pid[3])) or self._str_bytes(pid[3])
+            ref = b"(" + tag + self._global(pid[1]) + key + loc + _int_bytes(pid[4]) + b"t" + self._put(pid)
+        offset = args[1]
+        self.out += (
+            self._global(obj.func)
+            + b"("
+            + ref
+            + b"Q"
+            + (_BYTE[offset] if 0 <= offset < 256 else _int_bytes(offset))
+            + (self.ints.get(args[2]) or self._ints(args[2]))
+            + (self.ints.get(args[3]) or self._ints(args[3]))
+            + (b"\x88" if args[4] else b"\x89")
+            + self._global(self._odict)
+            + b")RtR"  # torch's empty hooks, written afresh; the args tuple; the call
+            + self._put(obj)
+        )
+
+    def _str_bytes(self, obj: str) -> bytes:
+        raw = obj.encode("utf-8", "surrogatepass")
+        return b"X" + _U32(len(raw)) + raw + self._put(obj)
 
     def _batch(self, items: list[Any], single: bytes, many: bytes) -> None:
+        save, memo = self.save, self.memo
         pairs = single == b"s"
         for start in range(0, len(items), 1000):
             chunk = items[start : start + 1000]
             if len(chunk) > 1:
                 self.out += b"("
-            for item in chunk:
-                if pairs:
-                    self.save(item[0])
-                    self.save(item[1])
-                else:
-                    self.save(item)
+            if pairs:
+                for key, value in chunk:
+                    if type(key) is str:  # a state dict's key, written here rather than through save()
+                        got = memo.get(id(key))
+                        if got is None:
+                            raw = key.encode("utf-8", "surrogatepass")
+                            got = b"X" + _U32(len(raw)) + raw + self._put(key)
+                        self.out += got
+                    else:
+                        save(key)
+                    if type(value) is InertTensor:
+                        self._save_tensor(value)
+                    else:
+                        save(value)
+            else:
+                for item in chunk:
+                    save(item)
             self.out += many if len(chunk) > 1 else single
 
 
@@ -670,4 +1050,5 @@ def dump(tree: Any) -> bytes:
 
     Raises TypeError for an object that is not part of an inert tree (the caller's transform put it there).
     """
-    return _Pickler().dump(tree)
+    with gc_paused():
+        return _Pickler().dump(tree)

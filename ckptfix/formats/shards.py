@@ -64,6 +64,19 @@ def flat_param_keys(state: Any) -> list[str]:
     return [k for k in state if isinstance(k, str) and (k.endswith(FLAT_PARAM) or ".flat_param" in k)]
 
 
+def refuse_flat_params(obj: Any, *, source: str) -> None:
+    """FSDP1 flat parameters are one rank's slices of many parameters: never pass them off as a model."""
+    from ckptfix.checkpoint import model_entries
+
+    for entry in model_entries(obj):
+        if flat := flat_param_keys(obj if entry == "" else obj[entry]):
+            raise ShardedCheckpointError(
+                f"{source}: key '{flat[0]}' is an FSDP1 flat parameter (one rank's 1-D slice of many parameters "
+                f"joined), which no model loads and which cannot be split without FSDP's own metadata; save a full "
+                f"state dict instead (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+            )
+
+
 @dataclass(frozen=True)
 class Piece:
     """One rank's local part of a DTensor and where it goes."""
@@ -272,4 +285,11 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
     return out
 
 
-__all__ = ["DTENSOR_GLOBALS", "ShardedCheckpointError", "explain", "flat_param_keys", "load_ranks"]
+__all__ = [
+    "DTENSOR_GLOBALS",
+    "ShardedCheckpointError",
+    "explain",
+    "flat_param_keys",
+    "load_ranks",
+    "refuse_flat_params",
+]

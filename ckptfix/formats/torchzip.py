@@ -48,11 +48,12 @@ def read_torch_zip(
 ) -> TorchZip:
     """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
     every record's CRC. ``as_data``: see :func:`inert.load`."""
-    archive = read_archive(fd, path, start=start, end=end)
-    pkl = _pickle_record(archive, path)
-    data = os.pread(fd, pkl.size, pkl.data_offset)
-    check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))
-    (tree,), storages = inert.load(data, source=path, allowed=allowed, as_data=as_data)
+    with inert.gc_paused():  # a record per storage, then the tree: nothing to collect, only to rescan
+        archive = read_archive(fd, path, start=start, end=end)
+        pkl = _pickle_record(archive, path)
+        data = os.pread(fd, pkl.size, pkl.data_offset)
+        check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))
+        (tree,), storages = inert.load(data, source=path, allowed=allowed, as_data=as_data)
     for key, ref in storages.items():
         rec = archive.get(f"data/{key}")
         if rec is None:
@@ -93,7 +94,7 @@ def _pickle_record(archive: Archive, path: str) -> Record:
 
 def referenced_storages(tree: Any) -> set[str]:
     """Keys of the storages the tree still refers to."""
-    return {obj.key for obj in inert.walk(tree) if isinstance(obj, inert.StorageRef)}
+    return inert.storage_keys(tree)
 
 
 def stand_ins() -> Callable[[str, str], type[inert.Global]]:
@@ -122,7 +123,7 @@ def tensor_record(
     if storage is not None:
         pid = ("storage", glob("torch", storage), key, "cpu", nbytes // DTYPES[dtype].itemsize)
         args: tuple[Any, ...] = (inert.StorageRef(pid), 0, tuple(shape), tuple(reversed(stride)), False, hooks)
-        return inert.InertTensor(glob("torch._utils", "_rebuild_tensor_v2"), args)
+        return inert.tensor(glob("torch._utils", "_rebuild_tensor_v2"), args)
     pid = ("storage", glob("torch.storage", "UntypedStorage"), key, "cpu", nbytes)
     args = (inert.StorageRef(pid), 0, tuple(shape), tuple(reversed(stride)), False, hooks, glob("torch", dtype))
     return inert.InertTensor(glob("torch._utils", "_rebuild_tensor_v3"), args)

@@ -14,6 +14,7 @@ Stdlib only: no torch here.
 
 from __future__ import annotations
 
+import bisect
 import os
 import struct
 import zlib
@@ -37,7 +38,7 @@ _FLAGS_MAY_DIFFER = FLAG_DESCRIPTOR | FLAG_UTF8  # writers set these on one head
 _MAX_VERSION = 63  # zip 6.3, as Python's zipfile
 
 
-@dataclass
+@dataclass(slots=True)  # one per storage: a million of them in a big state dict
 class Record:
     """One stored file of the archive, as its central directory and local header describe it."""
 
@@ -167,64 +168,106 @@ def _descriptor_gap(gap: int) -> bool:
 
 
 def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int, base: int) -> list[Record]:
-    records: list[Record] = []
+    entries: list[tuple[int, int, tuple[int, ...], bytes, bytes, bytes]] = []
     pos = 0
     for _ in range(count):
         if pos + _CENTRAL.size > len(cd):
             raise damaged(path, "central directory is shorter than its entry count")
-        (sig, made, needed, flags, method, mtime, mdate, crc, csize, usize, name_len, extra_len, comment_len,
-         _disk, iattr, eattr, offset) = _CENTRAL.unpack_from(cd, pos)  # fmt: skip
-        if sig != _SIG_CENTRAL:
+        fields = _CENTRAL.unpack_from(cd, pos)
+        if fields[0] != _SIG_CENTRAL:
             raise damaged(path, f"bad central directory entry at byte {cd_offset + pos}")
+        name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
         start = pos + _CENTRAL.size
-        raw_name = cd[start : start + name_len]
-        extra = cd[start + name_len : start + name_len + extra_len]
-        comment = cd[start + name_len + extra_len : start + name_len + extra_len + comment_len]
         pos = start + name_len + extra_len + comment_len
-        try:
-            name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
-        except UnicodeDecodeError as e:
-            raise damaged(path, f"a record name is not valid UTF-8 ({e})") from e
+        entries.append((start, pos, fields, cd[start : start + name_len], cd[start + name_len : pos - comment_len],
+                        cd[pos - comment_len : pos]))  # fmt: skip
+    headers = _LocalHeaders(fd, path, sorted(e[2][16] + base for e in entries))
+    return [_record(e[2], e[3], e[4], e[5], headers, path=path, cd_offset=cd_offset, base=base) for e in entries]
+
+
+def _record(
+    fields: tuple[int, ...],
+    raw_name: bytes,
+    extra: bytes,
+    comment: bytes,
+    headers: _LocalHeaders,
+    *,
+    path: str,
+    cd_offset: int,
+    base: int,
+) -> Record:
+    """One central directory entry checked against its local header."""
+    (_sig, made, needed, flags, method, mtime, mdate, crc, csize, usize, _name_len, _extra_len, _comment_len,
+     _disk, iattr, eattr, offset) = fields  # fmt: skip
+    try:
+        name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
+    except UnicodeDecodeError as e:
+        raise damaged(path, f"a record name is not valid UTF-8 ({e})") from e
+    if _U32 in (usize, csize, offset):
         wide = [v for v in (usize, csize, offset) if v == _U32]
-        if wide:
-            try:
-                values = iter(_zip64_fields(extra, len(wide)))
-            except ValueError as e:
-                raise damaged(path, f"record '{name}' lacks its zip64 sizes") from e
-            usize = next(values) if usize == _U32 else usize
-            csize = next(values) if csize == _U32 else csize
-            offset = next(values) if offset == _U32 else offset
-        offset += base
-        if method != 0 or csize != usize:
-            raise FormatError(
-                f"{path}: record '{name}' is compressed; torch.save never compresses, so the file was altered; "
-                f"refusing it before decompressing"
-            )
-        if flags & 0x1:
-            raise FormatError(f"{path}: record '{name}' is encrypted; refusing it")
-        if needed > _MAX_VERSION:
-            raise damaged(path, f"record '{name}' needs zip version {needed / 10:.1f}")
-        local = _pread(fd, _LOCAL.size, offset, path=path, what=f"local header of record '{name}'")
-        lsig, _lneeded, lflags, lmethod, *_rest, lname_len, lextra_len = _LOCAL.unpack(local)
-        if lsig != _SIG_LOCAL:
-            raise damaged(path, f"record '{name}' has no local header at byte {offset}")
-        lname = _pread(fd, lname_len, offset + _LOCAL.size, path=path, what=f"name of record '{name}'")
-        # readers differ on which header they believe: any disagreement is a sign of tampering
-        if lmethod != method or (lflags & ~_FLAGS_MAY_DIFFER) != (flags & ~_FLAGS_MAY_DIFFER) or lname != raw_name:
-            raise damaged(
-                path,
-                f"record '{name}': local header disagrees with the central directory (flags {lflags:#x} vs "
-                f"{flags:#x}, method {lmethod} vs {method}, name {lname!r})",
-            )
-        data_offset = offset + _LOCAL.size + lname_len + lextra_len
-        if data_offset + usize > cd_offset:
-            raise FormatError(f"{path}: record '{name}' runs past the end of the data; the file is truncated")
-        records.append(
-            Record(
-                name, offset, data_offset, usize, crc, method, flags, made, needed, mtime, mdate, iattr, eattr, comment
-            )
+        try:
+            values = iter(_zip64_fields(extra, len(wide)))
+        except ValueError as e:
+            raise damaged(path, f"record '{name}' lacks its zip64 sizes") from e
+        usize = next(values) if usize == _U32 else usize
+        csize = next(values) if csize == _U32 else csize
+        offset = next(values) if offset == _U32 else offset
+    offset += base
+    if method != 0 or csize != usize:
+        raise FormatError(
+            f"{path}: record '{name}' is compressed; torch.save never compresses, so the file was altered; "
+            f"refusing it before decompressing"
         )
-    return records
+    if flags & 0x1:
+        raise FormatError(f"{path}: record '{name}' is encrypted; refusing it")
+    if needed > _MAX_VERSION:
+        raise damaged(path, f"record '{name}' needs zip version {needed / 10:.1f}")
+    local = headers.read(_LOCAL.size, offset, what=f"local header of record '{name}'")
+    lsig, _lneeded, lflags, lmethod, _time, _date, _crc, _csize, _usize, lname_len, lextra_len = _LOCAL.unpack(local)
+    if lsig != _SIG_LOCAL:
+        raise damaged(path, f"record '{name}' has no local header at byte {offset}")
+    lname = headers.read(lname_len, offset + _LOCAL.size, what=f"name of record '{name}'")
+    # readers differ on which header they believe: any disagreement is a sign of tampering
+    if lmethod != method or (lflags & ~_FLAGS_MAY_DIFFER) != (flags & ~_FLAGS_MAY_DIFFER) or lname != raw_name:
+        raise damaged(
+            path,
+            f"record '{name}': local header disagrees with the central directory (flags {lflags:#x} vs "
+            f"{flags:#x}, method {lmethod} vs {method}, name {lname!r})",
+        )
+    data_offset = offset + _LOCAL.size + lname_len + lextra_len
+    if data_offset + usize > cd_offset:
+        raise FormatError(f"{path}: record '{name}' runs past the end of the data; the file is truncated")
+    return Record(
+        name, offset, data_offset, usize, crc, method, flags, made, needed, mtime, mdate, iattr, eattr, comment
+    )
+
+
+class _LocalHeaders:
+    """Local headers read a window at a time: the headers of small records share one read instead of two each.
+
+    A window spans from the header asked for to the last header that starts within :data:`_WINDOW` bytes of it
+    (plus room for its name), so the records of a big checkpoint cost one small read each, as before.
+    """
+
+    def __init__(self, fd: int, path: str, offsets: list[int]) -> None:
+        self.fd, self.path, self.offsets = fd, path, offsets
+        self.buf, self.at = b"", 0
+
+    def read(self, n: int, offset: int, *, what: str) -> bytes:
+        rel = offset - self.at
+        if rel < 0 or rel + n > len(self.buf):
+            i = bisect.bisect_right(self.offsets, offset + _WINDOW) - 1  # the last header within the window
+            span = max(n, min(self.offsets[i] - offset + _HEADER_ROOM, _WINDOW) if i >= 0 else n)
+            self.buf, self.at, rel = os.pread(self.fd, span, offset), offset, 0
+        data = self.buf[rel : rel + n]
+        if len(data) != n:
+            raise FormatError(f"{self.path}: {what} runs past the end of the file; it is truncated, re-download or "
+                              f"re-save it")  # fmt: skip
+        return data
+
+
+_WINDOW = 64 << 10
+_HEADER_ROOM = 1024  # a local header and a name of up to ~1 KB, read with the window
 
 
 def check_crc(path: str, name: str, stored: int, actual: int) -> None:
@@ -252,7 +295,10 @@ def verify_records(fd: int, path: str, records: list[Record], *, chunk: int = 1 
 class ZipWriter:
     """Write records torch's way at explicit offsets of an open file descriptor, then the central directory."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, *, data_after_finish: bool = False) -> None:
+        """``data_after_finish``: every record's data is written after :meth:`finish` (as the pt→pt plan does), so
+        the gaps left for small records may be filled with zeros meanwhile and the headers around them go out in
+        one write instead of one each."""
         self.fd = fd
         self.offset = 0
         self.records: list[Record] = []
@@ -260,6 +306,7 @@ class ZipWriter:
         # and written in one call per run of adjacent bytes (a million records, a few thousand writes)
         self._pending = bytearray()
         self._pending_at = 0
+        self._fill = _FILL_MAX if data_after_finish else 0
 
     def begin(self, name: str, size: int, *, like: Record | None = None, congruent_to: int | None = None) -> int:
         """Write the local header of a record of ``size`` bytes; returns the (64-aligned) data offset.
@@ -391,7 +438,10 @@ class ZipWriter:
         return self.offset
 
     def _write(self, data: bytes) -> None:
-        if self.offset != self._pending_at + len(self._pending) or len(self._pending) >= _PENDING_MAX:
+        gap = self.offset - self._pending_at - len(self._pending)
+        if 0 < gap <= self._fill and self._pending:
+            self._pending += bytes(gap)  # a small record's data, written over after finish()
+        elif gap or len(self._pending) >= _PENDING_MAX:
             self.flush()
             self._pending_at = self.offset
         self._pending += data
@@ -410,3 +460,4 @@ class ZipWriter:
 
 
 _PENDING_MAX = 1 << 20
+_FILL_MAX = 64 << 10

@@ -150,9 +150,10 @@ def _write(
         return f"{len(zplan.jobs)} records, {_moved(copier)}{said}"
     new_tree, sources = _st_to_torch_tree(tree)
     with atomic_output(out) as f:
-        zplan = plan_new_torch(new_tree, sources, f.fileno())
+        zplan = plan_new_torch(new_tree, sources, f.fileno(), src_fd=fd, source=source)
         copier = Copier(fd, f.fileno(), source=source, progress=progress)
         crcs = copier.run(zplan.jobs, checks=zplan.checks)
+        copier.copied += zplan.inlined
         for slot, crc in zip(zplan.crc_slots, crcs, strict=True):
             zplan.writer.set_crc(slot, crc)
         zplan.writer.finish()

@@ -14,7 +14,7 @@ import os
 import threading
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.ziparchive import check_crc
@@ -22,12 +22,12 @@ from ckptfix.formats.ziparchive import check_crc
 WINDOW = 16 << 20
 PIECE = 64 << 20  # a range longer than this is hashed by several threads
 _SMALL = 1 << 20  # below this one pread costs less than setting up a map
+_GROUP = 1 << 20  # small checks whose bytes lie within this span are read in one call
 _POLY = 0xEDB88320
 _SEQUENTIAL = getattr(mmap, "MADV_SEQUENTIAL", None)
 
 
-@dataclass(frozen=True)
-class Check:
+class Check(NamedTuple):  # a tuple, not a frozen dataclass: one per record
     """The bytes ``[offset, offset + length)`` of record ``name`` must have CRC-32 ``crc`` (None: compute it)."""
 
     name: str
@@ -144,16 +144,32 @@ class Verifier:
         for thread in self._threads:
             thread.join()
 
-    def _pieces(self) -> Iterator[tuple[int, int, int, int]]:
+    def _pieces(self) -> Iterator[tuple[int, int, int, int] | list[int]]:
+        """Pieces of big checks; small checks in groups of neighbours (by offset) to read in one call each."""
+        small = sorted((i for i, c in enumerate(self.checks) if c.length < _SMALL), key=lambda i: self.checks[i].offset)
+        group: list[int] = []
+        for i in small:
+            check = self.checks[i]
+            if group and check.offset + check.length - self.checks[group[0]].offset > _GROUP:
+                yield group
+                group = []
+            group.append(i)
+        if group:
+            yield group
         for i, check in enumerate(self.checks):
-            for j in range(len(self._parts[i])):
-                start = j * PIECE
-                yield i, j, check.offset + start, min(PIECE, check.length - start)
+            if check.length >= _SMALL:
+                for j in range(len(self._parts[i])):
+                    start = j * PIECE
+                    yield i, j, check.offset + start, min(PIECE, check.length - start)
 
     def _work(self) -> None:
         while True:
             with self._lock:
                 item = next(self._todo, None)
+            if isinstance(item, list):
+                if min(item) <= self._first_bad:
+                    self._small(item)
+                continue
             if item is None or item[0] > self._first_bad:
                 return
             i, j, offset, length = item
@@ -168,6 +184,21 @@ class Verifier:
                 complete = self._left[i] == 0
             if complete:
                 self._finish(i)
+
+    def _small(self, run: list[int]) -> None:
+        """Checks of small records in one read: their CRCs from slices of it."""
+        start = min(self.checks[i].offset for i in run)
+        end = max(self.checks[i].offset + self.checks[i].length for i in run)
+        try:
+            data = memoryview(os.pread(self.fd, end - start, start))
+        except BaseException as e:
+            self._fail(run[0], e)
+            return
+        for i in run:
+            check = self.checks[i]
+            self._parts[i][0] = zlib.crc32(data[check.offset - start : check.offset - start + check.length])
+            self._left[i] = 0
+            self._finish(i)
 
     def _finish(self, i: int) -> None:
         parts, check = self._parts[i], self.checks[i]

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What `pip install ckptfix` gets, without extras: build the wheel and the sdist, install the wheel into a fresh
+# venv (the CPU torch first, as the README does), check what the wheel holds, then use the installed `ckptfix`
+# for every command that writes or reads a file. Nothing from the dev extra (numpy, pytest) is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=$(mktemp -d /tmp/ckptfix-smoke.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+
+.venv/bin/python -m build --wheel --sdist --outdir "$WORK/dist" . > "$WORK/build.log"
+WHEEL=$(ls "$WORK"/dist/ckptfix-*.whl)
+ls "$WORK"/dist/ckptfix-*.tar.gz > /dev/null
+.venv/bin/python - "$WHEEL" <<'PY'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+assert "ckptfix/py.typed" in names, "py.typed is not in the wheel"
+entry = next(n for n in names if n.endswith("entry_points.txt"))
+assert "ckptfix = ckptfix.cli:main" in zipfile.ZipFile(sys.argv[1]).read(entry).decode(), "no ckptfix entry point"
+PY
+
+python3 -m venv "$WORK/venv"
+"$WORK/venv/bin/pip" install -q torch==2.13.0
+"$WORK/venv/bin/pip" install -q "$WHEEL"
+cd "$WORK"
+if venv/bin/python -c "import numpy" 2>/dev/null; then echo "numpy is installed: the smoke test must run without it"; exit 1; fi
+venv/bin/python - <<'PY'
+import torch
+from ckptfix.trainer.model import build_model
+
+for rank in (0, 1):
+    torch.manual_seed(0)
+    model = build_model()
+    torch.save({"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, f"rank{rank}.pt")
+PY
+C=venv/bin/ckptfix
+$C --help > /dev/null
+$C convert rank0.pt fast.safetensors --model-only
+$C convert rank0.pt slow.safetensors --model-only --no-fast
+$C convert rank0.pt plain.pt
+$C merge rank0.pt rank1.pt -o merged.safetensors
+$C inspect rank0.pt > /dev/null
+$C inspect fast.safetensors > /dev/null
+$C validate plain.pt --model ckptfix.trainer.model:build_model
+$C validate merged.safetensors --model ckptfix.trainer.model:build_model
+venv/bin/python - <<'PY'
+import torch
+from safetensors.torch import load_file
+
+a, b = load_file("fast.safetensors"), load_file("slow.safetensors")
+assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "fast and torch paths differ"
+print("smoke test of the installed wheel: OK")
+PY

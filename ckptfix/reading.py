@@ -1,0 +1,288 @@
+"""A checkpoint opened for reading its tensors one at a time: the description first, bytes only on demand.
+
+``inspect``, ``diff`` and ``merge`` need a file's structure (keys, shapes, dtypes, other entries) before, or
+instead of, its tensor bytes. :func:`open_checkpoint` gives the checked inert description the format readers build
+(:func:`ckptfix.formats.torchzip.read_torch_zip`, the safetensors header) without importing torch; :meth:`Opened.tensor`
+then reads one tensor into memory of its own, its zip record's CRC checked, so memory follows the tensors in use,
+not the file. Files the description cannot serve (legacy torch files, ``unsafe=True``, folders, quantized or sparse
+tensors, big-endian data when bytes are needed) are loaded the usual way, and ``note`` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptfix.errors import FormatError
+from ckptfix.formats import allowlist, detect_format, inert, read
+from ckptfix.formats.atomic import PathLike
+from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.safetensors import read_header
+from ckptfix.formats.torchfile import changed_while_reading, file_identity
+from ckptfix.formats.torchzip import TorchZip, read_torch_zip
+from ckptfix.formats.ziparchive import Record, check_crc, verify_records
+from ckptfix.stream.st import StTensor, tree_from_header
+
+if TYPE_CHECKING:
+    import torch
+
+_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A tensor's dtype (torch's name, ``float32``) and shape, known without reading it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+
+def spec(value: Any) -> Spec:
+    """Dtype and shape of a tensor or of a tensor record of either reader."""
+    if isinstance(value, (inert.InertTensor, inert.InertParameter)):
+        return Spec(value.dtype, tuple(value.shape))
+    if isinstance(value, StTensor):
+        return Spec(value.dtype, tuple(value.shape))
+    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape))
+
+
+def storage_of(value: Any) -> Hashable | None:
+    """What a tensor's bytes live in, so tensors sharing storage can be found; None for an empty tensor."""
+    if spec(value).numel == 0:
+        return None
+    if isinstance(value, (inert.InertTensor, inert.InertParameter)):
+        return ("pt", inert.tensor_of(value).storage.key)
+    if isinstance(value, StTensor):
+        return ("st", value.start)
+    return (str(value.device), value.untyped_storage().data_ptr())
+
+
+def identity(value: Any) -> Hashable:
+    """Equal for two names of one tensor (tied weights): same storage, offset, shape, strides and dtype."""
+    if isinstance(value, (inert.InertTensor, inert.InertParameter)):
+        t = inert.tensor_of(value)
+        return ("pt", t.storage.key, t.offset, t.shape, t.stride, t.dtype)
+    if isinstance(value, StTensor):
+        return ("st", value.start, value.end, value.dtype, value.shape)
+    ptr = value.untyped_storage().data_ptr()
+    return (ptr, value.storage_offset(), tuple(value.shape), tuple(value.stride()), str(value.dtype))
+
+
+@dataclass
+class Opened:
+    """One checkpoint: ``tree`` holds tensor records (or real tensors when ``note`` says torch loaded it)."""
+
+    source: str
+    fmt: str
+    tree: Any
+    note: str | None = None  # why the file was loaded with torch instead of described
+    fd: int | None = None
+    zip: TorchZip | None = None
+    before: tuple[int, ...] = ()
+    verified: set[str] = field(default_factory=set)  # zip records whose CRC was checked
+
+    def __enter__(self) -> Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(check=exc[0] is None)
+
+    def close(self, *, check: bool = True) -> None:
+        """Close the file; the bytes read must be the bytes that were checked (the file did not change)."""
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:
+            if check and file_identity(fd) != self.before:
+                raise changed_while_reading(self.source)
+        finally:
+            os.close(fd)
+
+    @property
+    def described(self) -> bool:
+        """True when no tensor was loaded: the tree holds records, read one at a time by :meth:`tensor`."""
+        return self.note is None
+
+    def tensor(self, value: Any) -> torch.Tensor:
+        """The tensor ``value`` stands for, in memory of its own (a real tensor is returned as it is)."""
+        if isinstance(value, (inert.InertTensor, inert.InertParameter)):
+            return self._zip_tensor(inert.tensor_of(value))
+        if isinstance(value, StTensor):
+            return self._st_tensor(value)
+        return value  # type: ignore[no-any-return]
+
+    def record(self, value: Any) -> Record:
+        """The zip record holding a tensor record's storage."""
+        assert self.zip is not None  # only InertTensors, which only zips hold, get here
+        return self.zip.archive.by_name[f"{self.zip.archive.prefix}data/{inert.tensor_of(value).storage.key}"]
+
+    def record_bytes(self, rec: Record, start: int = 0, length: int | None = None) -> bytearray:
+        """Bytes ``[start, start + length)`` of a storage record; the record's CRC is checked once."""
+        assert self.fd is not None  # records exist only while the file is open
+        length = rec.size - start if length is None else length
+        if start == 0 and length == rec.size and rec.name not in self.verified:
+            data = _pread(self.fd, rec.data_offset, rec.size, source=self.source)
+            check_crc(self.source, rec.name, rec.crc, zlib.crc32(data))
+            self.verified.add(rec.name)
+            return data
+        if rec.name not in self.verified:  # a view of part of a storage: check the whole record once, in chunks
+            verify_records(self.fd, self.source, [rec])
+            self.verified.add(rec.name)
+        return _pread(self.fd, rec.data_offset + start, length, source=self.source)
+
+    def pread(self, offset: int, length: int) -> bytearray:
+        """Bytes ``[offset, offset + length)`` of the file, unchecked (the caller checks the record's CRC)."""
+        assert self.fd is not None  # records exist only while the file is open
+        return _pread(self.fd, offset, length, source=self.source)
+
+    def _zip_tensor(self, t: inert.InertTensor) -> torch.Tensor:
+        import torch
+
+        dtype = _torch_dtype(torch, t.dtype, source=self.source)
+        rec = self.record(t)
+        width = DTYPES[t.dtype].itemsize
+        out = torch.empty((0,), dtype=dtype)
+        if t.numel() == 0:
+            return out.reshape(t.shape)
+        # only the bytes the view reaches (a state dict of views into one flat buffer reads each view once)
+        extent = t.offset + 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=True))
+        data = self.record_bytes(rec, t.offset * width, (extent - t.offset) * width)
+        out.set_(torch.frombuffer(data, dtype=torch.uint8).untyped_storage(), 0, t.shape, t.stride)
+        return out
+
+    def _st_tensor(self, value: StTensor) -> torch.Tensor:
+        import torch
+
+        dtype = _torch_dtype(torch, value.dtype, source=self.source)
+        if value.end == value.start:
+            return torch.empty(value.shape, dtype=dtype)
+        assert self.fd is not None  # records exist only while the file is open
+        data = _pread(self.fd, value.start, value.end - value.start, source=self.source)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(value.shape)
+
+
+def _torch_dtype(torch: Any, name: str, *, source: str) -> Any:
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        raise FormatError(f"{source}: a tensor has dtype {name}, which this torch cannot represent; upgrade torch")
+    return dtype
+
+
+def _pread(fd: int, offset: int, length: int, *, source: str) -> bytearray:
+    buf = bytearray(length)
+    view = memoryview(buf)
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[done : done + (1 << 30)]], offset + done)
+        if n == 0:
+            raise FormatError(
+                f"{source}: ends before byte {offset + length}; it is truncated, re-download or re-save it"
+            )
+        done += n
+    return buf
+
+
+def _truncated(source: str, end: int) -> FormatError:
+    return FormatError(f"{source}: ends before byte {end}; it is truncated, re-download or re-save it")
+
+
+def in_memory(obj: Any, *, source: str) -> Opened:
+    """An object already in memory (``ckptfix.load``'s result, a state dict) behind the same interface."""
+    return Opened(source=source, fmt="memory", tree=obj, note="already in memory")
+
+
+def open_checkpoint(
+    path: PathLike,
+    *,
+    allow_globals: Iterable[str] = (),
+    unsafe: bool = False,
+    need_bytes: bool = True,
+    verify: bool = False,
+) -> Opened:
+    """Open ``path`` as its checked description; fall back to loading it with torch where that cannot serve.
+
+    ``need_bytes`` (diff, merge) also sends big-endian files to torch, which swaps their bytes. ``verify`` reads
+    every record and checks its CRC now (a safetensors file, which has no checksums, is read through).
+    """
+    source = os.fspath(path)
+    fmt = detect_format(path)
+    reason = _torch_needed(fmt, unsafe=unsafe)
+    if reason is None:
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify)
+            reason = _torch_only(opened, need_bytes=need_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        if reason is None:
+            return opened
+        os.close(fd)
+    obj = read(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
+    return Opened(source=source, fmt=fmt, tree=obj, note=reason)
+
+
+def _torch_needed(fmt: str, *, unsafe: bool) -> str | None:
+    if unsafe:
+        return "--unsafe-pickle runs the full unpickler"
+    if fmt == "torch-legacy":
+        return "a legacy (pre-1.6) torch file, whose storages only torch reads"
+    if fmt not in ("torch-zip", "safetensors"):
+        return f"a {fmt}"
+    return None
+
+
+def _describe(fd: int, source: str, fmt: str, *, allow_globals: Iterable[str], verify: bool) -> Opened:
+    before = file_identity(fd)
+    if fmt == "safetensors":
+        header = read_header(source)
+        if file_identity(fd) != before:
+            raise changed_while_reading(source)
+        if verify:
+            _read_through(fd, header.data_start, os.fstat(fd).st_size, source=source)
+        tree = tree_from_header(header, source=source)
+        return Opened(source=source, fmt=fmt, tree=tree, fd=fd, before=before)
+    allowed = allowlist.allowed_names(allow_globals, source=source)
+    z = read_torch_zip(fd, source, allowed=allowed, verify=verify)
+    verified = {r.name for r in z.archive.records} if verify else set()
+    return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified)
+
+
+def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
+    """Why the description cannot stand in for the loaded checkpoint, if it cannot."""
+    if opened.zip is None:
+        return None
+    if need_bytes and opened.zip.byteorder != "little":
+        return f"a {opened.zip.byteorder}-endian file, whose bytes torch swaps"
+    for obj in inert.walk(opened.tree):
+        if isinstance(obj, inert.InertTensor) and not obj.plain:
+            return "a tensor with backward hooks or extra state"
+        if type(obj) is inert.Inert and obj.func.module.startswith(("torch._utils", "torch._tensor")):
+            return f"{obj.func.full}(...): a quantized, sparse or subclass tensor"
+        kids = list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+        if any(isinstance(k, inert.StorageRef) for k in kids):
+            return "a raw storage outside any tensor"
+    return None
+
+
+def _read_through(fd: int, start: int, end: int, *, source: str) -> None:
+    at = start
+    while at < end:
+        n = len(os.pread(fd, min(_CHUNK, end - at), at))
+        if n == 0:
+            raise _truncated(source, end)
+        at += n

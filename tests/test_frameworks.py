@@ -1,0 +1,273 @@
+"""Checkpoints written by the libraries people train with, made here with those libraries, read by ckptfix.
+
+transformers (a GPT-2 whose ``lm_head`` is tied to ``wte``), timm (a ``CheckpointSaver`` file with an EMA copy and
+``args`` as an ``argparse.Namespace``) and Lightning (a ``.ckpt`` from ``Trainer.fit`` whose hparams hold a
+``pathlib.Path``). Each time the weights ckptfix loads are compared, ``torch.equal``, with what the library's own
+loader gives. Each test skips, saying why, when its library is not installed (``pip install -e '.[frameworks]'``).
+A marker-file payload placed next to the weights is never run, on any entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import importlib
+import importlib.util
+import pathlib
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from torch import nn
+
+import ckptfix
+from ckptfix.cli import cli
+from tests.models import SmallNet, make_net
+
+_TORCHVISION_OPS: Any = None  # the library that declares torchvision's two op schemas, kept alive
+
+
+def _usable_torchvision() -> None:
+    """Let torchvision's Python side import under a CPU-only torch (timm imports it, and Lightning when present).
+
+    PyPI has one torchvision per torch release, built for CUDA: under the CPU build of torch its C ops do not load,
+    and then its import fails on two fake registrations it does not guard ("operator torchvision::nms does not
+    exist"). Declaring those two schemas first lets the import finish; nothing here calls them.
+    """
+    global _TORCHVISION_OPS
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # type: ignore[import-untyped]
+    except RuntimeError:
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+        _TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")  # type: ignore[no-untyped-call]
+        for op in ("nms", "qnms"):
+            _TORCHVISION_OPS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import torchvision  # noqa: F401
+
+
+def _library(name: str) -> ModuleType:
+    _usable_torchvision()
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pytest.skip(f"{name} is not installed (pip install -e '.[frameworks]'): {e}")
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _equal(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
+
+
+OPEN = f"{builtins.open.__module__}.open"  # how pickle names builtins.open: io.open
+
+
+class Payload:
+    """Pickles as ``open(marker, "w")``: running the file's pickle creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.open, (self.marker, "w"))
+
+
+def _never_runs(path: Path, marker: Path, model: nn.Module, *, extra: tuple[str, ...] = ()) -> None:
+    """Every entry point refuses ``path`` as code, without advice, and the marker never appears."""
+    calls: list[Callable[[], object]] = [
+        lambda: ckptfix.load(path, allow_globals=extra),
+        lambda: ckptfix.load_into(model, path, allow_globals=extra),
+        lambda: ckptfix.check(path, model, allow_globals=extra),
+        lambda: ckptfix.load(path, allow_globals=[*extra, OPEN]),
+    ]
+    for call in calls:
+        with pytest.raises(ckptfix.UnsafeCheckpointError, match=re.escape(OPEN)):
+            call()
+        assert not marker.exists()
+    flags = [w for name in extra for w in ("--allow-global", name)]
+    commands: list[list[str | Path]] = [["validate", path, "--model", "tests.models:SmallNet"], ["inspect", path]]
+    for args in commands:
+        result = run(*args, *flags)
+        assert result.exit_code == 2 and OPEN in result.stderr, result.output
+        assert "--unsafe-pickle" not in result.stderr and "--allow-global" not in result.stderr
+        assert not marker.exists()
+
+
+def test_a_payload_next_to_the_weights_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": make_net().state_dict(), "epoch": 1, "payload": Payload(marker)}, path)
+    torch.load(path, weights_only=False)["payload"].close()  # the premise: the full unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    _never_runs(path, marker, SmallNet())
+
+
+# --- transformers: GPT-2 with tied embeddings ------------------------------------------------------------------
+
+
+def tiny_gpt2() -> Any:
+    """A GPT-2 small enough for a test; ``lm_head.weight`` is ``transformer.wte.weight`` (tied)."""
+    transformers = _library("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=32)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.slow  # importing transformers and three from_pretrained calls: about 10 s on 2 cores
+def test_transformers_gpt2_tied_weights_load_as_from_pretrained_loads_them(tmp_path: Path) -> None:
+    transformers = _library("transformers")
+    remove_tied_weights_from_state_dict = _library("transformers.modeling_utils").remove_tied_weights_from_state_dict
+
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    model.save_pretrained(tmp_path / "st")  # transformers 5 writes safetensors only
+    (tmp_path / "bin").mkdir()
+    model.config.save_pretrained(tmp_path / "bin")
+    # What save_pretrained(safe_serialization=False) wrote before transformers 5, and from_pretrained still reads.
+    bin_state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    torch.save(bin_state, tmp_path / "bin" / "pytorch_model.bin")
+    assert "lm_head.weight" not in bin_state
+    for folder, weights in (("st", "model.safetensors"), ("st", ""), ("bin", "pytorch_model.bin")):
+        expected = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / folder).state_dict()
+        path = tmp_path / folder / weights if weights else tmp_path / folder
+        torch.manual_seed(1)
+        target: Any = tiny_gpt2()
+        report = ckptfix.load_into(target, path)
+        assert report.tied == {"lm_head.weight": "transformer.wte.weight"} and report.loads_as_is
+        _equal(target.state_dict(), expected)
+        assert target.lm_head.weight is target.transformer.wte.weight  # still one tensor
+        assert ckptfix.check(path, tiny_gpt2()).tied == report.tied
+    result = run("validate", tmp_path / "bin" / "pytorch_model.bin", "--model", "tests.test_frameworks:tiny_gpt2")
+    assert result.exit_code == 0, result.output
+    assert "  lm_head.weight = transformer.wte.weight" in result.stdout
+    marker = tmp_path / "PWNED"
+    torch.save({**bin_state, "payload": Payload(marker)}, tmp_path / "bin" / "payload.bin")
+    _never_runs(tmp_path / "bin" / "payload.bin", marker, tiny_gpt2())
+
+
+# --- timm: CheckpointSaver with an EMA copy and argparse args ----------------------------------------------------
+
+
+def _timm_checkpoint(tmp_path: Path, **args: Any) -> tuple[Any, Path]:
+    timm = _library("timm")
+    utils = _library("timm.utils")
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", num_classes=3)
+    ema = utils.ModelEmaV3(model, decay=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(4, 3, 32, 32)).square().mean().backward()
+    optimizer.step()
+    ema.update(model)  # the EMA copy now differs from the trained weights
+    namespace = argparse.Namespace(model="test_resnet", lr=0.5, epochs=1, **args)
+    saver = utils.CheckpointSaver(
+        model, optimizer, args=namespace, model_ema=ema, checkpoint_dir=str(tmp_path), recovery_dir=str(tmp_path)
+    )
+    saver.save_checkpoint(epoch=0, metric=0.5)
+    return timm, tmp_path / "last.pth.tar"
+
+
+@pytest.mark.slow  # timm and torchvision imports, two models, a CLI run: about 5 s
+def test_timm_ema_checkpoint_loads_as_timms_own_loader_loads_it(tmp_path: Path) -> None:
+    timm, path = _timm_checkpoint(tmp_path)
+    load_checkpoint = _library("timm.models").load_checkpoint
+
+    with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"allow_globals='argparse\.Namespace'"):
+        ckptfix.load_into(timm.create_model("test_resnet", num_classes=3), path)
+    allow = ["argparse.Namespace"]
+    for use_ema, entry in ((True, "state_dict_ema"), (False, None)):
+        expected = timm.create_model("test_resnet", num_classes=3)
+        load_checkpoint(expected, str(path), use_ema=use_ema)  # timm's default is use_ema=True
+        target = timm.create_model("test_resnet", num_classes=3)
+        report = ckptfix.load_into(target, path, entry=entry, allow_globals=allow)
+        assert report.entry == (entry or "state_dict") and report.loads_as_is
+        _equal(target.state_dict(), expected.state_dict())
+    trained, ema = (ckptfix.load(path, allow_globals=allow)[k] for k in ("state_dict", "state_dict_ema"))
+    assert any(not torch.equal(trained[k], ema[k]) for k in trained)  # the two entries really differ
+    result = run("validate", path, "--model", "timm:create_model", "--kwargs", '{"model_name": "test_resnet", '
+                 '"num_classes": 3}', "--allow-global", "argparse.Namespace", "--entry", "state_dict_ema")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0].startswith(f"checkpoint: {path} (entry 'state_dict_ema', layout single")
+
+
+@pytest.mark.slow  # importing timm and torchvision
+def test_timm_payload_in_args_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    timm, path = _timm_checkpoint(tmp_path, payload=Payload(marker))
+    _never_runs(path, marker, timm.create_model("test_resnet", num_classes=3), extra=("argparse.Namespace",))
+
+
+# --- Lightning: a .ckpt from Trainer.fit, hparams with a pathlib.Path -------------------------------------------
+
+
+class TinyNet(nn.Module):
+    """The network a LightningModule keeps as ``self.model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))  # type: ignore[no-any-return]
+
+
+def _lightning_fit(tmp_path: Path, **hparams: Any) -> tuple[Any, Path]:
+    lightning = _library("lightning")
+
+    class Classifier(lightning.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self, data_dir: pathlib.Path, lr: float = 0.1, **extra: Any) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = TinyNet()
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    saver = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, filename="last")
+    trainer = lightning.Trainer(
+        max_epochs=1, accelerator="cpu", devices=1, logger=False, callbacks=[saver], enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(Classifier(pathlib.Path("/data/bars"), **hparams), torch.utils.data.DataLoader(data, batch_size=8))
+    return Classifier, tmp_path / "last.ckpt"
+
+
+@pytest.mark.slow  # importing Lightning alone takes seconds
+def test_lightning_ckpt_with_a_path_in_hparams_loads_into_the_inner_network(tmp_path: Path) -> None:
+    classifier, path = _lightning_fit(tmp_path)
+    with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"allow_globals='pathlib\.PosixPath'"):
+        ckptfix.load(path)
+    allow = ["pathlib.PosixPath"]
+    assert ckptfix.load(path, allow_globals=allow)["hyper_parameters"]["data_dir"] == pathlib.Path("/data/bars")
+    expected = classifier.load_from_checkpoint(path, weights_only=False).model.state_dict()  # Lightning's loader
+    net = TinyNet()
+    report = ckptfix.load_into(net, path, allow_globals=allow)
+    assert report.renamed_prefix == ("model.", "") and report.entry == "state_dict"
+    _equal(net.state_dict(), expected)
+    assert run("inspect", path, "--allow-global", "pathlib.PosixPath").exit_code == 0
+    result = run("validate", path, "--model", "tests.test_frameworks:TinyNet", "--allow-global", "pathlib.PosixPath")
+    assert result.exit_code == 1 and "prefix only: the checkpoint's keys carry 'model.' in front" in result.stdout
+    marker = tmp_path / "PWNED"
+    _, poisoned = _lightning_fit(tmp_path / "poisoned", payload=Payload(marker))
+    marker.unlink(missing_ok=True)  # Lightning deep-copies its hparams while it trains, which runs the payload
+    _never_runs(poisoned, marker, TinyNet(), extra=tuple(allow))

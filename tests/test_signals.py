@@ -1,0 +1,112 @@
+"""SIGTERM, SIGINT and SIGHUP during a write: the temp file is removed and the exit status is the usual one.
+
+Each case runs a real ``ckptfix`` (or a script calling ``ckptfix.save``) on inputs big enough that writing takes
+a while, waits until its temp file appears, freezes it with SIGSTOP (so the signal lands mid-write however fast
+the machine is), sends the signal, and lets it go on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+KEYS = 48  # 1 MiB each: writing takes long enough to be caught in the act, the files stay small
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("signals")
+    files = []
+    for rank in range(2):
+        gen = torch.Generator().manual_seed(0)
+        state = {f"layer{i}.weight": torch.randn(512, 512, generator=gen) for i in range(KEYS)}
+        state["bn.running_mean"] = torch.full((8,), float(rank))
+        state["bn.running_var"] = torch.ones(8)
+        files.append(folder / f"rank{rank}.pt")
+        torch.save({"model": state, "epoch": 1}, files[-1])
+    return files
+
+
+def _temp_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob(".*.ckptfix-tmp"))
+
+
+def _signal_mid_write(command: list[str], folder: Path, signum: int) -> int:
+    """Run ``command``; once its temp file exists, deliver ``signum`` while it is frozen; return its exit status."""
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=folder)
+    try:
+        deadline = time.monotonic() + 60
+        while not _temp_files(folder):
+            if child.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no temp file appeared; exit {child.returncode}: {child.stderr.read()!r}")
+            time.sleep(0.0005)
+        child.send_signal(signal.SIGSTOP)
+        if not _temp_files(folder):  # it finished writing in the instant before it stopped: not mid-write
+            child.send_signal(signal.SIGCONT)
+            pytest.skip("the write finished before the signal could land")
+        child.send_signal(signum)
+        child.send_signal(signal.SIGCONT)
+        child.wait(timeout=60)
+        return child.returncode
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+CLI = [sys.executable, "-m", "ckptfix"]
+
+
+def _command(kind: str, ranks: list[Path], out: Path) -> list[str]:
+    if kind == "merge":
+        return [*CLI, "merge", str(ranks[0]), str(ranks[1]), "-o", str(out)]
+    if kind == "convert":
+        return [*CLI, "convert", str(ranks[0]), str(out), "--model-only"]
+    script = "import sys, torch, ckptfix; ckptfix.save(torch.load(sys.argv[1]), sys.argv[2])"
+    return [sys.executable, "-c", script, str(ranks[0]), str(out)]
+
+
+def _check(kind: str, signum: int, ranks: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / ("merged.pt" if kind != "convert" else "model.safetensors")
+    status = _signal_mid_write(_command(kind, ranks, out), tmp_path, signum)
+    assert _temp_files(tmp_path) == [], "the temp file was left behind"
+    assert not out.exists()
+    if kind == "save":  # a library call: the process ends by the signal itself, as it would have without ckptfix
+        assert status in (-signum, 128 + signum)
+    else:  # the CLI exits 128 + N, as a shell reports a program a signal stopped
+        assert status == 128 + signum
+
+
+def test_sigterm_during_merge_removes_the_temp_file(ranks: list[Path], tmp_path: Path) -> None:
+    _check("merge", signal.SIGTERM, ranks, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["merge", "convert", "save"])
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_each_signal_during_each_write_removes_the_temp_file(
+    kind: str, signum: int, ranks: list[Path], tmp_path: Path
+) -> None:
+    _check(kind, signum, ranks, tmp_path)
+
+
+def test_a_program_s_own_handler_is_left_alone(tmp_path: Path) -> None:
+    script = (
+        "import signal, sys\n"
+        "from ckptfix.formats.atomic import unwinding_signals\n"
+        "mine = lambda *a: None\n"
+        "signal.signal(signal.SIGTERM, mine)\n"
+        "with unwinding_signals():\n"
+        "    assert signal.getsignal(signal.SIGTERM) is mine\n"
+        "    assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL\n"
+        "assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
