@@ -133,7 +133,7 @@ def _temp_output(out: PathLike) -> Iterator[BinaryIO]:
         if isinstance(e, OSError):
             raise OutputError(f"{out_s}: write failed ({e.strerror or e}); the output was not written") from e
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 _HELD = {signal.SIGINT, *TERMINATING}
@@ -151,7 +151,7 @@ def _release_signals(held: set[int | signal.Signals] | None) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _fsync_dir(folder: str) -> None:
+def fsync_dir(folder: str) -> None:
     # The rename is durable only once the folder entry is on disk.
     with contextlib.suppress(OSError):
         dir_fd = os.open(folder, os.O_RDONLY)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats.atomic import PathLike
+from ckptfix.formats.atomic import PathLike, fsync_dir
 
 INDEX_SUFFIX = ".index.json"
 MAX_INDEX = 64 << 20  # a 1M-key weight map is ~60 MB of JSON; anything larger is not an index
@@ -106,13 +106,7 @@ def _is_index(path: str) -> bool:
 
 
 def _read_index(path: str) -> dict[str, Any]:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise FormatError(f"{path}: key '{key}' appears twice in the index; the index is damaged")
-            out[key] = value
-        return out
+    from ckptfix.formats.safetensors import no_duplicates
 
     try:
         with open(path, "rb") as f:
@@ -123,6 +117,8 @@ def _read_index(path: str) -> dict[str, Any]:
         raise FormatError(f"{path}: over {MAX_INDEX >> 20} MiB, too large for an index file; it is not one")
     try:
         parsed = json.loads(raw, object_pairs_hook=no_duplicates)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e} in the index; the index is damaged") from e
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{path}: not a JSON index ({e}); re-download it") from e
     if not isinstance(parsed, dict):
@@ -327,7 +323,7 @@ def staged(out: PathLike) -> Iterator[str]:
         for name in names:
             os.rename(os.path.join(tmp, name), os.path.join(folder, name))
             moved.append(os.path.join(folder, name))
-        _fsync(folder)
+        fsync_dir(folder)
     except BaseException:
         for path in moved:
             with contextlib.suppress(OSError):
@@ -335,15 +331,6 @@ def staged(out: PathLike) -> Iterator[str]:
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync(folder: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def index_json(weight_map: Mapping[str, str], *, total_size: int) -> bytes:

@@ -48,11 +48,12 @@ class Header:
     data_start: int
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` that refuses a key given twice (JSON itself keeps the last)."""
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise FormatError(f"duplicate key '{key}' in the header")
+            raise FormatError(f"key '{key}' appears twice")
         out[key] = value
     return out
 
@@ -75,9 +76,9 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     except OSError as e:
         raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
     try:
-        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
     except FormatError as e:
-        raise FormatError(f"{source}: {e}; the file was not written by a safetensors writer") from e
+        raise FormatError(f"{source}: {e} in the header; the file was not written by a safetensors writer") from e
     except RecursionError as e:
         raise FormatError(f"{source}: safetensors header nests JSON too deeply; the file is corrupt") from e
     except (UnicodeDecodeError, ValueError) as e:
