@@ -104,6 +104,7 @@ def test_a_program_s_own_handler_is_left_alone(tmp_path: Path) -> None:
         "from ckptfix.formats.atomic import unwinding_signals\n"
         "mine = lambda *a: None\n"
         "signal.signal(signal.SIGTERM, mine)\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it (nohup would have it ignored)\n"
         "with unwinding_signals():\n"
         "    assert signal.getsignal(signal.SIGTERM) is mine\n"
         "    assert signal.getsignal(signal.SIGHUP) is not signal.SIG_DFL\n"
