@@ -59,7 +59,8 @@ def _library(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        pytest.skip(f"{name} is not installed (pip install -e '.[frameworks]'): {e}")
+        why = "" if name != "timm" else "; timm needs torchvision, whose torch-2.13 build here is CUDA-only"
+        pytest.skip(f"{name} cannot be imported ({e}){why}; the frameworks extra installs the others")
 
 
 def run(*args: str | Path) -> Result:
