@@ -45,8 +45,8 @@ def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | No
     if names <= DTENSOR_GLOBALS and any("DTensor" in n for n in names):
         return ShardedCheckpointError(
             f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
-            f"tensors; reassemble them from every rank's file: ckptfix merge rank0.pt … rankN.pt -o full.pt (or "
-            f"save get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+            f"tensors; reassemble them from every rank's file with ckptfix.formats.shards.load_ranks([rank0.pt, …]) "
+            f"or save get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
         )
     if any(n.startswith(_SHARDED_TENSOR) for n in names):
         return ShardedCheckpointError(
