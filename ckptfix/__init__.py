@@ -41,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "MergeResult": "ckptfix.merging",
     "merge": "ckptfix.merging",  # module not named merge: importing it would shadow the function
     "summarize": "ckptfix.summary",
+    "Sanitized": "ckptfix.sanitizing",
+    "sanitize": "ckptfix.sanitizing",  # module not named sanitize: importing it would shadow the function
     "load_for_ddp": "ckptfix.distributed",
     "save_for_ddp": "ckptfix.distributed",
 }
@@ -128,6 +130,12 @@ if TYPE_CHECKING:
     )
     from ckptfix.merging import (
         merge as merge,
+    )
+    from ckptfix.sanitizing import (
+        Sanitized as Sanitized,
+    )
+    from ckptfix.sanitizing import (
+        sanitize as sanitize,
     )
     from ckptfix.summary import (
         summarize as summarize,

@@ -61,15 +61,13 @@ def model_entries(obj: object) -> list[str]:
         return [""]
     if not isinstance(obj, Mapping):
         return []
-    found = [
-        key
-        for key, value in obj.items()
-        if isinstance(key, str)
-        and not _NOT_MODEL.search(key)
-        and (key in MODEL_ENTRY_NAMES or _MODEL_ENTRY_PATTERN.search(key.lower()))
-        and is_state_dict(value)
-    ]
+    found = [k for k, value in obj.items() if isinstance(k, str) and model_entry_name(k) and is_state_dict(value)]
     return sorted(found, key=lambda k: MODEL_ENTRY_NAMES.index(k) if k in MODEL_ENTRY_NAMES else len(found) + 99)
+
+
+def model_entry_name(key: str) -> bool:
+    """Whether an entry called ``key`` is taken for a model state dict when it holds one."""
+    return not _NOT_MODEL.search(key) and (key in MODEL_ENTRY_NAMES or bool(_MODEL_ENTRY_PATTERN.search(key.lower())))
 
 
 def get_entry(obj: Any, entry: str) -> Any:

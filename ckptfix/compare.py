@@ -58,6 +58,10 @@ class KeyReport:
     target_prefix: str = ""
     target_layout: str = "single"
     entry: str = ""
+    # Entries of the file that were not loaded because they need globals outside the allowlist (entry -> what
+    # they hold); nothing in them was run. ``not_copyable``: those that can run code, which convert never copies.
+    not_loaded: dict[str, str] = field(default_factory=dict)
+    not_copyable: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -156,6 +160,8 @@ class KeyReport:
             words += ["--allow-global", name]
         if unsafe:
             words.append("--unsafe-pickle")
+        elif self.not_copyable:  # a full conversion refuses to copy them: keep the weights only
+            words.append("--model-only")
         return shlex.join(words)
 
     def _key_options(self) -> list[str]:
@@ -186,6 +192,7 @@ class KeyReport:
             "rename_rules": list(self.rename_rules),
             "tied": dict(self.tied),
             "renamed_prefix": list(self.renamed_prefix) if self.renamed_prefix is not None else None,
+            "not_loaded": dict(self.not_loaded),
         }
 
 

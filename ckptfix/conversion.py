@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import OutputError
-from ckptfix.formats import detect_format, output_format, read, write
+from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.layouts import TARGETS, Layout, parse_rename
 from ckptfix.signature import strict_keywords
@@ -47,8 +47,10 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
+        from ckptfix.formats.opaque import require
         from ckptfix.formats.shards import refuse_flat_params
 
+        require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
         refuse_flat_params(obj, source=source)
         return convert_checkpoint(
             obj,
@@ -146,8 +148,9 @@ def convert_file(
             return result
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
-    obj = read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
+    obj = opaque.read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
     conversion = options.apply(obj, source=source)
+    opaque.refuse_left(conversion.obj, source=source)
     if dtype is not None:
         cast_floating(conversion, dtype)
     write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size)

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
-from ckptfix.checkpoint import apply_maps, is_state_dict, is_tensor, model_entries, strip_key_prefixes
+from ckptfix.checkpoint import (
+    apply_maps,
+    is_state_dict,
+    is_tensor,
+    model_entries,
+    strip_key_prefixes,
+)
 from ckptfix.compare import KeyReport, compare_keys, filled_by_load, tied_keys
 from ckptfix.errors import LayoutError
 from ckptfix.renames import format_rules, prefix_fits
@@ -174,9 +180,9 @@ def load_into(
     """
     obj, name = _open(path_or_state, allow_globals=allow_globals, unsafe=unsafe, source=source)
     adapted, report = adapt_to_model(
-        model_state_of(obj, source=name, entry=entry), model, source=name, strip_prefixes=strip_prefixes
+        _loadable_state(obj, source=name, entry=entry), model, source=name, strip_prefixes=strip_prefixes
     )
-    report.entry = entry or primary_entry(obj)
+    _note_entries(report, obj, entry=entry)
     report.raise_if_failed(strict=strict)
     model.load_state_dict(ready_to_load(adapted, report, strict=strict), strict=strict)
     return report
@@ -204,9 +210,9 @@ def check(
     """
     obj, name = _open(path_or_state, allow_globals=allow_globals, unsafe=unsafe, source=source, metadata=True)
     _, report = adapt_to_model(
-        model_state_of(obj, source=name, entry=entry), model, source=name, strip_prefixes=strip_prefixes
+        _loadable_state(obj, source=name, entry=entry), model, source=name, strip_prefixes=strip_prefixes
     )
-    report.entry = entry or primary_entry(obj)
+    _note_entries(report, obj, entry=entry)
     return report
 
 
@@ -215,15 +221,37 @@ def _open(
 ) -> tuple[Any, str]:
     if isinstance(path_or_state, Mapping):
         return path_or_state, source or "state dict"
+    # Entries needing globals outside the allowlist stay unbuilt (formats/opaque.py): only the model entry is needed.
     name = os.fspath(path_or_state)
     if metadata:  # the checked description: tensor records (dtype, shape), no tensor byte read
         from ckptfix.reading import open_checkpoint
 
-        with open_checkpoint(path_or_state, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False) as opened:
+        with open_checkpoint(
+            path_or_state, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, opaque=True
+        ) as opened:
             return opened.tree, name
-    from ckptfix.formats import load
+    from ckptfix.formats import detect_format
+    from ckptfix.formats.opaque import read
 
-    return load(path_or_state, allow_globals=allow_globals, unsafe=unsafe), name
+    return read(path_or_state, fmt=detect_format(path_or_state), allow_globals=allow_globals, unsafe=unsafe), name
+
+
+def _loadable_state(obj: Any, *, source: str, entry: str | None) -> Mapping[str, Any]:
+    """:func:`model_state_of`, refusing as :func:`ckptfix.load` would when the weights are in an opaque entry, or may
+    be: an entry that would be taken for the model, unbuilt, must not let another one be picked silently."""
+    from ckptfix.formats.opaque import require
+
+    require(obj, wanted=[entry] if entry else None, source=source)
+    return model_state_of(obj, source=source, entry=entry)
+
+
+def _note_entries(report: KeyReport, obj: Any, *, entry: str | None) -> None:
+    """The entry used and the entries left unbuilt, in the report."""
+    from ckptfix.formats import opaque
+
+    report.entry = entry or primary_entry(obj)
+    report.not_loaded = opaque.not_loaded(obj)
+    report.not_copyable = [e.name for e in opaque.entries(obj) if e.runs_code]
 
 
 @dataclass
@@ -255,7 +283,7 @@ def validate_file(
     name, strips = os.fspath(path), list(strip_prefixes)
     model = _build(build)
     obj, _ = _open(path, allow_globals=allow_globals, unsafe=unsafe, source=None, metadata=True)
-    state = model_state_of(obj, source=name, entry=entry)
+    state = _loadable_state(obj, source=name, entry=entry)
     adapted, report = adapt_to_model(state, model, source=name, strip_prefixes=strips)
     if report.ok:
         report.load_error = trial_load(model, ready_to_load(adapted, report), assign=True)
@@ -263,10 +291,10 @@ def validate_file(
         model = build(None)
         full, _ = _open(path, allow_globals=allow_globals, unsafe=unsafe, source=None)
         adapted, report = adapt_to_model(
-            model_state_of(full, source=name, entry=entry), model, source=name, strip_prefixes=strips
+            _loadable_state(full, source=name, entry=entry), model, source=name, strip_prefixes=strips
         )
         report.load_error = trial_load(model, ready_to_load(adapted, report))
-    report.entry = entry or primary_entry(obj)
+    _note_entries(report, obj, entry=entry)
     return Validation(report, len(state), len(model.state_dict()), model_entries(obj))
 
 

@@ -20,9 +20,11 @@ from ckptfix.errors import FormatError
 from ckptfix.formats import allowlist, detect_format, inert, read
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.opaque import describe
+from ckptfix.formats.opaque import read as opaque_read
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import TorchZip, read_torch_zip
+from ckptfix.formats.torchzip import TorchZip
 from ckptfix.formats.ziparchive import Record, check_crc, verify_records
 from ckptfix.stream.st import StTensor, tree_from_header
 
@@ -212,11 +214,14 @@ def open_checkpoint(
     unsafe: bool = False,
     need_bytes: bool = True,
     verify: bool = False,
+    opaque: bool = False,
 ) -> Opened:
     """Open ``path`` as its checked description; fall back to loading it with torch where that cannot serve.
 
     ``need_bytes`` (diff, merge) also sends big-endian files to torch, which swaps their bytes. ``verify`` reads
     every record and checks its CRC now (a safetensors file, which has no checksums, is read through).
+    ``opaque``: entries needing globals outside the allowlist come back as unbuilt ``OpaqueEntry`` records
+    instead of a refusal (see :mod:`ckptfix.formats.opaque`).
     """
     source = os.fspath(path)
     fmt = detect_format(path)
@@ -224,7 +229,7 @@ def open_checkpoint(
     if reason is None:
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify)
+            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify, opaque=opaque)
             reason = _torch_only(opened, need_bytes=need_bytes)
         except BaseException:
             os.close(fd)
@@ -232,7 +237,7 @@ def open_checkpoint(
         if reason is None:
             return opened
         os.close(fd)
-    obj = read(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
+    obj = (opaque_read if opaque else read)(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
     return Opened(source=source, fmt=fmt, tree=obj, note=reason)
 
 
@@ -246,7 +251,9 @@ def _torch_needed(fmt: str, *, unsafe: bool) -> str | None:
     return None
 
 
-def _describe(fd: int, source: str, fmt: str, *, allow_globals: Iterable[str], verify: bool) -> Opened:
+def _describe(
+    fd: int, source: str, fmt: str, *, allow_globals: Iterable[str], verify: bool, opaque: bool = False
+) -> Opened:
     before = file_identity(fd)
     if fmt == "safetensors":
         header = read_header(source)
@@ -257,7 +264,7 @@ def _describe(fd: int, source: str, fmt: str, *, allow_globals: Iterable[str], v
         tree = tree_from_header(header, source=source)
         return Opened(source=source, fmt=fmt, tree=tree, fd=fd, before=before)
     allowed = allowlist.allowed_names(allow_globals, source=source)
-    z = read_torch_zip(fd, source, allowed=allowed, verify=verify)
+    z = describe(fd, source, allowed=allowed, verify=verify, keep=opaque)
     verified = {r.name for r in z.archive.records} if verify else set()
     return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified)
 

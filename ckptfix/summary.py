@@ -16,6 +16,7 @@ from ckptfix.checkpoint import get_entry, is_tensor, model_entries
 from ckptfix.formats import inert
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.keytree import expand, group_keys
 from ckptfix.reading import open_checkpoint, spec, storage_of
 
@@ -26,6 +27,8 @@ _INERT_TYPES = {"_codecs.encode": "builtins.bytes", "torch.Size": "torch.Size"}
 
 def describe(value: Any) -> str:
     """A short, type-led description of a non-model entry (a loaded object or its inert description)."""
+    if isinstance(value, OpaqueEntry):  # needs globals outside the allowlist: left unbuilt, nothing run
+        return value.describe()
     if isinstance(value, Mapping) and "param_groups" in value and "state" in value:
         return f"optimizer state: {len(value['param_groups'])} param group(s), state for {len(value['state'])} param(s)"
     if is_tensor(value):
@@ -102,7 +105,9 @@ def summarize(
     (a legacy torch file, ``unsafe=True``), and ``verified`` when ``verify`` was asked for.
     """
     source = os.fspath(path)
-    with open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, verify=verify) as ckpt:
+    with open_checkpoint(
+        path, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, verify=verify, opaque=True
+    ) as ckpt:
         obj = ckpt.tree
         entries = model_entries(obj)
         models = {name: summarize_state(get_entry(obj, name), source=source) for name in entries}

@@ -334,7 +334,8 @@ def test_validate_reads_no_tensor_byte(tmp_path: Path) -> None:
 
 
 def test_a_refusal_names_the_flag_and_the_unsafe_alternative(tmp_path: Path) -> None:
-    torch.save({"model": _plain(), "hparams": {"root": pathlib.PosixPath("/data")}}, tmp_path / "l.ckpt")
+    # in the model entry, which is needed (elsewhere it would be left unbuilt: tests/test_opaque.py)
+    torch.save({"model": {**_plain(), "root": pathlib.PosixPath("/data")}}, tmp_path / "l.ckpt")
     result = run("validate", tmp_path / "l.ckpt", "--model", MODEL)
     assert result.exit_code == 2
     assert "add --allow-global pathlib.PosixPath (" in result.stderr

@@ -1,10 +1,11 @@
 """Checkpoints written by the libraries people train with, made here with those libraries, read by ckptfix.
 
 transformers (a GPT-2 whose ``lm_head`` is tied to ``wte``), timm (a ``CheckpointSaver`` file with an EMA copy and
-``args`` as an ``argparse.Namespace``) and Lightning (a ``.ckpt`` from ``Trainer.fit`` whose hparams hold a
-``pathlib.Path``). Each time the weights ckptfix loads are compared, ``torch.equal``, with what the library's own
-loader gives. Each test skips, saying why, when its library is not installed (``pip install -e '.[frameworks]'``).
-A marker-file payload placed next to the weights is never run, on any entry point.
+``args`` as an ``argparse.Namespace``), Lightning (a ``.ckpt`` from ``Trainer.fit`` whose hparams hold a
+``pathlib.Path``) and mmengine (a Runner checkpoint whose ``message_hub`` pickles ``builtins.getattr`` calls). Each
+time the weights ckptfix loads are compared, ``torch.equal``, with what the library's own loader gives. Each test
+skips, saying why, when its library is not installed (``pip install -e '.[frameworks]'``). A marker-file payload
+placed next to the weights is never run, on any entry point, while the weights are rescued.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class Payload:
 
 
 def _never_runs(path: Path, marker: Path, model: nn.Module, *, extra: tuple[str, ...] = ()) -> None:
-    """Every entry point refuses ``path`` as code, without advice, and the marker never appears."""
+    """Every entry point refuses ``path`` (a payload inside the model state dict) as code, without advice, and the
+    marker never appears."""
     calls: list[Callable[[], object]] = [
         lambda: ckptfix.load(path, allow_globals=extra),
         lambda: ckptfix.load_into(model, path, allow_globals=extra),
@@ -107,6 +109,43 @@ def _never_runs(path: Path, marker: Path, model: nn.Module, *, extra: tuple[str,
         assert not marker.exists()
 
 
+def _rescued(
+    path: Path,
+    marker: Path,
+    model: nn.Module,
+    expected: dict[str, torch.Tensor],
+    *,
+    extra: tuple[str, ...] = (),
+    factory: tuple[str, ...] = (),
+) -> None:
+    """The weights beside a payload (in another entry) load, check, validate and convert; the payload is named as
+    code everywhere, copied nowhere, and the marker never appears."""
+    for allow in (extra, (*extra, OPEN)):  # naming it does not allow it
+        with pytest.raises(ckptfix.UnsafeCheckpointError, match=re.escape(OPEN)):
+            ckptfix.load(path, allow_globals=allow)
+    report = ckptfix.load_into(model, path, allow_globals=extra)
+    assert (
+        report.ok
+        and report.not_copyable
+        and any(f"{OPEN}, which can run code" in w for w in report.not_loaded.values())
+    )
+    _equal(model.state_dict(), expected)
+    assert ckptfix.check(path, model, allow_globals=extra).not_loaded == report.not_loaded
+    flags = [w for name in extra for w in ("--allow-global", name)]
+    factory = factory or ("--model", f"{type(model).__module__}:{type(model).__name__}")
+    result = run("validate", path, *factory, *flags)
+    assert result.exit_code in (0, 1) and f"{OPEN}, which can run code" in result.stdout, result.output
+    result = run("inspect", path, *flags)
+    assert result.exit_code == 0 and f"{OPEN}, which can run code (nothing was run)" in result.stdout, result.output
+    result = run("convert", path, path.parent / "full.pt", *flags)
+    assert result.exit_code == 2 and OPEN in result.stderr and "--model-only" in result.stderr
+    assert "--unsafe-pickle" not in result.stderr and not (path.parent / "full.pt").exists()
+    result = run("convert", path, path.parent / "weights.pt", "--model-only", *flags)  # every model entry
+    assert result.exit_code == 0, result.output
+    torch.load(path.parent / "weights.pt", weights_only=True)
+    assert not marker.exists()
+
+
 def test_a_payload_next_to_the_weights_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     path = tmp_path / "ckpt.pt"
@@ -114,6 +153,8 @@ def test_a_payload_next_to_the_weights_never_runs(tmp_path: Path) -> None:
     torch.load(path, weights_only=False)["payload"].close()  # the premise: the full unpickler runs it
     assert marker.exists()
     marker.unlink()
+    _rescued(path, marker, SmallNet(seed=3), make_net().state_dict())
+    torch.save({**make_net().state_dict(), "payload": Payload(marker)}, path)  # in a bare state dict: all model
     _never_runs(path, marker, SmallNet())
 
 
@@ -187,7 +228,9 @@ def test_timm_ema_checkpoint_loads_as_timms_own_loader_loads_it(tmp_path: Path) 
     load_checkpoint = _library("timm.models").load_checkpoint
 
     with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"allow_globals='argparse\.Namespace'"):
-        ckptfix.load_into(timm.create_model("test_resnet", num_classes=3), path)
+        ckptfix.load(path)
+    report = ckptfix.load_into(timm.create_model("test_resnet", num_classes=3), path)  # 'args' is not needed
+    assert report.not_loaded == {"args": "argparse.Namespace ×1, not loaded"}
     allow = ["argparse.Namespace"]
     for use_ema, entry in ((True, "state_dict_ema"), (False, None)):
         expected = timm.create_model("test_resnet", num_classes=3)
@@ -208,7 +251,13 @@ def test_timm_ema_checkpoint_loads_as_timms_own_loader_loads_it(tmp_path: Path) 
 def test_timm_payload_in_args_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     timm, path = _timm_checkpoint(tmp_path, payload=Payload(marker))
-    _never_runs(path, marker, timm.create_model("test_resnet", num_classes=3), extra=("argparse.Namespace",))
+    expected = torch.load(path, weights_only=False)["state_dict"]  # the premise: the full unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    model = timm.create_model("test_resnet", num_classes=3)
+    kwargs = '{"model_name": "test_resnet", "num_classes": 3}'
+    factory = ("--model", "timm:create_model", "--kwargs", kwargs)
+    _rescued(path, marker, model, expected, extra=("argparse.Namespace",), factory=factory)
 
 
 # --- Lightning: a .ckpt from Trainer.fit, hparams with a pathlib.Path -------------------------------------------
@@ -268,7 +317,114 @@ def test_lightning_ckpt_with_a_path_in_hparams_loads_into_the_inner_network(tmp_
     assert run("inspect", path, "--allow-global", "pathlib.PosixPath").exit_code == 0
     result = run("validate", path, "--model", "tests.test_frameworks:TinyNet", "--allow-global", "pathlib.PosixPath")
     assert result.exit_code == 1 and "prefix only: the checkpoint's keys carry 'model.' in front" in result.stdout
+    # Without --allow-global the hparams stay unbuilt and the weights still load and convert.
+    report = ckptfix.load_into(TinyNet(), path)
+    assert report.not_loaded == {"hyper_parameters": "pathlib.PosixPath ×1, not loaded"}
+    out = tmp_path / "weights.safetensors"
+    assert run("convert", path, out, "--model-only", "--strip-prefix", "model.").exit_code == 0
+    _equal(ckptfix.load(out), expected)
+    clean = tmp_path / "clean.ckpt"  # a copy plain torch opens weights-only: the path became a string
+    assert ckptfix.sanitize(path, clean).dropped == []
+    copy = torch.load(clean, weights_only=True)
+    assert copy["hyper_parameters"]["data_dir"] == "/data/bars" and copy["epoch"] == 0
+    _equal({k.removeprefix("model."): v for k, v in copy["state_dict"].items()}, expected)
     marker = tmp_path / "PWNED"
     _, poisoned = _lightning_fit(tmp_path / "poisoned", payload=Payload(marker))
-    marker.unlink(missing_ok=True)  # Lightning deep-copies its hparams while it trains, which runs the payload
-    _never_runs(poisoned, marker, TinyNet(), extra=tuple(allow))
+    # Lightning deep-copies its hparams while it trains, and the full unpickler runs the payload again
+    marker.unlink()
+    trained = torch.load(poisoned, weights_only=False)["state_dict"]
+    expected = {k.removeprefix("model."): v for k, v in trained.items()}
+    assert marker.exists()
+    marker.unlink()
+    _rescued(poisoned, marker, TinyNet(), expected, extra=tuple(allow))
+
+
+# --- mmengine: a Runner checkpoint, whose message_hub pickles bound methods through builtins.getattr ---------------
+
+
+def _mmengine_checkpoint(tmp_path: Path, **meta: Any) -> Path:
+    """What mmengine's ``Runner.save_checkpoint`` writes, made with mmengine's own objects.
+
+    The Runner itself is out of reach of a test: mmengine-lite's ``mmengine.runner`` imports cv2 (and its
+    visualizer matplotlib), which the lite package does not install. Its checkpoint is this dict, passed to
+    ``torch.save``: ``meta``, the model's ``state_dict``, ``message_hub.state_dict()`` (``HistoryBuffer`` objects
+    per logged scalar), ``optim_wrapper.state_dict()`` and each scheduler's ``state_dict()``.
+    """
+    mmengine = _library("mmengine")
+    logging = _library("mmengine.logging")
+    optim = _library("mmengine.optim")
+
+    model = make_net()
+    model.train()
+    wrapper = optim.OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    scheduler = optim.MultiStepLR(wrapper, milestones=[2], by_epoch=False)
+    hub = logging.MessageHub.get_instance(f"ckptfix-{tmp_path.name}")
+    torch.manual_seed(0)
+    for step in range(4):
+        loss = model(torch.randn(8, 3, 6, 6)).square().mean()
+        wrapper.update_params(loss)
+        scheduler.step()
+        hub.update_scalar("train/loss", loss.item())
+        hub.update_scalar("train/lr", wrapper.get_lr()["lr"][0])
+        hub.update_info("iter", step + 1)
+    model.eval()
+    info = {"epoch": 1, "iter": 4, "seed": 0, "experiment_name": "ckptfix", "mmengine_version": mmengine.__version__}
+    checkpoint = {
+        "meta": {**info, **meta},
+        "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
+        "message_hub": hub.state_dict(),
+        "optimizer": wrapper.state_dict(),
+        "param_schedulers": [scheduler.state_dict()],
+    }  # fmt: skip
+    path = tmp_path / "epoch_1.pth"
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.mark.slow  # importing mmengine.optim takes seconds
+def test_mmengine_weights_are_rescued_beside_its_message_hub(tmp_path: Path) -> None:
+    path = _mmengine_checkpoint(tmp_path)
+    trusted = torch.load(path, weights_only=False)  # what mmengine's own loader reads (before torch 2.6's default)
+    expected = SmallNet(seed=9)
+    expected.load_state_dict(trusted["state_dict"])  # mmengine's load_checkpoint: load_state_dict of 'state_dict'
+    with pytest.raises(ckptfix.UnsafeCheckpointError) as refused:
+        ckptfix.load(path)
+    message = str(refused.value)
+    assert "calls builtins.getattr, which can run code" in message
+    assert "The weights in 'state_dict' need none of it ('message_hub' would stay unloaded)" in message
+    out = tmp_path / "w.safetensors"
+    result = run("convert", path, out, "--model-only")  # the command the issue found refused
+    assert result.exit_code == 0, result.output
+    _equal(ckptfix.load(out), expected.state_dict())
+    net = SmallNet(seed=5)
+    report = ckptfix.load_into(net, path)
+    hub = "mmengine.logging.history_buffer.HistoryBuffer ×2, not loaded"
+    assert report.not_loaded == {"message_hub": f"{hub}; it calls builtins.getattr, which can run code (nothing "
+                                                f"was run)"}  # fmt: skip
+    _equal(net.state_dict(), expected.state_dict())
+    result = run("inspect", path)
+    assert result.exit_code == 0 and f"entry 'message_hub': {hub}" in result.stdout, result.output
+    assert run("validate", path, "--model", "tests.models:SmallNet").exit_code == 0
+    # sanitize: plain torch opens the copy weights-only; everything but the history buffers is kept
+    clean = tmp_path / "clean.pth"
+    dropped = ckptfix.sanitize(path, clean).dropped
+    assert {(d.where, d.what) for d in dropped} == {
+        (f"message_hub['log_scalars']['train/{name}']", "mmengine.logging.history_buffer.HistoryBuffer")
+        for name in ("loss", "lr")
+    }
+    copy = torch.load(clean, weights_only=True)
+    _equal(copy["state_dict"], expected.state_dict())
+    assert copy["meta"] == trusted["meta"] and copy["param_schedulers"] == trusted["param_schedulers"]
+    assert copy["message_hub"]["runtime_info"] == trusted["message_hub"]["runtime_info"]
+    for key, value in trusted["optimizer"]["state"].items():
+        assert torch.equal(copy["optimizer"]["state"][key]["momentum_buffer"], value["momentum_buffer"])
+
+
+@pytest.mark.slow  # importing mmengine.optim takes seconds
+def test_mmengine_payload_in_meta_never_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "PWNED"
+    path = _mmengine_checkpoint(tmp_path, cfg=Payload(marker))
+    expected = torch.load(path, weights_only=False)["state_dict"]  # the premise: the full unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    _rescued(path, marker, SmallNet(seed=2), expected)

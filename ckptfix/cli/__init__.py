@@ -20,7 +20,7 @@ from ckptfix.errors import CkptfixError, as_flags
 from ckptfix.formats.atomic import TERMINATING, Terminated, raise_terminated
 
 # Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
-_COMMAND_MODULES: list[str] = ["convert", "inspect", "diff", "merge", "validate", "train"]
+_COMMAND_MODULES: list[str] = ["convert", "inspect", "diff", "merge", "validate", "sanitize", "train"]
 
 INTERNAL_ERROR = 3
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program stopped by Ctrl-C; 128 + N for SIGTERM, SIGHUP

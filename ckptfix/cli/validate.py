@@ -75,6 +75,8 @@ def validate(
     echo(f"checkpoint: {path} ({where}layout {report.layout_from}, {found.keys} keys)")
     if others:
         echo(f"            also holds model entries {', '.join(repr(e) for e in others)} (check one with --entry NAME)")
+    for name, what in report.not_loaded.items():  # entries needing globals outside the allowlist: left unbuilt
+        echo(f"            entry '{name}': {what}")
     echo(f"model:      {model_spec} (layout {report.layout_to}, {found.model_keys} keys)")
     section("missing from the checkpoint", report.missing)
     section("unexpected in the checkpoint", report.unexpected)

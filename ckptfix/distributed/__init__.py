@@ -77,7 +77,8 @@ def load_for_ddp(
     Returns:
         The checkpoint's entries other than the model's state dict (optimizer and scheduler state, epoch,
         other model entries such as an EMA copy, user entries), with their tensors on the CPU, on every rank;
-        ``{}`` for a bare state dict.
+        ``{}`` for a bare state dict. Entries that need globals outside the allowlist are left out, unbuilt (as
+        ``load_into`` leaves them, see ``report.not_loaded``).
 
     Raises:
         CkptfixError: the same subclass and message on every rank, naming the rank that failed (the
@@ -208,18 +209,20 @@ def _read_on_source(
     strips: list[str],
 ) -> tuple[_Plan, dict[str, Any]]:
     """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
-    from ckptfix.formats import load
+    from ckptfix.formats import detect_format, opaque
     from ckptfix.loading import adapt_to_model, model_state_of, primary_entry, ready_to_load
 
     source = os.fspath(path)
     _check_device(model, session)
-    obj = load(path, allow_globals=allowed)
+    # entries needing globals outside the allowlist stay unbuilt (not returned); the model entry must not be one
+    obj = opaque.read(path, fmt=detect_format(path), allow_globals=allowed)
+    opaque.require(obj, wanted=[entry] if entry else None, source=source)
     state = model_state_of(obj, source=source, entry=entry)
     adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=strips)
     report.raise_if_failed(strict=strict)
     adapted = ready_to_load(adapted, report, strict=strict)  # tied keys added; wrong shapes dropped unless strict
     primary = entry or primary_entry(obj)
-    extras = {key: value for key, value in obj.items() if key != primary} if primary else {}
+    extras = {k: v for k, v in obj.items() if k != primary and not isinstance(v, opaque.OpaqueEntry)} if primary else {}
     entries: list[buckets.Entry] = []
     tensors: list[torch.Tensor] = []
     skeleton = buckets.strip_tensors(extras, entries, tensors)

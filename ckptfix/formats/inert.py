@@ -627,13 +627,15 @@ def load(
     legacy: bool = False,
     protocol4: bool = False,
     as_data: frozenset[str] = frozenset(),
+    refused: list[str] | None = None,
 ) -> tuple[list[Any], dict[str, StorageRef]]:
     """The inert trees of ``count`` consecutive pickles and their storages by key, every rule checked.
 
     Refuses (one error listing every offending global) a pickle that names a global outside ``allowed``.
     ``protocol4`` also reads protocol 4's data-only opcodes (torch.save never writes them; DCP metadata does).
     ``as_data`` names globals otherwise refused that this caller reads as records and never builds (the
-    DTensor classes, for reassembling shards).
+    DTensor classes, for reassembling shards). ``refused``, when given, receives the names outside ``allowed``
+    instead of a refusal: their records stay inert stand-ins, and the caller decides (formats/opaque.py).
     """
     if isinstance(data, bytes) and count == 1 and not legacy and not protocol4 and not as_data:
         fast = _fast_load(data, allowed=allowed)
@@ -643,7 +645,7 @@ def load(
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     trees: list[Any] = []
     storages: dict[str, StorageRef] = {}
-    refused: list[str] = []
+    names: list[str] = []
     foreign: dict[int, None] = {}
     for _ in range(count):
         unpickler = (_Protocol4Unpickler if protocol4 else _Unpickler)(stream, allowed=allowed, legacy=legacy)
@@ -660,10 +662,14 @@ def load(
                 f"{source}: its pickle is corrupt ({type(e).__name__}: {_first(e)}); re-download or re-save it"
             ) from e
         finally:
-            refused += unpickler.refused
+            names += unpickler.refused
             foreign.update(unpickler.foreign)
             storages.update(unpickler.storages)
-    allowlist.refuse([name for name in refused if name not in as_data], source=source)
+    names = [name for name in names if name not in as_data]
+    if refused is None or foreign:  # a pickle torch would not read at all: its globals are refused first
+        allowlist.refuse(names, source=source)
+    else:
+        refused += names
     if foreign:
         raise FormatError(
             f"{source}: its pickle uses opcodes {', '.join(repr(bytes([c])) for c in foreign)}, which torch's "

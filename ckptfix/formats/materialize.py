@@ -13,9 +13,12 @@ import importlib
 import mmap as mmap_module
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
-from ckptfix.formats import inert
+from ckptfix.errors import FormatError
+from ckptfix.formats import allowlist, inert
+from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.formats.torchzip import TorchZip
 
 
@@ -23,14 +26,20 @@ class NotBuilt(Exception):  # noqa: N818 - a signal to the caller, not an error
     """The description holds a recipe this module does not rebuild; ``torch.load`` does."""
 
 
-def materialize(z: TorchZip, fd: int, *, mmap: bool = True) -> Any:
-    """The checkpoint ``torch.load(weights_only=True)`` would return, built from the description."""
+def materialize(
+    z: TorchZip, fd: int, *, mmap: bool = True, tree: Any = None, leaf: Callable[[Any], Any] | None = None
+) -> Any:
+    """The checkpoint ``torch.load(weights_only=True)`` would return, built from the description.
+
+    ``tree`` replaces ``z.tree`` (a part of it, or a rewrite over the same storages); ``leaf(obj)`` builds objects
+    that are none of the inert reader's (the sanitizer's numpy arrays). Opaque entries stay as they are.
+    """
     import torch
 
     if z.byteorder != "little":
         raise NotBuilt(f"a {z.byteorder}-endian file")
-    builder = _Builder(torch, _storages(torch, z, fd, mmap=mmap))
-    return builder.build(z.tree)
+    builder = _Builder(torch, _storages(torch, z, fd, mmap=mmap), leaf)
+    return builder.build(z.tree if tree is None else tree)
 
 
 def _storages(torch: Any, z: TorchZip, fd: int, *, mmap: bool) -> dict[str, Any]:
@@ -54,9 +63,10 @@ def _storages(torch: Any, z: TorchZip, fd: int, *, mmap: bool) -> dict[str, Any]
 
 
 class _Builder:
-    def __init__(self, torch: Any, storages: dict[str, Any]) -> None:
+    def __init__(self, torch: Any, storages: dict[str, Any], leaf: Callable[[Any], Any] | None = None) -> None:
         self.torch = torch
         self.storages = storages
+        self.leaf = leaf
         self.done: dict[int, Any] = {}  # by id of the inert object: shared stays shared (tied weights)
         self.keep: list[Any] = []  # the inert objects, alive while their ids are keys
 
@@ -91,6 +101,10 @@ class _Builder:
             return tuple(self.build(v) for v in obj)
         if isinstance(obj, inert.Inert):
             return self._call(obj)
+        if isinstance(obj, OpaqueEntry):
+            return obj  # never built: the caller needs none of its values
+        if self.leaf is not None:
+            return self.leaf(obj)
         raise NotBuilt(f"a {type(obj).__name__}")
 
     def _mapping(self, obj: dict[Any, Any]) -> Any:
@@ -133,7 +147,9 @@ class _Builder:
 
 
 def _resolve(glob: type[inert.Global]) -> Any:
-    """The real object behind an allowlisted stand-in (the reader refused every other name)."""
+    """The real object behind an allowlisted stand-in (the reader refused, or left opaque, every other name)."""
+    if allowlist.can_run_code(glob.full):  # never reached (opaque entries are not built); kept as a last guard
+        raise FormatError(f"refusing to build {glob.full}, which can run code")
     value: Any = importlib.import_module(glob.module)
     for part in glob.name.split("."):
         value = getattr(value, part)

@@ -7,7 +7,6 @@ and the few recipes the builder leaves to torch, reach ``torch.load``, weights-o
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import re
@@ -21,7 +20,7 @@ from ckptfix.formats import allowlist
 from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.legacy import check_legacy
 from ckptfix.formats.materialize import NotBuilt, materialize
-from ckptfix.formats.torchzip import read_torch_zip
+from ckptfix.formats.opaque import describe, entries, refusal
 
 _NOT_BUILT = object()
 
@@ -45,8 +44,13 @@ def load_torch(
     allow_globals: Iterable[str] = (),
     mmap: bool = True,
     verify: bool = True,
+    opaque: bool = False,
 ) -> Any:
-    """Load a torch file weights-only onto the CPU; the unpickler never calls anything off the allowlist."""
+    """Load a torch file weights-only onto the CPU; the unpickler never calls anything off the allowlist.
+
+    ``opaque=True``: a zip's entries that need globals outside the allowlist come back unbuilt, as
+    :class:`~ckptfix.formats.opaque.OpaqueEntry` records, instead of a refusal (and torch.load is never called).
+    """
     if unsafe:
         # a warning filter must not hide this: printed, not warned
         print(f"ckptfix: {source}: unsafe pickle loading: this can run code from the file", file=sys.stderr)
@@ -62,9 +66,12 @@ def load_torch(
         if fmt == "torch-legacy":
             check_legacy(source, allowed=allowed)
         else:
-            described = read_torch_zip(f.fileno(), source, allowed=allowed, verify=verify)
-            with contextlib.suppress(NotBuilt):
+            described = describe(f.fileno(), source, allowed=allowed, verify=verify, keep=opaque)
+            try:
                 obj = materialize(described, f.fileno(), mmap=mmap)
+            except NotBuilt as e:
+                if entries(described.tree):  # torch.load would refuse the whole file: say why, and what rescues
+                    raise refusal(described.tree, source=source) from e
         if obj is _NOT_BUILT:  # the legacy format, and recipes only torch rebuilds (quantized, sparse, ...)
             with torch.serialization.safe_globals(objects):
                 obj = _torch_load(path, source=source, weights_only=True, mmap=mmap and fmt == "torch-zip")

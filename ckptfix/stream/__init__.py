@@ -19,9 +19,10 @@ from ckptfix.errors import OutputError
 from ckptfix.formats import allowlist, detect_format, inert, output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.opaque import carry, describe
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import TorchZip, read_torch_zip, referenced_storages, stand_ins, tensor_record
+from ckptfix.formats.torchzip import TorchZip, referenced_storages, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import verify_records
 from ckptfix.stream.copy import Copier, Job, Progress
 from ckptfix.stream.crc import Check
@@ -69,19 +70,20 @@ def fast_convert(
         before = file_identity(fd)
         inp: TorchZip | None = None
         if in_fmt == "torch-zip":
-            inp = read_torch_zip(fd, source, allowed=allowlist.allowed_names(allow_globals, source=source))
+            inp = describe(fd, source, allowed=allowlist.allowed_names(allow_globals, source=source))  # opaque kept
             _check_writable(inp.tree)
             conversion = transform(inp.tree)
         elif in_fmt == "safetensors":
             conversion = transform(tree_from_header(read_header(source), source=source))
         else:
             raise Fallback(f"input is a {in_fmt} file")
+        tree = carry(conversion.obj, out_fmt=out_fmt, source=source, notes=conversion.notes)
         total = os.fstat(fd).st_size
         with progress_bar(total, enabled=progress is None) as bar:
             report = _write(
                 fd,
                 inp,
-                conversion.obj,
+                tree,
                 out,
                 out_fmt,
                 source=source,
