@@ -120,10 +120,12 @@ def convert_file(
         notes.append(f"fast path not taken: {why_not}")
     elif in_fmt == "folder":
         from ckptfix.stream import Fallback
+        from ckptfix.stream.folder_torch import convert_folder_to_torch
         from ckptfix.stream.folders import convert_folder
 
+        stream_folder = convert_folder_to_torch if out_fmt == "torch" else convert_folder
         try:
-            streamed = convert_folder(
+            streamed = stream_folder(
                 source, os.fspath(dst), transform=lambda tree: options.apply(tree, source=source), allow_globals=allow
             )
             streamed.method = "stream"
@@ -168,8 +170,6 @@ def _torch_path_reason(
         return "torch's DCP writer writes the folder"
     if sharded:
         return "shards are written one by one from the loaded checkpoint"
-    if in_fmt == "folder" and out_fmt != "safetensors":
-        return "a folder streams only into a .safetensors file"
     if not fast:
         return "the torch path was asked for"
     if dtype is not None:
