@@ -182,6 +182,8 @@ SCENARIOS: dict[str, Callable[[Ctx], Any]] = {
     "fail_shape": _load("wide.pt"),
     "fail_missing_key": _load("missing_key.pt"),
     "fail_other_model": _wrong_model_on_last,
+    "hf_shards": _load("hf_shards"),  # folders: read on the source only, as a file is
+    "dcp": _load("dcp", entry="model"),
     "subgroup": _subgroup,
     "save": _save,
     "fail_save": _save_fails,

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import ckptfix
 from ckptfix.distributed import buckets, failures, wire
@@ -21,7 +22,7 @@ from tests import ddp_workers
 TWO = [
     "plain", "ddp", "compiled", "into_compiled", "into_ddp", "mixed_wrappers", "full", "small_buckets", "src1",
     "no_model_broadcast", "non_strict", "fail_missing_file", "fail_unsafe", "fail_truncated", "fail_shape",
-    "fail_missing_key", "fail_other_model", "save", "fail_save",
+    "fail_missing_key", "fail_other_model", "save", "fail_save", "hf_shards", "dcp",
 ]  # fmt: skip
 THREE = ["plain", "src1", "small_buckets", "fail_other_model", "fail_missing_file", "subgroup"]
 
@@ -59,9 +60,12 @@ def _fixtures(tmp: Path) -> dict[str, Any]:
     _write(tmp, "wide.pt", ddp_workers.build(seed=1, width=16).state_dict())
     _write(tmp, "unsafe.pt", {"model": plain, "config": ddp_workers.Config()})
     _write(tmp, "truncated.pt", plain)
+    (tmp / "rank0" / "hf_shards").mkdir()
+    ckptfix.save(full["model"], tmp / "rank0" / "hf_shards" / "model.safetensors", shard_size=1000)
+    dcp.save({"model": plain, "epoch": 3}, checkpoint_id=str(tmp / "rank0" / "dcp"), no_dist=True)
     data = (tmp / "rank0" / "truncated.pt").read_bytes()
     (tmp / "rank0" / "truncated.pt").write_bytes(data[: len(data) // 2])
-    return {"full": full, "plain": plain}
+    return {"full": full, "plain": plain, "tmp": str(tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +116,17 @@ def test_every_rank_ends_bitwise_equal_to_the_checkpoint(two: Any, name: str) ->
     for value in _ok(results, name, range(2)):
         prefix = {"into_compiled": "_orig_mod.", "into_ddp": "module."}.get(name, "")
         _assert_state(value["state"], fixtures["plain"], prefix)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf_shards", "dcp"])
+def test_a_folder_is_read_on_the_source_and_every_rank_gets_it(two: Any, name: str) -> None:
+    results, fixtures = two
+    assert len(list((Path(fixtures["tmp"]) / "rank0" / "hf_shards").glob("model-*"))) > 1  # really shards
+    for value in _ok(results, name, range(2)):
+        _assert_state(value["state"], fixtures["plain"])
+    dcp_extras = _ok(results, "dcp", range(2))
+    assert [v["extras"] for v in dcp_extras] == [{"epoch": 3}, {"epoch": 3}]
 
 
 @pytest.mark.slow
