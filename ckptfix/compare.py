@@ -59,7 +59,7 @@ class KeyReport:
     target_layout: str = "single"
     entry: str = ""
     # Entries of the file that were not loaded because they need globals outside the allowlist (entry -> what
-    # they hold); nothing in them was run. ``not_copyable``: those that can run code, which convert never copies.
+    # they hold); nothing in them was run. ``not_copyable``: those that can run code (a fix leaves them out).
     not_loaded: dict[str, str] = field(default_factory=dict)
     not_copyable: list[str] = field(default_factory=list)
 
@@ -160,7 +160,7 @@ class KeyReport:
             words += ["--allow-global", name]
         if unsafe:
             words.append("--unsafe-pickle")
-        elif self.not_copyable:  # a full conversion refuses to copy them: keep the weights only
+        elif self.not_copyable:  # a full conversion would copy them, unexecuted: the fix keeps the weights only
             words.append("--model-only")
         return shlex.join(words)
 

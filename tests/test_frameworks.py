@@ -119,7 +119,7 @@ def _rescued(
     factory: tuple[str, ...] = (),
 ) -> None:
     """The weights beside a payload (in another entry) load, check, validate and convert; the payload is named as
-    code everywhere, copied nowhere, and the marker never appears."""
+    code everywhere, copied only unexecuted into a full .pt copy, and the marker never appears."""
     for allow in (extra, (*extra, OPEN)):  # naming it does not allow it
         with pytest.raises(ckptfix.UnsafeCheckpointError, match=re.escape(OPEN)):
             ckptfix.load(path, allow_globals=allow)
@@ -137,9 +137,10 @@ def _rescued(
     assert result.exit_code in (0, 1) and f"{OPEN}, which can run code" in result.stdout, result.output
     result = run("inspect", path, *flags)
     assert result.exit_code == 0 and f"{OPEN}, which can run code (nothing was run)" in result.stdout, result.output
-    result = run("convert", path, path.parent / "full.pt", *flags)
-    assert result.exit_code == 2 and OPEN in result.stderr and "--model-only" in result.stderr
-    assert "--unsafe-pickle" not in result.stderr and not (path.parent / "full.pt").exists()
+    result = run("convert", path, path.parent / "full.pt", *flags)  # a full copy: the payload copied, never run
+    assert result.exit_code == 0 and f"it calls {OPEN}, which can run code" in result.stderr, result.output
+    result = run("inspect", path.parent / "full.pt", *flags)
+    assert result.exit_code == 0 and f"{OPEN}, which can run code (nothing was run)" in result.stdout, result.output
     result = run("convert", path, path.parent / "weights.pt", "--model-only", *flags)  # every model entry
     assert result.exit_code == 0, result.output
     torch.load(path.parent / "weights.pt", weights_only=True)
@@ -418,6 +419,16 @@ def test_mmengine_weights_are_rescued_beside_its_message_hub(tmp_path: Path) -> 
     assert copy["message_hub"]["runtime_info"] == trusted["message_hub"]["runtime_info"]
     for key, value in trusted["optimizer"]["state"].items():
         assert torch.equal(copy["optimizer"]["state"][key]["momentum_buffer"], value["momentum_buffer"])
+    # a full conversion (to resume under DDP) keeps the message hub as its records: mmengine reads it back
+    ddp = tmp_path / "ddp.pth"
+    result = run("convert", path, ddp, "--to", "ddp")
+    assert result.exit_code == 0 and "'message_hub' (mmengine.logging.history_buffer.HistoryBuffer ×2" in result.stderr
+    resumed = torch.load(ddp, weights_only=False)  # the trusted loader again, on our copy
+    _equal({k.removeprefix("module."): v for k, v in resumed["state_dict"].items()}, expected.state_dict())
+    hubs = resumed["message_hub"]["log_scalars"], trusted["message_hub"]["log_scalars"]
+    assert hubs[0].keys() == hubs[1].keys()
+    for name, buffer in hubs[1].items():
+        assert [x.tolist() for x in hubs[0][name].data] == [x.tolist() for x in buffer.data]
 
 
 @pytest.mark.slow  # importing mmengine.optim takes seconds

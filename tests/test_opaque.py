@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import pathlib
+import pickle
 import re
 import shlex
 from pathlib import Path
@@ -124,8 +125,8 @@ def test_entry_rescues_the_weights_with_a_cast(poisoned: tuple[Path, Path]) -> N
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("args", [[".pt"], [".pt", "--no-fast"], [".safetensors"], [".pt", "--dtype", "float16"]])
-def test_a_full_conversion_never_copies_code(poisoned: tuple[Path, Path], args: list[str]) -> None:
+@pytest.mark.parametrize("args", [[".pt", "--no-fast"], [".safetensors"], [".pt", "--dtype", "float16"]])
+def test_a_conversion_that_must_build_every_entry_refuses_code(poisoned: tuple[Path, Path], args: list[str]) -> None:
     path, marker = poisoned
     out = path.parent / f"out{args[0]}"
     result = run("convert", path, out, *args[1:])
@@ -133,6 +134,26 @@ def test_a_full_conversion_never_copies_code(poisoned: tuple[Path, Path], args: 
     assert EXEC in result.stderr and "--allow-global" not in result.stderr and "--unsafe-pickle" not in result.stderr
     assert "--model-only" in result.stderr
     assert not out.exists() and not marker.exists()
+
+
+def test_a_full_pt_conversion_copies_code_unexecuted_and_says_so(poisoned: tuple[Path, Path]) -> None:
+    path, marker = poisoned
+    out = path.parent / "single.pt"
+    result = run("convert", path, out, "--to", "ddp")
+    assert result.exit_code == 0, result.output
+    assert "kept unchanged: epoch, payload" in result.stdout
+    assert (f"kept as their pickle records, copied, never executed: 'payload' ({EXEC} ×1; it calls {EXEC}, which can "
+            f"run code: load the output only as you would the input") in result.stderr  # fmt: skip
+    assert not marker.exists()
+    with pytest.raises(ckptfix.UnsafeCheckpointError, match=re.escape(EXEC)):
+        ckptfix.load(out)  # the output is refused exactly as the input is
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(out, weights_only=True)
+    report = ckptfix.load_into(SmallNet(), out, strip_prefixes=["module."])
+    assert report.not_copyable == ["payload"]
+    inspected = run("inspect", out)
+    assert f"entry 'payload': {EXEC} ×1, not loaded; it calls {EXEC}, which can run code" in inspected.stdout
+    assert not marker.exists()
 
 
 def test_a_full_pt_conversion_copies_other_unknown_entries_as_their_records(tmp_path: Path) -> None:

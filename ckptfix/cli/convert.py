@@ -101,6 +101,12 @@ def convert(
         click.echo(f"dropped (--model-only): {', '.join(result.dropped)}")
     if verbose:
         click.echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
+    else:  # entries copied unbuilt are said whatever the verbosity: the output holds what the input held
+        from ckptfix.formats.opaque import KEPT
+
+        for note in result.notes:
+            if note.startswith(KEPT):
+                click.echo(f"ckptfix: {note}", err=True)
     click.echo(f"wrote {dst}")
 
 

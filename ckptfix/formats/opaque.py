@@ -10,8 +10,9 @@ payload are rescued without anything of the file being imported or called. What 
 - ``load_into``, ``check``, ``validate``, ``inspect`` need only the model entry: they work, and say what was not
   loaded (``report.not_loaded``);
 - ``convert --model-only`` / ``--entry`` drop them; a full ``.pt`` to ``.pt`` conversion on the streaming path
-  writes them back as the same records (:func:`carry`: equivalent opcodes, never executed), except entries that
-  can run code, which are refused; a ``.safetensors`` output and the torch path never hold them.
+  writes them back as the same records (:func:`carry`: equivalent opcodes, never executed), saying which can run
+  code: the output is then exactly as safe to load as the input, and ckptfix reports it the same way; a
+  ``.safetensors`` output and the torch path never hold them.
 
 A refused global found outside any top-level entry (the checkpoint is not a mapping, a key is one, or the
 pickle built it and threw it away), or anywhere in a bare state dict, rescues nothing: the file is refused as
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptfix.errors import CkptfixError, OutputError, UnsafeCheckpointError
+from ckptfix.errors import CkptfixError
 from ckptfix.formats import allowlist, inert
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.torchzip import TorchZip, read_torch_zip
@@ -220,23 +221,28 @@ def read(
 
 def carry(obj: Any, *, out_fmt: str, source: str, notes: list[str]) -> Any:
     """``obj`` as the streaming path writes it to ``out_fmt``: opaque entries back as their records (.pt), said in
-    ``notes``. Refuses an entry that can run code, and any opaque entry in a .safetensors output."""
+    ``notes`` with the code they can run. Refuses any opaque entry in a .safetensors output."""
     found = entries(obj)
     if not found:
         return obj
     if out_fmt != "torch":  # as ckptfix.load refuses it: the values are needed
         raise refusal(obj, source=source)
-    for entry in found:
-        if entry.runs_code:
-            raise _not_written(entry, source=source, why="it is never copied into a new checkpoint")
     out: Any = OrderedDict() if isinstance(obj, OrderedDict) else {}
     for key, value in obj.items():
         out[key] = value.records if isinstance(value, OpaqueEntry) else value
     _copy_attrs(obj, out)
-    notes.append(
-        "kept as their pickle records, copied, never executed: " + "; ".join(f"'{e.name}' ({e.what()})" for e in found)
-    )
+    notes.append(KEPT + "; ".join(f"'{e.name}' ({_kept(e)})" for e in found))
     return out
+
+
+KEPT = "kept as their pickle records, copied, never executed: "
+
+
+def _kept(entry: OpaqueEntry) -> str:
+    if not entry.runs_code:
+        return entry.what()
+    return (f"{entry.what()}; it calls {', '.join(entry.runs_code)}, which can run code: load the output only as you "
+            f"would the input, or leave it out with --model-only")  # fmt: skip
 
 
 def refuse_left(obj: Any, *, source: str) -> None:
@@ -246,19 +252,7 @@ def refuse_left(obj: Any, *, source: str) -> None:
         raise refusal(obj, source=source)
 
 
-def _not_written(entry: OpaqueEntry, *, source: str, why: str) -> CkptfixError:
-    """Why ``entry`` cannot be written, and how to leave it out; code it would call is named as such."""
-    fix = "add model_only=True (or name the model with entries=) to leave it out, or write a weights-only copy with "
-    if entry.runs_code:
-        return UnsafeCheckpointError(
-            f"{source}: entry '{entry.name}' calls {', '.join(entry.runs_code)}, which can run code; nothing was run, "
-            f"and {why}: {fix}ckptfix sanitize",
-            globals_needed=list(entry.needs),
-        )
-    return OutputError(f"{source}: entry '{entry.name}' holds {entry.what()}, which was not loaded, and {why}: "
-                       f"{fix}ckptfix sanitize")  # fmt: skip
-
-
 __all__ = [
-    "OpaqueEntry", "carry", "describe", "entries", "not_loaded", "read", "refusal", "refuse_left", "require", "wrap",
+    "KEPT", "OpaqueEntry", "carry", "describe", "entries", "not_loaded", "read", "refusal", "refuse_left", "require",
+    "wrap",
 ]  # fmt: skip
