@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 from collections.abc import Callable
@@ -20,6 +19,8 @@ def strict_keywords(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         unknown = [k for k in kwargs if k not in params]
         if unknown:
+            import difflib  # only a misspelled option needs it, not every start-up
+
             close = difflib.get_close_matches(unknown[0], options, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise TypeError(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import secrets
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -114,7 +113,7 @@ def _write(fd: int, tree: Any, stored: list[DcpTensor | ShardTensor], files: _Fi
         pieces.append((slot, parts))
     for name, data in TAIL:
         writer.add(_PREFIX + name, data, zlib.crc32(data))
-    ident = "".join(secrets.choice("0123456789") for _ in range(40)).encode()
+    ident = b"%040d" % (int.from_bytes(os.urandom(17), "big") % 10**40)  # as torch.save: 40 digits (no secrets import)
     writer.add(_PREFIX + ".data/serialization_id", ident, zlib.crc32(ident))
     writer.flush()
     crcs = _copy(fd, jobs, files)
