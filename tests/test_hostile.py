@@ -140,6 +140,19 @@ def refusals(
             if word in text:
                 problems.append(f"{where}: message contains {word!r}: {text[:300]!r}")
 
+    def copied_unexecuted(where: str, out: Path) -> bool:
+        """A full .pt copy of code in an entry beside the model, as its records, never run: it is accepted when the
+        copy is refused exactly as its input is (nothing laundered); the copy is then removed."""
+        if expect.error is not UnsafeCheckpointError or out.suffix != ".pt" or not out.exists():
+            return False
+        try:
+            ckptfix.load(out, allow_globals=expect.allow)
+        except UnsafeCheckpointError as e:
+            check_text(f"{where} (loading its copy)", str(e))
+            out.unlink()
+            return True
+        return False
+
     def accepted(where: str, value: Any, out: Path | None = None) -> None:
         what = f"{where}: accepted (expected {expect.error.__name__})"
         if secret is not None and (leaked(value, secret) or (out is not None and secret in out.read_bytes())):
@@ -159,6 +172,8 @@ def refusals(
             except Exception as e:
                 check_error(where, e)
             else:
+                if fast and copied_unexecuted(where, out):
+                    continue
                 try:
                     value = ckptfix.load(out, allow_globals=expect.allow)
                 except Exception:
@@ -180,6 +195,15 @@ def refusals(
                 for line in result.stdout.splitlines()
             ):
                 problems.append(f"ckptfix inspect: accepted without listing any of {list(expect.contains)} unbuilt")
+            continue
+        copied = "copied, never executed" in result.stderr and "--no-fast" not in args
+        if (
+            args[0] == "convert"
+            and result.exit_code == 0
+            and copied
+            and copied_unexecuted("ckptfix convert", Path(args[2]))
+        ):
+            check_text("ckptfix convert", result.stderr)  # it names the code it copied
             continue
         found = cli_problem(result, source)
         if found:
