@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, model_entries
 from ckptfix.errors import LayoutError
-from ckptfix.formats import inert, read
+from ckptfix.formats import inert, opaque
 from ckptfix.formats.atomic import PathLike
+from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class DiffReport:
     entries: list[EntryDiff] = field(default_factory=list)
     other: list[OtherDiff] = field(default_factory=list)
     others_compared: bool = True  # False when one model entry was picked (``entry=``): the rest is not compared
+    not_loaded: dict[str, dict[str, str]] = field(default_factory=dict)  # "a"/"b" -> opaque entry -> what it holds
 
     @property
     def equal(self) -> bool:
@@ -106,6 +108,7 @@ class DiffReport:
             ],
             "other": [{"path": o.path, "a": o.a, "b": o.b} for o in self.other],
             "others_compared": self.others_compared,
+            "not_loaded": self.not_loaded,
         }
 
 
@@ -156,26 +159,36 @@ def diff_files(
     allow_globals: Iterable[str] = (),
     unsafe: bool = False,
 ) -> DiffReport:
-    """:func:`diff` of two files, read one tensor at a time: memory stays at two tensors whatever the file size.
+    """:func:`diff` of two files or folders, read one tensor at a time: memory stays at two tensors whatever the
+    checkpoints' size.
 
     Byte-equal tensors are recognised without converting them; |Δ| is computed, in chunks, only for tensors
-    whose bytes differ. Every tensor's zip record has its CRC checked as it is read.
+    whose bytes differ. Every tensor's zip record has its CRC checked as it is read. A folder (transformers
+    shards or their index, an accelerate ``save_state`` folder, a DCP folder) is read file by file. Entries that
+    need globals outside the allowlist (an mmengine ``message_hub``) are not loaded: they are compared as their
+    pickle records, nothing run, and listed in the report's ``not_loaded``; the model entries must not be such.
     """
     allowed = tuple(allow_globals)
     with (
-        open_checkpoint(a, allow_globals=allowed, unsafe=unsafe) as first,
-        open_checkpoint(b, allow_globals=allowed, unsafe=unsafe) as second,
+        open_checkpoint(a, allow_globals=allowed, unsafe=unsafe, opaque=True) as first,
+        open_checkpoint(b, allow_globals=allowed, unsafe=unsafe, opaque=True) as second,
     ):
+        for side in (first, second):  # the entries compared as models must be loaded ones
+            opaque.require(side.tree, wanted=[entry] if entry is not None else None, source=side.source)
         if first.described != second.described:
             # an inert description and a loaded object spell allowlisted objects differently: load both
             first, second = (_loaded(x, allow_globals=allowed, unsafe=unsafe) for x in (first, second))
-        return compare(first, second, atol=atol, rtol=rtol, entry=entry, strip_prefixes=strip_prefixes)
+        report = compare(first, second, atol=atol, rtol=rtol, entry=entry, strip_prefixes=strip_prefixes)
+        for name, side in (("a", first), ("b", second)):
+            if found := opaque.not_loaded(side.tree):
+                report.not_loaded[name] = found
+        return report
 
 
 def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool) -> Opened:
     if not opened.described:
         return opened
-    obj = read(opened.source, fmt=opened.fmt, allow_globals=allow_globals, unsafe=unsafe)
+    obj = opaque.read(opened.source, fmt=opened.fmt, allow_globals=allow_globals, unsafe=unsafe)
     return Opened(source=opened.source, fmt=opened.fmt, tree=obj, note="compared with a file loaded with torch")
 
 
@@ -370,6 +383,8 @@ def _nan_max(a: float, b: float) -> float:
 
 
 def _short(value: Any) -> str:
+    if isinstance(value, OpaqueEntry):
+        return f"not loaded ({value.what()})"
     if is_tensor(value):
         found = spec(value)
         return f"tensor{list(found.shape)} {found.dtype}"
@@ -423,6 +438,11 @@ class _Sides:
         """Append to ``out`` every leaf under ``path`` that differs between ``x`` and ``y``."""
         here = path or "(top level)"
         x, y = _as_loaded(x), _as_loaded(y)
+        if isinstance(x, OpaqueEntry) and isinstance(y, OpaqueEntry):
+            x, y = x.records, y.records  # neither was built: the same records are the same value
+        elif isinstance(x, OpaqueEntry) or isinstance(y, OpaqueEntry):
+            out.append(OtherDiff(here, _short(x), _short(y)))  # one built, one not: nothing to compare them by
+            return
         if is_tensor(x) and is_tensor(y):
             sx, sy = spec(x), spec(y)
             if sx != sy:

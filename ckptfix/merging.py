@@ -7,12 +7,16 @@ data shards had been one batch: means averaged, variances pooled.
 
 Files are merged key by key (:func:`merge_files`): each key is read from every rank, one tensor at a time,
 compared as bytes first (|Δ| is computed only where bytes differ), combined, and written at once, so memory holds
-a few copies of one tensor, not the ranks' checkpoints.
+a few copies of one tensor, not the ranks' checkpoints. Inputs may be folders (per-rank transformers or accelerate
+folders). FSDP2 rank files (DTensor shards) are not averaged: their full tensors are reassembled from every rank's
+shards (:func:`ckptfix.formats.shards.load_ranks`), and what is left per rank (BatchNorm statistics) is merged as
+for DDP.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from collections import OrderedDict
@@ -24,8 +28,9 @@ from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries
 from ckptfix.diff import same_bytes, tensor_diff
 from ckptfix.errors import MergeError
-from ckptfix.formats import output_format, write
+from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.shards import DTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
 
@@ -57,9 +62,15 @@ class MergeResult:
     warnings: list[str] = field(default_factory=list)
     kept_from_first: list[str] = field(default_factory=list)
     layouts_from: list[str] = field(default_factory=list)
+    reassembled: dict[str, str] = field(default_factory=dict)  # DTensor key -> how it was sharded
+    left_out: list[str] = field(default_factory=list)  # entries of the first input not written (model_only)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "reassembled": self.reassembled,
+            "left_out": self.left_out,
+            "notes": self.notes,
             "entries": self.entries,
             "bn_modules": self.bn_modules,
             "buffers_merged": self.buffers_merged,
@@ -108,16 +119,23 @@ def plan_merge(
     atol: float = 0.0,
     to: str = "single",
     buffer_keys: Iterable[str] = (),
+    model_only: bool = False,
 ) -> MergeResult:
     """Merge like :func:`merge`, but return divergences and warnings as data instead of raising/warning.
 
     ``names`` label the inputs in messages (file paths in the CLI; ``rank0``, ``rank1`` … by default).
     Raises :class:`MergeError` for inputs that cannot be merged at all (different keys, shapes, dtypes).
+    ``model_only`` leaves out the first input's other entries (a lone model entry becomes the state dict itself).
     """
     _check_options(len(objs), buffers=buffers, to=to)
     labels = list(names) if names is not None else [f"rank{i}" for i in range(len(objs))]
     inputs = [in_memory(obj, source=label) for obj, label in zip(objs, labels, strict=True)]
-    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys))
+    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys),
+                     model_only=model_only)  # fmt: skip
+    return _in_memory(merger)
+
+
+def _in_memory(merger: _Merger) -> MergeResult:
     collected: dict[tuple[int, str], Any] = {}
     merger.run(lambda entry, key, value: collected.__setitem__((entry, key), value))
     if not merger.result.diverged:
@@ -135,33 +153,70 @@ def merge_files(
     buffer_keys: Iterable[str] = (),
     allow_globals: Iterable[str] = (),
     unsafe: bool = False,
+    model_only: bool = False,
 ) -> MergeResult:
-    """Merge per-rank files into ``out`` key by key; nothing is written when parameters diverge.
+    """Merge per-rank files (or folders) into ``out`` key by key; nothing is written when parameters diverge.
 
     Each key is read from every file (one tensor at a time, CRC-checked), compared as bytes first, combined and
     written at once: memory stays at a few copies of the largest tensor whatever the files' size. The result's
     ``obj`` is None (the merged checkpoint is in ``out``); ``diverged`` and ``warnings`` are as :func:`plan_merge`
     gives them.
 
+    FSDP2 rank files (each rank's ``torch.save(model.state_dict())``, DTensor shards) are reassembled into full
+    tensors (``reassembled`` says which, and how they were sharded), never averaged; every rank's file must be
+    there. The other entries come from the first input; one that was not loaded (it needs globals outside the
+    allowlist, see :mod:`ckptfix.formats.opaque`) is copied as its pickle records into a ``.pt`` output (said in
+    ``notes``), refused if it can run code or the output is ``.safetensors``; ``model_only`` leaves all of them out.
+
     >>> result = ckptfix.merging.merge_files(["rank0.pt", "rank1.pt"], "merged.pt")
     """
+    from ckptfix.formats.shards import RankFilesError, ShardedCheckpointError, refuse_flat_params
+
     _check_options(len(paths), buffers=buffers, to=to)
     fmt = output_format(out)
     check_output(out, inputs=tuple(paths))
     labels = [os.fspath(p) for p in paths]
+    allowed = tuple(allow_globals)
+    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": set(buffer_keys),
+                               "model_only": model_only}  # fmt: skip
     with contextlib.ExitStack() as stack:
-        inputs = [
-            stack.enter_context(open_checkpoint(p, allow_globals=tuple(allow_globals), unsafe=unsafe)) for p in paths
-        ]
-        merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys))
+        inputs: list[Opened] = []
+        sharded: list[str] = []
+        for path in labels:
+            try:
+                inputs.append(stack.enter_context(open_checkpoint(path, allow_globals=allowed, unsafe=unsafe,
+                                                                  opaque=True)))  # fmt: skip
+            except ShardedCheckpointError as e:
+                if e.kind != "dtensor":
+                    raise
+                sharded.append(path)
+        if sharded and inputs:
+            raise RankFilesError(
+                f"{sharded[0]}: holds DTensor shards (an FSDP2 rank file) but {inputs[0].source} holds full "
+                f"tensors; merge every rank file of one FSDP2 run together, or per-rank DDP files together"
+            )
+        if sharded:
+            stack.close()
+            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options)
+        for opened in inputs:
+            refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
+            opaque.require(opened.tree, wanted=None, source=opened.source)
+        merger = _Merger(inputs, labels, **options)
         try:
-            writer = streamed_writer(merger.assemble(merger.template), out, fmt=fmt, base=inputs[0])
-        except CannotStream:  # real tensors, or entries only ckptfix.save writes (or refuses): in memory
-            collected: dict[tuple[int, str], Any] = {}
-            merger.run(lambda entry, key, value: collected.__setitem__((entry, key), value))
-            if not merger.result.diverged:
-                write(merger.assemble(lambda entry, key, value: collected[entry, key]), out, fmt=fmt)
-            return merger.finish()
+            tree = merger.assemble(merger.template)
+            tree = opaque.carry(tree, out_fmt=fmt, source=labels[0], notes=merger.result.notes)
+            writer = streamed_writer(tree, out, fmt=fmt, base=inputs[0])
+        except CannotStream:  # real tensors, records of folders, entries only ckptfix.save writes: in memory
+            loaded = [_loaded(i, allow_globals=allowed, unsafe=unsafe, model_only=model_only) for i in inputs]
+            left_out = merger.finish().left_out  # what the description holds beyond the model (the load has less)
+            result = _in_memory(_Merger(loaded, labels, **options))
+            if not result.diverged:
+                result.left_out = left_out
+            if result.obj is not None:
+                opaque.refuse_left(result.obj, source=labels[0])  # torch writes only values it built
+                write(result.obj, out, fmt=fmt)
+                result.obj = None
+            return result
         with contextlib.suppress(_Diverged), writer:
 
             def put(entry: int, key: str, value: Any) -> None:
@@ -173,6 +228,135 @@ def merge_files(
             if merger.result.diverged:
                 raise _Diverged  # the temp file is removed, as for any error: nothing is written
     return merger.finish()
+
+
+def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, model_only: bool) -> Opened:
+    """An input loaded with torch (mmap), for the in-memory merge: a description's records are not values.
+    ``model_only`` leaves a folder's training-state files unread."""
+    if not opened.described:
+        return opened
+    obj = opaque.read(opened.source, fmt=detect_format(opened.source), allow_globals=allow_globals, unsafe=unsafe,
+                      model_only=model_only)  # fmt: skip
+    return in_memory(obj, source=opened.source)
+
+
+def _merge_dtensor(
+    paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
+) -> MergeResult:
+    """FSDP2 rank files: full tensors reassembled from every rank's shards, one tensor at a time, and written at
+    once; the rest merged as for DDP. Files the streaming writer cannot take are reassembled in memory."""
+    from ckptfix.formats import allowlist
+    from ckptfix.formats.shards import DTENSOR_GLOBALS, check_pieces
+
+    allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | DTENSOR_GLOBALS
+    with contextlib.ExitStack() as stack:
+        ranks: list[_Rank] = []
+        for path in paths:
+            ranks.append(_open_rank(path, allowed=allowed))
+            stack.enter_context(ranks[-1])
+        check_pieces([{k: r.piece for k, r in rank.records.items()} for rank in ranks], paths)  # before any write
+        _Ranks(ranks, paths)  # each rank's DTensor records read through it
+        merger = _Merger(list(ranks), paths, **options)
+        merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
+        try:
+            if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
+                raise CannotStream("a big-endian rank file, whose bytes torch swaps")
+            writer = streamed_writer(merger.assemble(merger.template), out, fmt=fmt, base=ranks[0])
+        except CannotStream:
+            stack.close()
+            return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
+        with contextlib.suppress(_Diverged), writer:
+
+            def put(entry: int, key: str, value: Any) -> None:
+                template = merger.entries[entry].template[key]
+                if is_tensor(template):
+                    writer.put(template, value)
+
+            merger.run(put)
+            if merger.result.diverged:
+                raise _Diverged  # the temp file is removed, as for any error: nothing is written
+    result = merger.finish()
+    result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
+    return result
+
+
+def _merge_dtensor_in_memory(
+    paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
+) -> MergeResult:
+    from ckptfix.formats.shards import load_ranks
+
+    found: dict[str, str] = {}
+    trees = load_ranks(paths, allow_globals=allow_globals, found=found)
+    merger = _Merger([in_memory(t, source=p) for t, p in zip(trees, paths, strict=True)], paths, **options)
+    merger.twins_warn = False
+    result = _in_memory(merger)
+    result.reassembled = found
+    if result.obj is not None:
+        write(result.obj, out, fmt=fmt)
+        result.obj = None
+    return result
+
+
+@dataclass
+class _Rank(Opened):
+    """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.shards.DTensorRecord` whose value
+    is the full tensor, assembled from every rank's piece by the ranks' :class:`_Ranks`."""
+
+    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord
+    ranks: Any = None
+
+    def tensor(self, value: Any) -> torch.Tensor:
+        if isinstance(value, DTensorRecord):
+            return self.ranks.full(value.key)  # type: ignore[no-any-return]
+        return super().tensor(value)
+
+
+def _open_rank(path: str, *, allowed: frozenset[str]) -> _Rank:
+    from ckptfix.formats.shards import describe_rank
+    from ckptfix.formats.torchfile import file_identity
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        before = file_identity(fd)
+        z, tree = describe_rank(fd, path, allowed=allowed)
+    except BaseException:
+        os.close(fd)
+        raise
+    records = {}
+    stack = [tree]
+    while stack:  # the DTensors sit in the (nested) dicts of the checkpoint
+        node = stack.pop()
+        for value in node.values() if isinstance(node, dict) else ():
+            if isinstance(value, DTensorRecord):
+                records[value.key] = value
+            elif isinstance(value, dict):
+                stack.append(value)
+    return _Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records)
+
+
+class _Ranks:
+    """The rank files of one run: each DTensor's full tensor, assembled once for all ranks (the last one kept, as
+    the merge reads a key from every rank in turn)."""
+
+    def __init__(self, ranks: list[_Rank], paths: list[str]) -> None:
+        self.ranks, self.paths = ranks, paths
+        self.key: str | None = None
+        self.value: Any = None
+        for rank in ranks:
+            rank.ranks = self
+
+    def full(self, key: str) -> Any:
+        from ckptfix.formats.shards import assemble
+
+        if key != self.key:
+            self.key, self.value = None, None  # the previous tensor freed before the next is built
+            parts = []
+            for rank in self.ranks:
+                piece = rank.records[key].piece
+                parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
+            self.value = assemble(parts, self.paths, key=key)
+            self.key = key
+        return self.value
 
 
 class _Diverged(Exception):  # noqa: N818 - a signal, not an error
@@ -244,8 +428,11 @@ class _Merger:
         atol: float,
         to: str,
         buffer_keys: set[str],
+        model_only: bool = False,
     ) -> None:
         self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
+        self.model_only = model_only
+        self.twins_warn = True
         self.result = MergeResult()
         if len(inputs) == 1:
             self.result.warnings.append(
@@ -270,6 +457,7 @@ class _Merger:
                 raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
         stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
         computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
+        computed |= {k for k, v in first.items() if isinstance(v, DTensorRecord)}  # assembled from every rank
         template: OrderedDict[str, Any] = OrderedDict(
             (k, Placeholder(*_spec_args(v)) if k in computed and is_tensor(v) else v) for k, v in first.items()
         )
@@ -291,6 +479,8 @@ class _Merger:
             merged[e.name] = apply_maps(state, e.maps, source=e.where[0])
         if list(merged) == [""]:
             return merged[""]
+        if self.model_only:  # as convert --model-only: a lone model entry is the state dict itself
+            return next(iter(merged.values())) if len(merged) == 1 else merged
         obj = self.inputs[0].tree
         out = type(obj)() if isinstance(obj, OrderedDict) else {}
         for key, value in obj.items():
@@ -302,7 +492,11 @@ class _Merger:
         obj = self.inputs[0].tree
         if not self.result.diverged and [e.name for e in self.entries] != [""]:
             names = {e.name for e in self.entries}
-            self.result.kept_from_first = [str(k) for k in obj if k not in names]
+            rest = [str(k) for k in obj if k not in names]
+            if self.model_only:
+                self.result.left_out = rest
+            else:
+                self.result.kept_from_first = rest
         return self.result
 
     def run(self, put: Callable[[int, str, Any], None]) -> None:
@@ -335,7 +529,7 @@ class _Merger:
                 f"{values}: kept the maximum"
             )
         self.result.bn_modules.extend(p[:-1] if p else "(root)" for p in e.prefixes)
-        for j in ranks:
+        for j in ranks if self.twins_warn else ():
             i = next((i for i in range(j) if (i, j) in twins), None)
             if i is not None:
                 self.result.warnings.append(

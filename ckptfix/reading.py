@@ -4,28 +4,34 @@
 instead of, its tensor bytes. :func:`open_checkpoint` gives the checked inert description the format readers build
 (:func:`ckptfix.formats.torchzip.read_torch_zip`, the safetensors header) without importing torch; :meth:`Opened.tensor`
 then reads one tensor into memory of its own, its zip record's CRC checked, so memory follows the tensors in use,
-not the file. Files the description cannot serve (legacy torch files, ``unsafe=True``, folders, quantized or sparse
-tensors, big-endian data when bytes are needed) are loaded the usual way, and ``note`` says why.
+not the file. A folder (transformers shards and their index, an accelerate ``save_state`` folder, a DCP folder) is
+opened the same way, file by file (:class:`OpenedFolder`). Files the description cannot serve (legacy torch files,
+``unsafe=True``, quantized or sparse tensors, big-endian data when bytes are needed) are loaded the usual way, and
+``note`` says why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import zlib
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckptfix.errors import FormatError
+from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats import allowlist, detect_format, inert, read
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.opaque import describe
+from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.opaque import read as opaque_read
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip
 from ckptfix.formats.ziparchive import Record, check_crc, verify_records
+from ckptfix.stream.folders import DcpTensor
 from ckptfix.stream.st import StTensor, tree_from_header
 
 if TYPE_CHECKING:
@@ -53,8 +59,30 @@ class Spec:
         return self.numel * DTYPES[self.dtype].itemsize
 
 
+@dataclass(eq=False)
+class FolderTensor:
+    """A tensor record of file ``part`` of a folder: two files' records (storage ``0`` of two ``.bin`` shards, two
+    safetensors shards' first tensors) never pass for one tensor."""
+
+    __ckptfix_tensor__: ClassVar[bool] = True
+    part: int
+    inner: Any
+
+    @property
+    def dtype(self) -> str:
+        return spec(self.inner).dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return spec(self.inner).shape
+
+
 def spec(value: Any) -> Spec:
-    """Dtype and shape of a tensor or of a tensor record of either reader."""
+    """Dtype and shape of a tensor or of a tensor record of any reader."""
+    if isinstance(value, FolderTensor):
+        return spec(value.inner)
+    if isinstance(value, DcpTensor):
+        return Spec(value.dtype, tuple(value.shape))
     if isinstance(value, (inert.InertTensor, inert.InertParameter)):
         return Spec(value.dtype, tuple(value.shape))
     if isinstance(value, StTensor):
@@ -66,15 +94,25 @@ def storage_of(value: Any) -> Hashable | None:
     """What a tensor's bytes live in, so tensors sharing storage can be found; None for an empty tensor."""
     if spec(value).numel == 0:
         return None
+    if isinstance(value, FolderTensor):
+        return (value.part, storage_of(value.inner))
+    if isinstance(value, DcpTensor):
+        return ("dcp", value.key)
     if isinstance(value, (inert.InertTensor, inert.InertParameter)):
         return ("pt", inert.tensor_of(value).storage.key)
     if isinstance(value, StTensor):
         return ("st", value.start)
+    if not hasattr(value, "untyped_storage"):  # a record of what a tensor is, with no bytes behind it
+        return None
     return (str(value.device), value.untyped_storage().data_ptr())
 
 
 def identity(value: Any) -> Hashable:
     """Equal for two names of one tensor (tied weights): same storage, offset, shape, strides and dtype."""
+    if isinstance(value, FolderTensor):
+        return (value.part, identity(value.inner))
+    if isinstance(value, DcpTensor):
+        return ("dcp", value.key)
     if isinstance(value, (inert.InertTensor, inert.InertParameter)):
         t = inert.tensor_of(value)
         return ("pt", t.storage.key, t.offset, t.shape, t.stride, t.dtype)
@@ -217,6 +255,7 @@ def open_checkpoint(
     opaque: bool = False,
 ) -> Opened:
     """Open ``path`` as its checked description; fall back to loading it with torch where that cannot serve.
+    ``path`` may be a folder or its index file: an :class:`OpenedFolder`, each of its files opened this way.
 
     ``need_bytes`` (diff, merge) also sends big-endian files to torch, which swaps their bytes. ``verify`` reads
     every record and checks its CRC now (a safetensors file, which has no checksums, is read through).
@@ -225,6 +264,9 @@ def open_checkpoint(
     """
     source = os.fspath(path)
     fmt = detect_format(path)
+    if fmt == "folder" and not unsafe:
+        return _open_folder(source, allow_globals=tuple(allow_globals), need_bytes=need_bytes, verify=verify,
+                            opaque=opaque)  # fmt: skip
     reason = _torch_needed(fmt, unsafe=unsafe)
     if reason is None:
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -265,6 +307,12 @@ def _describe(
         return Opened(source=source, fmt=fmt, tree=tree, fd=fd, before=before)
     allowed = allowlist.allowed_names(allow_globals, source=source)
     z = describe(fd, source, allowed=allowed, verify=verify, keep=opaque)
+    if opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
+        from ckptfix.formats.opaque import entries
+        from ckptfix.formats.shards import explain
+
+        if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
+            raise sharded
     verified = {r.name for r in z.archive.records} if verify else set()
     return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified)
 
@@ -293,3 +341,177 @@ def _read_through(fd: int, start: int, end: int, *, source: str) -> None:
         if n == 0:
             raise _truncated(source, end)
         at += n
+
+
+# -- folders ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OpenedFolder(Opened):
+    """A folder opened file by file: ``tree`` holds :class:`FolderTensor` records (shards, accelerate folders)
+    or :class:`~ckptfix.stream.folders.DcpTensor` records (DCP), each read on demand from its own file."""
+
+    kind: str = ""  # "shards", "accelerate" or "dcp"
+    files: list[str] = field(default_factory=list)  # every file the checkpoint is made of, index included
+    index: str | None = None
+    parts: list[Opened] = field(default_factory=list)  # shards and accelerate folders: one per file
+    dcp: Any = None  # DCP: the open data files
+    allowed: frozenset[str] = frozenset()
+    owner: dict[int, int] = field(default_factory=dict)  # id of a record not wrapped (inside objects) -> part
+
+    def close(self, *, check: bool = True) -> None:
+        with contextlib.ExitStack() as stack:  # every file closed, whichever fails its check
+            parts, self.parts, dcp, self.dcp = self.parts, [], self.dcp, None
+            for part in parts:
+                stack.callback(part.close, check=check)
+            if dcp is not None:
+                stack.callback(dcp.close)
+                if check:
+                    stack.callback(dcp.check_unchanged)
+
+    def tensor(self, value: Any) -> torch.Tensor:
+        if isinstance(value, FolderTensor):
+            return self.parts[value.part].tensor(value.inner)
+        if isinstance(value, DcpTensor):
+            from ckptfix.stream.folders import read_dcp_tensor
+
+            return read_dcp_tensor(value, self.dcp, allowed=self.allowed)  # type: ignore[no-any-return]
+        if id(value) in self.owner:
+            return self.parts[self.owner[id(value)]].tensor(value)
+        return value  # type: ignore[no-any-return]
+
+
+def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
+                 opaque: bool) -> Opened:  # fmt: skip
+    """A folder or index file as an :class:`OpenedFolder`, every file checked as it would be on its own and the
+    folder's own rules (:mod:`ckptfix.formats.folder`) on top."""
+    from ckptfix.formats.dcp import is_dcp
+    from ckptfix.formats.folder import describe as describe_folder
+
+    if is_dcp(source):
+        return _open_dcp(source, allow_globals=allow_globals, verify=verify)
+    folder = describe_folder(source)
+    files = folder.files + ([folder.index] if folder.index else [])
+    opened = OpenedFolder(source=source, fmt="folder", tree=None, kind="shards" if folder.flat else "accelerate",
+                          files=files, index=folder.index)  # fmt: skip
+    try:
+        each = {"allow_globals": allow_globals, "need_bytes": need_bytes, "verify": verify}
+        opened.tree = _shards(opened, folder, each) if folder.flat else _accelerate(opened, folder, each, opaque)
+        for i, part in enumerate(opened.parts):
+            for obj in inert.walk(part.tree):
+                if isinstance(obj, (inert.InertTensor, inert.InertParameter, StTensor)):
+                    opened.owner.setdefault(id(obj), i)
+    except BaseException:
+        opened.close(check=False)
+        raise
+    notes = [f"{os.path.basename(p.source)} is {p.note}" for p in opened.parts if p.note]
+    opened.note = notes[0] if notes else None
+    return opened
+
+
+def _shards(opened: OpenedFolder, folder: Any, each: dict[str, Any]) -> Any:
+    from ckptfix.checkpoint import is_state_dict
+    from ckptfix.formats.folder import check_complete, check_shard
+
+    merged: OrderedDict[str, Any] = OrderedDict()
+    versions: OrderedDict[str, Any] = OrderedDict()
+    for path in folder.files:
+        part = open_checkpoint(path, **each)
+        opened.parts.append(part)
+        if not is_state_dict(part.tree):
+            raise FormatError(f"{path}: holds a {type(part.tree).__name__}, not a state dict; it is not a shard")
+        check_shard(folder, path, part.tree.keys())
+        for key, value in part.tree.items():
+            if key in merged:  # only without an index: two model files cannot both hold a key
+                raise FormatError(f"{path}: key '{key}' is in two shards; download the folder again")
+            merged[key] = _wrapped(value, len(opened.parts) - 1)
+        versions.update(getattr(part.tree, "_metadata", None) or {})
+    check_complete(folder, merged)
+    if versions:
+        merged._metadata = versions  # type: ignore[attr-defined]
+    return merged
+
+
+def _accelerate(opened: OpenedFolder, folder: Any, each: dict[str, Any], opaque: bool) -> Any:
+    """The model files as model entries, the training state (optimizer, scheduler, RNG) as other entries; with
+    ``opaque``, a file needing globals outside the allowlist (numpy RNG state) is one unbuilt entry."""
+    from ckptfix.formats.folder import _MODEL_FILE
+
+    tree: OrderedDict[str, Any] = OrderedDict()
+    for entry, (path,) in folder.entries.items():
+        model = bool(_MODEL_FILE.match(os.path.basename(path)))
+        try:
+            part = open_checkpoint(path, **each, opaque=opaque and not model)
+        except UnsafeCheckpointError:
+            if not opaque or model or detect_format(path) != "torch-zip":
+                raise
+            part = _opaque_file(path, entry, allow_globals=each["allow_globals"])
+        opened.parts.append(part)
+        tree[entry] = _wrapped(part.tree, len(opened.parts) - 1)
+    return tree
+
+
+def _opaque_file(path: str, entry: str, *, allow_globals: tuple[str, ...]) -> Opened:
+    """A whole file as one :class:`OpaqueEntry` named ``entry``: its records, nothing built."""
+    from ckptfix.formats.torchzip import read_torch_zip
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        before = file_identity(fd)
+        refused: list[str] = []
+        z = read_torch_zip(fd, path, allowed=allowlist.allowed_names(allow_globals, source=path), refused=refused)
+        tree = wrap({entry: z.tree}, refused, source=path)[entry]
+    except BaseException:
+        os.close(fd)
+        raise
+    return Opened(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before)
+
+
+def _wrapped(obj: Any, part: int) -> Any:
+    """``obj`` with each tensor (record) in it as a :class:`FolderTensor` of ``part``; containers copied."""
+    from ckptfix.checkpoint import is_tensor
+
+    if is_tensor(obj):
+        return FolderTensor(part, obj)
+    if isinstance(obj, OpaqueEntry):
+        return dataclasses.replace(obj, records=_wrapped(obj.records, part))
+    if isinstance(obj, dict):
+        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = _wrapped(v, part)
+        if getattr(obj, "__dict__", None):  # a state dict's _metadata
+            out.__dict__.update(obj.__dict__)
+        return out
+    if type(obj) is list:
+        return [_wrapped(v, part) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_wrapped(v, part) for v in obj)
+    return obj
+
+
+def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
+    from ckptfix.formats.dcp import METADATA
+    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.stream.fallback import Fallback
+    from ckptfix.stream.folders import open_tree
+
+    try:
+        tree, _, files, allowed = open_tree(source, allow_globals=allow_globals)
+    except Fallback as e:  # values holding tensors or objects: torch's DCP reader rebuilds them
+        return Opened(source=source, fmt="folder", tree=read(source, fmt="folder", allow_globals=allow_globals),
+                      note=f"a DCP folder whose {e}")  # fmt: skip
+    records = [v for v in inert.walk(tree) if isinstance(v, DcpTensor)]
+    spans = {c.span for t in records for c in t.entry.chunks}
+    data = sorted({span.path for span in spans} | set(files.open))
+    opened = OpenedFolder(source=source, fmt="folder", tree=tree, kind="dcp", dcp=files, allowed=allowed,
+                          files=[os.path.join(source, METADATA), *data])  # fmt: skip
+    try:
+        if verify:  # every chunk's records read and CRC-checked (the values were, when they were read)
+            for span in sorted(spans, key=lambda s: (s.path, s.offset)):
+                read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
+                               end=span.offset + span.length)  # fmt: skip
+            opened.verified.update(data)
+    except BaseException:
+        opened.close(check=False)
+        raise
+    return opened

@@ -17,8 +17,10 @@ from ckptfix.formats import inert
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.opaque import OpaqueEntry
+from ckptfix.formats.shards import DTensorRecord, flat_param_keys
 from ckptfix.keytree import expand, group_keys
-from ckptfix.reading import open_checkpoint, spec, storage_of
+from ckptfix.reading import OpenedFolder, open_checkpoint, spec, storage_of
+from ckptfix.stream.folders import DcpTensor, chunking
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # What the real object of an inert call is, where its class name alone would mislead.
@@ -58,21 +60,36 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     specs = {k: spec(v) for k, v in state.items() if is_tensor(v)}
     bn = [k for k in specs if k.rsplit(".", 1)[-1] in BN_BUFFERS]
     params = sum(s.numel for k, s in specs.items() if k not in bn)
+    # A DCP folder's tensors: how each is chunked across the data files; a DTensor rank file's: how each is
+    # sharded. Keys are grouped per way, so each group line says it.
+    chunks = {k: chunking(v) for k, v in state.items() if isinstance(v, DcpTensor)}
+    if any(isinstance(v, DTensorRecord) for v in state.values()):
+        shards = {k: v.sharding if isinstance(v, DTensorRecord) else "not sharded" for k, v in state.items()}
+    else:
+        shards = {}
+    ways = chunks or shards
+    parts: dict[str | None, list[str]] = {}
+    for k in specs:
+        parts.setdefault(ways.get(k), []).append(k)
+    order = {k: i for i, k in enumerate(specs)}
+    lines = sorted(((line, way) for way, keys in parts.items() for line in group_keys(keys)),
+                   key=lambda item: order[expand(item[0])[0]])  # fmt: skip
     groups = []
-    for line in group_keys(specs):
+    for line, way in lines:
         keys = expand(line)
         shapes = {specs[k].shape for k in keys}
         dtypes = {specs[k].dtype for k in keys}
-        groups.append(
-            {
-                "keys": line,
-                "count": len(keys),
-                "shape": list(next(iter(shapes))) if len(shapes) == 1 else None,
-                "dtype": next(iter(dtypes)) if len(dtypes) == 1 else "mixed",
-                "numel": sum(specs[k].numel for k in keys),
-            }
-        )
-    return {
+        group = {
+            "keys": line,
+            "count": len(keys),
+            "shape": list(next(iter(shapes))) if len(shapes) == 1 else None,
+            "dtype": next(iter(dtypes)) if len(dtypes) == 1 else "mixed",
+            "numel": sum(specs[k].numel for k in keys),
+        }
+        if ways:
+            group["chunking" if chunks else "sharding"] = way
+        groups.append(group)
+    summary: dict[str, Any] = {
         "layout": layouts.detect(list(state.keys()), source=source).name,
         "tensors": len(specs),
         "parameters": params,
@@ -84,6 +101,11 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
         "non_tensor_keys": [k for k in state if k not in specs],
         "groups": groups,
     }
+    if ways:
+        summary["chunking" if chunks else "sharding"] = ways
+    if flat := flat_param_keys(state):  # FSDP1: one rank's slices of many parameters, which no model loads
+        summary["fsdp1_flat_params"] = flat
+    return summary
 
 
 def _sharing(state: Mapping[str, Any]) -> list[list[str]]:
@@ -99,33 +121,79 @@ def _sharing(state: Mapping[str, Any]) -> list[list[str]]:
 def summarize(
     path: PathLike, *, allow_globals: tuple[str, ...] = (), unsafe: bool = False, verify: bool = False
 ) -> dict[str, Any]:
-    """Everything ``ckptfix inspect`` shows, for one file; ``verify`` also reads every record and checks its CRC.
+    """Everything ``ckptfix inspect`` shows, for one file or folder; ``verify`` also reads every record and checks
+    its CRC.
 
     The summary has ``loaded_with_torch`` (the reason) when the file could not be described without loading it
-    (a legacy torch file, ``unsafe=True``), and ``verified`` when ``verify`` was asked for.
+    (a legacy torch file, ``unsafe=True``), ``verified`` when ``verify`` was asked for, and ``folder`` (its kind:
+    ``shards``, ``accelerate`` or ``dcp``, its files and index) for a folder; a DCP folder's models have
+    ``chunking``: key -> how the tensor is split across the data files. One rank's file of an FSDP2 or
+    tensor-parallel run (DTensor shards) has ``dtensor`` (this rank's place on the mesh); its models show the full
+    tensors' shapes, and ``sharding``: key -> ``Shard(0) on mesh [2]`` (or ``not sharded``: the rank's own).
     """
+    from ckptfix.formats.shards import ShardedCheckpointError, rank_tree
+
     source = os.fspath(path)
-    with open_checkpoint(
-        path, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, verify=verify, opaque=True
-    ) as ckpt:
-        obj = ckpt.tree
-        entries = model_entries(obj)
-        models = {name: summarize_state(get_entry(obj, name), source=source) for name in entries}
-        others = (
-            {}
-            if entries == [""] or not isinstance(obj, Mapping)
-            else {str(k): describe(v) for k, v in obj.items() if k not in entries}
-        )
-    summary: dict[str, Any] = {
+    try:
+        with open_checkpoint(
+            path, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, verify=verify, opaque=True
+        ) as ckpt:
+            summary = _summary(ckpt.tree, source=source, fmt=ckpt.fmt)
+    except ShardedCheckpointError as e:
+        if e.kind != "dtensor" or unsafe:
+            raise
+        tree = rank_tree(source, allow_globals=allow_globals, verify=verify)  # the DTensors as records
+        summary = _summary(tree, source=source, fmt="torch-zip")
+        first = next((v for v in _values(tree) if isinstance(v, DTensorRecord)), None)
+        if first is not None:
+            summary["dtensor"] = {"coordinate": list(first.coordinate), "sharding": first.sharding}
+        if verify:
+            summary["verified"] = "crc"
+        return summary
+    folder = ckpt if isinstance(ckpt, OpenedFolder) else None
+    if folder is not None:
+        summary["file_bytes"] = sum(map(os.path.getsize, folder.files))
+    if folder is not None:
+        root = os.path.dirname(folder.index or folder.files[0])  # shards may sit in subfolders of the index's
+        summary["folder"] = {
+            "kind": folder.kind,
+            "files": [os.path.relpath(f, root) for f in folder.files],
+            "index": os.path.basename(folder.index) if folder.index else None,
+        }
+    if ckpt.note is not None:
+        summary["loaded_with_torch"] = ckpt.note
+    if verify:
+        parts = folder.parts if folder else [ckpt]
+        zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)
+        summary["verified"] = "crc" if zips and not unsafe else "read"
+    return summary
+
+
+def _summary(obj: Any, *, source: str, fmt: str) -> dict[str, Any]:
+    entries = model_entries(obj)
+    models = {name: summarize_state(get_entry(obj, name), source=source) for name in entries}
+    others = (
+        {}
+        if entries == [""] or not isinstance(obj, Mapping)
+        else {str(k): describe(v) for k, v in obj.items() if k not in entries}
+    )
+    return {
         "path": source,
-        "format": ckpt.fmt,
-        "file_bytes": os.path.getsize(path),
+        "format": fmt,
+        "file_bytes": _size(source),
         "kind": "state dict" if entries == [""] else "checkpoint",
         "models": models,
         "other_entries": others,
     }
-    if ckpt.note is not None:
-        summary["loaded_with_torch"] = ckpt.note
-    if verify:
-        summary["verified"] = "crc" if ckpt.fmt == "torch-zip" and not unsafe else "read"
-    return summary
+
+
+def _values(tree: Any) -> list[Any]:
+    """The values of a checkpoint's model entries (or of the state dict itself)."""
+    return [v for name in model_entries(tree) for v in get_entry(tree, name).values()]
+
+
+def _size(source: str) -> int:
+    if not os.path.isdir(source):
+        return os.path.getsize(source)
+    # a folder loaded with torch (a DCP folder whose values hold objects): every file in it
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(source) for n in names)

@@ -24,8 +24,9 @@ from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.safetensors import tensor_bytes
 from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import Record, ZipWriter, check_crc
-from ckptfix.reading import Opened, identity, spec
+from ckptfix.reading import FolderTensor, Opened, identity, spec
 from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.folders import DcpTensor
 from ckptfix.stream.st import StTensor, plan_safetensors
 
 if TYPE_CHECKING:
@@ -115,7 +116,8 @@ class _Safetensors(StreamedWriter):
         super().__init__(out)
 
         def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-            if not isinstance(value, (Placeholder, StTensor, inert.InertTensor, inert.InertParameter)):
+            if not isinstance(value, (Placeholder, StTensor, inert.InertTensor, inert.InertParameter, FolderTensor,
+                                      DcpTensor)):  # fmt: skip
                 raise Fallback("a tensor already in memory")
             found = spec(value)
             return found.dtype, found.shape, 0, found.nbytes, _key(value)

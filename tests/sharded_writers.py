@@ -129,6 +129,51 @@ def resume_fsdp2(ckpt_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
 
 
+MESH_2D = (2, 2)
+
+
+def _mesh2d_worker(rank: int, store_path: str, out_dir: str) -> None:
+    """4 ranks on a (2, 2) mesh: the model under HSDP (``fully_shard`` on the 2-D mesh: Replicate() across the first
+    dimension, Shard(0) across the second), and a tensor sharded over both dimensions (Shard(0), Shard(1)) with
+    uneven pieces."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    world = MESH_2D[0] * MESH_2D[1]
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", MESH_2D, mesh_dim_names=("replicate", "shard"))
+        model = SmallNet(width=8)
+        fully_shard(model, mesh=mesh)
+        model(inputs(rank)).square().mean().backward()
+        block = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)  # 7 rows over 2, 5 columns over 2: uneven
+        state = {**model.state_dict(), "extra.block": distribute_tensor(block, mesh, [Shard(0), Shard(1)])}
+        torch.save(state, out / f"rank{rank}.pt")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save({**full, "extra.block": block}, out / "full.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def write_2d(out: Path) -> Path:
+    """``rank<R>.pt`` of 4 ranks on a (2, 2) mesh, and ``full.pt`` (the truth), in ``out``."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    method = "spawn" if dist.is_initialized() else "fork"
+    mp.start_processes(_mesh2d_worker, args=(str(out / "store"), str(out)), nprocs=MESH_2D[0] * MESH_2D[1],
+                       join=True, start_method=method)  # fmt: skip
+    return out
+
+
 def write(out: Path, mode: str) -> Path:
     """Run the 2-process job writing into ``out``. ``mode``: ``ddp``, ``fsdp2``, ``fsdp2-wide`` (a wider model) or
     ``fsdp2-cols`` (matrices sharded by columns)."""

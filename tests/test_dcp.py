@@ -257,3 +257,56 @@ def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path
     with pytest.raises(FormatError, match="CRC"):
         convert_folder(str(single), str(out), transform=lambda tree: options.apply(tree, source="x"))
     assert not out.exists() and sorted(os.listdir(tmp_path)) == ["dcp"]
+
+
+# -- inspect and diff ---------------------------------------------------------------------------------------------
+
+
+def _cli(*args: object) -> Any:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.slow
+def test_inspect_and_diff_a_two_rank_dcp_folder(tmp_path: Path) -> None:
+    out = sharded_writers.write(tmp_path / "cols", "fsdp2-cols")  # matrices split by columns: block chunks
+    shown = _cli("inspect", out / "dcp")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[0].startswith(f"{out / 'dcp'}: torch.distributed.checkpoint folder (2 data files) checkpoint")
+    chunked = {
+        line.split()[0]: line.rsplit("(", 1)[1].rstrip(")") for line in lines if line.startswith("  ") and "(" in line
+    }
+    assert chunked["head.weight"] == "2 block chunks in __0_0.distcp, __1_0.distcp"
+    assert chunked["head.bias"] == "2 row chunks in __0_0.distcp, __1_0.distcp"
+    assert "entry 'optim': optimizer state: 1 param group(s), state for 10 param(s)" in lines
+    torch.save(_torch_truth(out / "dcp", tmp_path), tmp_path / "truth.pt")
+    same = _cli("diff", out / "dcp", tmp_path / "truth.pt")
+    assert same.exit_code == 0 and same.output.splitlines()[-1] == "equal", same.output
+    full = torch.load(out / "full.pt", weights_only=True)  # rank 0's BatchNorm statistics; DCP kept rank 1's
+    other = _cli("diff", out / "dcp", out / "full.pt", "--entry", "model")
+    assert other.exit_code == 1, other.output
+    assert {line.split()[0] for line in other.output.splitlines() if "max |Δ|" in line} == {
+        k for k in full["model"] if k.endswith(("running_mean", "running_var"))
+    }
+
+
+def test_diff_refuses_a_corrupt_chunk_in_one_line(single: Path, tmp_path: Path) -> None:
+    from ckptfix.formats.ziparchive import read_archive
+
+    torch.save(ckptfix.load(single), tmp_path / "same.pt")
+    meta = pickle.loads((single / ".metadata").read_bytes())  # our own file: safe to unpickle here
+    span = next(info for index, info in meta.storage_data.items() if index.fqn == "model.head.weight")
+    data = bytearray((single / "__0_0.distcp").read_bytes())
+    with open(single / "__0_0.distcp", "rb") as f:
+        records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
+    tensor = next(r for r in records if r.name.endswith("data/0"))
+    data[tensor.data_offset] ^= 0xFF
+    (single / "__0_0.distcp").write_bytes(bytes(data))
+    assert _cli("inspect", single).exit_code == 0  # no tensor byte read
+    result = _cli("diff", single, tmp_path / "same.pt")
+    assert result.exit_code == 2 and "CRC" in result.output and "__0_0.distcp" in result.output, result.output
+    assert result.output.count("\n") == 1

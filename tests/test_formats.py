@@ -170,10 +170,19 @@ def test_malicious_pickle_is_refused_and_never_runs(
         monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(UnsafeCheckpointError, match=r"system, which can run code; nothing was executed"):
         ckptfix.load(path)
+    if legacy:  # read by the torch path, which writes only what it built
+        with pytest.raises(UnsafeCheckpointError):
+            convert_file(path, tmp_path / "out.pt")
+        assert not (tmp_path / "out.pt").exists()
+    else:  # a full .pt conversion copies the entry beside the model as its records, never run: refused as its input
+        result = convert_file(path, tmp_path / "out.pt")
+        assert any("copied, never executed" in note and "posix.system" in note for note in result.notes)
+        with pytest.raises(UnsafeCheckpointError, match=r"system, which can run code; nothing was executed"):
+            ckptfix.load(tmp_path / "out.pt")
     with pytest.raises(UnsafeCheckpointError):
-        convert_file(path, tmp_path / "out.pt")
+        convert_file(path, tmp_path / "out.safetensors")
     assert not marker.exists()
-    assert not (tmp_path / "out.pt").exists()
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_dangerous_globals_cannot_be_allowed(tmp_path: Path) -> None:

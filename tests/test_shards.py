@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +96,166 @@ def test_validate_reports_rank_files_as_shards_with_exit_1(run: Path, fsdp1: Pat
         result = CliRunner().invoke(cli, ["validate", str(path), "--model", "tests.models:SmallNet"])
         assert result.exit_code == 1, result.output
         assert what in result.output and result.output.count("\n") == 1
+
+
+# -- ckptfix merge: FSDP2 rank files reassembled, not averaged ---------------------------------------------------
+
+
+def _cli(*args: object) -> Any:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("name", ["full.safetensors", "full.pt"])
+def test_merge_reassembles_fsdp2_rank_files_into_the_full_state_dict(run: Path, tmp_path: Path, name: str) -> None:
+    out = tmp_path / name
+    result = _cli("merge", *_ranks(run), "-o", out, "--buffers", "rank0")
+    assert result.exit_code == 0, result.output
+    assert "reassembled 10 DTensor tensor(s) from every rank's shards (Shard(0) on mesh [2]): full tensors, not " \
+           "averaged" in result.output  # fmt: skip
+    full = torch.load(run / "full.pt", weights_only=True)["model"]  # get_model_state_dict(full_state_dict=True)
+    merged = ckptfix.load(out)
+    assert set(merged) == set(full)
+    assert all(torch.equal(merged[k], v) and merged[k].dtype == v.dtype for k, v in full.items())
+
+
+def test_inspect_shows_a_rank_file_as_shards_of_full_tensors(run: Path) -> None:
+    text = _cli("inspect", run / "rank1.pt")
+    assert text.exit_code == 0, text.output
+    assert text.output.splitlines()[1].startswith(
+        "DTensor shards: one rank's part (mesh coordinate [1], Shard(0) on mesh [2]) of an FSDP2 or tensor-parallel run"
+    )
+    assert "ckptfix merge rank0.pt … rankN.pt -o full.safetensors" in text.output
+    summary = json.loads(_cli("inspect", run / "rank1.pt", "--json").output)
+    full = torch.load(run / "full.pt", weights_only=True)["model"]
+    assert summary["models"][""]["parameters"] == sum(v.numel() for k, v in full.items() if "running" not in k
+                                                      and "num_batches" not in k)  # fmt: skip
+    assert summary["models"][""]["sharding"]["head.weight"] == "Shard(0) on mesh [2]"
+    assert summary["models"][""]["sharding"]["features.1.running_mean"] == "not sharded"
+    assert summary["models"][""]["bytes"] == sum(v.numel() * v.element_size() for v in full.values())  # not a half
+
+
+def test_merge_streams_rank_files_a_tensor_at_a_time(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptfix.formats import shards
+
+    def whole(*args: object, **kwargs: object) -> None:
+        raise AssertionError("every rank file loaded whole")
+
+    monkeypatch.setattr(shards, "load_ranks", whole)  # the in-memory path: not taken for plain rank files
+    result = _cli("merge", *_ranks(run), "-o", tmp_path / "m.pt", "--buffers", "rank0")
+    assert result.exit_code == 0, result.output
+    full = torch.load(run / "full.pt", weights_only=True)["model"]
+    merged = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(merged) == list(full) and all(torch.equal(merged[k], v) for k, v in full.items())
+
+
+def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Path) -> None:
+    from ckptfix.formats.ziparchive import read_archive
+
+    bad = tmp_path / "rank1.pt"
+    data = bytearray((run / "rank1.pt").read_bytes())
+    with open(run / "rank1.pt", "rb") as f:
+        record = next(r for r in read_archive(f.fileno(), "x").records if "/data/" in r.name and r.size >= 16)
+    data[record.data_offset + 8] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    result = _cli("merge", _ranks(run)[0], bad, "-o", tmp_path / "m.pt")
+    assert result.exit_code == 2 and "CRC" in result.output and str(bad) in result.output, result.output
+    assert result.output.count("\n") == 1 and not (tmp_path / "m.pt").exists()
+
+
+def test_merge_pools_the_ranks_batchnorm_statistics_beside_the_reassembled_weights(run: Path, tmp_path: Path) -> None:
+    from ckptfix.merging import plan_merge
+
+    result = _cli("merge", *_ranks(run), "-o", tmp_path / "m.safetensors", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["reassembled"]["features.0.weight"] == "Shard(0) on mesh [2]" and len(report["reassembled"]) == 10
+    full = torch.load(run / "full.pt", weights_only=True)["model"]
+    merged = ckptfix.load(tmp_path / "m.safetensors")
+    expected = plan_merge(load_ranks(_ranks(run))).obj  # each rank's own statistics, pooled
+    for key, value in full.items():
+        assert torch.equal(merged[key], expected[key]), key
+        assert torch.equal(merged[key], value) == ("running" not in key), key  # rank 0's alone are not the pool
+
+
+def test_merge_refuses_rank_files_that_are_not_one_whole_run_in_one_line(run: Path, tmp_path: Path) -> None:
+    other = sharded_writers.write(tmp_path / "cols", "fsdp2-cols")
+    ckptfix.save(torch.load(run / "full.pt", weights_only=True)["model"], tmp_path / "plain.safetensors")
+    rank0, rank1 = _ranks(run)
+    cases = [
+        ([rank0], "1 files for a mesh of 2 ranks [2], missing the rank at mesh coordinate(s) [[1]]"),
+        ([rank0, rank0], "[[0]] given twice; pass every rank's file exactly once"),
+        ([rank0, tmp_path / "plain.safetensors"], "holds DTensor shards (an FSDP2 rank file) but"),
+        ([tmp_path / "plain.safetensors", rank1], "holds DTensor shards (an FSDP2 rank file) but"),
+        ([rank0, other / "rank1.pt"], "sharded Shard(1) on mesh [2], but"),
+    ]
+    for inputs, message in cases:
+        result = _cli("merge", *inputs, "-o", tmp_path / "m.pt")
+        assert result.exit_code == 2, (inputs, result.output)
+        error = result.output.splitlines()[-1]
+        assert error.startswith("ckptfix: error: ") and message in error, (inputs, result.output)
+        assert "Traceback" not in result.output and not (tmp_path / "m.pt").exists()
+    shutil.rmtree(other)
+
+
+def test_merge_says_what_fsdp1_rank_files_are_and_what_to_do(fsdp1: Path, tmp_path: Path) -> None:
+    cases = [("flat", "is an FSDP1 flat parameter"), ("local", "holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT")]
+    for stem, message in cases:
+        result = _cli("merge", fsdp1 / f"{stem}0.pt", fsdp1 / f"{stem}1.pt", "-o", tmp_path / "m.pt")
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "full_state_dict=True" in result.output
+        assert result.output.count("\n") == 1 and not (tmp_path / "m.pt").exists()
+
+
+def test_a_two_dimensional_mesh_reassembles_exactly(tmp_path: Path) -> None:
+    out = sharded_writers.write_2d(tmp_path / "mesh2d")  # 4 gloo processes on a (2, 2) mesh
+    ranks = [out / f"rank{r}.pt" for r in range(4)]
+    result = _cli("merge", *ranks, "-o", tmp_path / "m.safetensors", "--buffers", "rank0", "--json")
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output)["reassembled"]
+    assert found["features.0.weight"] == "Replicate(), Shard(0) on mesh [2, 2]"  # HSDP
+    assert found["extra.block"] == "Shard(0), Shard(1) on mesh [2, 2]"  # uneven: 7 rows, 5 columns over 2 × 2
+    full = torch.load(out / "full.pt", weights_only=True)
+    merged = ckptfix.load(tmp_path / "m.safetensors")
+    assert set(merged) == set(full) and all(torch.equal(merged[k], v) for k, v in full.items())
+    shown = json.loads(_cli("inspect", ranks[3], "--json").output)
+    assert shown["dtensor"] == {"coordinate": [1, 1], "sharding": "Replicate(), Shard(0) on mesh [2, 2]"}
+    assert shown["models"][""]["sharding"]["extra.block"] == "Shard(0), Shard(1) on mesh [2, 2]"
+    missing = _cli("merge", *ranks[:3], "-o", tmp_path / "m.pt")
+    assert missing.exit_code == 2 and "missing the rank at mesh coordinate(s) [[1, 1]]" in missing.output
+
+
+def test_inspect_says_fsdp1_flat_parameters_are_no_model(fsdp1: Path) -> None:
+    result = _cli("inspect", fsdp1 / "flat0.pt")
+    assert result.exit_code == 0, result.output
+    assert "  FSDP1 flat parameters: _fsdp_wrapped_module._flat_param: one rank's 1-D slice" in result.output
+    summary = json.loads(_cli("inspect", fsdp1 / "flat0.pt", "--json").output)
+    assert summary["models"][""]["fsdp1_flat_params"] == ["_fsdp_wrapped_module._flat_param"]
+
+
+def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:
+    import dataclasses
+
+    from ckptfix.formats import allowlist
+    from ckptfix.formats.shards import DTENSOR_GLOBALS, RankFilesError, assemble, check_pieces, describe_rank
+
+    pieces = []
+    for path in _ranks(run):
+        with open(path, "rb") as f:
+            _, tree = describe_rank(
+                f.fileno(), path, allowed=allowlist.allowed_names([], source=path) | DTENSOR_GLOBALS
+            )
+        pieces.append(tree["head.weight"].piece)
+    check_pieces([{"head.weight": p} for p in pieces], _ranks(run))
+    full = torch.load(run / "full.pt", weights_only=True)["model"]["head.weight"]  # [3, 8]: rows 0-1 and row 2
+    parts = [dataclasses.replace(pieces[0], local=full[:2]), dataclasses.replace(pieces[1], local=full[2:])]
+    assert torch.equal(assemble(parts, _ranks(run), key="head.weight"), full)
+    short = [parts[0], dataclasses.replace(pieces[1], local=full[2:, :4])]  # half a row missing: the tiling has a gap
+    with pytest.raises(RankFilesError, match=r"'head.weight' local shard is torch.float32 \[1, 4\] where rank \[1\]"):
+        assemble(short, _ranks(run), key="head.weight")
+    assert RankFilesError.exit_code == 2

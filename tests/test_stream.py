@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import ckptfix
 from ckptfix.checkpoint import convert_checkpoint
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, UnsafeCheckpointError
@@ -146,9 +147,13 @@ def test_dangerous_global_is_refused_without_running(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     torch.save({"model": {"module.w": torch.ones(2)}, "evil": _Evil(marker)}, src)
     with pytest.raises(UnsafeCheckpointError, match=r"(os|posix)\.system"):
-        _fast(src, tmp_path / "out.pt")
+        _fast(src, tmp_path / "out.safetensors")  # a .safetensors output needs every value
+    assert not (tmp_path / "out.safetensors").exists()
+    result = _fast(src, tmp_path / "out.pt")  # a .pt copies the entry as its records, never run, and says so
+    assert any("'evil'" in note and "which can run code" in note for note in result.notes), result.notes
+    with pytest.raises(UnsafeCheckpointError, match=r"(os|posix)\.system"):
+        ckptfix.load(tmp_path / "out.pt")  # the copy is refused as the input is
     assert not marker.exists(), "the pickle's payload ran"
-    assert not (tmp_path / "out.pt").exists()
 
 
 def test_globals_need_the_same_allowance_on_both_paths(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, se
 
 
 @click.command()
-@click.argument("a", metavar="A", type=click.Path(dir_okay=False))
-@click.argument("b", metavar="B", type=click.Path(dir_okay=False))
+@click.argument("a", metavar="A", type=click.Path())
+@click.argument("b", metavar="B", type=click.Path())
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
 @click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
 @click.option("--entry", metavar="NAME", help="Compare only this model entry (of each side that has it).")
@@ -40,10 +40,15 @@ def diff(
     relative) and other entries (epoch, optimizer, …) that differ. Tensors are equal when
     |a - b| <= atol + rtol·|b| everywhere. Files are read one tensor at a time; equal bytes are not converted.
 
+    A and B may be folders or index files (transformers shards, accelerate save_state folders,
+    torch.distributed.checkpoint folders), read file by file the same way. Entries that need classes outside
+    the allowlist (an mmengine message_hub) are not loaded: they are compared as their pickle records and named.
+
     \b
     Exit codes: 0 equal within tolerance; 1 different; 2 an input cannot be read.
     Example: ckptfix diff ddp_run.pt converted.safetensors --atol 1e-6
     Example: ckptfix diff lightning.ckpt weights.safetensors --entry state_dict --strip-prefix model.
+    Example: ckptfix diff hf_model/ consolidated.safetensors
     """
     from ckptfix.diff import diff_files
 
@@ -87,6 +92,10 @@ def diff(
         lines([f"{o.path}: {o.a} -> {o.b}" for o in report.other])
     if not report.others_compared:
         echo(f"other entries not compared (--entry {entry})")
+    for side in ("a", "b"):
+        how = "; compared as their pickle records, nothing run" if report.others_compared else ""
+        for key, what in report.not_loaded.get(side, {}).items():
+            echo(f"{side.upper()}: entry '{key}': {what}{how}")
     tolerance = f" within atol {atol:g}, rtol {rtol:g}" if atol or rtol else ""
     echo(f"equal{tolerance}" if report.equal else "different")
     click.get_current_context().exit(code)

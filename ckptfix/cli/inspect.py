@@ -10,11 +10,34 @@ import click
 from ckptfix.cli.options import safety_options
 from ckptfix.cli.render import human_bytes, printable
 
+_FOLDERS = {
+    "shards": "folder",
+    "accelerate": "accelerate save_state folder",
+    "dcp": "torch.distributed.checkpoint folder",
+}
+
+
+def _format(summary: dict[str, Any]) -> str:
+    folder = summary.get("folder")
+    if folder is None:
+        return str(summary["format"])
+    data = [f for f in folder["files"] if f != folder["index"] and f != ".metadata"]
+    what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] == "dcp" else "file"
+    index = f" and index {folder['index']}" if folder["index"] else ""
+    return f"{_FOLDERS[folder['kind']]} ({len(data)} {what}{'s' * (len(data) != 1)}{index})"
+
 
 def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
     lines = [
-        f"{summary['path']}: {summary['format']} {summary['kind']}, {human_bytes(summary['file_bytes'])}",
+        f"{summary['path']}: {_format(summary)} {summary['kind']}, {human_bytes(summary['file_bytes'])}",
     ]
+    if "dtensor" in summary:
+        where = summary["dtensor"]
+        lines.append(
+            f"DTensor shards: one rank's part (mesh coordinate {where['coordinate']}, {where['sharding']}) of an FSDP2 "
+            f"or tensor-parallel run; shapes and sizes below are the full tensors'. Reassemble every rank's file "
+            f"with: ckptfix merge rank0.pt … rankN.pt -o full.safetensors"
+        )
     if "loaded_with_torch" in summary:
         lines.append(f"loaded with torch: {summary['loaded_with_torch']}")
     for name, model in summary["models"].items():
@@ -24,6 +47,11 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             f"{label}: layout {model['layout']}, {model['tensors']} tensors, {model['parameters']:,} parameters, "
             f"{human_bytes(model['bytes'])} ({dtypes})"
         )
+        if model.get("fsdp1_flat_params"):
+            lines.append(
+                f"  FSDP1 flat parameters: {', '.join(model['fsdp1_flat_params'])}: one rank's 1-D slice of many "
+                f"parameters joined, which no model loads; save a full state dict instead"
+            )
         if model["batchnorm_buffers"]:
             lines.append(
                 f"  BatchNorm statistics: {model['batchnorm_buffers']} buffers in {model['batchnorm_modules']} modules"
@@ -37,7 +65,10 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         for group in groups[:max_groups]:
             shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
             count = f"{group['count']} × " if group["count"] > 1 else ""
-            lines.append(f"  {printable(group['keys']):<{width}}  {count}{group['dtype']} {shape}")
+            line = f"  {printable(group['keys']):<{width}}  {count}{group['dtype']} {shape}"
+            if "chunking" in group or "sharding" in group:  # DCP: where its chunks are; DTensor: its placement
+                line += f"  ({group.get('chunking') or group.get('sharding')})"
+            lines.append(line)
         if len(groups) > max_groups:
             lines.append(f"  … {len(groups) - max_groups} more groups (--all shows them)")
     for key, text in summary["other_entries"].items():
@@ -50,7 +81,7 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
 
 
 @click.command()
-@click.argument("path", type=click.Path(dir_okay=False))
+@click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for programs.")
 @click.option("--all", "show_all", is_flag=True, help="Show every key group, however many.")
 @click.option("--verify", is_flag=True, help="Also read every record and check its CRC (reads the whole file).")
@@ -63,8 +94,14 @@ def inspect(
     Reads only the file's description (the pickle, inertly, or the safetensors header): no tensor byte, and
     torch is not imported, so any size takes a moment. --verify reads everything and checks every CRC.
 
+    PATH may be a folder or its index file: transformers shards (model.safetensors.index.json,
+    pytorch_model.bin.index.json), an accelerate save_state folder (model files as model entries, optimizer,
+    scheduler and RNG files as other entries) or a torch.distributed.checkpoint folder (with how each tensor is
+    chunked across its data files).
+
     \b
     Example: ckptfix inspect run/last.pt --json | jq .models
+    Example: ckptfix inspect checkpoints/step-1000/    (a DCP or accelerate folder)
     """
     from ckptfix.summary import summarize
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 @click.command()
-@click.argument("inputs", metavar="RANK0 RANK1 …", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("inputs", metavar="RANK0 RANK1 …", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Merged checkpoint.")
 @click.option("--to", type=click.Choice(TARGETS), default="single", show_default=True, help="Output key layout.")
 @click.option(
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Allowed |Δ| between ranks' parameters.")
 @click.option("--model", "model_spec", metavar="MOD:FACTORY", help="Tells buffers from parameters (see below).")
 @click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
+@click.option("--model-only", is_flag=True, help="Write only the merged model state dict; drop RANK0's other entries.")
 @click.option("--json", "as_json", is_flag=True, help="Print the merge report as JSON.")
 @safety_options
 def merge(
@@ -41,21 +42,29 @@ def merge(
     atol: float,
     model_spec: str | None,
     kwargs: str | None,
+    model_only: bool,
     as_json: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
-    """Merge per-rank checkpoints of one DDP run (buffer sync off) into OUT.
+    """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP2 run, into OUT.
 
     Parameters must be equal on every rank (within --atol), else nothing is written and the differing keys
     are listed. BatchNorm running statistics are merged per --buffers; num_batches_tracked is kept, or the
     maximum when ranks differ. Other buffers must be equal; with --model, floating ones that differ follow
-    --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0.
-    Key by key, each read from every file and written at once: memory holds a few tensors, not the files.
+    --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0
+    (--model-only drops them). Key by key, each read from every file and written at once: memory holds a few
+    tensors, not the files. Inputs may be folders or index files (per-rank transformers or accelerate folders).
+
+    FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
+    every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
+    mesh, Replicate). Entries RANK0 holds that were not loaded (classes outside the allowlist) are copied as their
+    pickle records into a .pt OUT, refused if they can run code or OUT is .safetensors: --model-only leaves them out.
 
     \b
     Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
+    Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o full.safetensors
     """
     from ckptfix.errors import MergeError
     from ckptfix.formats.atomic import check_output
@@ -76,6 +85,7 @@ def merge(
         buffer_keys=buffer_keys,
         allow_globals=allow_globals,
         unsafe=unsafe_pickle,
+        model_only=model_only,
     )
     for message in result.warnings:
         warn(message)
@@ -97,6 +107,12 @@ def merge(
 
 def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:
     echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
+    if result.reassembled:
+        ways = sorted(set(result.reassembled.values()))
+        echo(
+            f"reassembled {len(result.reassembled)} DTensor tensor(s) from every rank's shards ({'; '.join(ways)}): "
+            f"full tensors, not averaged"
+        )
     if result.bn_modules:
         groups = group_keys(result.bn_modules)
         echo(f"BatchNorm statistics ({buffers}): {len(result.bn_modules)} module(s): {'; '.join(groups)}")
@@ -105,6 +121,10 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
     echo("parameters: equal on every rank")
     if result.kept_from_first:
         echo(f"taken from {inputs[0]}: {', '.join(result.kept_from_first)}")
+    if result.left_out:
+        echo(f"left out (--model-only): {', '.join(result.left_out)}")
+    for note in result.notes:
+        echo(note)
     echo(f"wrote {out} (layout {to})")
 
 

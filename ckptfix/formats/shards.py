@@ -10,12 +10,13 @@ the placements are all that reassembly needs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, MergeError
 from ckptfix.formats import inert
@@ -34,7 +35,22 @@ FLAT_PARAM = "_flat_param"
 
 
 class ShardedCheckpointError(FormatError):
-    """A file holds one rank's shards, not full tensors: merge every rank's file, or save a full state dict."""
+    """A file holds one rank's shards, not full tensors: merge every rank's file, or save a full state dict.
+
+    ``kind``: ``dtensor`` (FSDP2 / tensor parallel: ``ckptfix merge`` reassembles them), ``sharded-tensor``
+    (FSDP1 local state) or ``flat-param`` (FSDP1 flat parameters).
+    """
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class RankFilesError(MergeError):
+    """Rank files that do not make one sharded checkpoint: a rank missing or given twice, pieces that overlap or
+    leave gaps, files of two runs. Bad input (exit 2), unlike ranks whose values disagree."""
+
+    exit_code = 2
 
 
 def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | None:
@@ -45,14 +61,17 @@ def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | No
     if names <= DTENSOR_GLOBALS and any("DTensor" in n for n in names):
         return ShardedCheckpointError(
             f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
-            f"tensors; reassemble them from every rank's file with ckptfix.formats.shards.load_ranks([rank0.pt, …]) "
-            f"or save get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
+            f"tensors; reassemble them from every rank's file with `ckptfix merge rank0.pt … rankN.pt -o "
+            f"full.safetensors` (in Python: ckptfix.formats.shards.load_ranks) or save "
+            f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
+            kind="dtensor",
         )
     if any(n.startswith(_SHARDED_TENSOR) for n in names):
         return ShardedCheckpointError(
             f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
             f"part), not full tensors, and ckptfix does not reassemble them; save a FULL_STATE_DICT "
-            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) or use DCP"
+            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) or use DCP",
+            kind="sharded-tensor",
         )
     return None
 
@@ -73,7 +92,8 @@ def refuse_flat_params(obj: Any, *, source: str) -> None:
             raise ShardedCheckpointError(
                 f"{source}: key '{flat[0]}' is an FSDP1 flat parameter (one rank's 1-D slice of many parameters "
                 f"joined), which no model loads and which cannot be split without FSDP's own metadata; save a full "
-                f"state dict instead (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))"
+                f"state dict instead (get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))",
+                kind="flat-param",
             )
 
 
@@ -102,10 +122,9 @@ def piece(obj: Any, *, key: str, source: str) -> Piece | None:
         spec = _state(state["_spec"])
         mesh = _state(spec["mesh"])
         placements = tuple(_placement(p) for p in spec["placements"])
-        mesh_tensor = mesh.get("_rank_map", mesh.get("mesh"))
         shape = tuple(args[2])
         coordinate = tuple(mesh["_coordinate_on_dim"])
-        dims = tuple(inert.tensor_of(mesh_tensor).shape)
+        dims = _mesh_shape(mesh)
         dtype = getattr(args[1], "full", "").removeprefix("torch.")
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise FormatError(
@@ -115,6 +134,24 @@ def piece(obj: Any, *, key: str, source: str) -> Piece | None:
     if len(placements) != len(dims) or len(coordinate) != len(dims):
         raise FormatError(f"{source}: key '{key}': its DTensor placements do not match its mesh; the file is damaged")
     return Piece(dtype, shape, dims, coordinate, placements, local)
+
+
+def _mesh_shape(mesh: dict[str, Any]) -> tuple[int, ...]:
+    """The mesh's shape: from its layout (torch >= 2.9: one flat layout per mesh dimension, the rank map flat), or
+    from the shape of its mesh tensor (older torch)."""
+    layout = mesh.get("_layout")
+    if layout is None:
+        return tuple(inert.tensor_of(mesh["mesh"]).shape)
+    return tuple(math.prod(_ints(_state(axis)["shape"])) for axis in _state(layout)["axes"])
+
+
+def _ints(shape: Any) -> list[int]:
+    """A layout's (possibly nested) tuple of sizes, flattened."""
+    if type(shape) is int:
+        return [shape]
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"expected sizes, found {shape!r}")
+    return [n for part in shape for n in _ints(part)]
 
 
 def _merged(state: Any) -> dict[str, Any]:
@@ -155,11 +192,17 @@ def region(p: Piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(offsets), tuple(sizes)
 
 
-def load_ranks(paths: Sequence[str], *, allow_globals: Iterable[str] = ()) -> list[Any]:
+def load_ranks(
+    paths: Sequence[str], *, allow_globals: Iterable[str] = (), found: dict[str, str] | None = None
+) -> list[Any]:
     """Each rank file's checkpoint with its DTensors replaced by the full tensors reassembled from all files.
 
     Every rank of the mesh must be there exactly once; each local tensor must have the shape its placement gives
-    it; the pieces of a tensor must tile it exactly; replicated copies must be equal byte for byte.
+    it; the pieces of a tensor must tile it exactly; replicated copies must be equal byte for byte. Else
+    :class:`RankFilesError`. ``found`` (if given) gets each reassembled key (dotted) and how it was sharded
+    (``Shard(0) on mesh [2]``).
+
+    >>> trees = load_ranks(["rank0.pt", "rank1.pt"])  # each rank's torch.save(model.state_dict()) under FSDP2
     """
     import torch
 
@@ -180,6 +223,9 @@ def load_ranks(paths: Sequence[str], *, allow_globals: Iterable[str] = ()) -> li
         locals_.append({k: Piece(**{**p.__dict__, "local": built[_LOCAL][k]}) for k, p in pieces.items()})
         del built[_LOCAL]
     full = _assemble(torch, locals_, paths)
+    if found is not None:
+        for key, p in locals_[0].items():
+            found[key.replace("\0", ".")] = _how(p)
     for tree in trees:
         for key, value in full.items():
             _owner(tree, key)[key.split("\0")[-1]] = value  # one tensor object, shared by every rank's tree
@@ -187,6 +233,57 @@ def load_ranks(paths: Sequence[str], *, allow_globals: Iterable[str] = ()) -> li
 
 
 _LOCAL = "\0ckptfix-local"
+
+
+def _how(p: Piece) -> str:
+    """``Shard(0) on mesh [2]``, ``Replicate(), Shard(0) on mesh [2, 2]``."""
+    how = ", ".join(f"Shard({d})" if kind == "shard" else "Replicate()" for kind, d in p.placements)
+    return f"{how} on mesh {list(p.mesh)}"
+
+
+@dataclass(eq=False)
+class DTensorRecord:
+    """One rank's DTensor as ``inspect`` shows it: the full tensor's dtype and shape, and how it is sharded."""
+
+    __ckptfix_tensor__: ClassVar[bool] = True
+    dtype: str
+    shape: tuple[int, ...]
+    sharding: str  # "Shard(0) on mesh [2]"
+    coordinate: tuple[int, ...]  # this rank's place on the mesh
+    key: str = ""  # its path in the checkpoint, parts joined by NUL
+    piece: Piece | None = None  # with the inert record of the local tensor
+
+
+def rank_tree(path: str, *, allow_globals: Iterable[str] = (), verify: bool = False) -> Any:
+    """One rank file's checkpoint with each DTensor as a :class:`DTensorRecord` (nothing built, no tensor byte
+    read unless ``verify``): what ``ckptfix inspect`` shows of a rank file."""
+    from ckptfix.formats import allowlist
+
+    allowed = allowlist.allowed_names(list(allow_globals), source=path) | DTENSOR_GLOBALS
+    with open(path, "rb") as f:
+        return describe_rank(f.fileno(), path, allowed=allowed, verify=verify)[1]
+
+
+def describe_rank(fd: int, path: str, *, allowed: frozenset[str], verify: bool = False) -> tuple[Any, Any]:
+    """The checked archive of a rank file, and its checkpoint with each DTensor as a :class:`DTensorRecord`
+    (``piece.local`` the inert record of its local tensor, read on demand). ``allowed`` must hold
+    :data:`DTENSOR_GLOBALS`."""
+    from ckptfix.formats.torchzip import read_torch_zip
+
+    z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=DTENSOR_GLOBALS)
+    pieces: dict[str, Piece] = {}
+    tree = _swap_pieces(z.tree, pieces, source=path)
+    for key, p in pieces.items():
+        _owner(tree, key)[key.split("\0")[-1]] = DTensorRecord(p.dtype, p.shape, _how(p), p.coordinate, key, p)
+    return z, tree
+
+
+def assemble(parts: list[Piece], paths: Sequence[str], *, key: str) -> Any:
+    """The full tensor ``key`` (parts joined by NUL) from every rank's piece (``local`` a real tensor, in the order
+    of ``paths``), checked as :func:`load_ranks` checks it; :func:`check_pieces` first."""
+    import torch
+
+    return _tensor(torch, key.replace("\0", "."), parts, paths)
 
 
 def _owner(tree: Any, key: str) -> Any:
@@ -224,31 +321,41 @@ def _with_locals(z: Any, tree: Any, pieces: dict[str, Piece]) -> Any:
 
 
 def _assemble(torch: Any, ranks: list[dict[str, Piece]], paths: Sequence[str]) -> dict[str, Any]:
+    check_pieces(ranks, paths)
+    return {key: _tensor(torch, key.replace("\0", "."), [r[key] for r in ranks], paths) for key in ranks[0]}
+
+
+def check_pieces(ranks: list[dict[str, Piece]], paths: Sequence[str]) -> None:
+    """Every rank's file holds the same DTensors (dtype, shape, mesh, placements) and every rank of each mesh is
+    there exactly once; else :class:`RankFilesError`. The local shapes are checked as each tensor is assembled."""
+    if not any(ranks):
+        raise RankFilesError(f"{paths[0]}: holds no DTensor; these are not FSDP2 / tensor-parallel rank files")
     keys = list(ranks[0])
     for path, pieces in zip(paths, ranks, strict=True):
         if list(pieces) != keys:
             odd = sorted(set(pieces) ^ set(keys))
-            raise MergeError(f"{path}: its sharded keys differ from {paths[0]}'s ({odd[0]!r}…); files of two runs?")
-    full: dict[str, Any] = {}
+            raise RankFilesError(f"{path}: its sharded keys differ from {paths[0]}'s ({odd[0]!r}…); files of two runs?")
     for key in keys:
         parts = [r[key] for r in ranks]
         mesh = parts[0].mesh
         name = key.replace("\0", ".")
         coords = sorted(p.coordinate for p in parts)
         if len(parts) != math.prod(mesh) or coords != sorted(set(coords)):
-            raise MergeError(
-                f"'{name}': {len(parts)} files for a mesh of {math.prod(mesh)} ranks {list(mesh)} (coordinates "
-                f"{coords}); pass every rank's file exactly once"
+            missing = sorted(set(itertools.product(*map(range, mesh))) - set(coords))
+            twice = sorted({c for c in coords if coords.count(c) > 1})
+            what = f"missing the rank at mesh coordinate(s) {[list(c) for c in missing]}" if missing else ""
+            what += ("; " if what and twice else "") + (f"{[list(c) for c in twice]} given twice" if twice else "")
+            raise RankFilesError(
+                f"'{name}': {len(parts)} files for a mesh of {math.prod(mesh)} ranks {list(mesh)}, {what}; pass "
+                f"every rank's file exactly once"
             )
         for p, path in zip(parts, paths, strict=True):
             if (p.dtype, p.shape, p.mesh, p.placements) != (parts[0].dtype, parts[0].shape, mesh, parts[0].placements):
-                raise MergeError(
-                    f"{path}: '{name}' is {p.dtype} {list(p.shape)} sharded {p.placements} over mesh {list(p.mesh)}, "
-                    f"but {paths[0]} has {parts[0].dtype} {list(parts[0].shape)} {parts[0].placements} over "
-                    f"{list(mesh)}; the files are from different runs"
+                raise RankFilesError(
+                    f"{path}: '{name}' is {p.dtype} {list(p.shape)} sharded {_how(p)}, but {paths[0]} has "
+                    f"{parts[0].dtype} {list(parts[0].shape)} sharded {_how(parts[0])}; the files are from "
+                    f"different runs"
                 )
-        full[key] = _tensor(torch, name, parts, paths)
-    return full
 
 
 def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> Any:
@@ -259,9 +366,9 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
         try:
             box = region(p)
         except ValueError as e:
-            raise MergeError(f"{path}: '{name}': {e}") from e
+            raise RankFilesError(f"{path}: '{name}': {e}") from e
         if tuple(p.local.shape) != box[1] or p.local.dtype != out.dtype:
-            raise MergeError(
+            raise RankFilesError(
                 f"{path}: '{name}' local shard is {p.local.dtype} {list(p.local.shape)} where rank "
                 f"{list(p.coordinate)} of mesh {list(p.mesh)} holds {list(box[1])} of {list(first.shape)}; the "
                 f"files are from different runs or damaged"
@@ -269,7 +376,7 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
         if box in boxes:  # a replicated copy: must be the same bytes
             other, where = boxes[box]
             if not torch.equal(other, p.local):
-                raise MergeError(f"'{name}': replicated copies differ between {where} and {path}")
+                raise RankFilesError(f"'{name}': replicated copies differ between {where} and {path}")
             continue
         boxes[box] = (p.local, path)
         target = out
@@ -281,15 +388,21 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
 
         _check_tiling(name, first.shape, list(boxes), source=os.path.dirname(paths[0]) or ".")
     except FormatError as e:
-        raise MergeError(str(e)) from e
+        raise RankFilesError(str(e)) from e
     return out
 
 
 __all__ = [
     "DTENSOR_GLOBALS",
+    "DTensorRecord",
+    "RankFilesError",
     "ShardedCheckpointError",
+    "assemble",
+    "check_pieces",
+    "describe_rank",
     "explain",
     "flat_param_keys",
     "load_ranks",
+    "rank_tree",
     "refuse_flat_params",
 ]

@@ -142,12 +142,22 @@ def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, 
     shape, and where the bytes are) in place of tensors, and its kind (``dcp`` or ``shards``); no tensor byte is
     read (DCP's small non-tensor values are). Raises Fallback for folders it does not describe (accelerate
     folders, torch shards)."""
+    tree, kind, files, _ = open_tree(src, allow_globals=allow_globals)
+    files.close()
+    return tree, kind
+
+
+def open_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, str, _Files, frozenset[str]]:
+    """:func:`folder_tree` with the data files left open for :func:`read_dcp_tensor`, and the allowlist to read
+    them with; the caller closes them (``files.close()``)."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
     files = _Files()
     try:
-        return _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
-    finally:
+        tree, kind = _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
+    except BaseException:
         files.close()
+        raise
+    return tree, kind, files, allowed
 
 
 def chunking(t: DcpTensor) -> str:
@@ -211,23 +221,68 @@ def _rows(entry: TensorEntry, c: Chunk) -> bool:
     return all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == entry.shape[1:]
 
 
-def _locate(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
-    """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
-    (row-major, contiguous) are; refused unless it is the tensor the metadata says."""
-    fd = files.fd(c.span.path)
-    z = read_torch_zip(fd, c.span.path, allowed=allowed, start=c.span.offset, end=c.span.offset + c.span.length)
+def _chunk_record(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> tuple[Any, Any]:
+    """The chunk's parsed archive and tensor record (its pickle checked); refused unless it is the tensor the
+    metadata says."""
+    z = read_torch_zip(files.fd(c.span.path), c.span.path, allowed=allowed, start=c.span.offset,
+                       end=c.span.offset + c.span.length)  # fmt: skip
     t = z.tree
     if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
         raise FormatError(
             f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} is not a contiguous {entry.dtype} tensor of "
             f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
         )
+    return z, t
+
+
+def _locate(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
+    """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
+    (row-major, contiguous) are."""
+    z, t = _chunk_record(c, files, entry=entry, key=key, allowed=allowed)
     rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
-    files.located[id(c)] = (fd, rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
+    files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
     files.checks.setdefault(c.span.path, []).extend(
         Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)
         for r in z.archive.records
     )
+
+
+def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> Any:
+    """The full tensor ``t`` stands for, in memory of its own: each chunk's record read and CRC-checked, the
+    chunks copied into place (a tensor stored whole is its one chunk)."""
+    import zlib
+
+    import torch
+
+    from ckptfix.formats.ziparchive import check_crc
+
+    entry = t.entry
+    dtype = getattr(torch, entry.dtype)
+    item = DTYPES[entry.dtype].itemsize
+    full = None
+    for c in entry.chunks:
+        z, record = _chunk_record(c, files, entry=entry, key=t.key, allowed=allowed)
+        rec = z.archive.by_name[f"{z.archive.prefix}data/{record.storage.key}"]
+        data = bytearray(rec.size)
+        if os.preadv(files.fd(c.span.path), [data], rec.data_offset) != rec.size:
+            raise FormatError(f"{c.span.path}: ends inside chunk of '{t.key}'; it is truncated: copy the folder again")
+        check_crc(c.span.path, rec.name, rec.crc, zlib.crc32(data))
+        n = math.prod(c.sizes)
+        start = record.offset * item
+        part = (
+            torch.frombuffer(data, dtype=torch.uint8)[start : start + n * item].view(dtype).reshape(c.sizes)
+            if n
+            else torch.empty(c.sizes, dtype=dtype)
+        )
+        if len(entry.chunks) == 1:
+            return part
+        if full is None:
+            full = torch.empty(entry.shape, dtype=dtype)
+        region = full
+        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
+            region = region.narrow(dim, o, s)
+        region.copy_(part)
+    return full if full is not None else torch.empty(entry.shape, dtype=dtype)
 
 
 def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor, files: _Files) -> str:
@@ -285,4 +340,4 @@ def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
     out.write(tensor_bytes(full))
 
 
-__all__ = ["DcpTensor", "ShardTensor", "chunking", "convert_folder", "folder_tree"]
+__all__ = ["DcpTensor", "ShardTensor", "chunking", "convert_folder", "folder_tree", "open_tree", "read_dcp_tensor"]
