@@ -217,17 +217,22 @@ def merge_files(
                 write(result.obj, out, fmt=fmt)
                 result.obj = None
             return result
-        with contextlib.suppress(_Diverged), writer:
-
-            def put(entry: int, key: str, value: Any) -> None:
-                template = merger.entries[entry].template[key]
-                if is_tensor(template):
-                    writer.put(template, value)
-
-            merger.run(put)
-            if merger.result.diverged:
-                raise _Diverged  # the temp file is removed, as for any error: nothing is written
+        _stream_merged(merger, writer)
     return merger.finish()
+
+
+def _stream_merged(merger: _Merger, writer: Any) -> None:
+    """Run the merge into ``writer``, tensor by tensor; a merge that diverged writes nothing (the temp file goes)."""
+    with contextlib.suppress(_Diverged), writer:
+
+        def put(entry: int, key: str, value: Any) -> None:
+            template = merger.entries[entry].template[key]
+            if is_tensor(template):
+                writer.put(template, value)
+
+        merger.run(put)
+        if merger.result.diverged:
+            raise _Diverged  # the temp file is removed, as for any error: nothing is written
 
 
 def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, model_only: bool) -> Opened:
@@ -265,16 +270,7 @@ def _merge_dtensor(
         except CannotStream:
             stack.close()
             return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
-        with contextlib.suppress(_Diverged), writer:
-
-            def put(entry: int, key: str, value: Any) -> None:
-                template = merger.entries[entry].template[key]
-                if is_tensor(template):
-                    writer.put(template, value)
-
-            merger.run(put)
-            if merger.result.diverged:
-                raise _Diverged  # the temp file is removed, as for any error: nothing is written
+        _stream_merged(merger, writer)
     result = merger.finish()
     result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
     return result

@@ -185,3 +185,20 @@ def write(out: Path, mode: str) -> Path:
     mp.start_processes(_worker, args=(str(out / "store"), str(out), mode), nprocs=WORLD, join=True,
                        start_method=method)  # fmt: skip
     return out
+
+
+def corrupt_chunk(folder: Path, fqn: str) -> None:
+    """Flip one byte inside the stored bytes of tensor ``fqn`` of a one-process DCP folder (its CRC no longer
+    matches)."""
+    import pickle
+
+    from ckptfix.formats.ziparchive import read_archive
+
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # our own file: safe to unpickle here
+    span = next(info for index, info in meta.storage_data.items() if index.fqn == fqn)
+    data = bytearray((folder / "__0_0.distcp").read_bytes())
+    with open(folder / "__0_0.distcp", "rb") as f:
+        records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
+    tensor = next(r for r in records if r.name.endswith("data/0"))
+    data[tensor.data_offset + tensor.size // 2] ^= 0xFF
+    (folder / "__0_0.distcp").write_bytes(bytes(data))

@@ -241,17 +241,9 @@ def test_convert_streams_a_dcp_folder_and_writes_one(single: Path, tmp_path: Pat
 
 def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path: Path) -> None:
     from ckptfix.conversion import ConvertOptions
-    from ckptfix.formats.ziparchive import read_archive
     from ckptfix.stream.folders import convert_folder
 
-    meta = pickle.loads((single / ".metadata").read_bytes())  # our own file: safe to unpickle here
-    span = next(info for index, info in meta.storage_data.items() if index.fqn == "model.features.3.weight")
-    data = bytearray((single / "__0_0.distcp").read_bytes())
-    with open(single / "__0_0.distcp", "rb") as f:
-        records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
-    tensor = next(r for r in records if r.name.endswith("data/0"))
-    data[tensor.data_offset + tensor.size // 2] ^= 0xFF  # one bit pattern inside the tensor's bytes
-    (single / "__0_0.distcp").write_bytes(bytes(data))
+    sharded_writers.corrupt_chunk(single, "model.features.3.weight")
     out = tmp_path / "model.safetensors"
     options = ConvertOptions(model_only=True)
     with pytest.raises(FormatError, match="CRC"):
@@ -295,17 +287,8 @@ def test_inspect_and_diff_a_two_rank_dcp_folder(tmp_path: Path) -> None:
 
 
 def test_diff_refuses_a_corrupt_chunk_in_one_line(single: Path, tmp_path: Path) -> None:
-    from ckptfix.formats.ziparchive import read_archive
-
     torch.save(ckptfix.load(single), tmp_path / "same.pt")
-    meta = pickle.loads((single / ".metadata").read_bytes())  # our own file: safe to unpickle here
-    span = next(info for index, info in meta.storage_data.items() if index.fqn == "model.head.weight")
-    data = bytearray((single / "__0_0.distcp").read_bytes())
-    with open(single / "__0_0.distcp", "rb") as f:
-        records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
-    tensor = next(r for r in records if r.name.endswith("data/0"))
-    data[tensor.data_offset] ^= 0xFF
-    (single / "__0_0.distcp").write_bytes(bytes(data))
+    sharded_writers.corrupt_chunk(single, "model.head.weight")
     assert _cli("inspect", single).exit_code == 0  # no tensor byte read
     result = _cli("diff", single, tmp_path / "same.pt")
     assert result.exit_code == 2 and "CRC" in result.output and "__0_0.distcp" in result.output, result.output

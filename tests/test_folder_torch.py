@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +77,7 @@ def test_safetensors_shards_stream_into_one_pt_file(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path: Path) -> None:
-    from ckptfix.formats.ziparchive import read_archive
-
-    meta = pickle.loads((single / ".metadata").read_bytes())  # our own file: safe to unpickle here
-    span = next(info for index, info in meta.storage_data.items() if index.fqn == "model.features.3.weight")
-    data = bytearray((single / "__0_0.distcp").read_bytes())
-    with open(single / "__0_0.distcp", "rb") as f:
-        records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
-    tensor = next(r for r in records if r.name.endswith("data/0"))
-    data[tensor.data_offset + tensor.size // 2] ^= 0xFF
-    (single / "__0_0.distcp").write_bytes(bytes(data))
+    sharded_writers.corrupt_chunk(single, "model.features.3.weight")
     with pytest.raises(FormatError, match="CRC"):
         ckptfix.convert_file(single, tmp_path / "full.pt")
     assert sorted(os.listdir(tmp_path)) == ["dcp"]

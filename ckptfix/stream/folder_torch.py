@@ -18,15 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.checkpoint import Conversion
-from ckptfix.formats import allowlist, inert
+from ckptfix.formats import inert
 from ckptfix.formats.atomic import atomic_output
-from ckptfix.formats.dcp import is_dcp
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import ZipWriter
 from ckptfix.stream.copy import Copier, Job
 from ckptfix.stream.crc import Check, crc32_combine
-from ckptfix.stream.folders import DcpTensor, ShardTensor, _dcp_tree, _Files, _gather, _locate, _rows, _shards_tree
+from ckptfix.stream.folders import DcpTensor, ShardTensor, _Files, _gather, _locate, _rows, open_tree
 
 _PREFIX = "archive/"
 # A piece of an output storage: (source file, offset, length) of the bytes copied into it.
@@ -37,10 +36,8 @@ def convert_folder_to_torch(
     src: str, dst: str, *, transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...] = ()
 ) -> Conversion:
     """Write the checkpoint of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``.pt`` ``dst``."""
-    allowed = allowlist.allowed_names(allow_globals, source=src)
-    files = _Files()
+    tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
-        tree, kind = _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
         conversion = transform(tree)
         new_tree, stored = _records(conversion.obj)
         for t in stored:  # every chunk archive parsed before the first byte out

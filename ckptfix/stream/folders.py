@@ -92,10 +92,8 @@ def convert_folder(
     src: str, dst: str, *, transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...] = ()
 ) -> Conversion:
     """Write the one state dict of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``dst``."""
-    allowed = allowlist.allowed_names(allow_globals, source=src)
-    files = _Files()
+    tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
-        tree, kind = _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
         conversion = transform(tree)
         state, meta = split_checkpoint(conversion.obj, out=dst)
         aliases: dict[str, str] = {}
