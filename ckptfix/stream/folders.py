@@ -27,6 +27,7 @@ from ckptfix.formats.folder import check_complete, check_shard, describe
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
+from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.crc import Check, Verifier
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.st import tree_from_header
@@ -110,7 +111,7 @@ def convert_folder(
                 for c in state[key].entry.chunks:
                     _locate(c, files, entry=state[key].entry, key=key, allowed=allowed)
         copied = gathered = 0
-        verifiers = [Verifier(files.fd(path), checks, source=path, workers=2) for path, checks in files.checks.items()]
+        verifiers = [Verifier(files.fd(path), checks, source=path) for path, checks in files.checks.items()]
         try:
             for v in verifiers:  # CRCs on other threads while the bytes are copied: the input is read once more
                 v.start()
@@ -120,6 +121,8 @@ def convert_folder(
                     way = _write_tensor(out, state[key], files)
                     copied += way == "copied"
                     gathered += way == "gathered"
+                out.flush()
+                os.fsync(out.fileno())  # the disk catches up while the CRCs finish (the final fsync is then free)
                 for v in verifiers:
                     v.join()  # a bad CRC raises here, and the output is discarded
         except BaseException:
@@ -313,6 +316,8 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
             if not data:
                 raise FormatError("a data file ended early while copying; it was truncated while reading")
             done = os.pwrite(dst, data, pos)
+        if done >= 1 << 20:  # disk write-back overlaps the copy, as the single-file Copier does
+            start_writeback(dst, pos, done)
         at, pos, n = at + done, pos + done, n - done
     os.lseek(dst, pos, os.SEEK_SET)
 
