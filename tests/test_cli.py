@@ -49,6 +49,70 @@ def test_python_m_and_help_do_not_import_torch() -> None:
     assert result.returncode == 0 and "convert" in result.stdout and "inspect" in result.stdout
 
 
+# What start-up may not import: every command's module but the one run, and what only other commands use.
+_NOT_FOR_CONVERT = {"torch", "ckptfix.merging", "ckptfix.diff", "ckptfix.reading", "ckptfix.summary", "ckptfix.writing",
+                    "ckptfix.formats.folder", "ckptfix.trainer", "tempfile"}  # fmt: skip
+_COMMAND_MODULES = {f"ckptfix.cli.{name}" for name in ("convert", "inspect", "diff", "merge", "validate", "sanitize",
+                                                       "train")}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "allowed"),
+    [
+        (["--help"], set()),
+        (["convert", "--help"], {"ckptfix.cli.convert"}),
+        (["convert", "in.pt", "out.pt"], {"ckptfix.cli.convert"}),
+        (["convert", "in.pt", "out.pt", "--no-verify"], {"ckptfix.cli.convert"}),
+        (["convert", "in.pt", "out.safetensors"], {"ckptfix.cli.convert"}),
+    ],
+    ids=["help", "convert-help", "pt-pt", "pt-pt-no-verify", "pt-st"],
+)
+def test_start_up_imports_only_what_the_command_runs(tmp_path: Path, args: list[str], allowed: set[str]) -> None:
+    torch.save({"module.w": torch.ones(2)}, tmp_path / "in.pt")
+    code = (
+        "import sys\nfrom ckptfix.cli import main\ntry:\n    main()\nfinally:\n"
+        "    open('modules.txt', 'w').write('\\n'.join(sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    modules = set((tmp_path / "modules.txt").read_text().split())
+    assert "ckptfix.cli" in modules
+    assert modules & ((_COMMAND_MODULES - allowed) | _NOT_FOR_CONVERT) == set()
+
+
+def test_a_misspelled_command_is_named_with_the_one_meant() -> None:
+    import click
+
+    result = run("convrt", "a.pt", "b.pt")
+    assert result.exit_code == 2 and "No such command 'convrt'." in result.output
+    if hasattr(click.exceptions, "NoSuchCommand"):  # click 8.4 and later suggest
+        assert "Did you mean 'convert'?" in result.output
+
+
+def test_help_lists_every_command_with_the_first_sentence_of_its_help() -> None:
+    import importlib
+    import pkgutil
+
+    import click
+
+    import ckptfix.cli as package
+
+    eager = click.Group("ckptfix")
+    for info in pkgutil.iter_modules(package.__path__):
+        for command in getattr(importlib.import_module(f"ckptfix.cli.{info.name}"), "COMMANDS", []):
+            eager.add_command(command)
+
+    def listing(group: click.Group, width: int) -> str:
+        with click.Context(group, terminal_width=width, max_content_width=width) as ctx:
+            formatter = ctx.make_formatter()
+            group.format_commands(ctx, formatter)
+            return formatter.getvalue()
+
+    assert len(eager.commands) == 7
+    for width in (200, 80):  # whole sentences, then shortened as click shortens them
+        assert listing(cli, width) == listing(eager, width)
+
+
 def test_errors_stay_on_one_line_whatever_a_key_holds(tmp_path: Path) -> None:
     src = tmp_path / "evil.pt"
     torch.save({"w\n\x1b[31mckptfix: error: forged": torch.zeros(1)}, src)

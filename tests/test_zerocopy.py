@@ -293,3 +293,27 @@ def test_no_verify_keeps_a_corrupt_record_detectable(tmp_path: Path) -> None:
     to_st = run(cli, ["convert", str(src), str(tmp_path / "out.safetensors"), "--no-verify"])
     assert to_st.exit_code == 2 and "fails its CRC check" in to_st.output
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["page-cache", "evicted"])
+def test_a_byte_changed_deep_in_a_large_record_is_refused_cached_or_not(tmp_path: Path, cached: bool) -> None:
+    # 40 MiB: the CRC reader maps windows that are in the page cache and reads the others; both must see every byte
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    w = torch.arange(10 << 20, dtype=torch.float32)
+    torch.save({"module.w": w}, src)
+    good = convert_file(src, out)
+    assert "CRCs checked" in good.notes[-1] and torch.equal(ckptfix.load(out)["w"], w)
+    out.unlink()
+    with open(src, "r+b") as f:
+        rec = next(r for r in read_archive(f.fileno(), str(src)).records if r.name.endswith("data/0"))
+        f.seek(rec.data_offset + rec.size - 2)  # in the last window
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+        f.flush()
+        os.fsync(f.fileno())
+        if not cached:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    with pytest.raises(FormatError, match=r"in\.pt: record 'in/data/0' fails its CRC check"):
+        convert_file(src, out)
+    assert not out.exists()

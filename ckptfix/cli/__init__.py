@@ -1,7 +1,9 @@
 """The ``ckptfix`` command: a thin click layer over the library.
 
-Each command lives in its own module here and imports torch only inside its body, so ``ckptfix --help`` is
-instant. Library errors become one line on stderr and the exit code of DESIGN.md; ``--debug`` shows tracebacks.
+Each command lives in its own module here, imported only when that command runs (``--help`` lists them from
+:data:`_COMMANDS` without importing any), and each imports the library inside its body: start-up is Python and
+click, so a conversion that shares its blocks takes milliseconds after it. Library errors become one line on
+stderr and the exit code of DESIGN.md; ``--debug`` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -15,12 +17,22 @@ from typing import Any
 import click
 
 from ckptfix import __version__
-from ckptfix.cli.render import printable
 from ckptfix.errors import CkptfixError, as_flags
 from ckptfix.formats.atomic import TERMINATING, Terminated, raise_terminated
 
-# Modules under ckptfix.cli that each define one or more commands in a list named COMMANDS.
-_COMMAND_MODULES: list[str] = ["convert", "inspect", "diff", "merge", "validate", "sanitize", "train"]
+# Each command is defined in the module of its name under ckptfix.cli; this is the first sentence of its help, for
+# the list in --help (tests/test_cli.py checks that they agree).
+_COMMANDS = {
+    "convert": "Convert checkpoint IN to layout --to and write OUT (format from OUT's extension).",
+    "diff": "Compare checkpoints A and B after normalising their layouts.",
+    "inspect": "Show format, layout, sizes, dtypes, BatchNorm buffers, shared storage and grouped keys of PATH.",
+    "merge": "Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP2 run, "
+    "into OUT.",
+    "sanitize": "Write OUT, a copy of torch checkpoint IN that torch.load(weights_only=True) opens, keeping what "
+    "is data.",
+    "train": "Train the reference model (single device, nn.DataParallel or DDP) and save checkpoints in OUT.",
+    "validate": "Check that CKPT loads into the model built by --model with load_state_dict(strict=True).",
+}
 
 INTERNAL_ERROR = 3
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a program stopped by Ctrl-C; 128 + N for SIGTERM, SIGHUP
@@ -28,6 +40,8 @@ BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`: the read
 
 
 def _error(message: str) -> None:
+    from ckptfix.cli.render import printable
+
     # One line whatever the message holds: a key with a newline or an escape sequence prints escaped.
     click.echo(printable(message), err=True)
 
@@ -46,6 +60,34 @@ def _stdout_to_devnull() -> None:
 
 
 class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in _COMMANDS:
+            return None
+        if cmd_name not in self.commands:
+            for command in importlib.import_module(f"ckptfix.cli.{cmd_name}").COMMANDS:
+                self.add_command(command)
+        return self.commands[cmd_name]
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in _COMMANDS:  # a typo: click's "did you mean" looks among the commands loaded
+            for name in _COMMANDS:
+                self.get_command(ctx, name)
+        return super().resolve_command(ctx, args)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # The sentences shortened as click shortens a command's help (Group.format_commands), no module imported.
+        limit = formatter.width - 6 - max(map(len, _COMMANDS))
+        rows = [
+            (name, click.Command(name, help=text).get_short_help_str(limit)) for name, text in sorted(_COMMANDS.items())
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
     def invoke(self, ctx: click.Context) -> Any:
         debug = bool(ctx.params.get("debug"))
         try:
@@ -85,11 +127,6 @@ def cli(debug: bool) -> None:
 
     Exit codes: 0 success; 1 a check found a problem; 2 bad usage or an input that cannot be read safely.
     """
-
-
-for _name in _COMMAND_MODULES:
-    for _command in importlib.import_module(f"ckptfix.cli.{_name}").COMMANDS:
-        cli.add_command(_command)
 
 
 def main() -> None:

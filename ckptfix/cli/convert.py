@@ -7,7 +7,6 @@ from typing import cast
 import click
 
 from ckptfix.cli.options import safety_options
-from ckptfix.formats.folder import parse_size
 from ckptfix.layouts import TARGETS, Layout
 
 
@@ -32,7 +31,7 @@ from ckptfix.layouts import TARGETS, Layout
 @click.option(
     "--shard-size",
     metavar="SIZE",
-    callback=lambda ctx, param, value: None if value is None else parse_size(value),
+    callback=lambda ctx, param, value: None if value is None else _parse_size(value),
     help="Write transformers shards of at most SIZE (5GB, 500MB, 2GiB) and their index beside OUT (in OUT if it "
     "is a folder).",
 )
@@ -108,6 +107,12 @@ def convert(
             if note.startswith(KEPT):
                 click.echo(f"ckptfix: {note}", err=True)
     click.echo(f"wrote {dst}")
+
+
+def _parse_size(value: str) -> int:
+    from ckptfix.formats.folder import parse_size  # the folder module only when shards are asked for
+
+    return parse_size(value)
 
 
 COMMANDS: list[click.Command] = [convert]

@@ -17,7 +17,6 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.atomic import PathLike, check_output
-from ckptfix.formats.legacy import MAGIC as _LEGACY_MAGIC
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
@@ -46,8 +45,11 @@ def detect_format(path: PathLike) -> str:
     if head.startswith(b"PK\x03\x04"):
         _not_a_dcp_shard(source)
         return "torch-zip"
-    if head[:1] == b"\x80" and _LEGACY_MAGIC in head:
-        return "torch-legacy"
+    if head[:1] == b"\x80":
+        from ckptfix.formats.legacy import MAGIC  # here: the legacy reader is for the rare old file only
+
+        if MAGIC in head:
+            return "torch-legacy"
     json_text = head.lstrip().startswith(b"{")
     if len(head) >= 9 and head[8:9] in (b"{", b"[", b" "):
         # safetensors: an 8-byte little-endian header length, then the JSON header. Text never passes for one:
