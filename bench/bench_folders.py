@@ -1,5 +1,5 @@
 """Benchmark: checkpoint folders (DCP from 2 gloo ranks, DDP and FSDP2; transformers-style safetensors shards) into
-one .safetensors file: `ckptfix convert` against torch's `dcp_to_torch_save`, `accelerate merge-weights` and
+one .safetensors or .pt file: `ckptfix convert` against torch's `dcp_to_torch_save`, `accelerate merge-weights` and
 `cp -r` + `sync`, side by side in one run.
 
     python bench/bench_folders.py                 # ~2 GB model, 3 runs each, warm cache
@@ -103,6 +103,8 @@ def _methods(src: Path, out: Path, kind: str) -> list[tuple[str, list[str]]]:
     methods = [
         ("cp -r + sync", ["sh", "-c", f"cp -r {src} {out / 'copy'} && sync"]),
         ("ckptfix convert → .safetensors", ckptfix),
+        # the whole checkpoint, as dcp_to_torch_save writes it
+        ("ckptfix convert → .pt", [*CKPTFIX, "convert", str(src), str(out / "ckptfix.pt")]),
     ]
     if kind.startswith("dcp"):
         methods.append(("torch dcp_to_torch_save → .pt", [PY, "-c", TORCH_DCP, str(src), str(out / "torch.pt")]))
