@@ -6,8 +6,9 @@
 
 The input is the worst case for per-key costs: N tiny tensors, ``{f"module.layer{i}.weight": torch.zeros(2)}``,
 saved by ``torch.save`` (.pt) and by ``safetensors.torch.save_file`` (.safetensors). Every method runs in its
-own process; wall time includes Python start-up, peak RSS comes from wait4(). "µs/key" is wall time over N;
-"µs/key past start-up" subtracts the same command on a one-tensor file, which is what grows with N.
+own process; wall time includes Python start-up, peak RSS comes from wait4(); medians of ``--repeat`` runs.
+"µs/key" is wall time over N; "µs/key past start-up" subtracts the same command on a one-tensor file, which is
+what grows with N.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,7 +65,7 @@ def _run(argv: list[str]) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024
 
 
-def _best(argv: list[str], out: Path | None, repeat: int) -> tuple[float, int]:
+def _median(argv: list[str], out: Path | None, repeat: int) -> tuple[float, int]:
     walls, peak = [], 0
     for _ in range(repeat):
         if out is not None and out.exists():
@@ -71,7 +73,7 @@ def _best(argv: list[str], out: Path | None, repeat: int) -> tuple[float, int]:
         wall, rss = _run(argv)
         walls.append(wall)
         peak = max(peak, rss)
-    return min(walls), peak
+    return statistics.median(walls), peak
 
 
 def _commands(pt: Path, st: Path, o: Path) -> dict[str, tuple[list[str], list[str], Path | None]]:
@@ -95,7 +97,7 @@ def _inputs(folder: Path, n: int) -> tuple[Path, Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 10_000, 100_000], help="tensor counts")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per method (the minimum is reported)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per method (the median is reported)")
     parser.add_argument("--only", choices=["convert", "torch"], help="run only ckptfix's or only torch's rows")
     parser.add_argument("--ops", nargs="+", default=["pt→pt", "pt→st", "st→st", "st→pt", "load .pt"])
     parser.add_argument("--dir", type=Path, default=None, help="where to write inputs and outputs (default: /tmp)")
@@ -104,11 +106,12 @@ def main() -> None:
         folder = Path(tmp)
         pt1, st1 = _inputs(folder, 1)
         start_up = {
-            op: _best(ck, out, max(args.repeat, 3))[0] for op, (ck, _, out) in _commands(pt1, st1, folder / "o").items()
+            op: _median(ck, out, max(args.repeat, 3))[0]
+            for op, (ck, _, out) in _commands(pt1, st1, folder / "o").items()
         }
         print(f"start-up (one tensor): {start_up}", file=sys.stderr)
         lines = [
-            f"N tiny tensors (`torch.zeros(2)` each), warm page cache, best of {args.repeat}; {platform.machine()}, "
+            f"N tiny tensors (`torch.zeros(2)` each), warm page cache, median of {args.repeat}; {platform.machine()}, "
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}.",
             "",
             "| tensors | operation | ckptfix s | µs/key | µs/key past start-up | peak RSS MB | torch equivalent "
@@ -120,15 +123,15 @@ def main() -> None:
             for op, (ck, tc, out) in _commands(pt, st, folder / "o").items():
                 if op not in args.ops:
                     continue
-                mine = _best(ck, out, args.repeat) if args.only != "torch" else (float("nan"), 0)
-                theirs = _best(tc, out, args.repeat) if args.only != "convert" else (float("nan"), 0)
+                mine = _median(ck, out, args.repeat) if args.only != "torch" else (float("nan"), 0)
+                theirs = _median(tc, out, args.repeat) if args.only != "convert" else (float("nan"), 0)
                 marginal = (mine[0] - start_up[op]) / n * 1e6
                 row = (
                     f"| {n:,} | {op} | {mine[0]:.2f} | {mine[0] / n * 1e6:.1f} | {marginal:.1f} | "
                     f"{mine[1] / 2**20:.0f} | {TORCH_NAME[op]} | {theirs[0]:.2f} | {theirs[0] / n * 1e6:.1f} | "
                     f"{theirs[1] / 2**20:.0f} | {mine[0] / theirs[0]:.2f}× |"
                 )
-                print(row, file=sys.stderr)
+                print(f"{row}  load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
                 lines.append(row)
             pt.unlink()
             st.unlink()

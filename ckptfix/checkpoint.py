@@ -7,11 +7,13 @@ Inputs are never mutated; every transform returns new containers that share the 
 
 from __future__ import annotations
 
+import operator
 import re
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from ckptfix import layouts
@@ -50,9 +52,12 @@ def is_state_dict(value: object) -> bool:
     """A mapping of string keys to tensors with at least one tensor and no nested mappings."""
     if not isinstance(value, Mapping) or not value:
         return False
-    if not all(isinstance(k, str) for k in value):
+    if not all(map(isinstance, value, repeat(str))):  # in C: a state dict may hold a million keys
         return False
-    return any(is_tensor(v) for v in value.values()) and not any(isinstance(v, Mapping) for v in value.values())
+    values = value.values()
+    # one value of each type is checked against Mapping (an ABC check costs a Python call per value)
+    one_of_each = dict(zip(map(type, values), values, strict=True))
+    return not any(isinstance(v, Mapping) for v in one_of_each.values()) and any(is_tensor(v) for v in values)
 
 
 def model_entries(obj: object) -> list[str]:
@@ -117,11 +122,28 @@ def _rename_metadata(metadata: Mapping[str, Any], key_map: layouts.KeyMap) -> Or
 def apply_maps(
     state: Mapping[str, Any], maps: Sequence[layouts.KeyMap], *, source: str = "state dict"
 ) -> OrderedDict[str, Any]:
-    """Apply key maps in order (a copy even when there are none)."""
-    out = rename(state, lambda key: key, source=source)
+    """Apply key maps in order (a copy even when there are none), as :func:`rename` once per map would."""
+    keys = list(state)
     for key_map in maps:
-        out = rename(out, key_map, source=source)
+        keys = [key if (new := key_map(key)) is None else new for key in keys]
+    out: OrderedDict[str, Any] = OrderedDict(zip(keys, state.values(), strict=True))
+    if len(out) != len(keys):
+        # two keys met at some map (and stayed together after it): map by map, to name the two and their name
+        # at the map that joined them
+        staged = rename(state, _same, source=source)
+        for key_map in maps:
+            staged = rename(staged, key_map, source=source)
+        raise AssertionError("colliding keys raise in rename")  # pragma: no cover
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        for key_map in (_same, *maps):  # a few entries per module: map by map, as rename does
+            metadata = _rename_metadata(metadata, key_map)
+        out._metadata = metadata  # type: ignore[attr-defined]
     return out
+
+
+def _same(key: str) -> str:
+    return key
 
 
 @dataclass
@@ -179,12 +201,12 @@ def convert_checkpoint(
         state = get_entry(obj, name)
         before = layouts.detect(state.keys(), source=where)
         _check_strips(state.keys(), strips, source=where)
-        staged = apply_maps(state, custom, source=where)
-        _, maps = layouts.conversion_maps(list(staged.keys()), to=to, source=where)
+        staged = apply_maps(state, custom, source=where) if custom else state  # the custom maps' collisions first
+        _, maps = layouts.conversion_maps(staged.keys(), to=to, source=where, found=None if custom else before)
         maps += [layouts.add_prefix(p) for p in add_prefixes]
         new = apply_maps(staged, maps, source=where)
         after = layouts.detect(new.keys(), source=where)
-        renamed = sum(1 for a, b in zip(state.keys(), new.keys(), strict=True) if a != b)
+        renamed = sum(map(operator.ne, state.keys(), new.keys()))
         converted[name] = new
         result.changes.append(EntryChange(name, before.name, after.name, len(new), renamed))
     if names == [""]:

@@ -86,7 +86,7 @@ def detect(keys: Iterable[str], *, source: str = "state dict") -> Detected:
     chain: list[str] = []
     while current:
         _check_no_shadowing(current, source=source)
-        wrapper = next((w for w in _OUTER.values() if _count_prefixed(current, w.prefix) == len(current)), None)
+        wrapper = next((w for w in _OUTER.values() if _all_prefixed(current, w.prefix)), None)
         if wrapper is None:
             break
         chain.append(wrapper.name)
@@ -95,16 +95,23 @@ def detect(keys: Iterable[str], *, source: str = "state dict") -> Detected:
     return Detected(tuple(chain), inner)
 
 
-def _count_prefixed(keys: Sequence[str], prefix: str) -> int:
-    # str.startswith mapped in C: a state dict of a million keys is checked without a Python call per key
-    return sum(map(str.startswith, keys, repeat(prefix)))
+# str.startswith mapped in C: a state dict of a million keys is checked without a Python call per key, and
+# any/all stop at the first key that decides
+
+
+def _all_prefixed(keys: Sequence[str], prefix: str) -> bool:
+    return all(map(str.startswith, keys, repeat(prefix)))
+
+
+def _any_prefixed(keys: Sequence[str], prefix: str) -> bool:
+    return any(map(str.startswith, keys, repeat(prefix)))
 
 
 def _check_no_shadowing(keys: Sequence[str], *, source: str) -> None:
     for wrapper in _OUTER.values():
-        count = _count_prefixed(keys, wrapper.prefix)
+        prefix = wrapper.prefix
         # when every key has the prefix, a key whose bare form is also present starts with it twice
-        if count and (count < len(keys) or _count_prefixed(keys, wrapper.prefix * 2)):
+        if _any_prefixed(keys, prefix) and (not _all_prefixed(keys, prefix) or _any_prefixed(keys, prefix * 2)):
             break
     else:
         return  # no key can shadow another: the usual case, decided without a Python loop over the keys
@@ -125,6 +132,8 @@ def _has_inner(key: str, wrapper: Wrapper) -> bool:
 
 def _any_inner(keys: Sequence[str], wrapper: Wrapper) -> bool:
     # the token must at least occur somewhere: checked in C first, the exact rule only for keys that hold it
+    if not any(map(str.__contains__, keys, repeat(wrapper.prefix))):
+        return False
     return any(_has_inner(k, wrapper) for k in keys if wrapper.prefix in k)
 
 
@@ -169,18 +178,21 @@ def parse_rename(spec: str) -> KeyMap:
 
 
 def conversion_maps(
-    keys: Sequence[str],
+    keys: Iterable[str],
     *,
     to: str | None,
     source: str = "state dict",
+    found: Detected | None = None,
 ) -> tuple[Detected, list[KeyMap]]:
     """Key maps that move ``keys`` from their detected layout to layout ``to`` (None keeps the layout).
 
-    Returns the detected layout and the maps to apply in order.
+    Returns the detected layout and the maps to apply in order. ``found``: ``detect(keys)``, when the caller
+    already has it.
     """
     if to is not None and to not in LAYOUTS:
         raise LayoutError(f"unknown layout '{to}': choose one of {', '.join(TARGETS)}")
-    found = detect(keys, source=source)
+    if found is None:
+        found = detect(keys, source=source)
     return found, ([] if to is None else maps_to(found, LAYOUTS[to]))
 
 

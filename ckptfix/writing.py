@@ -12,7 +12,6 @@ raises :class:`CannotStream` before anything is written, and the caller writes w
 from __future__ import annotations
 
 import os
-import secrets
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,7 +219,7 @@ class _TorchZip(StreamedWriter):
                 self._copy(key)
         for name, data in TAIL:
             self.writer.add(f"archive/{name}", data, zlib.crc32(data))
-        ident = "".join(secrets.choice("0123456789") for _ in range(40)).encode()
+        ident = b"%040d" % (int.from_bytes(os.urandom(17), "big") % 10**40)  # 40 digits, as torch.save
         self.writer.add("archive/.data/serialization_id", ident, zlib.crc32(ident))
         self.writer.finish()
 

@@ -491,13 +491,22 @@ class _FastUnpickler(_pickle.Unpickler):
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector: building (or writing) a tree of a million containers, none of them
-    garbage, would otherwise trigger collections that rescan it again and again."""
+    garbage, would otherwise trigger collections that rescan it again and again.
+
+    On the way out, what was made meanwhile joins the oldest generation unscanned (``gc.freeze`` then
+    ``gc.unfreeze`` moves every tracked object there in constant time and resets the count of new ones): a
+    plain ``gc.enable`` would have the next allocation scan the whole tree at once. Skipped when the program
+    froze objects itself, which ``gc.unfreeze`` would release.
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            if not gc.get_freeze_count():
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -541,7 +550,7 @@ def _plain_odicts(tree: Any) -> Any:
                         else:
                             other.append(kid)
                             stack.append((kid.args, False))
-                elif id(kid) not in done and _is_container(kid):
+                elif type(kid) not in _LEAVES and id(kid) not in done and _is_container(kid):
                     stack.append((kid, False))
             continue
         done[id(obj)] = _rebuilt(obj, done)
@@ -590,10 +599,13 @@ def _rebuilt(obj: Any, done: dict[int, Any]) -> Any:
 
 def _renew(mapping: dict[Any, Any], done: dict[int, Any]) -> None:
     """Replace, in place and in order, the keys and values ``done`` maps to new objects."""
-    if any(done.get(id(k), k) is not k for k in mapping):  # a key replaced (the OrderedDict class as a key)
+    replaced = done.keys()
+    if not replaced.isdisjoint(map(id, mapping)):  # a key replaced (the OrderedDict class as a key)
         items = [(done.get(id(k), k), done.get(id(v), v)) for k, v in mapping.items()]
         mapping.clear()
         mapping.update(items)
+        return
+    if replaced.isdisjoint(map(id, mapping.values())):  # a state dict of tensors: decided in C
         return
     for key, value in mapping.items():
         renewed = done.get(id(value), value)
@@ -715,7 +727,8 @@ def measure(tree: Any, *, budget: int, source: str) -> int:
     """
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
-    stack: list[tuple[Any, list[Any] | None]] = [(tree, None)]
+    # a container being sized holds (number of children, the children that are containers)
+    stack: list[tuple[Any, tuple[int, list[Any]] | None]] = [(tree, None)]
     while stack:
         item, kids = stack[-1]
         ident = id(item)
@@ -723,22 +736,29 @@ def measure(tree: Any, *, budget: int, source: str) -> int:
             if ident in sizes:
                 stack.pop()
                 continue
-            kids = _children(item)
-            if not kids:
+            children = _children(item)
+            if not children:
                 sizes[ident] = 1
                 stack.pop()
                 continue
             if len(on_path) >= MAX_DEPTH:  # the containers being sized: this one's ancestors (not its siblings)
                 raise FormatError(f"{source}: its pickle nests containers more than {MAX_DEPTH} deep; refusing it")
             on_path.add(ident)
-            stack[-1] = (item, kids)
-            for kid in kids:
+            containers: list[Any] = []  # filled below, before any child is sized
+            stack[-1] = (item, (len(children), containers))
+            for kid in children:
+                kind = type(kid)
+                if kind in _LEAVES or kind is InertTensor or kind is InertParameter:
+                    continue  # counts 1 and holds nothing to follow: a state dict's keys and tensors, decided fast
                 if id(kid) in on_path:
                     raise FormatError(f"{source}: its pickle has a container that contains itself; refusing it")
-                if id(kid) not in sizes and _is_container(kid):  # leaves count 1 and are not remembered
-                    stack.append((kid, None))
+                if _is_container(kid):
+                    containers.append(kid)
+                    if id(kid) not in sizes:  # a shared container is sized once
+                        stack.append((kid, None))
             continue
-        total = 1 + sum(sizes.get(id(k), 1) for k in kids)
+        count, containers = kids
+        total = 1 + count - len(containers) + sum(sizes.get(id(k), 1) for k in containers)
         if total > budget:
             raise FormatError(
                 f"{source}: its pickle shares containers so often that following them visits more than {budget} "
@@ -807,15 +827,18 @@ _TUPLE_END = (b")", b"\x85", b"\x86", b"\x87")  # EMPTY_TUPLE, TUPLE1..3: no MAR
 
 def _plain_record(args: tuple[Any, ...], newobj: bool) -> bool:
     """Whether a tensor record is exactly what torch.save pickles (then _save_tensor writes it directly)."""
-    if len(args) != 6 or newobj or type(args[0]) is not StorageRef:
+    if len(args) != 6 or newobj:
         return False
-    pid, hooks = args[0].pid, args[5]
+    ref, offset, shape, stride, grad, hooks = args
+    if type(ref) is not StorageRef:
+        return False
+    pid = ref.pid
     return (
-        type(args[1]) is int
-        and type(args[2]) is tuple
-        and type(args[3]) is tuple
-        and type(args[4]) is bool
-        and type(hooks) in (OrderedDict, _CheckedOrderedDict)
+        type(offset) is int
+        and type(shape) is tuple
+        and type(stride) is tuple
+        and type(grad) is bool
+        and (type(hooks) is OrderedDict or type(hooks) is _CheckedOrderedDict)
         and not hooks
         and not vars(hooks)
         and len(pid) == 5
@@ -989,7 +1012,7 @@ class _Pickler:
             self.out += b"b"
 
     def _save_tensor(self, obj: InertTensor) -> None:
-        # torch.save's tensor record in one expression: it is most of what a big state dict holds
+        # torch.save's tensor record written piece by piece: it is most of what a big state dict holds
         memo = self.memo
         args = obj.args
         if id(obj) in memo or not _plain_record(args, obj.newobj):
@@ -1005,20 +1028,27 @@ class _Pickler:
             tag = memo.get(id(pid[0])) or self._str_bytes(pid[0])
             loc = memo.get(id(pid[3])) or self._str_bytes(pid[3])
             ref = b"(" + tag + self._global(pid[1]) + key + loc + _int_bytes(pid[4]) + b"t" + self._put(pid)
-        offset = args[1]
-        self.out += (
-            self._global(obj.func)
-            + b"("
-            + ref
-            + b"Q"
-            + (_BYTE[offset] if 0 <= offset < 256 else _int_bytes(offset))
-            + (self.ints.get(args[2]) or self._ints(args[2]))
-            + (self.ints.get(args[3]) or self._ints(args[3]))
-            + (b"\x88" if args[4] else b"\x89")
-            + self._global(self._odict)
-            + b")RtR"  # torch's empty hooks, written afresh; the args tuple; the call
-            + self._put(obj)
-        )
+        offset, shape, stride = args[1], args[2], args[3]
+        ints = self.ints
+        out = self.out
+        out += memo.get(id(obj.func)) or self._global(obj.func)  # after the storage's: memo numbers follow
+        out += b"("
+        out += ref
+        out += b"Q"
+        out += _BYTE[offset] if 0 <= offset < 256 else _int_bytes(offset)
+        out += ints.get(shape) or self._ints(shape)
+        out += ints.get(stride) or self._ints(stride)
+        out += b"\x88" if args[4] else b"\x89"
+        out += memo.get(id(self._odict)) or self._global(self._odict)
+        out += b")RtR"  # torch's empty hooks, written afresh; the args tuple; the call
+        idx = len(memo)  # self._put(obj), inline
+        self.keep.append(obj)
+        if idx < 256:
+            memo[id(obj)] = _GET[idx]
+            out += _PUT[idx]
+        else:
+            memo[id(obj)] = b"j" + _U32(idx)
+            out += b"r" + _U32(idx)
 
     def _str_bytes(self, obj: str) -> bytes:
         raw = obj.encode("utf-8", "surrogatepass")
@@ -1056,5 +1086,13 @@ def dump(tree: Any) -> bytes:
 
     Raises TypeError for an object that is not part of an inert tree (the caller's transform put it there).
     """
-    with gc_paused():
-        return _Pickler().dump(tree)
+    pickler = _Pickler()
+    try:
+        with gc_paused():
+            return pickler.dump(tree)
+    finally:
+        # its dispatch table of bound methods makes it a reference cycle: its memo and every object it keeps
+        # would otherwise wait for the garbage collector (40 MB for 100k tensors)
+        pickler.memo.clear()
+        pickler.keep.clear()
+        pickler._dispatch.clear()

@@ -13,6 +13,7 @@ The header reader and writer are stdlib only, so the streaming path uses them to
 from __future__ import annotations
 
 import json
+import json.encoder
 import math
 import os
 import struct
@@ -27,6 +28,7 @@ from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
 
 MAX_HEADER = 100 * 1024 * 1024
+_json_string = json.encoder.encode_basestring_ascii  # what json.dumps writes a key with (ensure_ascii)
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,15 @@ def _encodable(name: str) -> bool:
     return True
 
 
+def _all_encodable(keys: Iterable[str]) -> bool:
+    # one encode for every key (a lone surrogate stays one when joined): a million keys without a call each
+    try:
+        "/".join(keys).encode("utf-8")
+    except (UnicodeEncodeError, TypeError):
+        return False
+    return True
+
+
 def _itemsize(code: str) -> int:
     return DTYPES[FROM_SAFETENSORS[code]].itemsize
 
@@ -182,18 +193,20 @@ def _is_simple(value: Any) -> bool:
 
 def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str, Any]]:
     """Split a checkpoint into the one state dict a safetensors file can hold and its ckptfix metadata."""
-    state = obj if is_state_dict(obj) else None
+    bare = is_state_dict(obj)
+    state = obj if bare else None
     if state is None:
         entries = model_entries(obj)
         if len(entries) == 1:
             state = obj[entries[0]]
-    for key in state or ():
-        if not _encodable(key):
-            raise OutputError(
-                f"{out}: key {key!r} is not valid Unicode, which .safetensors cannot store; rename it "
-                f"(renames=) or write a .pt file"
-            )
-    if is_state_dict(obj):
+    if state and not _all_encodable(state):
+        for key in state:
+            if not _encodable(key):
+                raise OutputError(
+                    f"{out}: key {key!r} is not valid Unicode, which .safetensors cannot store; rename it "
+                    f"(renames=) or write a .pt file"
+                )
+    if bare:
         return obj, {"entry": ""}
     entries = model_entries(obj)
     if len(entries) != 1:
@@ -293,15 +306,29 @@ def encode_header(
     if versions is not None:
         meta["module_versions"] = {k: dict(v) for k, v in versions.items()}
     header: dict[str, Any] = {"__metadata__": {"format": "pt", META_KEY: json.dumps(meta)}}
-    offset = 0
-    for key, dtype, shape, nbytes in stored:
-        header[key] = {
-            "dtype": DTYPES[dtype].safetensors,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    stored = list(stored)
+    if any(key == "__metadata__" for key, *_ in stored):  # replaces the metadata in place: json.dumps decides
+        offset = 0
+        for key, dtype, shape, nbytes in stored:
+            header[key] = {
+                "dtype": DTYPES[dtype].safetensors,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+    else:
+        # json.dumps(header, separators=(",", ":")) written entry by entry: the same bytes, without a dict and two
+        # lists per tensor (keys escaped by json's own encoder; shapes and offsets are ints)
+        parts = [json.dumps(header, separators=(",", ":"))[:-1]]
+        offset = 0
+        for key, dtype, shape, nbytes in stored:
+            parts.append(
+                f'{_json_string(key)}:{{"dtype":"{DTYPES[dtype].safetensors}","shape":[{",".join(map(str, shape))}],'
+                f'"data_offsets":[{offset},{offset + nbytes}]}}'
+            )
+            offset += nbytes
+        raw = (",".join(parts) + "}").encode()
     # The data buffer starts 64-byte aligned (safetensors pads to 8): tensors at multiples of 64 are then aligned
     # as torch.save aligns its records, so a .pt made from this file can share their blocks.
     raw += b" " * (-(8 + len(raw)) % 64)

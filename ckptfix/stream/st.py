@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.dtypes import FROM_SAFETENSORS, safetensors_code
+from ckptfix.formats.inert import gc_paused
 from ckptfix.formats.safetensors import Header, encode_header, restore, split_checkpoint
 from ckptfix.formats.ziparchive import BLOCK
 from ckptfix.stream.fallback import Fallback
@@ -50,6 +51,7 @@ class StOutput:
         return len(self.header) + sum(n for _, n in self.ranges)
 
 
+@gc_paused()  # a range and a header entry per tensor: nothing to collect, only to rescan
 def plan_safetensors(obj: Any, *, out: str, locate: Any, keep_offsets: bool = False) -> StOutput:
     """Header and data ranges for ``obj`` (a state dict or a checkpoint with one model entry).
 
