@@ -38,9 +38,17 @@ def _temp_files(folder: Path) -> list[Path]:
     return sorted(folder.glob(".*.ckptfix-tmp"))
 
 
+def _default_signals() -> None:
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _signal_mid_write(command: list[str], folder: Path, signum: int) -> int:
     """Run ``command``; once its temp file exists, deliver ``signum`` while it is frozen; return its exit status."""
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=folder)
+    # The child starts with every signal at its default, as from a terminal: a shell running this test suite in
+    # the background (`pytest &`) would have it inherit SIGINT ignored, and an ignored Ctrl-C is not sent by anyone.
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=folder,
+                             preexec_fn=_default_signals)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not _temp_files(folder):
