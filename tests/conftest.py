@@ -57,3 +57,14 @@ def _no_force_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
     # A developer's shell may set this; tests that need it set it themselves.
     monkeypatch.delenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+@pytest.fixture
+def single(tmp_path: Path) -> Path:
+    """A DCP folder written by one process (``tmp_path / "dcp"``): a model, a step counter and nested
+    optimizer-like values."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": models.SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # one process, whatever group exists
+    return tmp_path / "dcp"

@@ -41,14 +41,6 @@ def _torch_truth(folder: Path, tmp: Path) -> Any:
     return torch.load(tmp / "truth.pt", weights_only=False)
 
 
-@pytest.fixture
-def single(tmp_path: Path) -> Path:
-    """A DCP folder from one process: a model, a step counter and nested optimizer-like values."""
-    state = {"model": SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # one process, whatever group exists
-    return tmp_path / "dcp"
-
-
 def test_a_single_process_dcp_folder_reads_as_what_torch_makes_of_it(single: Path, tmp_path: Path) -> None:
     got = ckptfix.load(single)
     _same(got, _torch_truth(single, tmp_path))

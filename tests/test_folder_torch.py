@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -41,13 +40,6 @@ def _loaded(path: Path) -> list[Any]:
     """The file as plain torch.load reads it, with and without mmap, and as ckptfix.load does."""
     loads = [torch.load(path, weights_only=True), torch.load(path, weights_only=True, mmap=True), ckptfix.load(path)]
     return [_plain(obj) for obj in loads]
-
-
-@pytest.fixture
-def single(tmp_path: Path) -> Path:
-    state = {"model": SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # one process, whatever group exists
-    return tmp_path / "dcp"
 
 
 def test_a_dcp_folder_streams_into_the_pt_file_torch_makes_of_it(single: Path, tmp_path: Path) -> None:

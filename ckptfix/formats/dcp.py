@@ -303,11 +303,16 @@ def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
             return part
         if out is None:
             out = torch.empty(entry.shape, dtype=dtype)
-        region = out
-        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
-            region = region.narrow(dim, o, s)
-        region.copy_(part)
+        chunk_region(out, c).copy_(part)
     return out if out is not None else torch.empty(entry.shape, dtype=dtype)
+
+
+def chunk_region(full: Any, c: Chunk) -> Any:
+    """The view of the full tensor ``full`` that chunk ``c`` fills."""
+    region = full
+    for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
+        region = region.narrow(dim, o, s)
+    return region
 
 
 def save_dcp(obj: Any, out: str) -> None:

@@ -21,7 +21,7 @@ from ckptfix.checkpoint import Conversion, is_tensor
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats import allowlist, detect_format, inert
 from ckptfix.formats.atomic import atomic_output
-from ckptfix.formats.dcp import Chunk, TensorEntry, is_dcp, nest, read_dcp
+from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folder import check_complete, check_shard, describe
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
@@ -279,10 +279,7 @@ def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> 
             return part
         if full is None:
             full = torch.empty(entry.shape, dtype=dtype)
-        region = full
-        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
-            region = region.narrow(dim, o, s)
-        region.copy_(part)
+        chunk_region(full, c).copy_(part)
     return full if full is not None else torch.empty(entry.shape, dtype=dtype)
 
 
@@ -336,10 +333,7 @@ def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
         if not buf:
             continue
         os.preadv(fd, [buf], at)
-        region = full
-        for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
-            region = region.narrow(dim, o, s)
-        region.copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
+        chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
     out.write(tensor_bytes(full))
 
 
