@@ -17,7 +17,7 @@ import dataclasses
 import os
 import zlib
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -410,26 +410,14 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
 
 
 def _shards(opened: OpenedFolder, folder: Any, each: dict[str, Any]) -> Any:
-    from ckptfix.checkpoint import is_state_dict
-    from ckptfix.formats.folder import check_complete, check_shard
+    from ckptfix.formats.folder import merge_shards
 
-    merged: OrderedDict[str, Any] = OrderedDict()
-    versions: OrderedDict[str, Any] = OrderedDict()
-    for path in folder.files:
-        part = open_checkpoint(path, **each)
-        opened.parts.append(part)
-        if not is_state_dict(part.tree):
-            raise FormatError(f"{path}: holds a {type(part.tree).__name__}, not a state dict; it is not a shard")
-        check_shard(folder, path, part.tree.keys())
-        for key, value in part.tree.items():
-            if key in merged:  # only without an index: two model files cannot both hold a key
-                raise FormatError(f"{path}: key '{key}' is in two shards; download the folder again")
-            merged[key] = _wrapped(value, len(opened.parts) - 1)
-        versions.update(getattr(part.tree, "_metadata", None) or {})
-    check_complete(folder, merged)
-    if versions:
-        merged._metadata = versions  # type: ignore[attr-defined]
-    return merged
+    def parts() -> Iterator[tuple[str, Any]]:
+        for path in folder.files:
+            opened.parts.append(open_checkpoint(path, **each))
+            yield path, opened.parts[-1].tree
+
+    return merge_shards(folder, parts(), record=lambda path, value: _wrapped(value, len(opened.parts) - 1))
 
 
 def _accelerate(opened: OpenedFolder, folder: Any, each: dict[str, Any], opaque: bool) -> Any:

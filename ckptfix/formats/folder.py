@@ -16,7 +16,7 @@ import re
 import shutil
 import tempfile
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,38 +206,43 @@ def check_complete(folder: Folder, found: Iterable[str]) -> None:
         )
 
 
+def merge_shards(
+    folder: Folder, shards: Iterable[tuple[str, Any]], *, record: Callable[[str, Any], Any] | None = None
+) -> OrderedDict[str, Any]:
+    """The one state dict of ``folder``'s shards, given as ``(path, state dict as read)``: each shard's keys where
+    the index puts them, no key in two shards, every indexed key found, the shards' ``_metadata`` merged.
+    ``record(path, value)`` is what each value becomes (the value itself by default)."""
+    from ckptfix.checkpoint import is_state_dict
+
+    merged: OrderedDict[str, Any] = OrderedDict()
+    versions: OrderedDict[str, Any] = OrderedDict()
+    for path, state in shards:
+        if not is_state_dict(state):
+            raise FormatError(f"{path}: holds a {type(state).__name__}, not a state dict; it is not a shard")
+        check_shard(folder, path, state.keys())
+        for key, value in state.items():
+            if key in merged:  # only without an index: two model files cannot both hold a key
+                raise FormatError(f"{path}: key '{key}' is in two shards; download the folder again")
+            merged[key] = value if record is None else record(path, value)
+        versions.update(getattr(state, "_metadata", None) or {})
+    check_complete(folder, merged)
+    if versions:
+        merged._metadata = versions  # type: ignore[attr-defined]
+    return merged
+
+
 def load_folder(path: PathLike, *, read: Any, model_only: bool = False) -> Any:
     """One state dict (shards) or one checkpoint (accelerate folder), every shard read by ``read(path)``.
 
     ``model_only`` leaves the training-state files of an accelerate folder unopened.
     """
-    from ckptfix.checkpoint import is_state_dict
-
     folder = describe(path)
+    if folder.flat:
+        return merge_shards(folder, ((shard, _read_entry(read, shard, hint=False)) for shard in folder.files))
     out: OrderedDict[str, Any] = OrderedDict()
-    versions: OrderedDict[str, Any] = OrderedDict()
-    for entry, paths in folder.entries.items():
-        if model_only and not folder.flat and not _MODEL_FILE.match(os.path.basename(paths[0])):
-            continue
-        merged: OrderedDict[str, Any] = OrderedDict()
-        for shard in paths:
-            obj = _read_entry(read, shard, hint=not folder.flat)
-            if folder.flat and not is_state_dict(obj):
-                raise FormatError(f"{shard}: holds a {type(obj).__name__}, not a state dict; it is not a shard")
-            if folder.flat:
-                check_shard(folder, shard, obj.keys())
-                for key in obj:
-                    if key in merged:  # only without an index: two model files cannot both hold a key
-                        raise FormatError(f"{shard}: key '{key}' is in two shards; download the folder again")
-                versions.update(getattr(obj, "_metadata", None) or {})
-                merged.update(obj)
-            else:
-                out[entry] = obj
-        if folder.flat:
-            check_complete(folder, merged)
-            if versions:
-                merged._metadata = versions  # type: ignore[attr-defined]
-            return merged
+    for entry, (file,) in folder.entries.items():
+        if not model_only or _MODEL_FILE.match(os.path.basename(file)):
+            out[entry] = _read_entry(read, file, hint=True)
     return out
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
@@ -23,7 +22,7 @@ from ckptfix.formats import allowlist, detect_format, inert
 from ckptfix.formats.atomic import atomic_output
 from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
-from ckptfix.formats.folder import check_complete, check_shard, describe
+from ckptfix.formats.folder import describe, merge_shards
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
@@ -185,27 +184,18 @@ def _shards_tree(src: str) -> tuple[Any, str]:
     folder = describe(src)
     if not folder.flat:
         raise Fallback("an accelerate folder is read file by file")
-    merged: OrderedDict[str, Any] = OrderedDict()
-    versions: OrderedDict[str, Any] = OrderedDict()
     for path in folder.files:
         if detect_format(path) != "safetensors":
             raise Fallback(f"shard {os.path.basename(path)} is a torch file")
-        state = tree_from_header(read_header(path), source=path)
-        if not isinstance(state, dict):
-            raise FormatError(f"{path}: holds a checkpoint with entries, not one state dict; it is not a shard")
-        check_shard(folder, path, state.keys())
-        shared: dict[int, ShardTensor] = {}
-        for key, t in state.items():
-            if key in merged:
-                raise FormatError(f"{path}: key '{key}' is in two shards; download the folder again")
-            if id(t) not in shared:
-                shared[id(t)] = ShardTensor(t.dtype, t.shape, path, t.start, t.end - t.start)
-            merged[key] = shared[id(t)]
-        versions.update(getattr(state, "_metadata", None) or {})
-    check_complete(folder, merged)
-    if versions:
-        merged._metadata = versions  # type: ignore[attr-defined]
-    return merged, "shards"
+    held: dict[int, tuple[Any, ShardTensor]] = {}  # the header's records kept alive: their ids stay unique
+
+    def record(path: str, t: Any) -> ShardTensor:
+        if id(t) not in held:  # tied: one tensor under two names, one record
+            held[id(t)] = (t, ShardTensor(t.dtype, t.shape, path, t.start, t.end - t.start))
+        return held[id(t)][1]
+
+    shards = ((path, tree_from_header(read_header(path), source=path)) for path in folder.files)
+    return merge_shards(folder, shards, record=record), "shards"
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
