@@ -187,9 +187,9 @@ def write(out: Path, mode: str) -> Path:
     return out
 
 
-def corrupt_chunk(folder: Path, fqn: str) -> None:
-    """Flip one byte inside the stored bytes of tensor ``fqn`` of a one-process DCP folder (its CRC no longer
-    matches)."""
+def corrupt_chunk(folder: Path, fqn: str, *, record: str = "data/0") -> None:
+    """Flip one byte inside record ``record`` (the tensor bytes, or ``data.pkl``: its pickle) of tensor ``fqn``'s
+    archive in a one-process DCP folder (its CRC no longer matches)."""
     import pickle
 
     from ckptfix.formats.ziparchive import read_archive
@@ -199,6 +199,6 @@ def corrupt_chunk(folder: Path, fqn: str) -> None:
     data = bytearray((folder / "__0_0.distcp").read_bytes())
     with open(folder / "__0_0.distcp", "rb") as f:
         records = read_archive(f.fileno(), "x", start=span.offset, end=span.offset + span.length).records
-    tensor = next(r for r in records if r.name.endswith("data/0"))
+    tensor = next(r for r in records if r.name.endswith(record))
     data[tensor.data_offset + tensor.size // 2] ^= 0xFF
     (folder / "__0_0.distcp").write_bytes(bytes(data))

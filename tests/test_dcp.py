@@ -243,6 +243,91 @@ def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path
     assert not out.exists() and sorted(os.listdir(tmp_path)) == ["dcp"]
 
 
+def test_a_damaged_chunk_pickle_late_in_the_folder_stops_the_copy_and_leaves_nothing(
+    single: Path, tmp_path: Path
+) -> None:
+    # the last tensor's archive is parsed while the earlier tensors are already being copied on the copy thread
+    import threading
+
+    from ckptfix.conversion import ConvertOptions
+    from ckptfix.stream.folders import convert_folder
+
+    last = list(SmallNet().state_dict())[-1]
+    sharded_writers.corrupt_chunk(single, f"model.{last}", record="data.pkl")
+    out = tmp_path / "model.safetensors"
+    options = ConvertOptions(model_only=True)
+    with pytest.raises(FormatError, match=r"__0_0\.distcp.*data\.pkl"):
+        convert_folder(str(single), str(out), transform=lambda tree: options.apply(tree, source="x"))
+    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["dcp"]
+    assert not [t for t in threading.enumerate() if t.name == "ckptfix-copy"]
+
+
+def test_an_error_on_the_copy_thread_reaches_the_caller_and_leaves_nothing(
+    single: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptfix.conversion import ConvertOptions
+    from ckptfix.stream import folders
+
+    def fail(*args: Any) -> str:
+        raise FormatError("a data file ended early while copying; it was truncated while reading")
+
+    monkeypatch.setattr(folders, "_write_tensor", fail)
+    out = tmp_path / "model.safetensors"
+    options = ConvertOptions(model_only=True)
+    with pytest.raises(FormatError, match="ended early"):
+        folders.convert_folder(str(single), str(out), transform=lambda tree: options.apply(tree, source="x"))
+    assert not out.exists() and sorted(os.listdir(tmp_path)) == ["dcp"]
+
+
+def _one_file_per_tensor(folder: Path, count: int) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state = {f"layer{i}.weight": torch.randn(3, 2, generator=torch.Generator().manual_seed(i)) for i in range(count)}
+    dcp.save({"model": state}, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=False), no_dist=True)
+    return state
+
+
+def _limited(soft: int, hard: int | None, *argv: str) -> Any:
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:  # in the child only: the test process keeps its own limit
+        keep = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, keep if hard is None else hard))
+
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, preexec_fn=limit, timeout=300)
+
+
+def test_a_folder_of_more_data_files_than_the_soft_open_file_limit_converts_and_loads(tmp_path: Path) -> None:
+    # DCP writes one file per tensor with single_file_per_rank=False (and one per rank: thousands on big jobs)
+    state = _one_file_per_tensor(tmp_path / "dcp", 300)
+    assert len(list((tmp_path / "dcp").glob("*.distcp"))) == 300
+    for out in ("model.safetensors", "full.pt"):
+        flags = ["--model-only", "--entry", "model"] if out.endswith(".safetensors") else []
+        done = _limited(200, None, "-m", "ckptfix", "convert", str(tmp_path / "dcp"), str(tmp_path / out), *flags)
+        assert done.returncode == 0, done.stderr
+    loaded = ckptfix.load(tmp_path / "model.safetensors")
+    _same(loaded, state)
+    _same(ckptfix.load(tmp_path / "full.pt")["model"], state)
+    script = "import sys, ckptfix, torch; sd = ckptfix.load(sys.argv[1])['model']; torch.save(sd, sys.argv[2])"
+    done = _limited(200, None, "-c", script, str(tmp_path / "dcp"), str(tmp_path / "loaded.pt"))
+    assert done.returncode == 0, done.stderr
+    _same(torch.load(tmp_path / "loaded.pt", weights_only=True), state)
+
+
+def test_a_hard_open_file_limit_below_the_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    _one_file_per_tensor(tmp_path / "dcp", 300)
+    out = tmp_path / "model.safetensors"
+    done = _limited(200, 200, "-m", "ckptfix", "convert", str(tmp_path / "dcp"), str(out), "--model-only")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"ckptfix: error: {tmp_path / 'dcp'}: needs 300 files open at once, more than this process may open "
+        f"(200); raise the limit (ulimit -n 556, as root or in limits.conf) and run again"
+    ]
+    assert not out.exists()
+
+
 # -- inspect and diff ---------------------------------------------------------------------------------------------
 
 

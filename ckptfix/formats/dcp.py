@@ -67,6 +67,11 @@ class Dcp:
     values: dict[str, Span]
     paths: dict[str, tuple[str | int, ...]]
 
+    @property
+    def files(self) -> set[str]:
+        """The data files its chunks and values are in."""
+        return {span.path for span in spans_of(self)}
+
 
 def is_dcp(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
@@ -129,6 +134,7 @@ def read_dcp(root: str) -> Dcp:
 
 def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> dict[tuple[str, Any], Span]:
     sizes: dict[str, int] = {}
+    paths: dict[str, str] = {}
     out: dict[tuple[str, Any], Span] = {}
     for index, info in storage.items():
         idx = _fields(index, _META + "MetadataIndex", ("fqn", "offset", "index"), source=source)
@@ -143,8 +149,9 @@ def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> d
                 f"{source}: '{fqn}' is stored through {where['transform_descriptors']} (a DCP storage extension); "
                 f"ckptfix reads plain DCP: re-save without extensions"
             )
-        path = inside(root, name, source=source, key=fqn)
-        if path not in sizes:
+        path = paths.get(name)
+        if path is None:  # a few files hold thousands of chunks: each name is resolved and checked once
+            path = paths[name] = inside(root, name, source=source, key=fqn)
             sizes[path] = os.path.getsize(path)
         if offset < 0 or length <= 0 or offset + length > sizes[path]:
             raise FormatError(f"{source}: '{fqn}' is stored at bytes {offset}..{offset + length} of {name}, which "
@@ -255,22 +262,27 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
     """
     import torch
 
-    from ckptfix.formats.materialize import materialize
+    from ckptfix.formats.folder import room_for_files
+    from ckptfix.formats.materialize import map_file, materialize
     from ckptfix.formats.torchfile import changed_while_reading, file_identity
     from ckptfix.formats.torchzip import read_torch_zip
 
     d = read_dcp(root)
     allowed = allowlist.allowed_names(list(allow_globals), source=root)
-    files: dict[str, tuple[int, tuple[int, ...]]] = {}
+    room_for_files(2 * len(d.files), source=root)  # a descriptor and a mapping (which holds its own) per file
+    files: dict[str, tuple[int, tuple[int, ...], Any]] = {}
 
     def item(span: Span) -> Any:
         if span.path not in files:
             fd = os.open(span.path, os.O_RDONLY)
-            files[span.path] = (fd, file_identity(fd))
-        fd = files[span.path][0]
+            files[span.path] = (fd, file_identity(fd), None)
+        fd, identity, mapped = files[span.path]
         z = read_torch_zip(fd, span.path, allowed=allowed, verify=verify, start=span.offset,
                            end=span.offset + span.length)  # fmt: skip
-        return materialize(z, fd, mmap=mmap)
+        if mmap and mapped is None and z.storages:  # one mapping per file, shared by its chunks' tensors
+            mapped = map_file(fd)
+            files[span.path] = (fd, identity, mapped)
+        return materialize(z, fd, mmap=mmap, mapped=mapped)
 
     try:
         flat: dict[str, Any] = {}
@@ -278,11 +290,11 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
             flat[key] = _assemble(torch, key, entry, item)
         for key, span in d.values.items():
             flat[key] = item(span)
-        for path, (fd, before) in files.items():
+        for path, (fd, before, _) in files.items():
             if file_identity(fd) != before:
                 raise changed_while_reading(path)
     finally:
-        for fd, _ in files.values():
+        for fd, _, _ in files.values():
             os.close(fd)
     return nest(flat, d.paths)
 

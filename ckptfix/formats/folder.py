@@ -31,6 +31,7 @@ _STATE_FILE = re.compile(
     r"^(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin|scaler\.pt"
     r"|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
 )
+_FD_RESERVE = 256  # files the rest of the process (a training job: loaders, sockets, logs) may hold meanwhile
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
           "tib": 1 << 40}  # fmt: skip
@@ -156,6 +157,26 @@ def inside(root: str, name: str, *, source: str, key: str = "") -> str:
     if not os.path.isfile(path):
         raise FormatError(f"{source}: {what}, which is missing; download the whole folder again")
     return path
+
+
+def room_for_files(count: int, *, source: str) -> None:
+    """Make sure this process may open ``count`` more files, raising its soft limit (``ulimit -n``) up to the hard
+    one if needed: a DCP folder from 2,048 ranks, or written one file per tensor, has thousands of data files, and
+    the usual soft limit is 1,024. Refused in one line when even the hard limit is too low."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such per-process limit to raise
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = count + _FD_RESERVE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise FormatError(
+            f"{source}: needs {count} files open at once, more than this process may open ({hard}); raise the "
+            f"limit (ulimit -n {need}, as root or in limits.conf) and run again"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else hard, hard))
 
 
 def _accelerate(root: str, names: list[str]) -> Folder:

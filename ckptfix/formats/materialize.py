@@ -27,25 +27,37 @@ class NotBuilt(Exception):  # noqa: N818 - a signal to the caller, not an error
 
 
 def materialize(
-    z: TorchZip, fd: int, *, mmap: bool = True, tree: Any = None, leaf: Callable[[Any], Any] | None = None
+    z: TorchZip,
+    fd: int,
+    *,
+    mmap: bool = True,
+    tree: Any = None,
+    leaf: Callable[[Any], Any] | None = None,
+    mapped: mmap_module.mmap | None = None,
 ) -> Any:
     """The checkpoint ``torch.load(weights_only=True)`` would return, built from the description.
 
     ``tree`` replaces ``z.tree`` (a part of it, or a rewrite over the same storages); ``leaf(obj)`` builds objects
     that are none of the inert reader's (the sanitizer's numpy arrays). Opaque entries stay as they are.
+    ``mapped`` is the file already mapped (copy-on-write) by a caller that reads many archives from one file.
     """
     import torch
 
     if z.byteorder != "little":
         raise NotBuilt(f"a {z.byteorder}-endian file")
-    builder = _Builder(torch, _storages(torch, z, fd, mmap=mmap), leaf)
+    builder = _Builder(torch, _storages(torch, z, fd, mmap=mmap, mapped=mapped), leaf)
     return builder.build(z.tree if tree is None else tree)
 
 
-def _storages(torch: Any, z: TorchZip, fd: int, *, mmap: bool) -> dict[str, Any]:
-    mapped = None
-    if mmap and any(ref.nbytes for ref in z.storages.values()):
-        mapped = mmap_module.mmap(fd, 0, access=mmap_module.ACCESS_COPY)  # private: writes never reach the file
+def map_file(fd: int) -> mmap_module.mmap:
+    return mmap_module.mmap(fd, 0, access=mmap_module.ACCESS_COPY)  # private: writes never reach the file
+
+
+def _storages(torch: Any, z: TorchZip, fd: int, *, mmap: bool, mapped: mmap_module.mmap | None) -> dict[str, Any]:
+    if not mmap:
+        mapped = None
+    elif mapped is None and any(ref.nbytes for ref in z.storages.values()):
+        mapped = map_file(fd)
     out: dict[str, Any] = {}
     for key in z.storages:
         rec = z.archive.by_name[f"{z.archive.prefix}data/{key}"]  # present and of the right size: the reader

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, ClassVar
@@ -22,7 +24,7 @@ from ckptfix.formats import allowlist, detect_format, inert
 from ckptfix.formats.atomic import atomic_output
 from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
-from ckptfix.formats.folder import describe, merge_shards
+from ckptfix.formats.folder import describe, merge_shards, room_for_files
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
@@ -105,36 +107,121 @@ def convert_folder(
             else:
                 first[id(t)] = key
                 stored.append(_stored(dst, key, t))
-        for key, *_ in stored:  # every chunk archive parsed before the first byte out
-            if isinstance(state[key], DcpTensor):
-                for c in state[key].entry.chunks:
-                    _locate(c, files, entry=state[key].entry, key=key, allowed=allowed)
-        copied = gathered = 0
-        verifiers = [Verifier(files.fd(path), checks, source=path) for path, checks in files.checks.items()]
+        verifier = _VerifyInTurn(files)
         try:
-            for v in verifiers:  # CRCs on other threads while the bytes are copied: the input is read once more
-                v.start()
             with atomic_output(dst) as out:
                 out.write(encode_header(state, meta, stored, aliases))
-                for key, *_ in stored:
-                    way = _write_tensor(out, state[key], files)
-                    copied += way == "copied"
-                    gathered += way == "gathered"
                 out.flush()
+                copier = _CopyThread(out, files)
+                try:
+                    for key, *_ in stored:  # each tensor's chunk archives parsed (pickle checked) before its bytes
+                        t = state[key]
+                        if isinstance(t, DcpTensor):
+                            for c in t.entry.chunks:
+                                _locate(c, files, entry=t.entry, key=key, allowed=allowed)
+                        else:
+                            files.fd(t.path)  # opened here: the copy thread only reads the table
+                        copier.put(t)
+                    verifier.start()  # every record's CRC while the last bytes are copied: the input read once more
+                    ways = copier.finish()
+                finally:
+                    copier.cancel()
                 os.fsync(out.fileno())  # the disk catches up while the CRCs finish (the final fsync is then free)
-                for v in verifiers:
-                    v.join()  # a bad CRC raises here, and the output is discarded
-        except BaseException:
-            for v in verifiers:
-                v.cancel()
-            raise
+                verifier.join()  # a bad CRC raises here, and the output is discarded
+        finally:
+            verifier.cancel()
         files.check_unchanged()
     finally:
         files.close()
+    copied, gathered = ways.count("copied"), ways.count("gathered")
     conversion.notes.append(
         f"{kind} -> safetensors: {len(stored)} tensors, {copied} copied as byte ranges, {gathered} gathered in memory"
     )
     return conversion
+
+
+class _VerifyInTurn:
+    """Every record's CRC, file after file on one thread (each file by a :class:`Verifier`): a folder of a thousand
+    rank files is read in turn, not by a thousand threads at once."""
+
+    def __init__(self, files: _Files) -> None:
+        self.files = files
+        self.current: Verifier | None = None
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="ckptfix-verify", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        for path in sorted(self.files.checks):
+            with self.lock:
+                if self.stopped:
+                    return
+                self.current = Verifier(self.files.fd(path), self.files.checks[path], source=path)
+                self.current.start()
+            try:
+                self.current.join()
+            except BaseException as e:  # raised in the caller's thread by join()
+                self.error = e
+                return
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        """Stop reading (the caller is failing, or done); idempotent."""
+        with self.lock:
+            self.stopped = True
+            if self.current is not None:
+                self.current.cancel()
+        if self.thread.is_alive():
+            self.thread.join()
+
+
+class _CopyThread:
+    """Writes the tensors, in order, on a thread of its own while the caller parses the next ones' chunk archives:
+    the parsing holds the GIL, the copies (``copy_file_range``, writes) do not, so the one hides behind the other."""
+
+    def __init__(self, out: BinaryIO, files: _Files) -> None:
+        self.out, self.files = out, files
+        self.todo: queue.SimpleQueue[DcpTensor | ShardTensor | None] = queue.SimpleQueue()
+        self.ways: list[str] = []
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="ckptfix-copy", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (t := self.todo.get()) is not None:
+            if self.error is None and not self.stopped:
+                try:
+                    self.ways.append(_write_tensor(self.out, t, self.files))
+                except BaseException as e:  # raised in the caller's thread, at its next put or at finish
+                    self.error = e
+
+    def put(self, t: DcpTensor | ShardTensor) -> None:
+        if self.error is not None:
+            raise self.error
+        self.todo.put(t)
+
+    def finish(self) -> list[str]:
+        self.todo.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.ways
+
+    def cancel(self) -> None:
+        """Stop after the tensor being copied (a refusal or a signal in the caller); idempotent."""
+        if self.thread.is_alive():
+            self.stopped = True
+            self.todo.put(None)
+            self.thread.join()
 
 
 def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, str]:
@@ -170,6 +257,7 @@ def chunking(t: DcpTensor) -> str:
 
 def _dcp_tree(src: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any, str]:
     d = read_dcp(src)
+    room_for_files(len(d.files), source=src)  # each data file stays open until the end (checked unchanged then)
     flat: dict[str, Any] = {key: DcpTensor(key, entry) for key, entry in d.tensors.items()}
     for key, span in d.values.items():
         z = read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
@@ -184,6 +272,7 @@ def _shards_tree(src: str) -> tuple[Any, str]:
     folder = describe(src)
     if not folder.flat:
         raise Fallback("an accelerate folder is read file by file")
+    room_for_files(len(folder.files), source=src)
     for path in folder.files:
         if detect_format(path) != "safetensors":
             raise Fallback(f"shard {os.path.basename(path)} is a torch file")
