@@ -74,8 +74,10 @@ class StreamedWriter:
         if kind is None:
             try:
                 self.finish()
-            except BaseException as e:
-                return self._ctx.__exit__(type(e), e, e.__traceback__)
+            except BaseException as e:  # the temp file goes, and the error is the caller's
+                if not self._ctx.__exit__(type(e), e, e.__traceback__):
+                    raise
+                return None
         return self._ctx.__exit__(kind, exc, tb)
 
     def start(self) -> None:
@@ -163,20 +165,23 @@ class _TorchZip(StreamedWriter):
     def __init__(self, tree: Any, out: PathLike, base: Opened) -> None:
         super().__init__(out)
         self.base = base if base.zip is not None else None
+        self.opened = base
         taken = set(base.zip.storages) if base.zip is not None else set()
         glob = stand_ins()
         self.new: dict[int, inert.InertTensor] = {}  # id of a value -> the record written for it
+        self.values: dict[str, Any] = {}  # a new record's storage key -> its value, read at the end if not handed in
         counter = iter(range(1 << 62))
 
         def record(value: Any) -> Any:
             if isinstance(value, (inert.InertTensor, inert.InertParameter)) and self.base is not None:
                 return value  # kept: its storage record is copied, or written from the tensor handed in
-            if not isinstance(value, (Placeholder, StTensor)):
+            if not isinstance(value, (Placeholder, StTensor, FolderTensor, DcpTensor)):
                 raise CannotStream(f"a {type(value).__name__} value")
             if id(value) not in self.new:
                 key = next(k for k in map(str, counter) if k not in taken)
                 found = spec(value)
                 self.new[id(value)] = tensor_record(found.dtype, found.shape, key, found.nbytes, glob=glob)
+                self.values[key] = value
             return self.new[id(value)]
 
         self.tree = _replace(tree, record)
@@ -215,7 +220,12 @@ class _TorchZip(StreamedWriter):
 
     def finish(self) -> None:
         for key in self.storages:
-            if key not in self.written:
+            if key in self.written:
+                continue
+            value = self.values.get(key)
+            if isinstance(value, (FolderTensor, DcpTensor)):  # a folder's other entries: read one tensor at a time
+                self._record(key, tensor_bytes(self.opened.tensor(value)))
+            else:
                 self._copy(key)
         for name, data in TAIL:
             self.writer.add(f"archive/{name}", data, zlib.crc32(data))

@@ -65,6 +65,30 @@ def test_merge_refuses_a_tampered_rank_and_writes_nothing(rank_files: list[Path]
     assert run("merge", rank_files[0], tampered, "-o", out, "--atol", "10").exit_code == 0
 
 
+def test_a_corrupt_record_copied_at_the_end_fails_the_merge_and_writes_nothing(tmp_path: Path) -> None:
+    # the optimizer's tensors are not merged: the first rank's records are copied as the last step of the write
+    import zipfile
+
+    state = {"model": {"w": torch.ones(64)}, "optimizer": {"state": {0: {"exp_avg": torch.full((1000,), 3.0)}}}}
+    ranks = [tmp_path / "rank0.pt", tmp_path / "rank1.pt"]
+    for path in ranks:
+        torch.save(state, path)
+    name = next(i for i in zipfile.ZipFile(ranks[0]).infolist() if i.file_size == 4000)  # the optimizer tensor
+    data = bytearray(ranks[0].read_bytes())
+    at = name.header_offset
+    data[at + 30 + int.from_bytes(data[at + 26 : at + 28], "little") + int.from_bytes(data[at + 28 : at + 30], "little")
+         + 100] ^= 0xFF  # fmt: skip
+    ranks[0].write_bytes(bytes(data))
+    out = tmp_path / "merged.pt"
+    result = run("merge", *ranks, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [
+        f"ckptfix: error: {ranks[0]}: record '{name.filename}' fails its CRC check (stored {name.CRC:08x}, actual "
+        f"{result.output.split('actual ')[1][:8]}); the file is corrupt: re-download or re-save it"
+    ]
+    assert sorted(tmp_path.iterdir()) == ranks
+
+
 def test_merge_warns_for_a_duplicated_rank_and_refuses_out_as_input(rank_files: list[Path], tmp_path: Path) -> None:
     result = run("merge", rank_files[0], rank_files[0], "-o", tmp_path / "m.pt")
     assert result.exit_code == 0

@@ -247,18 +247,53 @@ def test_merge_per_rank_sharded_folders(tmp_path: Path) -> None:
     assert set(merged) == set(expected) and all(torch.equal(merged[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("kind", ["shards", "dcp"])
+@pytest.mark.parametrize("out", ["m.pt", "m.safetensors"])
+def test_folders_merge_tensor_by_tensor_without_loading_either(
+    tmp_path: Path, kind: str, out: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptfix import merging
+
+    def whole(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a folder was loaded whole")
+
+    monkeypatch.setattr(merging, "_loaded", whole)  # the in-memory merge's reader: never reached
+    ranks = [_state(seed=0), _state(seed=0)]
+    ranks[1] = {k: (v + 1 if "running" in k else v) for k, v in ranks[1].items()}
+    folders = []
+    for r, state in enumerate(ranks):
+        if kind == "shards":
+            folders.append(_hf(tmp_path / f"rank{r}", state))
+        else:
+            dcp.save(state, checkpoint_id=str(tmp_path / f"rank{r}"), no_dist=True)
+            folders.append(tmp_path / f"rank{r}")
+    result = run("merge", *folders, "-o", tmp_path / out)
+    assert result.exit_code == 0, result.output
+    expected = plan_merge(ranks).obj
+    merged = ckptfix.load(tmp_path / out)
+    assert set(merged) == set(expected) and all(torch.equal(merged[k], v) for k, v in expected.items())
+
+
 def test_merge_accelerate_folders_keeps_or_leaves_out_their_training_state(tmp_path: Path) -> None:
     expected = _accelerate(tmp_path / "r0")
     shutil.copytree(tmp_path / "r0", tmp_path / "r1")
-    # numpy's RNG state was not loaded: torch cannot write what it did not build, so it is left out on request
-    refused = run("merge", tmp_path / "r0", tmp_path / "r1", "-o", tmp_path / "m.pt")
-    assert refused.exit_code == 2 and "--model-only" in refused.output, refused.output
-    assert not (tmp_path / "m.pt").exists()
-    done = run("merge", tmp_path / "r0", tmp_path / "r1", "-o", tmp_path / "m.pt", "--model-only")
+    # numpy's RNG state needs globals outside the allowlist: kept as its pickle records, never built, and said so
+    done = run("merge", tmp_path / "r0", tmp_path / "r1", "-o", tmp_path / "m.pt")
     assert done.exit_code == 0, done.output
-    assert "left out (--model-only): optimizer, random_states_0, scheduler" in done.output
-    merged = ckptfix.load(tmp_path / "m.pt")
-    assert set(merged) == set(expected) and all(torch.equal(merged[k], v) for k, v in expected.items())
+    assert "kept as their pickle records, copied, never executed: 'random_states_0' (numpy.ndarray ×1)" in done.output
+    merged = torch.load(tmp_path / "m.pt", weights_only=False)  # the test's own files: safe to unpickle
+    assert list(merged) == ["model", "optimizer", "random_states_0", "scheduler"]
+    for name in ("optimizer", "random_states_0", "scheduler"):
+        original = torch.load(tmp_path / "r0" / f"{name}.{'pkl' if 'random' in name else 'bin'}", weights_only=False)
+        assert repr(merged[name]) == repr(original), name  # tensors, numpy arrays and numbers, exactly
+    assert all(torch.equal(merged["model"][k], v) for k, v in expected.items())
+    left = run("merge", tmp_path / "r0", tmp_path / "r1", "-o", tmp_path / "model.pt", "--model-only")
+    assert left.exit_code == 0, left.output
+    assert "left out (--model-only): optimizer, random_states_0, scheduler" in left.output
+    model = ckptfix.load(tmp_path / "model.pt")
+    assert set(model) == set(expected) and all(torch.equal(model[k], v) for k, v in expected.items())
 
 
 # -- entries that were not loaded (mmengine's message_hub) ----------------------------------------------------
