@@ -118,19 +118,22 @@ def _methods(src: Path, out: Path, kind: str) -> list[tuple[str, list[str]]]:
 def _table(folder: Path, inputs: dict[str, Path], repeat: int) -> str:
     lines = ["| input | method | wall s (median) | × cp -r + sync | peak RSS MB |", "|---|---|---:|---:|---:|"]
     for kind, src in inputs.items():
-        base = None
-        for name, argv in _methods(src, folder / "out", kind):
-            walls, rss = [], 0
-            for _ in range(repeat):
+        methods = _methods(src, folder / "out", kind)
+        walls: dict[str, list[float]] = {name: [] for name, _ in methods}
+        rss: dict[str, int] = dict.fromkeys(walls, 0)
+        for _ in range(repeat):  # methods alternate within each round: a slow spell of the disk hits them all
+            for name, argv in methods:
                 shutil.rmtree(folder / "out", ignore_errors=True)
                 (folder / "out").mkdir()
+                subprocess.run(["sync"], check=True)  # the last method's write-back is not this one's
                 wall, peak = _run(argv)
-                walls.append(wall)
-                rss = max(rss, peak)
-            median = statistics.median(walls)
-            base = base or median
+                walls[name].append(wall)
+                rss[name] = max(rss[name], peak)
+        base = statistics.median(walls[methods[0][0]])
+        for name, _ in methods:
+            median = statistics.median(walls[name])
             lines.append(f"| {kind} ({_du(src) / 1e9:.2f} GB) | {name} | {median:.2f} | {median / base:.2f} | "
-                         f"{rss / 1e6:.0f} |")  # fmt: skip
+                         f"{rss[name] / 1e6:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -140,13 +143,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--make", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--make", nargs=2, metavar=("DIR", "SIZE_MB"), help="only make the inputs, in DIR")
+    parser.add_argument("--inputs", help="time the inputs --make made in this folder instead of making new ones")
     args = parser.parse_args()
     if args.make:
         _write(Path(args.make[0]), int(args.make[1]))
         return
     size_mb, repeat = (16, 1) if args.quick else (args.size_mb, args.repeat)
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptfix")], check=True)  # as installing does
+    if args.inputs:  # folders made before by --make (python bench/bench_folders.py --make DIR SIZE_MB)
+        made = Path(args.inputs)
+        inputs = {"dcp-ddp": made / "dcp-ddp", "dcp-fsdp2": made / "dcp-fsdp2", "hf-shards": made / "hf"}
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            print(f"{platform.node()}: {os.cpu_count()} cores, Python {platform.python_version()}, inputs in {made}, "
+                  f"median of {repeat}, warm cache")  # fmt: skip
+            print(_table(Path(tmp), inputs, repeat))
+        return
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         folder = Path(tmp)
         inputs = _make(folder, size_mb)

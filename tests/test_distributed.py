@@ -346,3 +346,26 @@ def test_load_for_ddp_takes_the_entry_prefix_and_tied_keys_load_into_does(tmp_pa
     model = TiedLM(seed=4)
     ckptfix.load_for_ddp(model, tmp_path / "lm.pt", timeout=30)
     assert torch.equal(model.emb.weight, TiedLM().emb.weight) and model.head.weight is model.emb.weight
+
+
+def test_an_entry_left_unbuilt_is_named_in_a_warning_where_load_for_ddp_was_called(
+    tmp_path: Path, gloo_world: None
+) -> None:
+    import argparse
+
+    from tests.models import SmallNet
+
+    trained = SmallNet(seed=1).state_dict()
+    torch.save({"model": trained, "args": argparse.Namespace(lr=0.1), "epoch": 2}, tmp_path / "c.pt")
+    net = SmallNet(seed=5)
+    with pytest.warns(UserWarning) as caught:
+        extras = ckptfix.load_for_ddp(net, tmp_path / "c.pt", timeout=30)
+    assert extras == {"epoch": 2}
+    _assert_state(net.state_dict(), trained)
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'c.pt'}: left out of the returned entries, not built: 'args' (argparse.Namespace ×1, not "
+        f"loaded). Pass allow_globals= for its classes if you trust the file"
+    ]
+    assert caught[0].filename == __file__
+    extras = ckptfix.load_for_ddp(SmallNet(seed=5), tmp_path / "c.pt", allow_globals=["argparse.Namespace"], timeout=30)
+    assert extras["args"] == argparse.Namespace(lr=0.1)

@@ -13,6 +13,7 @@ Nothing here is imported by the CLI at start-up; torch is imported inside the fu
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -223,6 +224,14 @@ def _read_on_source(
     adapted = ready_to_load(adapted, report, strict=strict)  # tied keys added; wrong shapes dropped unless strict
     primary = entry or primary_entry(obj)
     extras = {k: v for k, v in obj.items() if k != primary and not isinstance(v, opaque.OpaqueEntry)} if primary else {}
+    left = opaque.not_loaded(obj)
+    if left:  # said where the file was read (the source's log): the caller may be looking for the entry
+        warnings.warn(
+            f"{source}: left out of the returned entries, not built: "
+            + "; ".join(f"'{name}' ({what})" for name, what in left.items())
+            + ". Pass allow_globals= for its classes if you trust the file",
+            stacklevel=4,  # the caller of load_for_ddp
+        )
     entries: list[buckets.Entry] = []
     tensors: list[torch.Tensor] = []
     skeleton = buckets.strip_tensors(extras, entries, tensors)
