@@ -75,6 +75,22 @@ def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path
     assert sorted(os.listdir(tmp_path)) == ["dcp"]
 
 
+@pytest.mark.parametrize("record", ["data.pkl", "data/0"])
+def test_a_damaged_last_chunk_stops_the_copy_already_running_and_leaves_nothing(
+    single: Path, tmp_path: Path, record: str
+) -> None:
+    # the earlier tensors are being copied on a thread while the last one's archive is parsed (data.pkl), or its
+    # CRC is checked after the copy (data/0)
+    import threading
+
+    last = list(SmallNet().state_dict())[-1]
+    sharded_writers.corrupt_chunk(single, f"model.{last}", record=record)
+    with pytest.raises(FormatError, match=rf"__0_0\.distcp.*{record}.*CRC"):
+        ckptfix.convert_file(single, tmp_path / "full.pt")
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]
+    assert not [t for t in threading.enumerate() if t.name in ("ckptfix-copy", "ckptfix-verify", "ckptfix-crc")]
+
+
 @pytest.mark.slow
 # fsdp2-cols: two weight matrices sharded by columns, and their optimizer moments (exp_avg, exp_avg_sq)
 @pytest.mark.parametrize(("mode", "gathered"), [("fsdp2", 0), ("ddp", 0), ("fsdp2-cols", 6)])

@@ -25,7 +25,17 @@ from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import ZipWriter
 from ckptfix.stream.copy import Copier, Job
 from ckptfix.stream.crc import Check, crc32_combine
-from ckptfix.stream.folders import DcpTensor, ShardTensor, _Files, _gather, _locate, _rows, open_tree
+from ckptfix.stream.folders import (
+    DcpTensor,
+    InOrder,
+    ShardTensor,
+    VerifyInTurn,
+    _Files,
+    _gather,
+    _locate,
+    _rows,
+    open_tree,
+)
 
 _PREFIX = "archive/"
 # A piece of an output storage: (source file, offset, length) of the bytes copied into it.
@@ -40,12 +50,8 @@ def convert_folder_to_torch(
     try:
         conversion = transform(tree)
         new_tree, stored = _records(conversion.obj)
-        for t in stored:  # every chunk archive parsed before the first byte out
-            if isinstance(t, DcpTensor):
-                for c in t.entry.chunks:
-                    _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
         with atomic_output(dst) as out:
-            copied, gathered = _write(out.fileno(), new_tree, stored, files)
+            copied, gathered = _write(out.fileno(), new_tree, stored, files, allowed=allowed)
         files.check_unchanged()
     finally:
         files.close()
@@ -81,48 +87,96 @@ def _records(obj: Any) -> tuple[Any, list[DcpTensor | ShardTensor]]:
     return convert(obj), stored
 
 
-def _write(fd: int, tree: Any, stored: list[DcpTensor | ShardTensor], files: _Files) -> tuple[int, int]:
-    """Lay out the archive, copy every storage's pieces, then fill in each record's CRC."""
+def _write(
+    fd: int, tree: Any, stored: list[DcpTensor | ShardTensor], files: _Files, *, allowed: frozenset[str]
+) -> tuple[int, int]:
+    """Lay out the archive (sizes come from the metadata), then parse each tensor's chunk archives while a thread
+    copies the ones before it; every record's CRC is filled in once the pieces' CRCs are known."""
     writer = ZipWriter(fd)
     pkl = inert.dump(tree)
     writer.add(_PREFIX + "data.pkl", pkl, zlib.crc32(pkl))
     for name, data in HEAD:
         writer.add(_PREFIX + name, data, zlib.crc32(data))
-    jobs: dict[str, list[Job]] = {}
-    pieces: list[tuple[int, list[Piece]]] = []  # (record slot, its pieces in order)
-    direct: list[tuple[int, int]] = []  # (record slot, CRC) of gathered storages
-    gathered = 0
+    places = []
     for i, t in enumerate(stored):
-        nbytes = math.prod(t.shape) * DTYPES[t.dtype].itemsize
-        at = writer.begin(f"{_PREFIX}data/{i}", nbytes)
+        places.append(writer.begin(f"{_PREFIX}data/{i}", math.prod(t.shape) * DTYPES[t.dtype].itemsize))
         writer.end(0)  # the CRC is set below, once the pieces' CRCs are known
-        slot = len(writer.records) - 1
-        parts = _pieces(t, files)
-        if parts is None:
-            sink = _Sink(fd, at)
-            _gather(sink, t, files)  # type: ignore[arg-type]
-            direct.append((slot, sink.crc))
-            gathered += 1
-            continue
-        for path, offset, length in parts:
-            jobs.setdefault(path, []).append(Job(offset, at, length))
-            at += length
-        pieces.append((slot, parts))
+    slots = range(len(writer.records) - len(stored), len(writer.records))
     for name, data in TAIL:
         writer.add(_PREFIX + name, data, zlib.crc32(data))
     ident = b"%040d" % (int.from_bytes(os.urandom(17), "big") % 10**40)  # as torch.save: 40 digits (no secrets import)
     writer.add(_PREFIX + ".data/serialization_id", ident, zlib.crc32(ident))
     writer.flush()
-    crcs = _copy(fd, jobs, files)
-    for slot, parts in pieces:
+    copiers: dict[str, Copier] = {}
+    pieces: dict[int, list[Piece]] = {}  # record slot -> its pieces in order
+    gathers: list[int] = []  # record slots of gathered storages, in order: their CRCs come from the copy thread
+
+    def work(item: tuple[list[Piece], int] | tuple[DcpTensor, int]) -> int | None:
+        what, at = item
+        if isinstance(what, DcpTensor):
+            sink = _Sink(fd, at)
+            _gather(sink, what, files)  # type: ignore[arg-type]
+            return sink.crc
+        for path, offset, length in what:
+            if path not in copiers:
+                copiers[path] = Copier(files.fd(path), fd, source=path)
+            copiers[path].copy(Job(offset, at, length))
+            at += length
+        return None
+
+    copy = InOrder(work)
+    verifier: VerifyInTurn | None = None
+    try:
+        for slot, at, t in zip(slots, places, stored, strict=True):
+            if isinstance(t, DcpTensor):  # its chunk archives parsed (pickle checked) before its bytes are copied
+                for c in t.entry.chunks:
+                    _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
+            else:
+                files.fd(t.path)  # opened here: the copy thread only reads the table
+            parts = _pieces(t, files)
+            if parts is None:
+                gathers.append(slot)
+            else:
+                pieces[slot] = parts
+            copy.put((t, at) if parts is None else (parts, at))
+        checks = _checks(files, pieces)
+        verifier = VerifyInTurn(files, checks)
+        verifier.start()  # every record's CRC, and those of pieces that are not records, while the copy goes on
+        gathered = [crc for crc in copy.finish() if crc is not None]
+        for copier in copiers.values():
+            copier.run([])  # what it holds back (small pieces) written, and the output fsynced
+        crcs = {(path, c.offset, c.length): crc for path, got in verifier.join().items()
+                for c, crc in zip(checks[path], got, strict=True)}  # fmt: skip
+    finally:
+        copy.cancel()
+        if verifier is not None:
+            verifier.cancel()
+    for slot, parts in pieces.items():
         crc = 0
         for path, offset, length in parts:
             crc = crc32_combine(crc, crcs[path, offset, length], length)
         writer.set_crc(slot, crc)
-    for slot, crc in direct:
+    for slot, crc in zip(gathers, gathered, strict=True):
         writer.set_crc(slot, crc)
     writer.finish()
-    return len(pieces), gathered
+    return len(pieces), len(gathers)
+
+
+def _checks(files: _Files, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:
+    """Per file: its records' checks, and a check to compute for each copied piece that is not exactly a record
+    (a piece that is takes that record's checked CRC)."""
+    wanted: dict[str, set[tuple[int, int]]] = {}
+    for parts in pieces.values():
+        for path, offset, length in parts:
+            if length:
+                wanted.setdefault(path, set()).add((offset, length))
+    out: dict[str, list[Check]] = {}
+    for path in sorted(set(wanted) | set(files.checks)):
+        checks = list(files.checks.get(path, []))
+        known = {(c.offset, c.length) for c in checks}
+        checks += [Check(f"bytes {o}-{o + n}", o, n, None) for o, n in sorted(wanted.get(path, set()) - known)]
+        out[path] = checks
+    return out
 
 
 def _pieces(t: DcpTensor | ShardTensor, files: _Files) -> list[Piece] | None:
@@ -136,31 +190,9 @@ def _pieces(t: DcpTensor | ShardTensor, files: _Files) -> list[Piece] | None:
         return None
     out = []
     for c in entry.chunks:
-        fd, at = files.located[id(c)]
-        out.append((_path_of(files, fd), at, math.prod(c.sizes) * item))
+        _, at = files.located[id(c)]
+        out.append((c.span.path, at, math.prod(c.sizes) * item))
     return out
-
-
-def _path_of(files: _Files, fd: int) -> str:
-    return next(path for path, (opened, _) in files.open.items() if opened == fd)
-
-
-def _copy(fd: int, jobs: dict[str, list[Job]], files: _Files) -> dict[tuple[str, int, int], int]:
-    """Copy each file's jobs, verifying its records' CRCs meanwhile; the CRC of every copied piece.
-
-    A piece that is exactly a record of the file takes that record's (checked) CRC; any other is read for one.
-    """
-    crcs: dict[tuple[str, int, int], int] = {}
-    for path in sorted(set(jobs) | set(files.checks)):
-        checks = list(files.checks.get(path, []))
-        known = {(c.offset, c.length) for c in checks}
-        wanted = {(j.src, j.length) for j in jobs.get(path, []) if j.length}
-        checks += [Check(f"bytes {o}-{o + n}", o, n, None) for o, n in sorted(wanted - known)]
-        copier = Copier(files.fd(path), fd, source=path)
-        got = copier.run(jobs.get(path, []), checks=checks)
-        for check, crc in zip(checks, got, strict=True):
-            crcs[path, check.offset, check.length] = crc
-    return crcs
 
 
 class _Sink:

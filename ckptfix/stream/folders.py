@@ -107,12 +107,12 @@ def convert_folder(
             else:
                 first[id(t)] = key
                 stored.append(_stored(dst, key, t))
-        verifier = _VerifyInTurn(files)
+        verifier = VerifyInTurn(files, files.checks)
         try:
             with atomic_output(dst) as out:
                 out.write(encode_header(state, meta, stored, aliases))
                 out.flush()
-                copier = _CopyThread(out, files)
+                copier = InOrder(lambda t: _write_tensor(out, t, files))
                 try:
                     for key, *_ in stored:  # each tensor's chunk archives parsed (pickle checked) before its bytes
                         t = state[key]
@@ -140,12 +140,14 @@ def convert_folder(
     return conversion
 
 
-class _VerifyInTurn:
-    """Every record's CRC, file after file on one thread (each file by a :class:`Verifier`): a folder of a thousand
-    rank files is read in turn, not by a thousand threads at once."""
+class VerifyInTurn:
+    """The CRC of every check, file after file on one thread (each file by a :class:`Verifier`): a folder of a
+    thousand rank files is read in turn, not by a thousand threads at once. :meth:`join` raises the first bad
+    record; ``crcs`` then holds each file's CRCs in check order."""
 
-    def __init__(self, files: _Files) -> None:
-        self.files = files
+    def __init__(self, files: _Files, checks: dict[str, list[Check]]) -> None:
+        self.files, self.checks = files, checks
+        self.crcs: dict[str, list[int]] = {}
         self.current: Verifier | None = None
         self.error: BaseException | None = None
         self.stopped = False
@@ -156,22 +158,23 @@ class _VerifyInTurn:
         self.thread.start()
 
     def _run(self) -> None:
-        for path in sorted(self.files.checks):
+        for path in sorted(self.checks):
             with self.lock:
                 if self.stopped:
                     return
-                self.current = Verifier(self.files.fd(path), self.files.checks[path], source=path)
+                self.current = Verifier(self.files.fd(path), self.checks[path], source=path)
                 self.current.start()
             try:
-                self.current.join()
+                self.crcs[path] = self.current.join()
             except BaseException as e:  # raised in the caller's thread by join()
                 self.error = e
                 return
 
-    def join(self) -> None:
+    def join(self) -> dict[str, list[int]]:
         self.thread.join()
         if self.error is not None:
             raise self.error
+        return self.crcs
 
     def cancel(self) -> None:
         """Stop reading (the caller is failing, or done); idempotent."""
@@ -183,41 +186,42 @@ class _VerifyInTurn:
             self.thread.join()
 
 
-class _CopyThread:
-    """Writes the tensors, in order, on a thread of its own while the caller parses the next ones' chunk archives:
-    the parsing holds the GIL, the copies (``copy_file_range``, writes) do not, so the one hides behind the other."""
+class InOrder:
+    """Runs ``work(item)`` for each item put, in order, on a thread of its own, while the caller parses the next
+    items' chunk archives: the parsing holds the GIL, the copies (``copy_file_range``, writes) do not, so the one
+    hides behind the other. An error on the thread is raised in the caller's, at its next put or at finish."""
 
-    def __init__(self, out: BinaryIO, files: _Files) -> None:
-        self.out, self.files = out, files
-        self.todo: queue.SimpleQueue[DcpTensor | ShardTensor | None] = queue.SimpleQueue()
-        self.ways: list[str] = []
+    def __init__(self, work: Callable[[Any], Any]) -> None:
+        self.work = work
+        self.todo: queue.SimpleQueue[tuple[Any] | None] = queue.SimpleQueue()
+        self.results: list[Any] = []
         self.error: BaseException | None = None
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="ckptfix-copy", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while (t := self.todo.get()) is not None:
+        while (item := self.todo.get()) is not None:
             if self.error is None and not self.stopped:
                 try:
-                    self.ways.append(_write_tensor(self.out, t, self.files))
-                except BaseException as e:  # raised in the caller's thread, at its next put or at finish
+                    self.results.append(self.work(item[0]))
+                except BaseException as e:
                     self.error = e
 
-    def put(self, t: DcpTensor | ShardTensor) -> None:
+    def put(self, item: Any) -> None:
         if self.error is not None:
             raise self.error
-        self.todo.put(t)
+        self.todo.put((item,))
 
-    def finish(self) -> list[str]:
+    def finish(self) -> list[Any]:
         self.todo.put(None)
         self.thread.join()
         if self.error is not None:
             raise self.error
-        return self.ways
+        return self.results
 
     def cancel(self) -> None:
-        """Stop after the tensor being copied (a refusal or a signal in the caller); idempotent."""
+        """Stop after the item at work (a refusal or a signal in the caller); idempotent."""
         if self.thread.is_alive():
             self.stopped = True
             self.todo.put(None)
