@@ -155,8 +155,21 @@ class Verifier:
         self._first_bad = len(checks)
         self._errors: dict[int, BaseException] = {}
         pieces = sum(self._left)
-        count = min(workers or (1 if FAST_CRC else min(os.cpu_count() or 1, 4)), pieces)
+        count = min(workers or self._workers(), pieces)
         self._threads = [threading.Thread(target=self._work, name="ckptfix-crc", daemon=True) for _ in range(count)]
+
+    def _workers(self) -> int:
+        """zlib's CRC: up to four threads. ISA-L's: one thread reading in order, which is also the fastest way
+        through a file that is not in the page cache (two readers at two places of a cold file took twice as long);
+        two when the file is cached (its start, middle and end are), where mapping pages is the limit, not the disk."""
+        cpus = os.cpu_count() or 1
+        if not FAST_CRC:
+            return min(cpus, 4)
+        if cpus < 2 or not self.checks:
+            return 1
+        first = min(c.offset for c in self.checks)
+        last = max(c.offset + c.length for c in self.checks) - 1
+        return 2 if all(_cached(self.fd, at) for at in (first, (first + last) // 2, last)) else 1
 
     def start(self) -> None:
         for thread in self._threads:

@@ -1,0 +1,65 @@
+"""CRC-32 of file ranges on threads (ckptfix.stream.crc): the same CRCs as zlib whatever the thread count and
+however the ranges fall across pieces and windows, and the first bad record named."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ckptfix.errors import FormatError
+from ckptfix.stream import crc
+from ckptfix.stream.crc import Check, Verifier
+
+
+@pytest.fixture
+def data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, bytes]:
+    # small pieces and windows, so that a few MB cross many of their boundaries
+    monkeypatch.setattr(crc, "PIECE", 1 << 20)
+    monkeypatch.setattr(crc, "WINDOW", 1 << 20)
+    data = os.urandom(5 * (1 << 20) + 12345)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    return path, data
+
+
+def _checks(data: bytes) -> list[Check]:
+    mib = 1 << 20
+    spans = [(0, 10), (10, mib - 10), (mib - 1, 2), (3, 3 * mib + 7), (4 * mib, len(data) - 4 * mib)]
+    spans += [(o, 64) for o in range(1 << 20, 1 << 21, 4096)]  # small records, read in groups
+    return [Check(f"r{i}", o, n, zlib.crc32(data[o : o + n])) for i, (o, n) in enumerate(spans)]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_every_thread_count_gives_zlibs_crcs(data_file: tuple[Path, bytes], workers: int) -> None:
+    path, data = data_file
+    checks = _checks(data)
+    with open(path, "rb") as f:
+        v = Verifier(f.fileno(), checks, source=str(path), workers=workers)
+        v.start()
+        assert v.join() == [c.crc for c in checks]
+
+
+def test_a_cached_file_is_hashed_on_two_threads_with_a_fast_crc(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    if not crc.FAST_CRC or (os.cpu_count() or 1) < 2 or getattr(os, "RWF_NOWAIT", None) is None:
+        pytest.skip("two threads only with ISA-L's CRC, two CPUs and a way to ask the page cache (Linux)")
+    with open(path, "rb") as f:
+        f.read()  # in the page cache now
+        assert len(Verifier(f.fileno(), _checks(data), source=str(path))._threads) == 2
+
+
+def test_the_first_bad_record_in_file_order_is_named(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    checks = _checks(data)
+    broken = bytearray(data)
+    broken[(1 << 20) + 4096 * 3 + 5] ^= 0xFF  # inside a small record, and inside record r3
+    path.write_bytes(bytes(broken))
+    for workers in (1, 2):
+        with open(path, "rb") as f:
+            v = Verifier(f.fileno(), checks, source=str(path), workers=workers)
+            v.start()
+            with pytest.raises(FormatError, match=rf"^{path}: record 'r3' fails its CRC check"):
+                v.join()
