@@ -129,36 +129,33 @@ class Copier:
         """Join neighbouring jobs whose bytes between them are already the same in both files (zip headers).
 
         The joined range then shares the blocks that hold record headers and small records too, and takes
-        one call instead of one per record.
+        one call instead of one per record. One loop without calls per job: a million tiny records pass here.
         """
+        if not jobs:
+            return []
         joined: list[Job] = []
-        run = jobs[0] if jobs else Job(0, 0, 0)
-        windows = (_Window(self.src_fd), _Window(self.dst_fd))
-        ahead = 0
-        for i, job in enumerate(jobs):
-            # the gaps before the jobs that start within a window from here are read in one call per file
-            ahead = max(ahead, i)
-            while ahead + 1 < len(jobs) and jobs[ahead + 1].src - job.src <= _WINDOW:
-                ahead += 1
-            gap = self._same_between(run, job, windows, jobs[ahead].src - job.src) if i else None
-            if gap is None:
-                if i:
-                    joined.append(run)
-                run = job
-            else:
-                run = Job(run.src, run.dst, run.length + gap + job.length)
-        if jobs:
-            joined.append(run)
+        src_fd, dst_fd = self.src_fd, self.dst_fd
+        src_buf = dst_buf = b""  # a window of each file: the gaps ahead are read in one call per window
+        src_at = dst_at = 0
+        run_src, run_dst, run_len = jobs[0]
+        for job in jobs[1:]:
+            src, dst, length = job
+            gap = src - run_src - run_len
+            if 0 <= gap <= _JOIN_MAX and dst - run_dst - run_len == gap:
+                lo, dlo = src - gap, dst - gap
+                if lo < src_at or src > src_at + len(src_buf):
+                    src_buf, src_at = os.pread(src_fd, gap + _WINDOW, lo), lo
+                if dlo < dst_at or dst > dst_at + len(dst_buf):
+                    dst_buf, dst_at = os.pread(dst_fd, gap + _WINDOW, dlo), dlo
+                if src_buf[lo - src_at : src - src_at] == dst_buf[dlo - dst_at : dst - dst_at] and (
+                    src - src_at <= len(src_buf) and dst - dst_at <= len(dst_buf)  # both files hold the whole gap
+                ):
+                    run_len += gap + length
+                    continue
+            joined.append(Job(run_src, run_dst, run_len))
+            run_src, run_dst, run_len = job
+        joined.append(Job(run_src, run_dst, run_len))
         return joined
-
-    def _same_between(self, a: Job, b: Job, windows: tuple[_Window, _Window], ahead: int) -> int | None:
-        """The length of the bytes between jobs ``a`` and ``b`` when they are equal in both files, else None."""
-        gap = b.src - a.src - a.length
-        if not 0 <= gap <= _JOIN_MAX or b.dst - a.dst - a.length != gap:
-            return None
-        src, dst = windows
-        same = src.read(b.src - gap, gap, ahead + gap) == dst.read(b.dst - gap, gap, ahead + gap)
-        return gap if same else None
 
     def copy(self, job: Job) -> None:
         src, dst, length = job.src, job.dst, job.length
