@@ -27,10 +27,13 @@ venv/bin/python - <<'PY'
 import torch
 from ckptfix.trainer.model import build_model
 
+import torch.distributed.checkpoint as dcp
+
 for rank in (0, 1):
     torch.manual_seed(0)
     model = build_model()
     torch.save({"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, f"rank{rank}.pt")
+dcp.save({"model": model.state_dict(), "step": 3}, checkpoint_id="dcp", no_dist=True)
 PY
 C=venv/bin/ckptfix
 $C --help > /dev/null
@@ -42,11 +45,24 @@ $C inspect rank0.pt > /dev/null
 $C inspect fast.safetensors > /dev/null
 $C validate plain.pt --model ckptfix.trainer.model:build_model
 $C validate merged.safetensors --model ckptfix.trainer.model:build_model
+# folders: a DCP folder streamed into one file each way, one file into shards and back, folders merged
+$C convert dcp dcp.safetensors --model-only --entry model
+$C convert dcp dcp.pt
+$C convert dcp.safetensors shards/ --shard-size 1KB
+$C inspect shards > /dev/null
+$C merge shards shards/model.safetensors.index.json -o from_shards.pt 2> /dev/null
+$C validate dcp --model ckptfix.trainer.model:build_model --entry model
 venv/bin/python - <<'PY'
 import torch
 from safetensors.torch import load_file
 
 a, b = load_file("fast.safetensors"), load_file("slow.safetensors")
 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "fast and torch paths differ"
+import ckptfix
+
+ref = ckptfix.load("dcp")
+for got in (ckptfix.load("dcp.safetensors"), ckptfix.load("dcp.pt")["model"], ckptfix.load("shards"),
+            ckptfix.load("from_shards.pt")):
+    assert got.keys() == ref["model"].keys() and all(torch.equal(got[k], ref["model"][k]) for k in got), "folders"
 print("smoke test of the installed wheel: OK")
 PY
