@@ -18,7 +18,7 @@ from ckptfix.stream.crc import Check, Verifier
 def data_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, bytes]:
     # small pieces and windows, so that a few MB cross many of their boundaries
     monkeypatch.setattr(crc, "PIECE", 1 << 20)
-    monkeypatch.setattr(crc, "WINDOW", 1 << 20)
+    monkeypatch.setattr(crc, "SPAN", 1 << 20)
     data = os.urandom(5 * (1 << 20) + 12345)
     path = tmp_path / "data.bin"
     path.write_bytes(data)
@@ -63,3 +63,39 @@ def test_the_first_bad_record_in_file_order_is_named(data_file: tuple[Path, byte
             v.start()
             with pytest.raises(FormatError, match=rf"^{path}: record 'r3' fails its CRC check"):
                 v.join()
+
+
+@pytest.fixture
+def small_spans(monkeypatch: pytest.MonkeyPatch) -> None:
+    # spans, parts and buffers of a few KB, so that small files cross many of their boundaries
+    monkeypatch.setattr(crc, "SPAN", 1 << 16)
+    monkeypatch.setattr(crc, "PIECE", 1 << 15)
+    monkeypatch.setattr(crc, "BUFFER", 1 << 12)
+    monkeypatch.setattr(crc, "_GAP", 1 << 12)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["isal-or-zlib", "zlib"])
+@pytest.mark.parametrize("cached", [True, False], ids=["mapped", "read"])
+def test_spans_give_zlibs_crc_around_every_boundary(
+    tmp_path: Path, small_spans: None, monkeypatch: pytest.MonkeyPatch, fast: bool, cached: bool
+) -> None:
+    if not fast:  # the fallback where isal has no wheel
+        monkeypatch.setattr(crc, "crc32", zlib.crc32)
+        monkeypatch.setattr(crc, "FAST_CRC", False)
+    if not cached:
+        monkeypatch.setattr(crc, "_cached", lambda fd, at: False)
+    data = os.urandom(300_000)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data)
+    span, piece = crc.SPAN, crc.PIECE
+    spans = [(0, 1), (1, piece - 1), (piece - 1, 2), (piece, piece), (span - 3, 7), (span, 3 * piece + 5)]
+    spans += [(o, 100) for o in range(200_000, 240_000, 1_000)]  # neighbours in one span
+    spans += [(250_000, 10), (260_000, 10)]  # a gap wider than _GAP between them: two spans
+    spans += [(10, 200_000)]  # overlapping the others
+    spans += [(299_990, 50)]  # past the end: the CRC of the bytes that are there
+    checks = [Check(f"r{i}", o, n, zlib.crc32(data[o : o + n])) for i, (o, n) in enumerate(spans)]
+    for workers in (1, 2, 3):
+        with open(path, "rb") as f:
+            v = Verifier(f.fileno(), checks, source=str(path), workers=workers)
+            v.start()
+            assert v.join() == [c.crc for c in checks]

@@ -33,6 +33,8 @@ _FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range), Linux
 _CLONE_ARGS = struct.Struct("qQQQ")  # src_fd, src_offset, src_length, dest_offset
 Progress = Callable[[int], None]
 _WINDOW = 1 << 20
+_LOOKAHEAD = 64 << 10  # read past a gap between jobs: the next gaps come with it where the records between are small
+# (a MiB past each gap read the 2.1 GB test file's 250 gaps as 500 MB from the page cache: 40 ms instead of 3)
 _SMALL = 64 << 10  # a job this short is copied through memory: a syscall per tiny tensor costs more than its bytes
 
 __all__ = ["Check", "Copier", "Job", "start_writeback"]
@@ -144,9 +146,9 @@ class Copier:
             if 0 <= gap <= _JOIN_MAX and dst - run_dst - run_len == gap:
                 lo, dlo = src - gap, dst - gap
                 if lo < src_at or src > src_at + len(src_buf):
-                    src_buf, src_at = os.pread(src_fd, gap + _WINDOW, lo), lo
+                    src_buf, src_at = os.pread(src_fd, gap + _LOOKAHEAD, lo), lo
                 if dlo < dst_at or dst > dst_at + len(dst_buf):
-                    dst_buf, dst_at = os.pread(dst_fd, gap + _WINDOW, dlo), dlo
+                    dst_buf, dst_at = os.pread(dst_fd, gap + _LOOKAHEAD, dlo), dlo
                 if src_buf[lo - src_at : src - src_at] == dst_buf[dlo - dst_at : dst - dst_at] and (
                     src - src_at <= len(src_buf) and dst - dst_at <= len(dst_buf)  # both files hold the whole gap
                 ):
