@@ -171,12 +171,17 @@ def room_for_files(count: int, *, source: str) -> None:
     need = count + _FD_RESERVE
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
+    refusal = FormatError(
+        f"{source}: needs {count} files open at once, more than this process may open "
+        f"({soft if hard == resource.RLIM_INFINITY else hard}); raise the limit (ulimit -n {need}, as root or in "
+        f"limits.conf) and run again"
+    )
     if hard != resource.RLIM_INFINITY and hard < need:
-        raise FormatError(
-            f"{source}: needs {count} files open at once, more than this process may open ({hard}); raise the "
-            f"limit (ulimit -n {need}, as root or in limits.conf) and run again"
-        )
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else hard, hard))
+        raise refusal
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else hard, hard))
+    except (ValueError, OSError) as e:  # macOS caps the soft limit below an unlimited hard one (kern.maxfilesperproc)
+        raise refusal from e
 
 
 def _accelerate(root: str, names: list[str]) -> Folder:

@@ -117,8 +117,12 @@ class Copier:
         if verifier is not None:
             verifier.start()
         try:
+            more = verifier.more if verifier is not None else None
             for job in self._joined(jobs):
                 self.copy(job)
+                if more is not None and self.shared:  # the blocks are shared: the copy leaves the CPUs to the check
+                    more()
+                    more = None
             self._flush()
             os.fsync(self.dst_fd)
         except BaseException:

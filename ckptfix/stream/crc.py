@@ -3,7 +3,8 @@
 :func:`crc32` is ISA-L's (the ``isal`` package) where it is installed: the same CRC as zlib's, computed with
 carry-less multiplication at about memory speed (34 GB/s on one thread here, 47 GB/s on two; zlib's 3.7), and
 it releases the GIL. A file in the page cache is then hashed where it lies, mapped :data:`SPAN` bytes at a time,
-on two threads; one that is not is read front to back in 1 MiB pieces by one thread, which the kernel's
+on two threads when the copy beside it costs no CPU (:meth:`Verifier.more`); one that is not cached is read front
+to back in 1 MiB pieces by one thread, which the kernel's
 readahead keeps ahead of (two threads reading different places of a cold file took twice as long, and mapping
 it twice as long as ``cat``). With zlib's CRC, two to four threads. The CRC of a record cut in parts is put
 together with :func:`crc32_combine` (zlib's algorithm, which the standard library does not expose). Memory stays
@@ -101,8 +102,8 @@ _Segment = tuple[int, int, int, int]  # start, end, check, part: part ``part`` o
 class Verifier:
     """Computes the CRC of every check on ``workers`` threads while the caller copies.
 
-    By default one thread with ISA-L's CRC (it keeps up with memory and reads a cold file in order), two where
-    the file is cached, else up to four. Neighbouring checks are hashed a span at a time (:data:`SPAN` bytes
+    By default one thread with ISA-L's CRC (it keeps up with memory and reads a cold file in order; see
+    :meth:`more` for a second), else up to four. Neighbouring checks are hashed a span at a time (:data:`SPAN` bytes
     mapped, or read, in one go): each call that releases the GIL waits, on its return, for the caller's thread
     to give the GIL back, up to the switch interval (5 ms) while the caller runs Python (the pickle, the plan).
     Reading 16 MiB windows with five such calls each (fstat, a page-cache probe, mmap, the CRC, munmap), 2.1 GB
@@ -122,24 +123,26 @@ class Verifier:
         self._lock = threading.Lock()
         self._first_bad = len(checks)
         self._errors: dict[int, BaseException] = {}
-        count = min(workers or self._workers(), len(spans))
+        count = min(workers or (1 if FAST_CRC else min(os.cpu_count() or 1, 4)), len(spans))
         self._threads = [threading.Thread(target=self._work, name="ckptfix-crc", daemon=True) for _ in range(count)]
-
-    def _workers(self) -> int:
-        """zlib's CRC: up to four threads. ISA-L's: one thread reading in order, which is also the fastest way
-        through a file that is not in the page cache (two readers at two places of a cold file took twice as long);
-        two when the file is cached (its start, middle and end are), where the CRC itself is the limit."""
-        cpus = os.cpu_count() or 1
-        if not FAST_CRC:
-            return min(cpus, 4)
-        if cpus < 2 or not self.checks:
-            return 1
-        first = min(c.offset for c in self.checks)
-        last = max(c.offset + c.length for c in self.checks) - 1
-        return 2 if all(_cached(self.fd, at) for at in (first, (first + last) // 2, last)) else 1
 
     def start(self) -> None:
         for thread in self._threads:
+            thread.start()
+
+    def more(self) -> None:
+        """A second ISA-L thread, for a caller whose copy has left the CPUs to the check (the file system shared
+        the blocks), when the file is cached (its start, middle and end are): there the CRC itself is the limit.
+        One thread otherwise: it reads a cold file in order, the fastest way through it (two readers at two places
+        took twice as long), and beside a copy through memory a second one slowed the copy down more than it gained.
+        """
+        if not FAST_CRC or len(self._threads) != 1 or (os.cpu_count() or 1) < 2 or not self.checks:
+            return
+        first = min(c.offset for c in self.checks)
+        last = max(c.offset + c.length for c in self.checks) - 1
+        if all(_cached(self.fd, at) for at in (first, (first + last) // 2, last)):
+            thread = threading.Thread(target=self._work, name="ckptfix-crc", daemon=True)
+            self._threads.append(thread)
             thread.start()
 
     def join(self) -> list[int]:
