@@ -185,7 +185,12 @@ def train(config: TrainConfig) -> TrainResult:
         # busy cores). OMP_NUM_THREADS overrides it, as torchrun sets it for each DDP worker.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
     try:
-        return _train(config, env)
+        result = _train(config, env)
+        if config.mode == "ddp" and dist.is_initialized():
+            # Every rank leaves together: rank 0's last save is complete, and no rank tears the group down while
+            # another still uses it (a rank that did left gloo aborting in teardown, 3 runs in 12 here).
+            dist.barrier()
+        return result
     finally:
         torch.set_num_threads(threads)
         if config.mode == "ddp" and dist.is_initialized():
