@@ -249,3 +249,24 @@ def test_launcher_flags_single_node_and_multi_node() -> None:
     assert multi[4:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:29400", "--rdzv-id", "job"]
     with pytest.raises(CkptfixError, match="--rdzv-endpoint"):
         launcher_args("2", nnodes="2")
+
+
+def test_the_reported_worker_is_the_one_that_failed_not_one_the_launcher_stopped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # torchrun SIGTERMs the other workers once one exits with an error; rank 0's -15 is a consequence.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import ckptfix.trainer.launch as launch
+
+    def run(_: object) -> None:
+        failures = {
+            0: ProcessFailure(local_rank=0, pid=10, exitcode=-15, error_file=str(tmp_path / "none")),
+            1: ProcessFailure(local_rank=1, pid=11, exitcode=1, error_file=str(tmp_path / "none")),
+        }
+        raise ChildFailedError("ckptfix.trainer", failures)
+
+    monkeypatch.setattr("torch.distributed.run.run", run)
+    with pytest.raises(CkptfixError, match="first rank 1 with exit code 1;") as caught:
+        launch.launch_trainer(["--epochs", "1"], launch.launcher_args("2"))
+    assert caught.value.exit_code == 1

@@ -33,7 +33,7 @@ def launcher_args(
 def launch_trainer(trainer_argv: Sequence[str], launcher: Sequence[str]) -> None:
     """Run ``python -m ckptfix.trainer TRAINER_ARGV`` in every process the launcher starts; wait for all.
 
-    Raises :class:`CkptfixError` (exit code of the first failed worker when it is 1 or 2) if any fails.
+    Raises :class:`CkptfixError` (exit code of the first worker that failed by itself, when it is 1 or 2).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -43,7 +43,9 @@ def launch_trainer(trainer_argv: Sequence[str], launcher: Sequence[str]) -> None
     try:
         run(parse_args([*launcher, "-m", "ckptfix.trainer", *trainer_argv]))  # type: ignore[no-untyped-call]
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
+        # When one worker exits with an error the launcher SIGTERMs the rest; those -15s are consequences,
+        # so the first worker that exited by itself (exit code > 0) is the one to report.
+        rank, failure = min(e.failures.items(), key=lambda item: (item[1].exitcode <= 0, item[0]))
         error = CkptfixError(
             f"ddp: {len(e.failures)} worker process(es) failed, first rank {rank} with exit code "
             f"{failure.exitcode}; its message is above"
