@@ -198,6 +198,31 @@ def test_model_only_keeps_torch_offset_arithmetic(tmp_path: Path, monkeypatch: p
     assert all(_congruent(_pt_offsets(tmp_path / "in.pt"), _pt_offsets(tmp_path / "out.pt")).values())
 
 
+@pytest.mark.parametrize(
+    ("order", "options"),
+    [
+        (["model", "optimizer"], {"model_only": True}),  # the storages dropped are the last ones
+        (["optimizer", "model"], {"model_only": True}),  # the first ones: the kept ones move
+        (["model", "optimizer"], {"to": None}),  # a pickle of the same length: nothing moves at all
+    ],
+    ids=["drop-last", "drop-first", "same-pickle"],
+)
+def test_records_copied_as_one_range_keep_torch_offset_arithmetic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: list[str], options: dict[str, Any]
+) -> None:
+    # the records after the new pickle are copied with their headers as one range wherever all of them are kept
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    parts = {"model": torch.nn.DataParallel(net).state_dict(), "optimizer": opt.state_dict()}
+    torch.save({k: parts[k] for k in order}, tmp_path / "in.pt")
+    assert convert_file(tmp_path / "in.pt", tmp_path / "out.pt", **options).method == "stream"
+    convert_file(tmp_path / "in.pt", tmp_path / "ref.pt", fast=False, **options)
+    _check_pt(tmp_path / "out.pt", tmp_path / "ref.pt", monkeypatch)
+    assert all(_congruent(_pt_offsets(tmp_path / "in.pt"), _pt_offsets(tmp_path / "out.pt")).values())
+
+
 # --- sharing on a real file system ----------------------------------------------------------------------------
 
 

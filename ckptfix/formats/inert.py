@@ -875,6 +875,7 @@ class _Pickler:
         self.keep: list[Any] = []  # memoized objects must stay alive so their ids stay unique
         self.by_name: dict[str, type[Global]] = {}
         self.ints: dict[tuple[int, ...], bytes] = {}  # sizes and strides already encoded: shapes repeat
+        self.storages: list[str] = []  # storage keys in the order a reader first meets them
         self._odict = make_global("collections", "OrderedDict")  # made once: a class per call costs 20 µs
         self._encode = make_global("_codecs", "encode")
         self._dispatch: dict[type, Callable[[Any], None]] = {
@@ -998,6 +999,8 @@ class _Pickler:
         return got
 
     def _save_ref(self, obj: StorageRef) -> None:
+        if id(obj.pid) not in self.memo:
+            self.storages.append(obj.key)
         self.save(obj.pid)
         self.out += b"Q"
 
@@ -1028,6 +1031,7 @@ class _Pickler:
             tag = memo.get(id(pid[0])) or self._str_bytes(pid[0])
             loc = memo.get(id(pid[3])) or self._str_bytes(pid[3])
             ref = b"(" + tag + self._global(pid[1]) + key + loc + _int_bytes(pid[4]) + b"t" + self._put(pid)
+            self.storages.append(pid[2])
         offset, shape, stride = args[1], args[2], args[3]
         ints = self.ints
         out = self.out
@@ -1086,10 +1090,15 @@ def dump(tree: Any) -> bytes:
 
     Raises TypeError for an object that is not part of an inert tree (the caller's transform put it there).
     """
+    return dump_ordered(tree)[0]
+
+
+def dump_ordered(tree: Any) -> tuple[bytes, list[str]]:
+    """:func:`dump`, and the keys of the storages it refers to in the order torch's reader meets them."""
     pickler = _Pickler()
     try:
         with gc_paused():
-            return pickler.dump(tree)
+            return pickler.dump(tree), pickler.storages
     finally:
         # its dispatch table of bound methods makes it a reference cycle: its memo and every object it keeps
         # would otherwise wait for the garbage collector (40 MB for 100k tensors)

@@ -65,6 +65,7 @@ class Archive:
 
     records: list[Record]
     comment: bytes = b""
+    end: int = 0  # where the records end and the central directory starts
 
     def __post_init__(self) -> None:
         first = self.records[0].name if self.records else ""
@@ -144,7 +145,7 @@ def read_archive(fd: int, path: str, *, start: int = 0, end: int | None = None) 
     records = _parse_central(fd, cd, count, path=path, cd_offset=cd_offset, base=start)
     records.sort(key=attrgetter("header_offset"))
     _check_tiling(records, cd_offset, path=path, start=start)
-    return Archive(records=records, comment=comment)
+    return Archive(records=records, comment=comment, end=cd_offset)
 
 
 def _check_tiling(records: list[Record], cd_offset: int, *, path: str, start: int) -> None:
@@ -365,6 +366,19 @@ class ZipWriter:
         self.offset = rec.data_offset + rec.size
         wide = rec.size >= _U32 or rec.header_offset >= _U32
         self._write((_DESCRIPTOR64 if wide else _DESCRIPTOR).pack(_SIG_DESCRIPTOR, crc, rec.size, rec.size))
+
+    def adopt(self, records: list[Record], *, shift: int, end: int) -> None:
+        """Take ``records`` whose headers, data and descriptors are copied verbatim, ``shift`` bytes further on.
+
+        They must follow the last record written and end at ``end`` in their own file (its central directory);
+        only their central entries are written here, by :meth:`finish`.
+        """
+        self.records += [
+            Record(r.name, r.header_offset + shift, r.data_offset + shift, r.size, r.crc, r.method, r.flags,
+                   r.version_made, r.version_needed, r.mtime, r.mdate, r.internal_attr, r.external_attr, r.comment)
+            for r in records
+        ]  # fmt: skip
+        self.offset = end + shift
 
     def set_crc(self, index: int, crc: int) -> None:
         """Fill in the CRC of record ``index`` once its bytes are known (its descriptor is rewritten)."""

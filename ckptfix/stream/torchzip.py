@@ -9,16 +9,16 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats import inert
-from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip, referenced_storages
-from ckptfix.formats.ziparchive import ALIGN, ZipWriter
+from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip
+from ckptfix.formats.ziparchive import ALIGN, BLOCK, ZipWriter
 from ckptfix.stream.copy import SHARE_MIN, Job
 from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 
 
-def _dump(tree: Any) -> bytes:
+def _dump(tree: Any) -> tuple[bytes, list[str]]:
     try:
-        return inert.dump(tree)
+        return inert.dump_ordered(tree)
     except TypeError as e:
         raise Fallback(str(e)) from e
 
@@ -43,23 +43,40 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
     """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim.
 
     Records stay where they were modulo 4096, so the copy can share blocks: the first record after the new
-    pickle takes up the shift in its header padding, and the records after it follow at the same distance.
-    torch locates every storage after the first by computing the smallest padding, so only the other records
-    and the first storage may be padded more; a storage after a dropped one stays where torch expects it.
+    pickle takes up the shift in its header padding, and the records after it follow at the same distance (from
+    the first record on that is, the rest of the file is copied as one range, headers and all). torch computes
+    where every storage after the first starts from the smallest padding, in the order the pickle refers to them,
+    starting from storage "0"; when dropped storages break that order, ``.format_version`` is left out, as older
+    torch versions wrote, and torch reads every storage's offset from its header.
     """
-    keep = referenced_storages(tree)
-    pkl = _dump(tree)
+    pkl, order = _dump(tree)
+    keep = set(order)
+    records, data_dir = inp.archive.records, inp.archive.prefix + "data/"
+    stored = [rec.name[len(data_dir) :] for rec in records if rec.name.startswith(data_dir)]
+    computable = order[:1] in ([], ["0"]) and [key for key in stored if key in keep] == order
+    dropped = {data_dir + key for key in stored if key not in keep}
+    if not computable:
+        dropped.add(inp.archive.prefix + ".format_version")
     plan = Plan(ZipWriter(dst_fd, data_after_finish=True))  # the Copier runs after finish()
-    data_dir = inp.archive.prefix + "data/"
+    verbatim = len(records)
+    while verbatim > 0 and records[verbatim - 1] is not inp.pkl and records[verbatim - 1].name not in dropped:
+        verbatim -= 1
     first_storage = True
-    for rec in inp.archive.records:
+    for i, rec in enumerate(records):
+        shift = plan.writer.offset - rec.header_offset
+        if i >= verbatim and shift % BLOCK == 0:
+            # every record from here on is kept and stays where it was modulo 4096: one range, headers and all
+            plan.writer.adopt(records[i:], shift=shift, end=inp.archive.end)
+            plan.jobs.append(Job(rec.header_offset, rec.header_offset + shift, inp.archive.end - rec.header_offset))
+            plan.checks += [_tuple(Check, (r.name, r.data_offset, r.size, r.crc)) for r in records[i:]]
+            break
         if rec is inp.pkl:
             plan.writer.add(rec.name, pkl, zlib.crc32(pkl), like=rec)
             continue
-        storage = rec.name.startswith(data_dir)
-        if storage and rec.name[len(data_dir) :] not in keep:
+        if rec.name in dropped:
             continue
-        movable = first_storage or not storage
+        storage = rec.name.startswith(data_dir)
+        movable = first_storage or not storage or not computable
         first_storage = first_storage and not storage
         offset = plan.writer.begin(rec.name, rec.size, like=rec, congruent_to=rec.data_offset if movable else None)
         plan.writer.end(rec.crc)
@@ -95,7 +112,7 @@ def plan_new_torch(
     With ``src_fd``, a storage of at most 64 KiB that is not placed is read (a window at a time) and written with
     its header: a million tiny tensors then take a few thousand calls instead of four each.
     """
-    pkl = _dump(tree)
+    pkl, _ = _dump(tree)
     plan = Plan(ZipWriter(dst_fd))
     prefix = "archive/"
     plan.writer.add(prefix + "data.pkl", pkl, zlib.crc32(pkl))
