@@ -125,7 +125,10 @@ def apply_maps(
     """Apply key maps in order (a copy even when there are none), as :func:`rename` once per map would."""
     keys = list(state)
     for key_map in maps:
-        keys = [key if (new := key_map(key)) is None else new for key in keys]
+        if isinstance(key_map, layouts.StripPrefix):
+            keys = key_map.rename_all(keys)
+        else:
+            keys = [key if (new := key_map(key)) is None else new for key in keys]
     out: OrderedDict[str, Any] = OrderedDict(zip(keys, state.values(), strict=True))
     if len(out) != len(keys):
         # two keys met at some map (and stayed together after it): map by map, to name the two and their name

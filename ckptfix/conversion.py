@@ -194,7 +194,10 @@ def safetensors_losses(obj: Any) -> str | None:
     states = [obj] if entries == [""] else [obj[e] for e in entries]
     params = views = grads = 0
     for value in (v for state in states for v in state.values()):
-        if isinstance(value, inert.Inert):
+        if type(value) is inert.InertTensor:  # most of a big state dict: one check each, not three
+            views += not inert.contiguous(value.shape, value.stride)
+            grads += bool(value.args[4])
+        elif isinstance(value, inert.Inert):
             t = inert.tensor_of(value)
             params += isinstance(value, inert.InertParameter)
             views += not t.is_contiguous()

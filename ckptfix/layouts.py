@@ -141,9 +141,26 @@ KeyMap = Callable[[str], "str | None"]
 """Maps a key to its new name, or None when the key does not take part (see :func:`apply_key_map`)."""
 
 
+@dataclass(frozen=True)
+class StripPrefix:
+    """A key map that removes ``prefix`` (None for keys without it)."""
+
+    prefix: str
+
+    def __call__(self, key: str) -> str | None:
+        return key[len(self.prefix) :] if key.startswith(self.prefix) else None
+
+    def rename_all(self, keys: list[str]) -> list[str]:
+        """Every key renamed (kept where it lacks the prefix), without a call per key: a million keys pass here."""
+        prefix, n = self.prefix, len(self.prefix)
+        if _all_prefixed(keys, prefix):  # a layout change: the usual case
+            return [key[n:] for key in keys]
+        return [key[n:] if key.startswith(prefix) else key for key in keys]
+
+
 def strip_prefix(prefix: str) -> KeyMap:
     """A key map that removes ``prefix`` (None for keys without it)."""
-    return lambda key: key[len(prefix) :] if key.startswith(prefix) else None
+    return StripPrefix(prefix)
 
 
 def add_prefix(prefix: str) -> KeyMap:

@@ -247,17 +247,31 @@ class InertTensor(Inert):
         return math.prod(self.shape)
 
     def is_contiguous(self) -> bool:
-        shape, strides = self.shape, self.stride
-        if len(shape) == 1:
-            return shape[0] < 2 or strides[0] == 1
-        if 0 in shape:  # as torch says: an empty tensor is contiguous whatever its strides
-            return True
-        expected = 1
-        for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
+        return contiguous(self.shape, self.stride)
+
+
+def contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a view of ``shape`` and ``strides`` is contiguous (as torch's ``is_contiguous``)."""
+    known = _CONTIGUOUS.get((shape, strides))
+    if known is None:
+        known = _CONTIGUOUS[shape, strides] = _contiguous(shape, strides)
+    return known
+
+
+_CONTIGUOUS: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}  # shapes repeat: a state dict has a few dozen
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    if len(shape) == 1:
+        return shape[0] < 2 or strides[0] == 1
+    if 0 in shape:  # as torch says: an empty tensor is contiguous whatever its strides
         return True
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def tensor(func: type[Global], args: tuple[Any, ...]) -> InertTensor:
@@ -793,6 +807,35 @@ def walk(obj: Any) -> Iterator[Any]:
 
 
 _LEAVES = frozenset({str, int, float, bool, type(None), bytes, complex, StorageRef})
+
+
+def records(obj: Any) -> Iterator[Inert]:
+    """Every record reachable from ``obj`` (tensors, Parameters, other calls), once each: :func:`walk` without
+    the leaves, which a state dict of a million string keys would yield for nothing."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind in _LEAVES or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if kind is InertTensor:
+            yield item
+        elif kind is InertParameter:
+            yield item
+            stack.append(item.args[0])
+        elif isinstance(item, dict):
+            if set(map(type, item)) - _LEAVES:  # keys are strings, but need not be
+                stack.extend(item)
+            stack.extend(item.values())
+            extra = getattr(item, "__dict__", None)  # _metadata of an OrderedDict
+            if extra:
+                stack.extend(extra.values())
+        else:
+            if isinstance(item, Inert):
+                yield item
+            stack.extend(_children(item))
 
 
 def storage_keys(tree: Any) -> set[str]:

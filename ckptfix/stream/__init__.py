@@ -11,6 +11,7 @@ before anything is written and the caller runs the torch path, which is the refe
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.opaque import carry, describe
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import TorchZip, referenced_storages, stand_ins, tensor_record
+from ckptfix.formats.torchzip import TorchZip, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import verify_records
 from ckptfix.stream.copy import Copier, Job, Progress
 from ckptfix.stream.crc import Check
@@ -97,8 +98,8 @@ def fast_convert(
 
 
 def _check_writable(tree: Any) -> None:
-    for obj in inert.walk(tree):
-        if isinstance(obj, inert.InertTensor) and not obj.plain:
+    for obj in inert.records(tree):
+        if type(obj) is inert.InertTensor and not obj.plain:
             raise Fallback("a tensor carries backward hooks or extra metadata")
         if type(obj) is inert.Inert and obj.func.full not in _WRITABLE:
             raise Fallback(f"the checkpoint holds {obj.func.full}(...), which the torch path rebuilds")
@@ -122,7 +123,7 @@ def _write(
             raise changed_while_reading(source)
 
     if out_fmt == "safetensors":
-        locate = _pt_locator(inp) if inp is not None else _st_locate
+        locate = _PtLocator(inp) if inp is not None else _st_locate
         try:
             # a .pt input's records are not laid out like a data buffer: keep the torch path's bytes instead
             plan = plan_safetensors(tree, out=out, locate=locate, keep_offsets=inp is None)
@@ -130,12 +131,12 @@ def _write(
             if inp is not None:  # a damaged input is reported before what the output cannot hold, as torch does
                 verify_records(fd, source, inp.archive.records)
             raise
-        checks = _pt_checks(inp, tree) if inp is not None else []
+        checks = locate.checks() if isinstance(locate, _PtLocator) else []
         with atomic_output(out) as f:
             _pwrite_all(f.fileno(), plan.header, 0)
             jobs, at = [], len(plan.header)
             for offset, length in plan.ranges:
-                jobs.append(Job(offset, at, length))
+                jobs.append(_tuple(Job, (offset, at, length)))
                 at += length
             copier = Copier(fd, f.fileno(), source=source, progress=progress)
             copier.run(jobs, checks=checks)
@@ -184,28 +185,45 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _pt_locator(inp: TorchZip) -> Callable[[Any], tuple[str, tuple[int, ...], int, int, Any]]:
-    if inp.byteorder != "little":
-        raise Fallback(f"input is {inp.byteorder}-endian; safetensors is little-endian")
+class _PtLocator:
+    """Finds each tensor's bytes in the input's records; remembers which storages it was asked about."""
 
-    def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-        t = inert.tensor_of(value)
+    def __init__(self, inp: TorchZip) -> None:
+        if inp.byteorder != "little":
+            raise Fallback(f"input is {inp.byteorder}-endian; safetensors is little-endian")
+        self.inp, self.keys = inp, set[str]()
+
+    def __call__(self, value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
+        t = value if type(value) is inert.InertTensor else inert.tensor_of(value)
         if not isinstance(t, inert.InertTensor):
             raise Fallback("not a plain tensor")
-        if not t.is_contiguous():
+        shape, stride, dtype = t.shape, t.stride, t.dtype
+        if not inert.contiguous(shape, stride):
             raise Fallback("a tensor is a non-contiguous view")
-        width = DTYPES[t.dtype].itemsize
-        nbytes = t.numel() * width
-        rec = inp.archive.by_name[f"{inp.archive.prefix}data/{t.storage.key}"]  # present and in bounds: read_torch_zip
-        ident = (t.storage.key, t.offset, t.shape, t.stride, t.dtype)
-        return t.dtype, t.shape, rec.data_offset + t.offset * width, nbytes, ident
+        width = DTYPES[dtype].itemsize
+        key, offset = t.storage.key, t.offset
+        self.keys.add(key)
+        rec = self.inp.archive.by_name[self.inp.archive.prefix + "data/" + key]  # present and in bounds
+        return (
+            dtype,
+            shape,
+            rec.data_offset + offset * width,
+            math.prod(shape) * width,
+            (key, offset, shape, stride, dtype),
+        )
 
-    return locate
+    def checks(self) -> list[Check]:
+        """A check per storage asked about, in file order: the input is read front to back."""
+        keys, data_dir = self.keys, self.inp.archive.prefix + "data/"
+        n = len(data_dir)
+        return [
+            _tuple(Check, (r.name, r.data_offset, r.size, r.crc))
+            for r in self.inp.archive.records
+            if r.name[n:] in keys and r.name.startswith(data_dir)
+        ]
 
 
-def _pt_checks(inp: TorchZip, tree: Any) -> list[Check]:
-    keys = referenced_storages(tree)
-    return [Check(r.name, r.data_offset, r.size, r.crc) for k in sorted(keys) if (r := inp.archive.get(f"data/{k}"))]
+_tuple = tuple.__new__  # _tuple(Job, (...)) skips the named tuple's __new__, a Python call per tensor
 
 
 def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
