@@ -195,7 +195,7 @@ def convert_checkpoint(
         )
     if entries is not None:
         _check_entries(obj, names, source=source)
-    strips = list(strip_prefixes)
+    strips, adds = list(strip_prefixes), list(add_prefixes)
     custom = [layouts.strip_prefix(p) for p in strips] + [layouts.parse_rename(r) for r in renames]
     result = Conversion(obj=None)
     converted: dict[str, Any] = {}
@@ -206,9 +206,12 @@ def convert_checkpoint(
         _check_strips(state.keys(), strips, source=where)
         staged = apply_maps(state, custom, source=where) if custom else state  # the custom maps' collisions first
         _, maps = layouts.conversion_maps(staged.keys(), to=to, source=where, found=None if custom else before)
-        maps += [layouts.add_prefix(p) for p in add_prefixes]
+        maps += [layouts.add_prefix(p) for p in adds]
         new = apply_maps(staged, maps, source=where)
-        after = layouts.detect(new.keys(), source=where)
+        if custom or adds or before.inner or not new:
+            after = layouts.detect(new.keys(), source=where)
+        else:  # the whole chain was peeled and the target's put on: what detect() would say, without a pass
+            after = before if to is None else layouts.Detected(layouts.LAYOUTS[to], ())
         renamed = sum(map(operator.ne, state.keys(), new.keys()))
         converted[name] = new
         result.changes.append(EntryChange(name, before.name, after.name, len(new), renamed))

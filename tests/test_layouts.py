@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckptfix import layouts
-from ckptfix.checkpoint import convert
+from ckptfix.checkpoint import convert, convert_checkpoint
 from ckptfix.errors import LayoutError
 from tests.models import PREFIX, WRAPPERS, make_net
 
@@ -28,6 +28,9 @@ def test_convert_every_pair(source: str, target: str, wrapped_state: Callable[[s
     assert list(out) == list(want)
     for key in want:
         assert torch.equal(out[key], want[key])
+    # the layouts reported are what detect() says of the keys before and after
+    change = convert_checkpoint(state, to=target).changes[0]
+    assert (change.layout_from, change.layout_to) == (layouts.detect(state).name, layouts.detect(out).name)
 
 
 def test_converted_state_loads_strictly_and_matches_output(
