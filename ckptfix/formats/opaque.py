@@ -70,14 +70,17 @@ class OpaqueEntry:
         return f"<opaque entry {self.name!r}: {self.describe()}>"
 
 
-def describe(fd: int, source: str, *, allowed: frozenset[str], verify: bool = False, keep: bool = True) -> TorchZip:
+def describe(
+    fd: int, source: str, *, allowed: frozenset[str], verify: bool = False, keep: bool = True, plain: bool = True
+) -> TorchZip:
     """:func:`read_torch_zip` whose tree has an :class:`OpaqueEntry` for each entry needing a refused global.
 
     ``keep=False`` (an operation that needs every value) refuses such a file, naming the opaque entries and what
     rescues the weights; a file whose refused globals are not all inside top-level entries is always refused.
+    ``plain``: see :func:`inert.load`.
     """
     refused: list[str] = []
-    z = read_torch_zip(fd, source, allowed=allowed, verify=verify, refused=refused)
+    z = read_torch_zip(fd, source, allowed=allowed, verify=verify, refused=refused, plain=plain)
     if not refused:
         return z
     tree = wrap(z.tree, refused, source=source)

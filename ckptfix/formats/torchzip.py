@@ -46,15 +46,18 @@ def read_torch_zip(
     end: int | None = None,
     as_data: frozenset[str] = frozenset(),
     refused: list[str] | None = None,
+    plain: bool = True,
 ) -> TorchZip:
     """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
-    every record's CRC. ``as_data``, ``refused``: see :func:`inert.load`."""
+    every record's CRC. ``as_data``, ``refused``, ``plain``: see :func:`inert.load`."""
     with inert.gc_paused():  # a record per storage, then the tree: nothing to collect, only to rescan
         archive = read_archive(fd, path, start=start, end=end)
         pkl = _pickle_record(archive, path)
         data = os.pread(fd, pkl.size, pkl.data_offset)
         check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))
-        (tree,), storages = inert.load(data, source=path, allowed=allowed, as_data=as_data, refused=refused)
+        (tree,), storages = inert.load(
+            data, source=path, allowed=allowed, as_data=as_data, refused=refused, plain=plain
+        )
     for key, ref in storages.items():
         rec = archive.get(f"data/{key}")
         if rec is None:

@@ -71,7 +71,8 @@ def fast_convert(
         before = file_identity(fd)
         inp: TorchZip | None = None
         if in_fmt == "torch-zip":
-            inp = describe(fd, source, allowed=allowlist.allowed_names(allow_globals, source=source))  # opaque kept
+            allowed = allowlist.allowed_names(allow_globals, source=source)
+            inp = describe(fd, source, allowed=allowed, plain=False)  # opaque entries kept; the tree is written back
             _check_writable(inp.tree)
             conversion = transform(inp.tree)
         elif in_fmt == "safetensors":
