@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import OutputError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.safetensors import losses_note
 from ckptfix.layouts import TARGETS, Layout, parse_rename
 from ckptfix.signature import strict_keywords
 
@@ -145,8 +147,7 @@ def convert_file(
                 allow_globals=allow,
                 verify=verify,
             )
-            result.method = "stream"
-            _note_losses(result, out_fmt)
+            result.method = "stream"  # it noted what a .safetensors output does not keep, as it went
             return result
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
@@ -193,10 +194,14 @@ def safetensors_losses(obj: Any) -> str | None:
     entries = model_entries(obj)
     states = [obj] if entries == [""] else [obj[e] for e in entries]
     params = views = grads = 0
-    for value in (v for state in states for v in state.values()):
+    for value in chain.from_iterable(state.values() for state in states):
         if type(value) is inert.InertTensor:  # most of a big state dict: one check each, not three
-            views += not inert.contiguous(value.shape, value.stride)
-            grads += bool(value.args[4])
+            args = value.args
+            if type(args[2]) is tuple and type(args[3]) is tuple:  # as torch.save writes them
+                views += not inert.contiguous(args[2], args[3])
+            else:
+                views += not value.is_contiguous()
+            grads += bool(args[4])
         elif isinstance(value, inert.Inert):
             t = inert.tensor_of(value)
             params += isinstance(value, inert.InertParameter)
@@ -206,9 +211,7 @@ def safetensors_losses(obj: Any) -> str | None:
             params += type(value).__name__ == "Parameter"
             views += not value.is_contiguous() or value.untyped_storage().nbytes() > value.nbytes
             grads += bool(value.requires_grad)
-    lost = [f"{n} {what}" for n, what in ((params, "Parameters stored as tensors"), (views, "views stored as "
-            "contiguous tensors"), (grads, "requires_grad flags")) if n]  # fmt: skip
-    return f".safetensors keeps values only: {', '.join(lost)} not kept" if lost else None
+    return losses_note(params=params, views=views, grads=grads)
 
 
 def cast_floating(conversion: Conversion, dtype: str) -> None:

@@ -291,6 +291,16 @@ def test_writing_onto_the_input_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("fast", [True, False])
+def test_both_paths_say_what_safetensors_cannot_keep_of_parameters(tmp_path: Path, fast: bool) -> None:
+    layer = torch.nn.Linear(3, 2)
+    torch.save({"w": layer.weight, "g": torch.ones(2, requires_grad=True), "b": torch.zeros(2)}, tmp_path / "in.pt")
+    result = convert_file(tmp_path / "in.pt", tmp_path / "out.safetensors", to=None, fast=fast)
+    assert result.method == ("stream" if fast else "torch")
+    expected = ".safetensors keeps values only: 1 Parameters stored as tensors, 2 requires_grad flags not kept"
+    assert result.notes.count(expected) == 1
+
+
+@pytest.mark.parametrize("fast", [True, False])
 def test_what_safetensors_cannot_keep_is_said_once_under_verbose(tmp_path: Path, fast: bool) -> None:
     from click.testing import CliRunner
 

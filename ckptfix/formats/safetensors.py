@@ -285,6 +285,13 @@ def tensor_bytes(t: Any) -> memoryview:
     return view
 
 
+def losses_note(*, params: int, views: int, grads: int) -> str | None:
+    """What a .safetensors copy cannot keep (values are exact), from counts of tensors: said under ``-v``."""
+    lost = [f"{n} {what}" for n, what in ((params, "Parameters stored as tensors"), (views, "views stored as "
+            "contiguous tensors"), (grads, "requires_grad flags")) if n]  # fmt: skip
+    return f".safetensors keeps values only: {', '.join(lost)} not kept" if lost else None
+
+
 def encode_header(
     state: Mapping[str, Any],
     meta: dict[str, Any],

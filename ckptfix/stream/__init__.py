@@ -21,7 +21,7 @@ from ckptfix.formats import allowlist, detect_format, inert, output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.opaque import carry, describe
-from ckptfix.formats.safetensors import read_header
+from ckptfix.formats.safetensors import losses_note, read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import verify_records
@@ -81,6 +81,7 @@ def fast_convert(
             raise Fallback(f"input is a {in_fmt} file")
         tree = carry(conversion.obj, out_fmt=out_fmt, source=source, notes=conversion.notes)
         total = os.fstat(fd).st_size
+        losses: list[str] = []
         with progress_bar(total, enabled=progress is None) as bar:
             report = _write(
                 fd,
@@ -92,9 +93,10 @@ def fast_convert(
                 progress=progress or bar,
                 before=before,
                 verify=verify,
+                notes=losses,
             )
     kind = "pt" if inp is not None else "safetensors"
-    conversion.notes.append(f"{kind} -> {out_fmt}: {report}")
+    conversion.notes += [f"{kind} -> {out_fmt}: {report}", *losses]
     return conversion
 
 
@@ -117,7 +119,10 @@ def _write(
     progress: Progress | None,
     before: tuple[int, ...],
     verify: bool,
+    notes: list[str],
 ) -> str:
+    """Write the output; returns what was done, in a few words (``notes`` gets what the output does not keep)."""
+
     def unchanged() -> None:
         # what was checked is what was copied: any write to the input since it was opened changes its ctime
         if file_identity(fd) != before:
@@ -142,6 +147,8 @@ def _write(
             copier = Copier(fd, f.fileno(), source=source, progress=progress)
             copier.run(jobs, checks=checks)
             unchanged()
+        if isinstance(locate, _PtLocator) and (lost := losses_note(params=locate.params, views=0, grads=locate.grads)):
+            notes.append(lost)
         said = (", CRCs checked" if checks else "") + ("" if verify or not checks else " (.safetensors keeps none)")
         return f"{len(plan.ranges)} tensors, {_moved(copier)}{said}"
     if inp is not None:
@@ -193,9 +200,17 @@ class _PtLocator:
         if inp.byteorder != "little":
             raise Fallback(f"input is {inp.byteorder}-endian; safetensors is little-endian")
         self.inp, self.keys = inp, set[str]()
+        self.params = self.grads = 0  # what a .safetensors output cannot keep (a view makes the fast path step aside)
 
     def __call__(self, value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-        t = value if type(value) is inert.InertTensor else inert.tensor_of(value)
+        if type(value) is inert.InertTensor:
+            t = value
+            self.grads += bool(t.args[4])
+        else:
+            t = inert.tensor_of(value)
+            param = isinstance(value, inert.InertParameter)
+            self.params += param
+            self.grads += bool(value.args[1] if param else t.args[4])
         if not isinstance(t, inert.InertTensor):
             raise Fallback("not a plain tensor")
         shape, stride, dtype = t.shape, t.stride, t.dtype
