@@ -8,7 +8,8 @@ The input is the worst case for per-key costs: N tiny tensors, ``{f"module.layer
 saved by ``torch.save`` (.pt) and by ``safetensors.torch.save_file`` (.safetensors). Every method runs in its
 own process; wall time includes Python start-up, peak RSS comes from wait4(); medians of ``--repeat`` runs.
 "µs/key" is wall time over N; "µs/key past start-up" subtracts the same command on a one-tensor file, which is
-what grows with N.
+what grows with N. ckptfix's modules are compiled first and the children run without PYTHONDONTWRITEBYTECODE, as
+an installed copy runs (without .pyc files every run would compile ckptfix: 0.04 s of a 0.06 s start-up).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 PY = sys.executable
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 MAKE = (
     "import sys, torch; from safetensors.torch import save_file; n = int(sys.argv[1]); "
     "sd = {f'module.layer{i}.weight': torch.zeros(2) for i in range(n)}; "
@@ -56,7 +59,7 @@ CKPTFIX_LOAD = "import sys, ckptfix; ckptfix.load(sys.argv[1])"
 
 def _run(argv: list[str]) -> tuple[float, int]:
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     err = proc.stderr.read().decode() if proc.stderr else ""
@@ -102,6 +105,7 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", default=["pt→pt", "pt→st", "st→st", "st→pt", "load .pt"])
     parser.add_argument("--dir", type=Path, default=None, help="where to write inputs and outputs (default: /tmp)")
     args = parser.parse_args()
+    subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptfix")], check=True)  # as installing does
     with tempfile.TemporaryDirectory(prefix="ckptfix-keys-", dir=args.dir) as tmp:
         folder = Path(tmp)
         pt1, st1 = _inputs(folder, 1)
