@@ -72,6 +72,20 @@ def test_the_first_bad_record_in_file_order_is_named(data_file: tuple[Path, byte
                 v.join()
 
 
+def test_of_two_bad_small_records_in_one_span_the_first_is_named(data_file: tuple[Path, bytes]) -> None:
+    path, data = data_file
+    checks = [Check(f"r{i}", o, 64, zlib.crc32(data[o : o + 64])) for i, o in enumerate(range(0, 1 << 16, 4096))]
+    broken = bytearray(data)
+    for record in (9, 7):  # small records r7 and r9, read in one span
+        broken[checks[record].offset + 1] ^= 0xFF
+    path.write_bytes(bytes(broken))
+    with open(path, "rb") as f:
+        v = Verifier(f.fileno(), checks, source=str(path))
+        v.start()
+        with pytest.raises(FormatError, match=rf"^{path}: record 'r7' fails its CRC check"):
+            v.join()
+
+
 @pytest.fixture
 def small_spans(monkeypatch: pytest.MonkeyPatch) -> None:
     # spans, parts and buffers of a few KB, so that small files cross many of their boundaries

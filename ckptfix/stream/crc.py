@@ -116,8 +116,10 @@ class Verifier:
     def __init__(self, fd: int, checks: Sequence[Check], *, source: str, workers: int | None = None) -> None:
         self.fd, self.checks, self.source = fd, checks, source
         self.crcs: list[int] = [0] * len(checks)
-        self._parts: list[list[int]] = [[0] * max(1, -(-c.length // PIECE)) for c in checks]
-        self._left = [len(p) for p in self._parts]
+        # checks longer than PIECE are hashed in parts, put together when the last one is in; the others (a
+        # million tiny records) are checked as their CRC comes, without this bookkeeping
+        self._parts = {i: [0] * -(-c.length // PIECE) for i, c in enumerate(checks) if c.length > PIECE}
+        self._left = {i: len(p) for i, p in self._parts.items()}
         spans = _spans(checks)
         self._todo = iter(spans)
         self._lock = threading.Lock()
@@ -179,19 +181,29 @@ class Verifier:
                 self._fail(min(s[2] for s in span), e)
                 return
             complete = []
+            bad = None
+            checks, results = self.checks, self.crcs
             with self._lock:  # once per span: a span may hold thousands of small records
                 for (_, _, i, part), crc in zip(span, crcs, strict=True):
-                    self._parts[i][part] = crc
+                    parts = self._parts.get(i)
+                    if parts is None:  # a check in one part: its CRC is whole
+                        results[i] = crc
+                        if checks[i].crc not in (None, crc) and (bad is None or i < bad):
+                            bad = i
+                        continue
+                    parts[part] = crc
                     self._left[i] -= 1
                     if not self._left[i]:
                         complete.append(i)
+            if bad is not None:
+                self._finish(bad)  # says which record, and why
             for i in complete:
                 self._finish(i)
 
     def _finish(self, i: int) -> None:
-        parts, check = self._parts[i], self.checks[i]
-        crc = parts[0]
-        for j, part in enumerate(parts[1:], 1):
+        check, parts = self.checks[i], self._parts.get(i)
+        crc = self.crcs[i] if parts is None else parts[0]
+        for j, part in enumerate(parts[1:] if parts else (), 1):
             crc = crc32_combine(crc, part, min(PIECE, check.length - j * PIECE))
         self.crcs[i] = crc
         if check.crc is not None:
