@@ -841,26 +841,6 @@ def records(obj: Any) -> Iterator[Inert]:
             stack.extend(_children(item))
 
 
-def storage_keys(tree: Any) -> set[str]:
-    """Keys of the storages ``tree`` refers to (``walk`` for just that: leaves are not remembered)."""
-    keys: set[str] = set()
-    seen: set[int] = set()
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        kind = type(item)
-        if kind is InertTensor:
-            keys.add(item.args[0].key)
-        elif kind is InertParameter:
-            keys.add(item.args[0].args[0].key)
-        elif kind is StorageRef:
-            keys.add(item.key)
-        elif kind not in _LEAVES and id(item) not in seen:
-            seen.add(id(item))
-            stack.extend(_children(item))
-    return keys
-
-
 # --- writer --------------------------------------------------------------------------------------------------
 
 

@@ -96,11 +96,6 @@ def _pickle_record(archive: Archive, path: str) -> Record:
     return archive.by_name[expected]
 
 
-def referenced_storages(tree: Any) -> set[str]:
-    """Keys of the storages the tree still refers to."""
-    return inert.storage_keys(tree)
-
-
 def stand_ins() -> Callable[[str, str], type[inert.Global]]:
     """A cache of new global stand-ins for one file being written."""
     cache: dict[tuple[str, str], type[inert.Global]] = {}
