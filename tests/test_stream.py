@@ -198,6 +198,20 @@ def test_fallbacks(tmp_path: Path) -> None:
     assert not (tmp_path / "out.pt").exists()
 
 
+def test_a_tensor_the_writer_cannot_reproduce_sends_the_conversion_the_torch_way(tmp_path: Path) -> None:
+    # a tensor with a Python attribute is pickled through _rebuild_from_type_v2: only torch rebuilds it exactly
+    weight = torch.ones(2, requires_grad=True)
+    weight.note = "kept"  # type: ignore[attr-defined]
+    torch.save({"module.w": weight, "module.b": torch.zeros(2)}, tmp_path / "in.pt")
+    with pytest.raises(Fallback, match=r"_rebuild_from_type_v2\(\.\.\.\), which the torch path rebuilds"):
+        _fast(tmp_path / "in.pt", tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+    result = convert_file(tmp_path / "in.pt", tmp_path / "out.pt", to="single")
+    assert result.method == "torch"
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert list(out) == ["w", "b"] and out["w"].note == "kept" and torch.equal(out["w"], weight.detach())
+
+
 def test_convert_file_takes_the_fast_path(tmp_path: Path) -> None:
     src = tmp_path / "in.pt"
     torch.save(nn.DataParallel(make_net()).state_dict(), src)
