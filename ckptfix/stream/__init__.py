@@ -203,16 +203,12 @@ class _PtLocator:
         self.params = self.grads = 0  # what a .safetensors output cannot keep (a view makes the fast path step aside)
 
     def __call__(self, value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-        if type(value) is inert.InertTensor:
-            t = value
-            self.grads += bool(t.args[4])
-        else:
-            t = inert.tensor_of(value)
-            param = isinstance(value, inert.InertParameter)
-            self.params += param
-            self.grads += bool(value.args[1] if param else t.args[4])
+        t = value if type(value) is inert.InertTensor else inert.tensor_of(value)
         if not isinstance(t, inert.InertTensor):
             raise Fallback("not a plain tensor")
+        param = t is not value and isinstance(value, inert.InertParameter)
+        self.params += param
+        self.grads += bool(value.args[1] if param else t.args[4])
         shape, stride, dtype = t.shape, t.stride, t.dtype
         if not inert.contiguous(shape, stride):
             raise Fallback("a tensor is a non-contiguous view")

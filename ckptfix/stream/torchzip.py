@@ -43,8 +43,8 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
     """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim.
 
     Records stay where they were modulo 4096, so the copy can share blocks: the first record after the new
-    pickle takes up the shift in its header padding, and the records after it follow at the same distance (from
-    the first record on that is, the rest of the file is copied as one range, headers and all). torch computes
+    pickle takes up the shift in its header padding, and the records after it follow at the same distance: from
+    where every record left is kept, the rest of the file is copied as one range, headers and all. torch computes
     where every storage after the first starts from the smallest padding, in the order the pickle refers to them,
     starting from storage "0"; when dropped storages break that order, ``.format_version`` is left out, as older
     torch versions wrote, and torch reads every storage's offset from its header.
