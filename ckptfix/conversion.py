@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
@@ -194,15 +193,8 @@ def safetensors_losses(obj: Any) -> str | None:
     entries = model_entries(obj)
     states = [obj] if entries == [""] else [obj[e] for e in entries]
     params = views = grads = 0
-    for value in chain.from_iterable(state.values() for state in states):
-        if type(value) is inert.InertTensor:  # most of a big state dict: one check each, not three
-            args = value.args
-            if type(args[2]) is tuple and type(args[3]) is tuple:  # as torch.save writes them
-                views += not inert.contiguous(args[2], args[3])
-            else:
-                views += not value.is_contiguous()
-            grads += bool(args[4])
-        elif isinstance(value, inert.Inert):
+    for value in (v for state in states for v in state.values()):
+        if isinstance(value, inert.Inert):
             t = inert.tensor_of(value)
             params += isinstance(value, inert.InertParameter)
             views += not t.is_contiguous()

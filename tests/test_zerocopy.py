@@ -203,9 +203,9 @@ def test_model_only_keeps_torch_offset_arithmetic(tmp_path: Path, monkeypatch: p
     [
         (["model", "optimizer"], {"model_only": True}),  # the storages dropped are the last ones
         (["optimizer", "model"], {"model_only": True}),  # the first ones: the kept ones move
-        (["model", "optimizer"], {"to": None}),  # a pickle of the same length: nothing moves at all
+        (["model", "optimizer"], {"to": None}),  # nothing dropped: every record after the pickle in one range
     ],
-    ids=["drop-last", "drop-first", "same-pickle"],
+    ids=["drop-last", "drop-first", "keep-all"],
 )
 def test_records_copied_as_one_range_keep_torch_offset_arithmetic(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: list[str], options: dict[str, Any]

@@ -10,6 +10,7 @@ torch's pickler does (protocol 2), so a tree round-trips and torch loads the res
 from __future__ import annotations
 
 import _pickle
+import functools
 import gc
 import io
 import math
@@ -250,18 +251,9 @@ class InertTensor(Inert):
         return contiguous(self.shape, self.stride)
 
 
+@functools.lru_cache(maxsize=4096)  # shapes repeat (a state dict has a few dozen); bounded for hostile files
 def contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """Whether a view of ``shape`` and ``strides`` is contiguous (as torch's ``is_contiguous``)."""
-    known = _CONTIGUOUS.get((shape, strides))
-    if known is None:
-        known = _CONTIGUOUS[shape, strides] = _contiguous(shape, strides)
-    return known
-
-
-_CONTIGUOUS: dict[tuple[tuple[int, ...], tuple[int, ...]], bool] = {}  # shapes repeat: a state dict has a few dozen
-
-
-def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     if len(shape) == 1:
         return shape[0] < 2 or strides[0] == 1
     if 0 in shape:  # as torch says: an empty tensor is contiguous whatever its strides
