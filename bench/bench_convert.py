@@ -16,6 +16,11 @@ Warm runs read inputs the page cache holds as they were written (large folios, h
 eviction (a ``--cold`` run, ``cp``), the same file sits in 4 KiB pages, and reading it took 1.35x as long (``cat``
 98 ms against 72 for 2.1 GB), hashing it mapped on two threads 1.5x. Compare warm tables taken on fresh inputs only.
 
+Methods take turns (one run each per round) so that a slow spell lands on all of them. Cold runs on a machine whose
+memory is full of page cache also time the kernel reclaiming it: a bare 1 MiB read loop over the 2.1 GB input took
+0.62 to 0.98 s there, 0.63-0.65 s after ``sync; echo 1 > /proc/sys/vm/drop_caches`` (root; it empties the whole
+machine's page cache, so the benchmark leaves it to you).
+
 ``--xfs`` makes a sparse XFS image (``mkfs.xfs -m reflink=1``) in ``--dir``, attaches it to a loop device with
 direct I/O (so the host's page cache does not hold a second copy), mounts it, and always unmounts and detaches
 it at the end. Its table adds the blocks each method allocated (free space before and after, from statvfs).
@@ -111,27 +116,34 @@ def _run(argv: list[str], out: Path) -> tuple[float, int]:
 def _measure(
     methods: list[Method], *, repeat: int, cold: bool, blocks: bool
 ) -> list[tuple[str, float, float, int, int]]:
-    """(name, min s, median s, peak RSS, new bytes allocated) per method; the last only with ``blocks``."""
-    rows = []
-    for name, src, argv, out in methods:
-        if not cold:
+    """(name, min s, median s, peak RSS, new bytes allocated) per method; the last only with ``blocks``.
+
+    The methods take turns, one run each per round: a slow spell of the disk or the host (the page cache
+    reclaiming memory, a neighbour's I/O) then lands on every method instead of on whichever ran during it.
+    """
+    if not cold:
+        for _, _, argv, out in methods:
             _run(argv, out)  # warm-up: inputs and Python/torch in the page cache
-        times, rss, grew = [], 0, 0
-        for _ in range(repeat):
+    times: dict[str, list[float]] = {name: [] for name, *_ in methods}
+    rss = dict.fromkeys(times, 0)
+    grew = dict.fromkeys(times, 0)
+    for _ in range(repeat):
+        for name, src, argv, out in methods:
             if cold:
                 _evict(src)
             if out.exists():
                 out.unlink()
             before = _used(out.parent) if blocks else 0
             wall, peak = _run(argv, out)
-            grew = max(grew, _used(out.parent) - before) if blocks else 0
-            times.append(wall)
-            rss = max(rss, peak)
-        rows.append((name, min(times), statistics.median(times), rss, grew))
-        med = statistics.median(times)
-        print(
-            f"{name}: min {min(times):.3f}s median {med:.3f}s rss {rss >> 20} MB new {grew >> 20} MB", file=sys.stderr
-        )
+            grew[name] = max(grew[name], _used(out.parent) - before) if blocks else 0
+            times[name].append(wall)
+            rss[name] = max(rss[name], peak)
+    rows = []
+    for name, runs in times.items():
+        lo, med = min(runs), statistics.median(runs)
+        rows.append((name, lo, med, rss[name], grew[name]))
+        new = grew[name] >> 20
+        print(f"{name}: min {lo:.3f}s median {med:.3f}s rss {rss[name] >> 20} MB new {new} MB", file=sys.stderr)
     return rows
 
 
