@@ -4,6 +4,7 @@ however the ranges fall across pieces and windows, and the first bad record name
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -45,8 +46,8 @@ def test_every_thread_count_gives_zlibs_crcs(data_file: tuple[Path, bytes], work
 def test_a_second_thread_joins_for_a_cached_file_when_asked(data_file: tuple[Path, bytes]) -> None:
     # the copier asks once the file system shared the blocks: the copy then leaves both CPUs to the check
     path, data = data_file
-    if not crc.FAST_CRC or (os.cpu_count() or 1) < 2 or crc._cachestat() is None:
-        pytest.skip("two threads only with ISA-L's CRC, two CPUs and a way to ask the page cache (Linux 6.5+)")
+    if not crc.FAST_CRC or (os.cpu_count() or 1) < 2 or not sys.platform.startswith("linux"):
+        pytest.skip("two threads only with ISA-L's CRC, two CPUs and a way to ask the page cache (Linux)")
     checks = _checks(data)
     with open(path, "rb") as f:
         f.read()  # in the page cache now
@@ -141,3 +142,26 @@ def test_asking_the_page_cache_reads_nothing(tmp_path: Path) -> None:
         assert cachestat(fd, 0, 8 << 20) == 0  # still nothing read
         f.read(1 << 20)
         assert crc._cached(fd, 0, 1 << 20)
+
+
+@pytest.mark.parametrize("kernel", ["cachestat", "before-6.5"])
+def test_a_cached_file_is_told_from_a_cold_one_with_or_without_cachestat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    if not sys.platform.startswith("linux") or (kernel == "cachestat" and crc._cachestat() is None):
+        pytest.skip("Linux only; cachestat from Linux 6.5")
+    if kernel == "before-6.5":  # the one-byte RWF_NOWAIT reads at each end
+        monkeypatch.setattr(crc, "_cachestat", lambda: None)
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        os.fsync(fd)
+        assert crc._cached(fd, 0, 4 << 20)  # just written
+        assert not crc._cached(fd, 0, 5 << 20)  # past the end
+        assert not crc._cached(fd, 10, 10)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        stat = crc._cachestat()
+        if stat is not None and stat(fd, 0, 4 << 20):
+            pytest.skip("this file system keeps the file cached (tmpfs and the like)")
+        assert not crc._cached(fd, 1 << 20, 2 << 20)

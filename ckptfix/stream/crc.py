@@ -6,18 +6,20 @@ it releases the GIL. A file in the page cache is then hashed where it lies, mapp
 on two threads when the copy beside it costs no CPU (:meth:`Verifier.more`); one that is not cached is read front
 to back in 1 MiB pieces by one thread, which the kernel's readahead keeps ahead of (two threads reading different
 places of a cold file took twice as long, and mapping it twice as long as ``cat``). Whether the page cache holds a
-span is asked without reading it (``cachestat``, Linux 6.5 and later); where the kernel cannot say, every span is
-read. With zlib's CRC, two to four threads. The CRC of a record cut in parts is put
-together with :func:`crc32_combine` (zlib's algorithm, which the standard library does not expose). Memory stays
-at a span per thread whatever the file size. When the copy itself costs nothing (the file system shares the
-blocks), this read is all the work a verified conversion does. Each span is one mapping and one CRC call per
-record: every return from a call that released the GIL waits for the converter's Python to yield it, so fewer
-calls per byte keep the threads at speed beside it. (Starting the check before the conversion has read the pickle
-gained nothing measurable on two CPUs: the work is CPU-bound either way.)
+span is asked without reading it (``cachestat``, Linux 6.5 and later; :func:`_cached` says what older kernels do).
+With zlib's CRC, two to four threads. The CRC of a record cut in parts is put together with :func:`crc32_combine`
+(zlib's algorithm, which the standard library does not expose). Memory stays at a span per thread whatever the
+file size. When the copy itself costs nothing (the file system shares the blocks), this read is all the work a
+verified conversion does. Each span is one mapping and one CRC call per record: every return from a call that
+released the GIL waits for the converter's Python to yield it, so fewer calls per byte keep the threads at speed
+beside it. (Starting the check as soon as the arguments are parsed gained nothing measurable on two CPUs, and
+starting it before click is even imported made a 2.1 GB conversion slower, 141-155 ms against 110-125: its threads
+wait for the GIL while the imports run, and the CRC needs both CPUs anyway.)
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import importlib
 import mmap
@@ -37,6 +39,7 @@ SPAN = 16 << 20  # neighbouring checks up to this many bytes are mapped (or read
 _GAP = 1 << 20  # unneeded bytes between checks that may be read with them rather than start another span
 _POLY = 0xEDB88320
 _CACHESTAT = 451  # the cachestat syscall's number, the same on every Linux architecture (6.5 and later)
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux: a read that fails rather than wait for the disk
 
 crc32: Callable[..., int]  # crc32(data, value=0), as zlib.crc32
 try:  # by name: an optional package, which the type checker need not find
@@ -91,10 +94,8 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 @functools.cache
 def _cachestat() -> Callable[[int, int, int], int | None] | None:
-    """``cachestat(fd, offset, length)``: how many pages of the range the page cache holds; None where the system
-    cannot say (not Linux, a kernel before 6.5). It asks without reading: a probe that reads (``RWF_NOWAIT``) starts
-    the kernel's readahead at the probed place, and two such probes per 16 MiB window, one at its far end, took a
-    cold 2.1 GB pass from 0.64 to 0.75 s (the sequential reader's readahead restarted at every window)."""
+    """``cachestat(fd, offset, length)``: how many pages of the range the page cache holds, asked without reading
+    (Linux 6.5 and later; None elsewhere, and the function answers None once the kernel says it has no such call)."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -104,25 +105,45 @@ def _cachestat() -> Callable[[int, int, int], int | None] | None:
     except (OSError, AttributeError):
         return None
     syscall.restype = ctypes.c_long
-    query, answer = (ctypes.c_uint64 * 2)(), (ctypes.c_uint64 * 5)()  # range (offset, length); nr_cache first
-    args = (ctypes.byref(query), ctypes.byref(answer), ctypes.c_uint(0))
+    missing = False
 
     def cachestat(fd: int, offset: int, length: int) -> int | None:
-        query[0], query[1] = offset, length
-        ok = syscall(ctypes.c_long(_CACHESTAT), ctypes.c_uint(fd), *args) == 0  # ENOSYS: a kernel before 6.5
-        return answer[0] if ok else None
+        nonlocal missing
+        if missing:
+            return None
+        query, answer = (ctypes.c_uint64 * 2)(offset, length), (ctypes.c_uint64 * 5)()  # per call: two threads ask
+        if syscall(ctypes.c_long(_CACHESTAT), ctypes.c_uint(fd), query, answer, ctypes.c_uint(0)) == 0:
+            return int(answer[0])  # nr_cache, in pages
+        missing = ctypes.get_errno() == errno.ENOSYS  # a kernel before 6.5
+        return None
 
     return cachestat
 
 
 def _cached(fd: int, lo: int, hi: int) -> bool:
-    """Whether the page cache holds every byte of ``[lo, hi)``; False where the system cannot tell (read it)."""
-    cachestat = _cachestat()
-    if cachestat is None or hi <= lo:
+    """Whether the page cache holds every byte of ``[lo, hi)``; False where the system cannot tell (read it).
+
+    ``cachestat`` asks without reading. Kernels before 6.5 lack it and are asked with a one-byte read that must not
+    wait (``RWF_NOWAIT``) at each end; such a read starts the kernel's readahead where it looks, 16 MiB ahead of
+    the sequential reader, and made a cold 2.1 GB pass 15-20% slower (0.75 s against 0.64), but without it a cached
+    file would be copied through a buffer on one thread instead of mapped on two (about twice as long)."""
+    if hi <= lo:
         return False
-    pages = -(-hi // mmap.PAGESIZE) - lo // mmap.PAGESIZE
-    held = cachestat(fd, lo, hi - lo)
-    return held is not None and held >= pages
+    cachestat = _cachestat()
+    held = cachestat(fd, lo, hi - lo) if cachestat is not None else None
+    if held is None:
+        return _nowait(fd, lo) and _nowait(fd, hi - 1)
+    return held >= -(-hi // mmap.PAGESIZE) - lo // mmap.PAGESIZE
+
+
+def _nowait(fd: int, at: int) -> bool:
+    """Whether a one-byte read at ``at`` succeeds without waiting for the disk; False where it cannot tell."""
+    if _NOWAIT is None:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], at, _NOWAIT) == 1
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: the file system cannot say
+        return False
 
 
 _Segment = tuple[int, int, int, int]  # start, end, check, part: part ``part`` of check ``check`` is [start, end)
