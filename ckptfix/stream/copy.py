@@ -14,13 +14,13 @@ import errno
 import functools
 import os
 import struct
-import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.ziparchive import BLOCK
 from ckptfix.stream.crc import Check, Verifier
+from ckptfix.stream.linux import libc
 
 CHUNK = 16 << 20
 CLONE_STEP = 1 << 30  # one ioctl per GiB shared: progress still moves, and each call returns in milliseconds
@@ -54,14 +54,11 @@ _tuple = tuple.__new__  # _tuple(Job, (...)) skips the named tuple's __new__, a 
 @functools.cache
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range, looked up on first use (a clone-only conversion never pays for ctypes)."""
-    if not sys.platform.startswith("linux"):
+    func = libc("sync_file_range")
+    if func is None:
         return None
     import ctypes
 
-    try:
-        func = ctypes.CDLL(None, use_errno=True).sync_file_range  # libc is loaded already: no library search
-    except (OSError, AttributeError):
-        return None
     func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     func.restype = ctypes.c_int
     return cast("Callable[[int, int, int, int], int]", func)

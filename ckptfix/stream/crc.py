@@ -24,7 +24,6 @@ import functools
 import importlib
 import mmap
 import os
-import sys
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from typing import NamedTuple
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.ziparchive import check_crc
+from ckptfix.stream.linux import libc
 
 BUFFER = 1 << 20  # a span not in the page cache is read this much at a time
 PIECE = 16 << 20  # a range longer than this is hashed in parts, by several threads where there are several
@@ -96,14 +96,11 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 def _cachestat() -> Callable[[int, int, int], int | None] | None:
     """``cachestat(fd, offset, length)``: how many pages of the range the page cache holds, asked without reading
     (Linux 6.5 and later; None elsewhere, and the function answers None once the kernel says it has no such call)."""
-    if not sys.platform.startswith("linux"):
+    syscall = libc("syscall")
+    if syscall is None:
         return None
     import ctypes
 
-    try:
-        syscall = ctypes.CDLL(None, use_errno=True).syscall  # libc is loaded already: no library search
-    except (OSError, AttributeError):
-        return None
     syscall.restype = ctypes.c_long
     missing = False
 
