@@ -25,7 +25,7 @@ from ckptfix.formats.safetensors import losses_note, read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import verify_records
-from ckptfix.stream.copy import Copier, Job, Progress
+from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
 from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
@@ -142,7 +142,7 @@ def _write(
             _pwrite_all(f.fileno(), plan.header, 0)
             jobs, at = [], len(plan.header)
             for offset, length in plan.ranges:
-                jobs.append(_tuple(Job, (offset, at, length)))
+                jobs.append(new_tuple(Job, (offset, at, length)))
                 at += length
             copier = Copier(fd, f.fileno(), source=source, progress=progress)
             copier.run(jobs, checks=checks)
@@ -229,13 +229,10 @@ class _PtLocator:
         keys, data_dir = self.keys, self.inp.archive.prefix + "data/"
         n = len(data_dir)
         return [
-            _tuple(Check, (r.name, r.data_offset, r.size, r.crc))
+            new_tuple(Check, (r.name, r.data_offset, r.size, r.crc))
             for r in self.inp.archive.records
             if r.name[n:] in keys and r.name.startswith(data_dir)
         ]
-
-
-_tuple = tuple.__new__  # _tuple(Job, (...)) skips the named tuple's __new__, a Python call per tensor
 
 
 def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:

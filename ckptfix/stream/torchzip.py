@@ -11,7 +11,7 @@ from ckptfix.errors import FormatError
 from ckptfix.formats import inert
 from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip
 from ckptfix.formats.ziparchive import ALIGN, BLOCK, ZipWriter
-from ckptfix.stream.copy import SHARE_MIN, Job
+from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
 from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 
@@ -68,7 +68,7 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
             # every record from here on is kept and stays where it was modulo 4096: one range, headers and all
             plan.writer.adopt(records[i:], shift=shift, end=inp.archive.end)
             plan.jobs.append(Job(rec.header_offset, rec.header_offset + shift, inp.archive.end - rec.header_offset))
-            plan.checks += [_tuple(Check, (r.name, r.data_offset, r.size, r.crc)) for r in records[i:]]
+            plan.checks += [new_tuple(Check, (r.name, r.data_offset, r.size, r.crc)) for r in records[i:]]
             break
         if rec is inp.pkl:
             plan.writer.add(rec.name, pkl, zlib.crc32(pkl), like=rec)
@@ -80,14 +80,10 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
         first_storage = first_storage and not storage
         offset = plan.writer.begin(rec.name, rec.size, like=rec, congruent_to=rec.data_offset if movable else None)
         plan.writer.end(rec.crc)
-        # tuple.__new__ skips the named tuples' Python-level __new__: one job and one check per storage
-        plan.jobs.append(_tuple(Job, (rec.data_offset, offset, rec.size)))
-        plan.checks.append(_tuple(Check, (rec.name, rec.data_offset, rec.size, rec.crc)))
+        plan.jobs.append(new_tuple(Job, (rec.data_offset, offset, rec.size)))
+        plan.checks.append(new_tuple(Check, (rec.name, rec.data_offset, rec.size, rec.crc)))
     plan.writer.finish(inp.archive.comment)
     return plan
-
-
-_tuple = tuple.__new__
 
 
 @dataclass
