@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import OutputError
-from ckptfix.formats import detect_format, opaque, output_format, write
+from ckptfix.formats import detect_format, devices, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.safetensors import losses_note
 from ckptfix.layouts import TARGETS, Layout, parse_rename
@@ -150,12 +150,13 @@ def convert_file(
             return result
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
-    obj = opaque.read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
-    conversion = options.apply(obj, source=source)
-    opaque.refuse_left(conversion.obj, source=source)
-    if dtype is not None:
-        cast_floating(conversion, dtype)
-    write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size)
+    with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
+        obj = opaque.read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
+        conversion = options.apply(obj, source=source)
+        opaque.refuse_left(conversion.obj, source=source)
+        if dtype is not None:
+            cast_floating(conversion, dtype)
+        write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size)
     conversion.method = "torch"
     conversion.notes.extend(notes)
     _note_losses(conversion, out_fmt)
@@ -217,6 +218,7 @@ def cast_floating(conversion: Conversion, dtype: str) -> None:
         for key, t in list(state.items()):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 state[key] = t.to(target)
+                devices.inherit(state[key], t)
 
 
 __all__ = ["ConvertOptions", "convert_file"]

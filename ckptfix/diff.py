@@ -323,13 +323,20 @@ def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     ``memcmp`` on CPU: ``torch.equal`` compares values (NaN never equals itself) and on bytes is several times
     slower than the memory itself.
     """
+    import torch
+
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
     if x.device.type != "cpu" or y.device.type != "cpu":
-        return bool(x.eq(y).all()) if not x.is_floating_point() else False
+        # On a GPU (or one tensor there, one here): the bits compared on x's device.
+        return x.numel() == 0 or bool(torch.equal(_bits(x), _bits(y.to(x.device))))
     x, y = x.contiguous(), y.contiguous()
     n = x.numel() * x.element_size()
     return n == 0 or _memcmp(x.data_ptr(), y.data_ptr(), n) == 0
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _memcmp(a: int, b: int, n: int) -> int:
@@ -361,7 +368,8 @@ def tensor_diff(x: torch.Tensor, y: torch.Tensor, *, atol: float, rtol: float) -
     flat_x, flat_y = x.reshape(-1), y.reshape(-1)
     within, worst, worst_rel = True, 0.0, 0.0
     for start in range(0, flat_x.numel(), _CHUNK):
-        xa, ya = flat_x[start : start + _CHUNK].to(wide), flat_y[start : start + _CHUNK].to(wide)
+        xa = flat_x[start : start + _CHUNK].to(wide)
+        ya = flat_y[start : start + _CHUNK].to(device=xa.device, dtype=wide)
         # inf - inf is NaN, so equal infinities are found by ==, not by their difference.
         same = (xa == ya) | (torch.isnan(xa) & torch.isnan(ya))
         delta = (xa - ya).abs().to(torch.float64)

@@ -13,11 +13,11 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:
     """Same structure and key order, same types (Parameter or not), tensors equal byte for byte with the same
-    dtype, shape, strides, storage offset and requires_grad, and the same ``_metadata``."""
+    device, dtype, shape, strides, storage offset and requires_grad, and the same ``_metadata``."""
     assert type(a) is type(b), (where, type(a), type(b))
     if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
-            b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad
+        assert (a.device, a.dtype, a.shape, a.stride(), a.storage_offset(), a.requires_grad) == (
+            b.device, b.dtype, b.shape, b.stride(), b.storage_offset(), b.requires_grad
         ), where  # fmt: skip
         # bytes, not values: random bit patterns hold NaNs, which torch.equal never calls equal
         assert torch.equal(_raw(a), _raw(b)), where

@@ -13,6 +13,9 @@ import torch.distributed as dist
 
 from tests import models
 
+# Before any test touches CUDA: cuBLAS reads it once, and the trainer's --deterministic runs need it (GPU only).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 
 @pytest.fixture(scope="session")
 def gloo_world() -> Iterator[None]:
@@ -30,10 +33,11 @@ def gloo_world() -> Iterator[None]:
 
 @pytest.fixture
 def wrapped_state(gloo_world: None) -> Callable[[str], dict[str, torch.Tensor]]:
-    """state_dict() of make_net() under a real wrapper of the given kind."""
+    """state_dict() of make_net() under a real wrapper of the given kind, on the CPU."""
 
     def make(kind: str) -> dict[str, torch.Tensor]:
-        return models.wrap(kind, models.make_net()).state_dict()
+        # DataParallel moves its module to cuda:0 on a GPU machine; these tests compare wrappers' keys and values.
+        return models.wrap(kind, models.make_net()).cpu().state_dict()
 
     return make
 

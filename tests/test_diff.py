@@ -23,6 +23,7 @@ def _ckpt(state: dict[str, torch.Tensor], epoch: int = 3) -> dict[str, object]:
 def test_identical_and_layout_only_different_are_equal() -> None:
     state = SmallNet().state_dict()
     assert diff(_ckpt(state), _ckpt(dict(state))).equal
+    # On a GPU machine DataParallel's tensors are on cuda:0: compared with CPU ones all the same.
     report = diff(_ckpt(state), _ckpt(nn.DataParallel(SmallNet()).state_dict()))
     assert report.equal and report.layouts_differ
     assert (report.entries[0].layout_a, report.entries[0].layout_b) == ("single", "ddp")

@@ -112,7 +112,7 @@ def test_fixture_loads_into_wrapped_models(name: str) -> None:
     for wrap in (torch.nn.DataParallel, torch.compile):
         model = build_model()
         ckptfix.load_into(wrap(model), model_state_of(obj, source=name), strict=True)
-        _assert_probe(model, name)
+        _assert_probe(model.cpu(), name)  # DataParallel put it on cuda:0 on a GPU machine
 
 
 def test_full_checkpoint_keeps_its_other_entries(tmp_path: Path) -> None:

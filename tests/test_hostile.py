@@ -43,6 +43,9 @@ from tests.test_parity import check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30
+# The console script beside this interpreter when it is installed (a venv), else the module: a checkout on PYTHONPATH.
+_SCRIPT = Path(sys.executable).parent / "ckptfix"
+CKPTFIX = [os.fsencode(_SCRIPT)] if _SCRIPT.exists() else [os.fsencode(sys.executable), b"-m", b"ckptfix"]
 
 
 # --- checking one hostile file everywhere ----------------------------------------------------------------------
@@ -730,7 +733,7 @@ def test_case5_non_utf8_file_names(tmp_path: Path, content: str) -> None:
         what = "convert" + (" --no-fast" if flags else "")
         out = folder + b"/out\xfe" + (b"-nf" if flags else b"") + b".pt"
         proc = subprocess.run(
-            [os.fsencode(ROOT / ".venv" / "bin" / "ckptfix"), b"convert", src, out, *flags],
+            [*CKPTFIX, b"convert", src, out, *flags],
             capture_output=True,
             env=env,
             timeout=120,

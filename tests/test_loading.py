@@ -54,9 +54,9 @@ def test_load_into_adapts_to_the_models_own_layout(
     path = tmp_path / "plain.pt"
     torch.save({"model": make_net().state_dict(), "epoch": 2}, path)
     net = make_net(seed=5)
-    report = ckptfix.load_into(wrap(kind, net), path)
+    report = ckptfix.load_into(wrap(kind, net), path)  # on a GPU machine DataParallel's is a CUDA model
     assert report.ok
-    assert torch.equal(net(PROBE), make_net()(PROBE))
+    assert torch.equal(net.cpu()(PROBE), make_net()(PROBE))
 
 
 # --- models for the parity checks (also factories for ``ckptfix validate --model tests.test_loading:…``) ---------
@@ -97,7 +97,7 @@ def _lightning(state: dict[str, torch.Tensor], prefix: str = "model.") -> dict[s
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)

@@ -126,7 +126,7 @@ def test_single_run_saves_a_full_checkpoint_and_learns(tmp_path: Path) -> None:
 
 
 def test_resume_continues_bitwise_in_single_mode(tmp_path: Path) -> None:
-    options: dict[str, Any] = {**SMALL, "warmup_epochs": 0.5}
+    options: dict[str, Any] = {**SMALL, "warmup_epochs": 0.5, "deterministic": True}  # bitwise on a GPU too
     straight = train(TrainConfig(out=str(tmp_path / "a"), epochs=2, **options))
     first = train(TrainConfig(out=str(tmp_path / "b"), epochs=1, **options))
     resumed = train(TrainConfig(out=str(tmp_path / "c"), epochs=2, resume=str(first.checkpoint), **options))
@@ -138,8 +138,9 @@ def test_resume_continues_bitwise_in_single_mode(tmp_path: Path) -> None:
 
 
 def test_dp_run_saves_plain_or_wrapped_keys(tmp_path: Path) -> None:
-    plain = train(TrainConfig(out=str(tmp_path / "plain"), mode="dp", epochs=1, **SMALL))
-    wrapped = train(TrainConfig(out=str(tmp_path / "wrapped"), mode="dp", epochs=1, save_layout="wrapped", **SMALL))
+    options: dict[str, Any] = {**SMALL, "mode": "dp", "epochs": 1, "deterministic": True}  # bitwise on a GPU too
+    plain = train(TrainConfig(out=str(tmp_path / "plain"), **options))
+    wrapped = train(TrainConfig(out=str(tmp_path / "wrapped"), save_layout="wrapped", **options))
     a, b = _model(plain.checkpoint), _model(wrapped.checkpoint)
     assert ckptfix.detect(a.keys()).name == "single"
     assert ckptfix.detect(b.keys()).name == "ddp"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import allowlist, inert
+from ckptfix.formats import allowlist, devices, inert
 from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.formats.torchzip import TorchZip
 
@@ -71,6 +71,7 @@ def _storages(torch: Any, z: TorchZip, fd: int, *, mmap: bool, mapped: mmap_modu
             out[key] = torch.frombuffer(buf, dtype=torch.uint8)
         if rec.size:
             out[key] = out[key].untyped_storage()
+        devices.note(out[key], z.storages[key].location)
     return out
 
 

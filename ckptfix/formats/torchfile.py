@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats import allowlist
+from ckptfix.formats import allowlist, devices
 from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.legacy import check_legacy
 from ckptfix.formats.materialize import NotBuilt, materialize
@@ -90,8 +90,8 @@ def _torch_load(path: PathLike, *, source: str, weights_only: bool, mmap: bool) 
             if name.encode("utf-8", "surrogateescape").decode("utf-8", "replace") != name:
                 # torch hands path names to C++ as UTF-8; a non-UTF-8 name is opened here (no mmap then)
                 with open(name, "rb") as f:
-                    return torch.load(f, map_location="cpu", weights_only=weights_only)
-            return torch.load(name, map_location="cpu", weights_only=weights_only, mmap=mmap)
+                    return torch.load(f, map_location=devices.map_location(), weights_only=weights_only)
+            return torch.load(name, map_location=devices.map_location(), weights_only=weights_only, mmap=mmap)
     except pickle.UnpicklingError as e:
         if weights_only:
             raise _weights_only_error(str(e), source=source) from e

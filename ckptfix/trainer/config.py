@@ -102,7 +102,11 @@ def build_parser(*, raising: bool = False) -> argparse.ArgumentParser:
         default=[],
         help="pickle global the --resume checkpoint may use (e.g. argparse.Namespace); repeatable",
     )
-    p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bitwise-repeatable runs and resumes, GPUs included: deterministic kernels and a fixed cuBLAS workspace",
+    )
     p.add_argument("--log-every", type=int, default=0, help="also log every N steps (0: once per epoch)")
     # torchrun sets LOCAL_RANK; the old torch.distributed.launch passes --local_rank (or --local-rank).
     p.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, help=argparse.SUPPRESS)

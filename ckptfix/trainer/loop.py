@@ -87,6 +87,9 @@ def setup(config: TrainConfig) -> Env:
     import torch
     import torch.distributed as dist
 
+    if config.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, read when its first handle is made.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     cuda = torch.cuda.is_available()
     if config.mode != "ddp":
         return Env(device="cuda" if cuda else "cpu")
@@ -104,6 +107,17 @@ def setup(config: TrainConfig) -> Env:
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     env = Env(rank=int(os.environ["RANK"]), local_rank=local_rank, world_size=int(os.environ["WORLD_SIZE"]))
+    # torchrun sets LOCAL_WORLD_SIZE; older launchers do not, and then this rank's own index is all we know.
+    ranks, gpus = int(os.environ.get("LOCAL_WORLD_SIZE") or local_rank + 1), torch.cuda.device_count() if cuda else 0
+    if cuda and gpus < ranks:
+        # NCCL needs a GPU of its own for every rank (two ranks on one GPU hang or fail in NCCL's setup).
+        if config.sync_bn:
+            raise CkptfixError(
+                f"--sync-bn: {ranks} ranks on this node and {gpus} GPU(s); SyncBatchNorm needs one GPU per rank: "
+                f"use --nproc-per-node {gpus} or drop --sync-bn"
+            )
+        log(env, f"{ranks} ranks on this node and {gpus} GPU(s): DDP runs on the CPU with gloo")
+        cuda = False
     if cuda:
         # Before the first collective: NCCL binds each process to the current device.
         torch.cuda.set_device(local_rank)
@@ -179,7 +193,9 @@ def train(config: TrainConfig) -> TrainResult:
     import torch.distributed as dist
 
     env = setup(config)
-    threads = torch.get_num_threads()
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    if config.deterministic:
+        torch.use_deterministic_algorithms(True)
     if env.device == "cpu":
         # This model is tiny: intra-op threads cost more than they save (5x slower with 2 threads on 2
         # busy cores). OMP_NUM_THREADS overrides it, as torchrun sets it for each DDP worker.
@@ -192,7 +208,9 @@ def train(config: TrainConfig) -> TrainResult:
             dist.barrier()
         return result
     finally:
+        # A caller's process (a test, a notebook) gets its own settings back.
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
         if config.mode == "ddp" and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -231,8 +249,6 @@ def _train(config: TrainConfig, env: Env) -> TrainResult:
 
     from ckptfix.trainer.data import VAL_SEED, make_dataset
 
-    if config.deterministic:
-        torch.use_deterministic_algorithms(True)
     out = Path(config.out)
     # Every rank: on a multi-node run, per-rank files land on each node's own disk.
     out.mkdir(parents=True, exist_ok=True)
