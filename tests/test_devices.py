@@ -89,7 +89,9 @@ def test_loading_a_cuda_saved_file_gives_cpu_tensors_here(tmp_path: Path) -> Non
         assert {t.device.type for t in loaded["model"].values()} == {"cpu"}
     net = make_net(seed=7)
     assert ckptfix.load_into(net, src).ok
-    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), make_net().state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(net.state_dict().values(), make_net().state_dict().values(), strict=True)
+    )
 
 
 # --- on a GPU ------------------------------------------------------------------------------------------------
