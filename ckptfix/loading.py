@@ -175,9 +175,22 @@ def load_into(
     loaded checkpoint in messages. Everything is checked before the model is touched: a :class:`MismatchError`
     leaves it as it was.
 
+    A ``.pt`` or ``.safetensors`` file is read straight into the model's own tensors (on a GPU through small
+    pinned buffers): no second copy of the model in host or GPU memory (:mod:`ckptfix.placing`).
+
     >>> report = ckptfix.load_into(model, "lightning.ckpt", allow_globals=["pathlib.PosixPath"])
     >>> report.renamed_prefix                                 # ('model.', '')
     """
+    if not isinstance(path_or_state, Mapping) and not unsafe:
+        from ckptfix import placing
+
+        if placing.eligible(model):
+            placed = _place(
+                model, path_or_state, allow_globals=allow_globals, entry=entry, strip_prefixes=strip_prefixes,
+                strict=strict,
+            )  # fmt: skip
+            if placed is not None:
+                return placed
     obj, name = _open(path_or_state, allow_globals=allow_globals, unsafe=unsafe, source=source)
     adapted, report = adapt_to_model(
         _loadable_state(obj, source=name, entry=entry), model, source=name, strip_prefixes=strip_prefixes
@@ -185,6 +198,33 @@ def load_into(
     _note_entries(report, obj, entry=entry)
     report.raise_if_failed(strict=strict)
     model.load_state_dict(ready_to_load(adapted, report, strict=strict), strict=strict)
+    return report
+
+
+def _place(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    allow_globals: Iterable[str],
+    entry: str | None,
+    strip_prefixes: Iterable[str],
+    strict: bool,
+) -> KeyReport | None:
+    """:func:`load_into` from the file's description, each tensor read into the model's own; None when the file is
+    one that torch must load (legacy, quantized or sparse tensors, a folder)."""
+    from ckptfix import placing
+    from ckptfix.reading import OpenedFolder, open_checkpoint
+
+    name = os.fspath(path)
+    with open_checkpoint(path, allow_globals=allow_globals, need_bytes=True, opaque=True) as opened:
+        if not opened.described or isinstance(opened, OpenedFolder):
+            return None
+        adapted, report = adapt_to_model(
+            _loadable_state(opened.tree, source=name, entry=entry), model, source=name, strip_prefixes=strip_prefixes
+        )
+        _note_entries(report, opened.tree, entry=entry)
+        report.raise_if_failed(strict=strict)
+        placing.place(model, ready_to_load(adapted, report, strict=strict), opened)
     return report
 
 

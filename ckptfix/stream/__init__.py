@@ -19,6 +19,7 @@ from typing import Any
 from ckptfix.errors import OutputError
 from ckptfix.formats import allowlist, detect_format, inert, output_format
 from ckptfix.formats.atomic import PathLike, atomic_output, check_output
+from ckptfix.formats.crc import Check
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.opaque import carry, describe
 from ckptfix.formats.safetensors import losses_note, read_header
@@ -26,7 +27,6 @@ from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import verify_records
 from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
-from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header

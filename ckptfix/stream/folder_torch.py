@@ -20,11 +20,11 @@ from typing import Any
 from ckptfix.checkpoint import Conversion
 from ckptfix.formats import inert
 from ckptfix.formats.atomic import atomic_output
+from ckptfix.formats.crc import Check, crc32_combine
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import ZipWriter
 from ckptfix.stream.copy import Copier, Job
-from ckptfix.stream.crc import Check, crc32_combine
 from ckptfix.stream.folders import (
     DcpTensor,
     InOrder,

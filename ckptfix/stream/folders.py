@@ -22,6 +22,7 @@ from ckptfix.checkpoint import Conversion, is_tensor
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats import allowlist, detect_format, inert
 from ckptfix.formats.atomic import atomic_output
+from ckptfix.formats.crc import Check, Verifier
 from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folder import describe, merge_shards, room_for_files
@@ -29,7 +30,6 @@ from ckptfix.formats.safetensors import encode_header, read_header, split_checkp
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
 from ckptfix.stream.copy import start_writeback
-from ckptfix.stream.crc import Check, Verifier
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.st import tree_from_header
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats import inert
+from ckptfix.formats.crc import Check
 from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip
 from ckptfix.formats.ziparchive import ALIGN, BLOCK, ZipWriter
 from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
-from ckptfix.stream.crc import Check
 from ckptfix.stream.fallback import Fallback
 
 
