@@ -58,6 +58,8 @@ def eligible(model: torch.nn.Module) -> bool:
     from torch.nn.modules.batchnorm import _NormBase
 
     defaults = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
+    if any(t.device.type not in ("cpu", "cuda") for t in (*model.parameters(), *model.buffers())):
+        return False  # the meta device has no bytes to copy into; other devices are load_state_dict's
     for module in model.modules():
         if type(module)._load_from_state_dict not in defaults:
             return False
@@ -107,8 +109,11 @@ def plan(
 
 
 def _fits(target: torch.Tensor, value: Any) -> bool:
+    import torch
+
     return (
-        target.is_contiguous()
+        target.layout == torch.strided
+        and target.is_contiguous()
         and tuple(target.shape) == tuple(value.shape)
         and str(target.dtype).removeprefix("torch.") == value.dtype
         and not target.is_quantized
@@ -239,7 +244,8 @@ class _Staged:
                 if event is not None:
                     event.synchronize()  # its last copy is done: the buffer may be overwritten
                 _read_into(self.fd, _memory(buffer, 0, length), job.offset + start, source=self.source)
-                dst = job.target.view(-1).view(torch.uint8)[start : start + length]
+                # detached: grad mode is per thread, and a Parameter's view must not record an in-place copy
+                dst = job.target.detach().view(-1).view(torch.uint8)[start : start + length]
                 if self.cuda and job.target.device.type == "cuda":
                     stream = self.streams[job.target.device]
                     with torch.cuda.stream(stream):

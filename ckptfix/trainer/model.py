@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -47,11 +48,25 @@ def build_model(*, norm: str = "batch", width: int = 8, num_classes: int = NUM_C
     return nn.Sequential(
         OrderedDict(
             features=nn.Sequential(*layers),
-            pool=nn.AdaptiveAvgPool2d(1),
+            pool=_global_average_pool()(),
             flatten=nn.Flatten(),
             classifier=nn.Linear(channels[-1], num_classes),
         )
     ).to(torch.float32)
+
+
+@functools.cache
+def _global_average_pool() -> type[torch.nn.Module]:
+    from torch import nn
+
+    class GlobalAveragePool(nn.Module):
+        """The mean over height and width, as ``AdaptiveAvgPool2d(1)`` computes it, but with a deterministic
+        backward on CUDA (AdaptiveAvgPool2d's refuses to run under ``torch.use_deterministic_algorithms``)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mean((2, 3), keepdim=True)
+
+    return GlobalAveragePool
 
 
 def probe_input() -> torch.Tensor:
