@@ -336,6 +336,8 @@ def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 

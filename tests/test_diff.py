@@ -155,3 +155,12 @@ def test_other_entries_of_inert_descriptions_compare_by_value(tmp_path: Path) ->
         ("args", "Namespace(lr=0.1)", "Namespace(lr=0.2)"),
         ("shape.1", "3", "4"),
     ]
+
+
+def test_bytes_of_tensors_off_the_cpu_are_compared_as_bits() -> None:
+    from ckptfix.diff import _bits
+
+    # the comparison used for GPU tensors (and a GPU tensor against a CPU one); NaN payloads count as equal bits
+    nan = torch.tensor([float("nan"), 1.0])
+    assert torch.equal(_bits(nan), _bits(nan.clone())) and not torch.equal(nan, nan)
+    assert _bits(torch.tensor(1.0)).shape == (4,) and _bits(torch.ones(2, 3).t()).shape == (24,)
