@@ -6,7 +6,7 @@ For each size, a model of ``Linear(4096, 4096, bias=False)`` layers (64 MiB of f
 ``.pt`` (torch.save) and ``.safetensors``, read once so the page cache holds both (warm runs), and then loaded by
 each method in a fresh process, the methods taking turns for ``--rounds`` rounds. Each process builds the model on
 the GPU first (not timed), then times the load to a ready model (``torch.cuda.synchronize``), and reports its peak
-host RSS above the RSS before the load (getrusage) and its peak GPU memory above the model's own
+host RSS above the RSS before the load (VmHWM, reset before the load) and its peak GPU memory above the model's own
 (``max_memory_allocated``). The loaded weights are checked against the file. Runs on the CPU too (``--device
 cpu``), for the same table without a GPU.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,9 +43,17 @@ def _model(layers: int, device: str) -> Any:
     return model.to_empty(device=device)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status(field: str) -> int:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> None:
+    # VmHWM restarts from the RSS now (Linux 4.0+). getrusage's ru_maxrss cannot be reset, and an exec'd child
+    # starts with its parent's peak: it would report the parent's memory, not the load's.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def child(method: str, folder: str, layers: int, device: str) -> dict[str, float]:
@@ -62,7 +69,8 @@ def child(method: str, folder: str, layers: int, device: str) -> dict[str, float
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base_gpu = torch.cuda.memory_allocated() if cuda else 0
-    base_rss = _rss()
+    _reset_peak()
+    base_rss = _status("VmRSS")
     started = time.perf_counter()
     if method == "torch_device":
         model.load_state_dict(torch.load(pt, map_location=device, mmap=True, weights_only=True))
@@ -79,7 +87,7 @@ def child(method: str, folder: str, layers: int, device: str) -> dict[str, float
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    peak_rss = _status("VmHWM") - base_rss
     peak_gpu = (torch.cuda.max_memory_allocated() - base_gpu) if cuda else 0
     from safetensors import safe_open
 
@@ -117,7 +125,11 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the files go (default: a temp folder)")
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "FOLDER", "LAYERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--make", nargs=2, metavar=("FOLDER", "LAYERS"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.make:
+        make_files(Path(ns.make[0]), int(ns.make[1]))
+        return 0
     if ns.child:
         print(json.dumps(child(ns.child[0], ns.child[1], int(ns.child[2]), ns.device)))
         return 0
@@ -135,7 +147,9 @@ def main() -> int:
     for gb in ns.gb:
         layers = max(1, round(gb * 1e9 / (WIDTH * WIDTH * 4)))
         with tempfile.TemporaryDirectory(prefix="ckptfix-gpu-load-", dir=ns.dir) as tmp:
-            make_files(Path(tmp), layers)
+            # in a process of its own: this one stays small while it starts the loads
+            maker = [sys.executable, __file__, "--make", tmp, str(layers)]
+            subprocess.run(maker, check=True, timeout=600)
             size = os.path.getsize(os.path.join(tmp, "model.pt"))
             results: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
             for _ in range(ns.rounds):

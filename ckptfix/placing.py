@@ -33,7 +33,10 @@ from ckptfix.stream.st import StTensor
 if TYPE_CHECKING:
     import torch
 
-PIECE = 16 << 20  # bytes per read: a pinned buffer each, two per reader thread
+# Bytes per read, and per buffer: two per reader thread, pinned for a GPU (8 threads: 128 MiB of host memory).
+# On an H200 (16 CPUs), 0.54 GB went from the page cache to the GPU in 37 ms on 2 threads, 24 on 4, 20 on 8.
+PIECE = 8 << 20
+THREADS = 8
 _HOOKS = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
@@ -160,7 +163,7 @@ def copy_jobs(
     if not jobs:
         return
     pieces = list(_pieces(jobs))
-    count = max(1, min(workers or min(os.cpu_count() or 1, 4), len(pieces)))
+    count = max(1, min(workers or min(os.cpu_count() or 1, THREADS), len(pieces)))
     todo = iter(pieces)
     lock = threading.Lock()
     errors: list[BaseException] = []

@@ -105,7 +105,7 @@ def test_spans_give_zlibs_crc_around_every_boundary(
         monkeypatch.setattr(crc, "crc32", zlib.crc32)
         monkeypatch.setattr(crc, "FAST_CRC", False)
     if not cached:
-        monkeypatch.setattr(crc, "_cached", lambda fd, lo, hi: False)
+        monkeypatch.setattr(crc, "cached", lambda fd, lo, hi: False)
     data = os.urandom(300_000)
     path = tmp_path / "data.bin"
     path.write_bytes(data)
@@ -137,11 +137,11 @@ def test_asking_the_page_cache_reads_nothing(tmp_path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if cachestat(fd, 0, 8 << 20):
             pytest.skip("this file system keeps the file cached (tmpfs and the like)")
-        assert not crc._cached(fd, 0, 8 << 20)
-        assert not crc._cached(fd, (8 << 20) - 4096, 8 << 20)
+        assert not crc.cached(fd, 0, 8 << 20)
+        assert not crc.cached(fd, (8 << 20) - 4096, 8 << 20)
         assert cachestat(fd, 0, 8 << 20) == 0  # still nothing read
         f.read(1 << 20)
-        assert crc._cached(fd, 0, 1 << 20)
+        assert crc.cached(fd, 0, 1 << 20)
 
 
 @pytest.mark.parametrize("kernel", ["cachestat", "before-6.5"])
@@ -157,11 +157,11 @@ def test_a_cached_file_is_told_from_a_cold_one_with_or_without_cachestat(
     with open(path, "rb") as f:
         fd = f.fileno()
         os.fsync(fd)
-        assert crc._cached(fd, 0, 4 << 20)  # just written
-        assert not crc._cached(fd, 0, 5 << 20)  # past the end
-        assert not crc._cached(fd, 10, 10)
+        assert crc.cached(fd, 0, 4 << 20)  # just written
+        assert not crc.cached(fd, 0, 5 << 20)  # past the end
+        assert not crc.cached(fd, 10, 10)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         stat = crc._cachestat()
         if stat is not None and stat(fd, 0, 4 << 20):
             pytest.skip("this file system keeps the file cached (tmpfs and the like)")
-        assert not crc._cached(fd, 1 << 20, 2 << 20)
+        assert not crc.cached(fd, 1 << 20, 2 << 20)

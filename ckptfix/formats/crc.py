@@ -6,7 +6,7 @@ it releases the GIL. A file in the page cache is then hashed where it lies, mapp
 on two threads when the copy beside it costs no CPU (:meth:`Verifier.more`); one that is not cached is read front
 to back in 1 MiB pieces by one thread, which the kernel's readahead keeps ahead of (two threads reading different
 places of a cold file took twice as long, and mapping it twice as long as ``cat``). Whether the page cache holds a
-span is asked without reading it (``cachestat``, Linux 6.5 and later; :func:`_cached` says what older kernels do).
+span is asked without reading it (``cachestat``, Linux 6.5 and later; :func:`cached` says what older kernels do).
 With zlib's CRC, two to four threads. The CRC of a record cut in parts is put together with :func:`crc32_combine`
 (zlib's algorithm, which the standard library does not expose). Memory stays at a span per thread whatever the
 file size. When the copy itself costs nothing (the file system shares the blocks), this read is all the work a
@@ -117,7 +117,7 @@ def _cachestat() -> Callable[[int, int, int], int | None] | None:
     return cachestat
 
 
-def _cached(fd: int, lo: int, hi: int) -> bool:
+def cached(fd: int, lo: int, hi: int) -> bool:
     """Whether the page cache holds every byte of ``[lo, hi)``; False where the system cannot tell (read it).
 
     ``cachestat`` asks without reading. Kernels before 6.5 lack it and are asked with a one-byte read that must not
@@ -188,7 +188,7 @@ class Verifier:
         if not FAST_CRC or len(self._threads) != 1 or (os.cpu_count() or 1) < 2 or not self.checks:
             return
         first = min(c.offset for c in self.checks)
-        if _cached(self.fd, first, max(c.offset + c.length for c in self.checks)):
+        if cached(self.fd, first, max(c.offset + c.length for c in self.checks)):
             thread = threading.Thread(target=self._work, name="ckptfix-crc", daemon=True)
             self._threads.append(thread)
             thread.start()
@@ -296,7 +296,7 @@ def _map_span(fd: int, span: list[_Segment]) -> tuple[mmap.mmap, int] | None:
     """The span mapped, with the file offset of the mapping's first byte; None where its bytes are not all in
     the page cache (they are read instead), or the span is short or past the end."""
     lo, hi = span[0][0], max(s[1] for s in span)
-    if hi - lo < BUFFER or not _cached(fd, lo, hi):
+    if hi - lo < BUFFER or not cached(fd, lo, hi):
         return None
     base = lo - lo % mmap.ALLOCATIONGRANULARITY
     try:

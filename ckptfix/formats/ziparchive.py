@@ -286,9 +286,15 @@ def check_crc(path: str, name: str, stored: int, actual: int) -> None:
 def verify_records(fd: int, path: str, records: list[Record]) -> None:
     """Read every record once and check its CRC (on threads, mapped where the page cache holds the file: a
     1.6 GB checkpoint in 0.1 s here against 0.65 s through one zlib loop); the first bad record is named."""
-    from ckptfix.formats.crc import Check, Verifier  # the one CRC reader (it imports this module)
+    from ckptfix.formats.crc import Check, Verifier, cached  # the one CRC reader (it imports this module)
 
-    verifier = Verifier(fd, [Check(r.name, r.data_offset, r.size, r.crc) for r in records], source=path)
+    if not records:
+        return
+    # A file the page cache holds is hashed on up to four threads (nothing else runs meanwhile); a cold one is
+    # read front to back by one, the fastest way through it.
+    warm = cached(fd, min(r.data_offset for r in records), max(r.data_offset + r.size for r in records))
+    checks = [Check(r.name, r.data_offset, r.size, r.crc) for r in records]
+    verifier = Verifier(fd, checks, source=path, workers=min(os.cpu_count() or 1, 4) if warm else None)
     verifier.start()
     verifier.more()
     verifier.join()
