@@ -16,7 +16,7 @@ from typing import Any
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import OutputError
 from ckptfix.formats import detect_format, devices, opaque, output_format, write
-from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.atomic import PathLike, check_apart, check_output
 from ckptfix.formats.safetensors import losses_note
 from ckptfix.layouts import TARGETS, Layout, parse_rename
 from ckptfix.signature import strict_keywords
@@ -111,6 +111,8 @@ def convert_file(
         dst, out_fmt = os.path.join(dst, "model.safetensors"), "safetensors"  # shards in that folder
     if out_fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
         check_output(dst, inputs=(src,))
+    else:
+        check_apart(dst, inputs=(src,))
     in_fmt = detect_format(src)
     allow = tuple(allow_globals)
     notes: list[str] = []

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import BinaryIO
 
-from ckptfix.errors import OutputError
+from ckptfix.errors import CkptfixError, OutputError
 
 PathLike = str | os.PathLike[str]
 
@@ -31,14 +31,51 @@ def check_output(out: PathLike, *, inputs: tuple[PathLike, ...] = ()) -> None:
         raise OutputError(f"{out_s}: folder '{folder}' is not writable; choose another output path")
     if os.path.isdir(out_s):
         raise OutputError(f"{out_s}: is a folder; give a file name such as {os.path.join(out_s, 'model.pt')}")
+    check_apart(out_s, inputs=inputs)
+
+
+def check_apart(out: PathLike, *, inputs: tuple[PathLike, ...]) -> None:
+    """Refuse an OUT (a file, or a folder and everything that will go in it) that is, or sits inside, anything
+    the inputs are read from: the same path after links, the same inode (a hard link), a file inside an input
+    folder, an input inside an OUT folder, an index file's shards. Nothing has been written when it raises."""
+    out_s = os.fspath(out)
+    real_out = os.path.realpath(out_s)
     for src in inputs:
-        if _same_file(src, out_s):
-            raise OutputError(f"{out_s}: is the input file; write to a new path (the input is never modified in place)")
+        src_s = os.fspath(src)
+        real_src = os.path.realpath(src_s)
+        if os.path.isdir(real_src):
+            if _within(real_out, real_src):
+                raise OutputError(
+                    f"{out_s}: is inside the input folder {src_s}; write outside it (inputs are never modified)"
+                )
+            if _within(real_src, real_out):
+                raise OutputError(f"{out_s}: holds the input folder {src_s}; write to a new folder")
+            continue
+        for read in _files_read(src_s):
+            if _same_file(read, out_s) or _within(os.path.realpath(read), real_out):
+                what = "the input" if read == src_s else f"{read}, which the input {src_s} reads"
+                raise OutputError(f"{out_s}: would overwrite {what}; write to a new path (inputs are never modified)")
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _files_read(src: str) -> list[str]:
+    """The input file, and for an index file (transformers shards) the shards it names."""
+    from ckptfix.formats.folder import describe, is_folder_input
+
+    if not is_folder_input(src):
+        return [src]
+    try:
+        return [src, *describe(src).files]
+    except CkptfixError:  # not an index after all: reading it will say what it is
+        return [src]
 
 
 def _same_file(a: PathLike, b: PathLike) -> bool:
     try:
-        return os.path.samefile(a, b)
+        return os.path.samefile(a, b)  # also a hard link: the same inode on the same device
     except OSError:
         return os.path.realpath(a) == os.path.realpath(b)
 
