@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, MergeError
 from ckptfix.formats import inert
+from ckptfix.formats.dtypes import DTYPES
 
 _DT = "torch.distributed.tensor."
 DTENSOR_GLOBALS = frozenset(
@@ -133,7 +134,42 @@ def piece(obj: Any, *, key: str, source: str) -> Piece | None:
         ) from e
     if len(placements) != len(dims) or len(coordinate) != len(dims):
         raise FormatError(f"{source}: key '{key}': its DTensor placements do not match its mesh; the file is damaged")
+    _check_piece(key, dtype=dtype, shape=shape, mesh=dims, coordinate=coordinate, placements=placements,
+                 source=source)  # fmt: skip
     return Piece(dtype, shape, dims, coordinate, placements, local)
+
+
+def _check_piece(
+    key: str,
+    *,
+    dtype: str,
+    shape: tuple[Any, ...],
+    mesh: tuple[Any, ...],
+    coordinate: tuple[Any, ...],
+    placements: tuple[tuple[str, int], ...],
+    source: str,
+) -> None:
+    """What a rank file declares of a DTensor, proven before any of it decides memory or placement."""
+    damaged = f"{source}: key '{key}': its DTensor"
+    if dtype not in DTYPES:
+        raise FormatError(f"{damaged} dtype is {dtype or 'not a dtype'}; the file is damaged or crafted")
+    if not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape):
+        raise FormatError(f"{damaged} shape {list(shape)} is not a list of sizes; the file is damaged or crafted")
+    if not all(type(n) is int and 1 <= n < _MAX_DIM for n in mesh) or math.prod(mesh) > _MAX_DIM:
+        raise FormatError(f"{damaged} mesh {list(mesh)} is not a device mesh; the file is damaged or crafted")
+    if not all(type(c) is int and 0 <= c < n for c, n in zip(coordinate, mesh, strict=True)):
+        raise FormatError(
+            f"{damaged} mesh coordinate {list(coordinate)} lies outside its mesh {list(mesh)}; the file is damaged "
+            f"or crafted"
+        )
+    for kind, dim in placements:
+        if kind == "shard" and not 0 <= dim < len(shape):
+            raise FormatError(
+                f"{damaged} is Shard({dim}) of a {len(shape)}-dimensional tensor; the file is damaged or crafted"
+            )
+
+
+_MAX_DIM = 1 << 62  # no size or mesh past this: products of such numbers stay exact and cheap
 
 
 def _mesh_shape(mesh: dict[str, Any]) -> tuple[int, ...]:
@@ -184,6 +220,8 @@ def region(p: Piece) -> tuple[tuple[int, ...], tuple[int, ...]]:
     for (kind, dim), parts, at in zip(p.placements, p.mesh, p.coordinate, strict=True):
         if kind != "shard":
             continue
+        if not 0 <= at < parts or not 0 <= dim < len(p.shape):  # piece() refused these; never narrow() past them
+            raise ValueError(f"Shard({dim}) at mesh coordinate {at} of {parts} does not place a piece")
         if offsets[dim] or sizes[dim] != p.shape[dim]:
             raise ValueError(f"dimension {dim} is sharded over two mesh dimensions, which ckptfix does not reassemble")
         step = math.ceil(p.shape[dim] / parts) if p.shape[dim] else 0
@@ -341,7 +379,9 @@ def check_pieces(ranks: list[dict[str, Piece]], paths: Sequence[str]) -> None:
         name = key.replace("\0", ".")
         coords = sorted(p.coordinate for p in parts)
         if len(parts) != math.prod(mesh) or coords != sorted(set(coords)):
-            missing = sorted(set(itertools.product(*map(range, mesh))) - set(coords))
+            # the coordinates not given, listed only for a mesh the files could cover (never enumerated past it)
+            grid = itertools.product(*map(range, mesh)) if math.prod(mesh) <= 2 * len(parts) else iter(())
+            missing = sorted(set(grid) - set(coords))
             twice = sorted({c for c in coords if coords.count(c) > 1})
             what = f"missing the rank at mesh coordinate(s) {[list(c) for c in missing]}" if missing else ""
             what += ("; " if what and twice else "") + (f"{[list(c) for c in twice]} given twice" if twice else "")
@@ -360,14 +400,14 @@ def check_pieces(ranks: list[dict[str, Piece]], paths: Sequence[str]) -> None:
 
 def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> Any:
     first = parts[0]
-    out = torch.empty(first.shape, dtype=getattr(torch, first.dtype))
+    dtype = getattr(torch, first.dtype)
     boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Any, str]] = {}
     for p, path in zip(parts, paths, strict=True):
         try:
             box = region(p)
         except ValueError as e:
             raise RankFilesError(f"{path}: '{name}': {e}") from e
-        if tuple(p.local.shape) != box[1] or p.local.dtype != out.dtype:
+        if tuple(p.local.shape) != box[1] or p.local.dtype != dtype:
             raise RankFilesError(
                 f"{path}: '{name}' local shard is {p.local.dtype} {list(p.local.shape)} where rank "
                 f"{list(p.coordinate)} of mesh {list(p.mesh)} holds {list(box[1])} of {list(first.shape)}; the "
@@ -379,16 +419,18 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
                 raise RankFilesError(f"'{name}': replicated copies differ between {where} and {path}")
             continue
         boxes[box] = (p.local, path)
-        target = out
-        for dim, (o, s) in enumerate(zip(*box, strict=True)):
-            target = target.narrow(dim, o, s)
-        target.copy_(p.local)
-    try:
+    try:  # before the full tensor exists: no byte of it is left as torch.empty found it
         from ckptfix.formats.dcp import _check_tiling
 
         _check_tiling(name, first.shape, list(boxes), source=os.path.dirname(paths[0]) or ".")
     except FormatError as e:
         raise RankFilesError(str(e)) from e
+    out = torch.empty(first.shape, dtype=dtype)
+    for box, (local, _) in boxes.items():
+        target = out
+        for dim, (o, s) in enumerate(zip(*box, strict=True)):
+            target = target.narrow(dim, o, s)
+        target.copy_(local)
     return out
 
 
