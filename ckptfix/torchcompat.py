@@ -19,7 +19,8 @@ def safe_globals(objects: Iterable[Callable[..., Any] | tuple[Callable[..., Any]
     torch 2.5 has the context manager, 2.6 accepts ``(object, name)`` pairs in it; torch 2.4 has only
     ``add_safe_globals``, whose additions are taken back here on the way out. Before 2.6 a pair's object is
     allowed under its own ``module.__name__`` (how ``pickle`` names it, unless the pickle was written where the
-    object had another name; such a file is still refused, as for a global not allowed at all).
+    object had another name; such a file is still refused, as for a global not allowed at all), and the block
+    also allows what torch 2.6 on allows by default and 2.4 or 2.5 does not (:func:`_newer_defaults`).
     """
     import torch
 
@@ -32,6 +33,7 @@ def safe_globals(objects: Iterable[Callable[..., Any] | tuple[Callable[..., Any]
     plain: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
         o[0] if isinstance(o, tuple) else o for o in objects
     ]
+    plain += [o for o in _newer_defaults(torch) if o not in plain]
     if hasattr(ser, "safe_globals"):  # torch 2.5
         with ser.safe_globals(plain):
             yield
@@ -43,6 +45,22 @@ def safe_globals(objects: Iterable[Callable[..., Any] | tuple[Callable[..., Any]
     finally:
         ser.clear_safe_globals()
         ser.add_safe_globals(before)
+
+
+def _newer_defaults(torch: Any) -> list[Callable[..., Any]]:
+    """Globals of torch's default weights-only allowlist (torch 2.13's, which ckptfix's allowlist is) that torch
+    2.4 or 2.5 leave out: sets, complex numbers, bytes (pickled as ``_codecs.encode``) and bytearrays, and the
+    device-tensor rebuilds. The dtypes added since are not there to allow."""
+    import codecs
+
+    rebuilds = ("_rebuild_device_tensor_from_cpu_tensor", "_rebuild_device_tensor_from_numpy")
+    return [
+        set,
+        complex,
+        bytearray,
+        codecs.encode,
+        *(getattr(torch._utils, n) for n in rebuilds if hasattr(torch._utils, n)),
+    ]
 
 
 def version(torch: Any) -> tuple[int, int]:

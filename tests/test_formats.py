@@ -69,6 +69,19 @@ def test_every_format_pair_loads_strictly_with_equal_outputs(
 
 
 @pytest.mark.parametrize("src_fmt", ["zip", "legacy"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_sets_complex_numbers_and_bytes_load_on_every_torch(tmp_path: Path, src_fmt: str, fast: bool) -> None:
+    # torch 2.4 and 2.5 refuse them weights-only; the legacy format and the torch path reach torch.load
+    cfg = {"tags": {"a", "b"}, "z": 1 + 2j, "raw": b"xy", "buf": bytearray(b"z")}
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    write({"model": {"module.w": torch.arange(3.0)}, "cfg": cfg}, src, src_fmt)
+    assert ckptfix.load(src)["cfg"] == cfg
+    convert_file(src, dst, to="single", fast=fast)
+    out = ckptfix.load(dst)
+    assert out["cfg"] == cfg and torch.equal(out["model"]["w"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("src_fmt", ["zip", "legacy"])
 def test_full_checkpoint_keeps_other_entries_and_optimizer(tmp_path: Path, src_fmt: str, gloo_world: None) -> None:
     ckpt = full_checkpoint("ddp")
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
