@@ -8,7 +8,8 @@ import torch
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().flatten().view(torch.uint8) if t.numel() else t.detach().flatten()
+    # an empty tensor has no bytes (and torch 2.4 has no torch.equal for float8, even empty)
+    return t.detach().contiguous().flatten().view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:

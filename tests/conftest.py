@@ -67,8 +67,8 @@ def _no_force_unsafe(monkeypatch: pytest.MonkeyPatch) -> None:
 def single(tmp_path: Path) -> Path:
     """A DCP folder written by one process (``tmp_path / "dcp"``): a model, a step counter and nested
     optimizer-like values."""
-    import torch.distributed.checkpoint as dcp
+    from ckptfix.torchcompat import dcp_save_local
 
     state = {"model": models.SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # one process, whatever group exists
+    dcp_save_local(state, checkpoint_id=str(tmp_path / "dcp"))  # one process, whatever group exists
     return tmp_path / "dcp"

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptfix
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
+from ckptfix.torchcompat import dcp_save_local
 from tests import sharded_writers
 from tests.models import SmallNet
 
@@ -283,7 +284,7 @@ def _one_file_per_tensor(folder: Path, count: int) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint import FileSystemWriter
 
     state = {f"layer{i}.weight": torch.randn(3, 2, generator=torch.Generator().manual_seed(i)) for i in range(count)}
-    dcp.save({"model": state}, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=False), no_dist=True)
+    dcp_save_local({"model": state}, storage_writer=FileSystemWriter(str(folder), single_file_per_rank=False))
     return state
 
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import ckptfix
 from ckptfix.distributed import buckets, failures, wire
 from ckptfix.errors import DistributedError, FormatError, MismatchError, UnsafeCheckpointError
+from ckptfix.torchcompat import dcp_save_local
 from tests import ddp_workers
 
 TWO = [
@@ -64,7 +64,7 @@ def _fixtures(tmp: Path) -> dict[str, Any]:
     _write(tmp, "truncated.pt", plain)
     (tmp / "rank0" / "hf_shards").mkdir()
     ckptfix.save(full["model"], tmp / "rank0" / "hf_shards" / "model.safetensors", shard_size=1000)
-    dcp.save({"model": plain, "epoch": 3}, checkpoint_id=str(tmp / "rank0" / "dcp"), no_dist=True)
+    dcp_save_local({"model": plain, "epoch": 3}, checkpoint_id=str(tmp / "rank0" / "dcp"))
     data = (tmp / "rank0" / "truncated.pt").read_bytes()
     (tmp / "rank0" / "truncated.pt").write_bytes(data[: len(data) // 2])
     return {"full": full, "plain": plain, "tmp": str(tmp)}

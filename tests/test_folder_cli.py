@@ -18,6 +18,7 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.merging import plan_merge
+from ckptfix.torchcompat import dcp_save_local
 from tests.models import SmallNet
 
 
@@ -114,9 +115,7 @@ def test_inspect_an_accelerate_folder_lists_its_training_state_as_other_entries(
 
 
 def test_inspect_a_dcp_folder_says_how_each_tensor_is_chunked(tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"model": SmallNet().state_dict(), "step": 3}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp_save_local({"model": SmallNet().state_dict(), "step": 3}, checkpoint_id=str(tmp_path / "dcp"))
     text = run("inspect", tmp_path / "dcp")
     assert text.exit_code == 0, text.output
     assert text.output.startswith(f"{tmp_path / 'dcp'}: torch.distributed.checkpoint folder (1 data file) checkpoint")
@@ -141,9 +140,7 @@ def test_inspect_an_accelerate_folder_with_two_models(tmp_path: Path) -> None:
 
 
 def test_inspect_verify_checks_every_chunk_of_a_dcp_folder(tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"model": _state()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp_save_local({"model": _state()}, checkpoint_id=str(tmp_path / "dcp"))
     result = run("inspect", tmp_path / "dcp", "--verify")
     assert result.exit_code == 0 and "verified: every record read, every CRC matches" in result.output
 
@@ -152,9 +149,7 @@ def test_inspecting_folders_does_not_even_import_torch(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"model": _state()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp_save_local({"model": _state()}, checkpoint_id=str(tmp_path / "dcp"))
     paths = [_hf(tmp_path / "hf", _state()), _hf(tmp_path / "bin", _state(), "pytorch_model.bin"), tmp_path / "dcp"]
     code = "import sys, ckptfix.summary as s\nfor p in sys.argv[1:]: s.summarize(p)\nprint('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code, *map(str, paths)], capture_output=True, text=True)
@@ -220,10 +215,8 @@ def test_diff_an_accelerate_folders_model_against_its_weights(tmp_path: Path) ->
 
 
 def test_diff_a_dcp_folder_against_the_checkpoint_it_was_saved_from(tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
     state = {"model": _state(), "epoch": 3}
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp_save_local(state, checkpoint_id=str(tmp_path / "dcp"))
     torch.save(state, tmp_path / "same.pt")
     assert run("diff", tmp_path / "dcp", tmp_path / "same.pt").exit_code == 0
     state["model"]["features.1.running_var"][2] = 5.0
@@ -252,8 +245,6 @@ def test_merge_per_rank_sharded_folders(tmp_path: Path) -> None:
 def test_folders_merge_tensor_by_tensor_without_loading_either(
     tmp_path: Path, kind: str, out: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch.distributed.checkpoint as dcp
-
     from ckptfix import merging
 
     def whole(*args: Any, **kwargs: Any) -> Any:
@@ -267,7 +258,7 @@ def test_folders_merge_tensor_by_tensor_without_loading_either(
         if kind == "shards":
             folders.append(_hf(tmp_path / f"rank{r}", state))
         else:
-            dcp.save(state, checkpoint_id=str(tmp_path / f"rank{r}"), no_dist=True)
+            dcp_save_local(state, checkpoint_id=str(tmp_path / f"rank{r}"))
             folders.append(tmp_path / f"rank{r}")
     result = run("merge", *folders, "-o", tmp_path / out)
     assert result.exit_code == 0, result.output

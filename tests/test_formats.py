@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import os
 import pickle
 import struct
@@ -18,6 +19,7 @@ import ckptfix
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats import detect_format
+from ckptfix.torchcompat import safe_globals
 from tests.assertions import assert_same
 from tests.models import PROBE, make_net, wrap
 
@@ -64,6 +66,19 @@ def test_every_format_pair_loads_strictly_with_equal_outputs(
         model = wrap(target_kind, net)
         ckptfix.load_into(model, dst, strict=True)
         assert torch.equal(net(PROBE), make_net()(PROBE))
+
+
+@pytest.mark.parametrize("src_fmt", ["zip", "legacy"])
+@pytest.mark.parametrize("fast", [True, False])
+def test_sets_complex_numbers_and_bytes_load_on_every_torch(tmp_path: Path, src_fmt: str, fast: bool) -> None:
+    # torch 2.4 and 2.5 refuse them weights-only; the legacy format and the torch path reach torch.load
+    cfg = {"tags": {"a", "b"}, "z": 1 + 2j, "raw": b"xy", "buf": bytearray(b"z")}
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    write({"model": {"module.w": torch.arange(3.0)}, "cfg": cfg}, src, src_fmt)
+    assert ckptfix.load(src)["cfg"] == cfg
+    convert_file(src, dst, to="single", fast=fast)
+    out = ckptfix.load(dst)
+    assert out["cfg"] == cfg and torch.equal(out["model"]["w"], torch.arange(3.0))
 
 
 @pytest.mark.parametrize("src_fmt", ["zip", "legacy"])
@@ -354,7 +369,9 @@ def test_tensors_built_from_the_description_equal_torch_load(tmp_path: Path) -> 
     torch.save(ckpt, tmp_path / "rich.pt")
     for mmap in (True, False):
         ours = ckptfix.load(tmp_path / "rich.pt", mmap=mmap)
-        assert_same(ours, torch.load(tmp_path / "rich.pt", weights_only=True))
+        # what torch's weights-only load allows by default from torch 2.6 on (bytes pickle as _codecs.encode)
+        with safe_globals([set, complex, codecs.encode]):
+            assert_same(ours, torch.load(tmp_path / "rich.pt", weights_only=True))
         assert ours["tied"][0] is ours["tied"][1]  # shared stays shared, as torch.load keeps it
         assert isinstance(ours["tied"][0], nn.Parameter) and ours["tied"][0].requires_grad
     mapped = ckptfix.load(tmp_path / "rich.pt", mmap=True)

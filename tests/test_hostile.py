@@ -403,7 +403,8 @@ def test_case2_build_laundering_and_process_poisoning(tmp_path: Path) -> None:
     results = run_ops(tmp_path, ops, timeout=120)
     from torch import _weights_only_unpickler as wo
 
-    allowed = set(wo._get_allowed_globals()) | {"__builtin__.set"}
+    # a set is allowed by ckptfix on every torch, by torch only from 2.6 (its protocol-2 pickles say __builtin__.set)
+    allowed = set(wo._get_allowed_globals()) | {"__builtin__.set", "builtins.set"}
     problems = []
     for i, name in enumerate(files):
         hostile_run, hostile_globals, f_run, f_tensors, s_run, s_globals = results[6 * i : 6 * i + 6]

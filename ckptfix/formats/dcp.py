@@ -372,9 +372,8 @@ def save_dcp(obj: Any, out: str) -> None:
     import tempfile
     import warnings
 
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     from ckptfix.errors import OutputError
+    from ckptfix.torchcompat import dcp_save_local
 
     out = os.path.abspath(out.rstrip(os.sep) or os.sep)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -386,7 +385,7 @@ def save_dcp(obj: Any, out: str) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
-            dcp_save(obj, checkpoint_id=tmp, no_dist=True)  # this process alone, even inside a distributed job
+            dcp_save_local(obj, checkpoint_id=tmp)  # this process alone, even inside a distributed job
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(out)
         os.rename(tmp, out)

@@ -21,6 +21,7 @@ from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.legacy import check_legacy
 from ckptfix.formats.materialize import NotBuilt, materialize
 from ckptfix.formats.opaque import describe, entries, refusal
+from ckptfix.torchcompat import safe_globals
 
 _NOT_BUILT = object()
 
@@ -58,7 +59,6 @@ def load_torch(
     extra = list(allow_globals)
     allowed = allowlist.allowed_names(extra, source=source)
     objects = allowlist.resolve(extra, source=source)
-    import torch
 
     with open(path, "rb") as f:
         before = file_identity(f.fileno())
@@ -73,7 +73,7 @@ def load_torch(
                 if entries(described.tree):  # torch.load would refuse the whole file: say why, and what rescues
                     raise refusal(described.tree, source=source) from e
         if obj is _NOT_BUILT:  # the legacy format, and recipes only torch rebuilds (quantized, sparse, ...)
-            with torch.serialization.safe_globals(objects):
+            with safe_globals(objects):
                 obj = _torch_load(path, source=source, weights_only=True, mmap=mmap and fmt == "torch-zip")
         if file_identity(f.fileno()) != before:
             raise changed_while_reading(source)
