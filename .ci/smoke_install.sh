@@ -66,3 +66,25 @@ for got in (ckptfix.load("dcp.safetensors"), ckptfix.load("dcp.pt")["model"], ck
     assert got.keys() == ref["model"].keys() and all(torch.equal(got[k], ref["model"][k]) for k in got), "folders"
 print("smoke test of the installed wheel: OK")
 PY
+
+# An environment that already has an older supported torch keeps it: `pip install ckptfix` must not replace a
+# cluster's pinned torch with a multi-GB download. A stand-in distribution named torch 2.6.0 (metadata only: what
+# pip's resolver looks at) is installed first, then the wheel; torch must still be that 2.6.0.
+mkdir -p "$WORK/oldtorch/torch"
+cat > "$WORK/oldtorch/pyproject.toml" <<'TOML'
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "torch"
+version = "2.6.0"
+TOML
+touch "$WORK/oldtorch/torch/__init__.py"
+python3 -m venv "$WORK/pinned"
+"$WORK/pinned/bin/pip" install -q "$WORK/oldtorch"
+"$WORK/pinned/bin/pip" install -q "$WHEEL"
+"$WORK/pinned/bin/python" - <<'PY'
+from importlib.metadata import version
+assert version("torch") == "2.6.0", f"pip replaced the installed torch 2.6.0 with {version('torch')}"
+print("an installed torch 2.6.0 was left alone")
+PY

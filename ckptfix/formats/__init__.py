@@ -11,6 +11,7 @@ The input format is decided by content (magic bytes), the output format by OUT's
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +32,9 @@ def detect_format(path: PathLike) -> str:
     if os.path.isdir(source):
         return "folder"
     try:
+        mode = os.stat(source).st_mode
+        if not stat.S_ISREG(mode):  # never opened: reading a FIFO waits for a writer, a device never ends
+            raise FormatError(f"{source}: not a regular file (a FIFO, socket or device); pass a checkpoint file")
         with open(path, "rb") as f:
             head = f.read(32)
             size = os.fstat(f.fileno()).st_size

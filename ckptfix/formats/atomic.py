@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import signal
+import stat
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -52,9 +53,13 @@ def check_apart(out: PathLike, *, inputs: tuple[PathLike, ...]) -> None:
                 raise OutputError(f"{out_s}: holds the input folder {src_s}; write to a new folder")
             continue
         for read in _files_read(src_s):
-            if _same_file(read, out_s) or _within(os.path.realpath(read), real_out):
-                what = "the input" if read == src_s else f"{read}, which the input {src_s} reads"
-                raise OutputError(f"{out_s}: would overwrite {what}; write to a new path (inputs are never modified)")
+            if not (_same_file(read, out_s) or _within(os.path.realpath(read), real_out)):
+                continue
+            if read == src_s:
+                raise OutputError(f"{out_s}: is the input file; write to a new path (inputs are never modified)")
+            raise OutputError(
+                f"{out_s}: is {read}, which the input {src_s} reads; write to a new path (inputs are never modified)"
+            )
 
 
 def _within(path: str, folder: str) -> bool:
@@ -63,10 +68,17 @@ def _within(path: str, folder: str) -> bool:
 
 def _files_read(src: str) -> list[str]:
     """The input file, and for an index file (transformers shards) the shards it names."""
-    from ckptfix.formats.folder import describe, is_folder_input
-
-    if not is_folder_input(src):
+    try:
+        if not stat.S_ISREG(os.stat(src).st_mode):  # a FIFO or a device is never opened here (it could block)
+            return [src]
+        with open(src, "rb") as f:
+            index = f.read(64).lstrip().startswith(b"{")  # JSON: an index (as formats.folder tells them apart)
+    except OSError:
         return [src]
+    if not index:  # the folder module (and what it imports) stays out of a plain conversion's start-up
+        return [src]
+    from ckptfix.formats.folder import describe
+
     try:
         return [src, *describe(src).files]
     except CkptfixError:  # not an index after all: reading it will say what it is

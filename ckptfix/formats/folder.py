@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -68,6 +69,8 @@ def is_folder_input(path: PathLike) -> bool:
 
 def _looks_like_json(path: PathLike) -> bool:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device is never opened: it could block forever
+            return False
         with open(path, "rb") as f:
             head = f.read(64)
     except OSError:
@@ -110,6 +113,8 @@ def _read_index(path: str) -> dict[str, Any]:
     from ckptfix.formats.safetensors import no_duplicates
 
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise FormatError(f"{path}: not a regular file (a FIFO, socket or device?); an index is a JSON file")
         with open(path, "rb") as f:
             raw = f.read(MAX_INDEX + 1)
     except OSError as e:
@@ -146,7 +151,9 @@ def _sharded(root: str, index: str) -> Folder:
 
 def inside(root: str, name: str, *, source: str, key: str = "") -> str:
     """The path of ``name`` inside ``root``, refused when it names anything outside it or is not a file."""
-    what = f"key '{key}' names shard '{name}'" if key else f"'{name}'"
+    what = f"key '{key}' names shard {name!r}" if key else repr(name)
+    if "\0" in name or not _encodable(name):
+        raise FormatError(f"{source}: {what}, a name no file can have (a NUL or an unpaired surrogate); refusing it")
     parts = name.replace("\\", "/").split("/")
     if not name or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
         raise FormatError(f"{source}: {what}, a path outside the folder; refusing the index")
@@ -154,9 +161,19 @@ def inside(root: str, name: str, *, source: str, key: str = "") -> str:
     real_root = os.path.realpath(root)
     if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
         raise FormatError(f"{source}: {what}, a link to outside the folder; refusing it")
-    if not os.path.isfile(path):
+    if not os.path.lexists(path) or not os.path.exists(path):
         raise FormatError(f"{source}: {what}, which is missing; download the whole folder again")
+    if not os.path.isfile(path):
+        raise FormatError(f"{source}: {what}, which is not a regular file (a FIFO, socket, device or folder)")
     return path
+
+
+def _encodable(name: str) -> bool:
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def room_for_files(count: int, *, source: str) -> None:
