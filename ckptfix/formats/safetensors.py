@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import json.encoder
 import math
+import operator
 import os
 import struct
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
 
 MAX_HEADER = 100 * 1024 * 1024
+_span = operator.itemgetter(0, 1)  # (begin, end) of a (begin, end, name) triple
 _json_string = json.encoder.encode_basestring_ascii  # what json.dumps writes a key with (ensure_ascii)
 
 
@@ -95,8 +97,10 @@ def _check(parsed: dict[str, Any], *, source: str, data_start: int, data_size: i
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FormatError(f"{source}: safetensors __metadata__ must map strings to strings; the file is corrupt")
     tensors = {name: _entry(name, value, source=source, data_size=data_size) for name, value in parsed.items()}
-    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
-    tensors = {name: tensors[name] for _, _, name in spans}  # data order, whatever order the JSON lists them
+    # data order, whatever order the JSON lists them; tensors at one offset (zero-size ones) keep the JSON's order,
+    # which is the key order ckptfix wrote (a stable sort: never by name)
+    spans = sorted(((t.begin, t.end, name) for name, t in tensors.items()), key=_span)
+    tensors = {name: tensors[name] for _, _, name in spans}
     position = 0
     for begin, end, name in spans:
         if begin != position:
