@@ -253,13 +253,7 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
         if t.layout != torch.strided:
             raise OutputError(f"{out_s}: key '{key}' is a {t.layout} tensor; densify it or write a .pt file")
         # Tied weights are one tensor under two names: store it once and record the alias.
-        ident = (
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            tuple(t.stride()),
-            str(t.dtype),
-        )
+        ident = stored_identity(t)
         if t.numel() > 0 and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -273,14 +267,30 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
                 f.write(tensor_bytes(t))
 
 
-def tensor_bytes(t: Any) -> memoryview:
-    """A CPU tensor's bytes in row-major order, without a copy when it is contiguous, and without numpy.
+def stored_identity(t: Any) -> tuple[Any, ...]:
+    """What makes two tensors one stored tensor: the same bytes, viewed the same way, with the same math bits
+    (``t.conj()`` and ``torch._neg_view(t)`` share ``t``'s storage, offset and strides but not its values)."""
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        str(t.dtype),
+        t.is_conj(),
+        t.is_neg(),
+    )
 
-    Going through numpy would need numpy, which a plain ``pip install ckptfix`` does not bring.
+
+def tensor_bytes(t: Any) -> memoryview:
+    """A CPU tensor's values as bytes in row-major order, without a copy when it is contiguous, and without numpy.
+
+    A conjugate or negative view's storage holds the values before its bit is applied; only torch.save records
+    the bit, so it is resolved here (a copy, for those tensors alone). Going through numpy would need numpy,
+    which a plain ``pip install ckptfix`` does not bring.
     """
     import ctypes
 
-    flat = t.detach().contiguous()
+    flat = t.detach().resolve_conj().resolve_neg().contiguous()
     nbytes = flat.numel() * flat.element_size()
     raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
     view = memoryview(raw).cast("B")
