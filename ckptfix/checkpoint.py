@@ -79,14 +79,14 @@ def get_entry(obj: Any, entry: str) -> Any:
     return obj if entry == "" else obj[entry]
 
 
-def rename(state: Mapping[str, Any], key_map: layouts.KeyMap, *, source: str = "state dict") -> OrderedDict[str, Any]:
-    """Apply ``key_map`` to every key; keys mapped to None keep their name.
+def rename(state: Mapping[str, Any], key_map: layouts.KeyMap, *, source: str = "state dict") -> dict[str, Any]:
+    """Apply ``key_map`` to every key; keys mapped to None keep their name (the container keeps its kind).
 
     Two keys that end with one name is an error naming both: a silent overwrite loses weights.
     ``_metadata`` (per-module versions, keyed by module path) is renamed along; entries the map does not
     cover are dropped, since they describe the wrapper that was removed.
     """
-    out: OrderedDict[str, Any] = OrderedDict()
+    out = same_kind(state, ())
     origin: dict[str, str] = {}
     for key, value in state.items():
         new = key_map(key)
@@ -120,7 +120,7 @@ def _rename_metadata(metadata: Mapping[str, Any], key_map: layouts.KeyMap) -> Or
 
 def apply_maps(
     state: Mapping[str, Any], maps: Sequence[layouts.KeyMap], *, source: str = "state dict"
-) -> OrderedDict[str, Any]:
+) -> dict[str, Any]:
     """Apply key maps in order (a copy even when there are none), as :func:`rename` once per map would."""
     keys = list(state)
     for key_map in maps:
@@ -128,7 +128,7 @@ def apply_maps(
             keys = key_map.rename_all(keys)
         else:
             keys = [key if (new := key_map(key)) is None else new for key in keys]
-    out: OrderedDict[str, Any] = OrderedDict(zip(keys, state.values(), strict=True))
+    out = same_kind(state, zip(keys, state.values(), strict=True))
     if len(out) != len(keys):
         # two keys met at some map (and stayed together after it): map by map, to name the two and their name
         # at the map that joined them
@@ -142,6 +142,12 @@ def apply_maps(
             metadata = _rename_metadata(metadata, key_map)
         out._metadata = metadata  # type: ignore[attr-defined]
     return out
+
+
+def same_kind(state: Mapping[str, Any], items: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """A new container of ``state``'s kind holding ``items``: a ``dict`` stays a ``dict`` (what ``torch.save`` was
+    given comes back), any other mapping becomes an ``OrderedDict``, as ``Module.state_dict()`` returns."""
+    return dict(items) if type(state) is dict else OrderedDict(items)
 
 
 def _same(key: str) -> str:
@@ -218,6 +224,8 @@ def convert_checkpoint(
         result.obj = converted[""]
         return result
     out = type(obj)() if isinstance(obj, OrderedDict) else {}
+    if isinstance(obj, OrderedDict):
+        vars(out).update(vars(obj))  # its attributes (_metadata) are part of what torch.load gives back
     for key, value in obj.items():
         if key in converted:
             out[key] = converted[key]
@@ -263,7 +271,7 @@ def convert(
 
 def strip_key_prefixes(
     state: Mapping[str, Any], prefixes: Iterable[str], *, source: str = "state dict"
-) -> OrderedDict[str, Any]:
+) -> dict[str, Any]:
     """Remove each of ``prefixes`` in turn from every key, as ``convert(strip_prefixes=...)`` does (a copy).
 
     All-or-nothing: a key without the prefix is a :class:`LayoutError` naming it.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
-from ckptfix.checkpoint import apply_maps, is_tensor, model_entries
+from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
 from ckptfix.diff import same_bytes, tensor_diff
 from ckptfix.errors import MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
@@ -405,7 +405,7 @@ class _Entry:
 
     name: str
     where: list[str]
-    states: list[OrderedDict[str, Any]]
+    states: list[dict[str, Any]]  # each keeps its input's kind (dict or OrderedDict)
     maps: list[layouts.KeyMap]
     prefixes: list[str]
     stats: set[str]
@@ -468,7 +468,7 @@ class _Merger:
         merged: dict[str, Any] = {}
         for index, e in enumerate(self.entries):
             first = e.states[0]
-            state: OrderedDict[str, Any] = OrderedDict((k, value_of(index, k, v)) for k, v in first.items())
+            state = same_kind(first, ((k, value_of(index, k, v)) for k, v in first.items()))
             metadata = getattr(first, "_metadata", None)
             if metadata is not None:
                 state._metadata = metadata  # type: ignore[attr-defined]
@@ -612,7 +612,7 @@ def _spec_args(value: Any) -> tuple[str, tuple[int, ...]]:
     return found.dtype, found.shape
 
 
-def _check_same_structure(states: list[OrderedDict[str, Any]], where: list[str]) -> None:
+def _check_same_structure(states: list[dict[str, Any]], where: list[str]) -> None:
     first = states[0]
     for state, label in zip(states[1:], where[1:], strict=True):
         only_first = [k for k in first if k not in state]

@@ -23,6 +23,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats.atomic import PathLike, fsync_dir
+from ckptfix.formats.safetensors import stored_identity
 
 INDEX_SUFFIX = ".index.json"
 MAX_INDEX = 64 << 20  # a 1M-key weight map is ~60 MB of JSON; anything larger is not an index
@@ -424,7 +425,7 @@ def save_sharded(state: Mapping[str, Any], out: PathLike, *, limit: int, write: 
 def _storage(t: Any) -> Any:
     if t.numel() == 0:
         return None
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    return stored_identity(t)  # one stored tensor, as save_safetensors stores it once
 
 
 def _unique(sizes: list[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:

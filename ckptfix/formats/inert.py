@@ -28,6 +28,13 @@ from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, storage_it
 MAX_DEPTH = 1000  # containers nested deeper than this are refused (consumers walk trees recursively)
 EXPANDED_LIMIT = 256 << 20  # bytes an expanded (stride-0) view may claim beyond its storage
 _INT64 = (1 << 63) - 1
+# The math bits torch.save records in a tensor's metadata (torch._utils.get_tensor_metadata), and the dtypes each
+# applies to: torch asserts on a conjugate bit of a real tensor and cannot resolve a negative bit of the others.
+_COMPLEX = frozenset({"complex64", "complex128"})
+_NEGATABLE = (
+    frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8"}) | _COMPLEX
+)
+_BIT_DTYPES = {"conj": _COMPLEX, "neg": _NEGATABLE}
 _BASE_NODES = 10_000_000  # plus 8 per pickle byte: the tree's size with shared references counted each time
 _VIEW_FUNCS = {"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
                "torch._utils._rebuild_qtensor"}  # fmt: skip
@@ -211,6 +218,12 @@ class InertTensor(Inert):
                 f"the file is corrupt"
             )
         _check_view(func.full, args, dtype=self.dtype)
+        for bit in self.math_bits or ():
+            if self.dtype not in _BIT_DTYPES[bit]:
+                raise FormatError(
+                    f"tensor in storage '{args[0].key}' has its {bit} bit set but dtype {self.dtype}, which has no "
+                    f"such view; the file is corrupt or crafted"
+                )
 
     @property
     def storage(self) -> StorageRef:
@@ -243,6 +256,25 @@ class InertTensor(Inert):
             return not self.args[5]
         extra = self.args[7:] if self.func.name.endswith("v3") else self.args[6:]
         return not self.args[5] and not any(extra)
+
+    @property
+    def math_bits(self) -> dict[str, bool] | None:
+        """The conjugate and negative bits (``torch.conj``, ``torch._neg_view``) that torch.save records after the
+        hooks: ``{}`` for a plain tensor, ``None`` for one with backward hooks or any other extra state. The
+        storage holds the values before the bits are applied; only a torch pickle can say so."""
+        if self.args[5]:
+            return None
+        extra = self.args[7:] if self.func.name.endswith("v3") else self.args[6:]
+        if not any(extra):
+            return {}
+        meta = extra[0]
+        if (
+            len(extra) == 1
+            and type(meta) is dict
+            and all(k in _BIT_DTYPES and type(v) is bool for k, v in meta.items())
+        ):
+            return {k: True for k, v in meta.items() if v}
+        return None
 
     def numel(self) -> int:
         return math.prod(self.shape)

@@ -129,7 +129,8 @@ class _Builder:
         return out
 
     def _tensor(self, t: inert.InertTensor) -> Any:
-        if not t.plain:
+        bits = t.math_bits
+        if bits is None:
             raise NotBuilt("a tensor with backward hooks or extra state")
         torch = self.torch
         dtype = getattr(torch, t.dtype)
@@ -137,6 +138,8 @@ class _Builder:
         tensor.set_(self.storages[t.storage.key], t.offset, t.shape, t.stride)
         if t.args[4]:
             tensor.requires_grad = True
+        if bits:  # after requires_grad, as torch's _rebuild_tensor_v2: a conj or neg view, as torch.load gives it
+            torch._utils.set_tensor_metadata(tensor, bits)
         return tensor
 
     def _parameter(self, p: inert.InertParameter) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import json.encoder
 import math
+import operator
 import os
 import struct
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
 
 MAX_HEADER = 100 * 1024 * 1024
+_span = operator.itemgetter(0, 1)  # (begin, end) of a (begin, end, name) triple
 _json_string = json.encoder.encode_basestring_ascii  # what json.dumps writes a key with (ensure_ascii)
 
 
@@ -95,8 +97,10 @@ def _check(parsed: dict[str, Any], *, source: str, data_start: int, data_size: i
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FormatError(f"{source}: safetensors __metadata__ must map strings to strings; the file is corrupt")
     tensors = {name: _entry(name, value, source=source, data_size=data_size) for name, value in parsed.items()}
-    spans = sorted((t.begin, t.end, name) for name, t in tensors.items())
-    tensors = {name: tensors[name] for _, _, name in spans}  # data order, whatever order the JSON lists them
+    # data order, whatever order the JSON lists them; tensors at one offset (zero-size ones) keep the JSON's order,
+    # which is the key order ckptfix wrote (a stable sort: never by name)
+    spans = sorted(((t.begin, t.end, name) for name, t in tensors.items()), key=_span)
+    tensors = {name: tensors[name] for _, _, name in spans}
     position = 0
     for begin, end, name in spans:
         if begin != position:
@@ -249,13 +253,7 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
         if t.layout != torch.strided:
             raise OutputError(f"{out_s}: key '{key}' is a {t.layout} tensor; densify it or write a .pt file")
         # Tied weights are one tensor under two names: store it once and record the alias.
-        ident = (
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            tuple(t.stride()),
-            str(t.dtype),
-        )
+        ident = stored_identity(t)
         if t.numel() > 0 and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -269,14 +267,30 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
                 f.write(tensor_bytes(t))
 
 
-def tensor_bytes(t: Any) -> memoryview:
-    """A CPU tensor's bytes in row-major order, without a copy when it is contiguous, and without numpy.
+def stored_identity(t: Any) -> tuple[Any, ...]:
+    """What makes two tensors one stored tensor: the same bytes, viewed the same way, with the same math bits
+    (``t.conj()`` and ``torch._neg_view(t)`` share ``t``'s storage, offset and strides but not its values)."""
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        str(t.dtype),
+        t.is_conj(),
+        t.is_neg(),
+    )
 
-    Going through numpy would need numpy, which a plain ``pip install ckptfix`` does not bring.
+
+def tensor_bytes(t: Any) -> memoryview:
+    """A CPU tensor's values as bytes in row-major order, without a copy when it is contiguous, and without numpy.
+
+    A conjugate or negative view's storage holds the values before its bit is applied; only torch.save records
+    the bit, so it is resolved here (a copy, for those tensors alone). Going through numpy would need numpy,
+    which a plain ``pip install ckptfix`` does not bring.
     """
     import ctypes
 
-    flat = t.detach().contiguous()
+    flat = t.detach().resolve_conj().resolve_neg().contiguous()
     nbytes = flat.numel() * flat.element_size()
     raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
     view = memoryview(raw).cast("B")

@@ -102,7 +102,8 @@ def fast_convert(
 
 def _check_writable(tree: Any) -> None:
     for obj in inert.records(tree):
-        if type(obj) is inert.InertTensor and not obj.plain:
+        # a conj or neg bit is kept as it is in a .pt output (the .safetensors locator refuses it)
+        if type(obj) is inert.InertTensor and not obj.plain and obj.math_bits is None:
             raise Fallback("a tensor carries backward hooks or extra metadata")
         if type(obj) is inert.Inert and obj.func.full not in _WRITABLE:
             raise Fallback(f"the checkpoint holds {obj.func.full}(...), which the torch path rebuilds")
@@ -210,6 +211,8 @@ class _PtLocator:
         self.params += param
         self.grads += bool(value.args[1] if param else t.args[4])
         shape, stride, dtype = t.shape, t.stride, t.dtype
+        if t.math_bits:
+            raise Fallback(f"a tensor is a {' and '.join(t.math_bits)} view: its bytes are not its values")
         if not inert.contiguous(shape, stride):
             raise Fallback("a tensor is a non-contiguous view")
         width = DTYPES[dtype].itemsize

@@ -323,6 +323,8 @@ def _locate(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: f
     """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
     (row-major, contiguous) are."""
     z, t = _chunk_record(c, files, entry=entry, key=key, allowed=allowed)
+    if t.math_bits:  # dcp.save pickles a conj or neg view as torch.save does: bit and all
+        raise Fallback(f"chunk of '{key}' is a {' and '.join(t.math_bits)} view: its bytes are not its values")
     rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
     files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
     files.checks.setdefault(c.span.path, []).extend(
@@ -358,6 +360,8 @@ def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> 
             if n
             else torch.empty(c.sizes, dtype=dtype)
         )
+        if record.math_bits:  # a conj or neg view: copy_ below (or the caller) sees its values
+            torch._utils.set_tensor_metadata(part, record.math_bits)  # type: ignore[no-untyped-call]
         if len(entry.chunks) == 1:
             return part
         if full is None:
