@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats import allowlist, detect_format, inert, read
 from ckptfix.formats.atomic import PathLike
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.dtypes import DTYPES, nbytes
 from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.opaque import read as opaque_read
 from ckptfix.formats.safetensors import read_header
@@ -56,7 +56,7 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return nbytes(self.dtype, self.numel)  # sub-byte dtypes (quint4x2) round up
 
 
 @dataclass(eq=False)
