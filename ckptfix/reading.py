@@ -46,6 +46,7 @@ class Spec:
 
     dtype: str
     shape: tuple[int, ...]
+    layout: str = "strided"  # sparse_coo, sparse_csr, …: a real tensor loaded by torch
 
     @property
     def numel(self) -> int:
@@ -87,7 +88,27 @@ def spec(value: Any) -> Spec:
         return Spec(value.dtype, tuple(value.shape))
     if isinstance(value, StTensor):
         return Spec(value.dtype, tuple(value.shape))
-    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape))
+    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape), _layout(value))
+
+
+def _layout(value: Any) -> str:
+    return str(getattr(value, "layout", "strided")).removeprefix("torch.")
+
+
+def stored_bytes(value: Any) -> int:
+    """Bytes a tensor's data takes: a sparse tensor's indices and values, not the dense size its shape gives."""
+    layout = _layout(value)
+    if layout == "strided":
+        return spec(value).nbytes
+    if layout == "sparse_coo":
+        parts = [value._indices(), value._values()]
+    elif layout in ("sparse_csr", "sparse_bsr"):
+        parts = [value.crow_indices(), value.col_indices(), value.values()]
+    elif layout in ("sparse_csc", "sparse_bsc"):
+        parts = [value.ccol_indices(), value.row_indices(), value.values()]
+    else:
+        return 0  # a layout with no bytes of its own to count (never saved by torch.save today)
+    return sum(spec(p).nbytes for p in parts)
 
 
 def storage_of(value: Any) -> Hashable | None:
@@ -102,8 +123,8 @@ def storage_of(value: Any) -> Hashable | None:
         return ("pt", inert.tensor_of(value).storage.key)
     if isinstance(value, StTensor):
         return ("st", value.start)
-    if not hasattr(value, "untyped_storage"):  # a record of what a tensor is, with no bytes behind it
-        return None
+    if not hasattr(value, "untyped_storage") or _layout(value) != "strided":
+        return None  # a record of what a tensor is, with no bytes behind it; a sparse tensor, which has no storage
     return (str(value.device), value.untyped_storage().data_ptr())
 
 

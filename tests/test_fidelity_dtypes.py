@@ -23,6 +23,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),
     pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor"),
     pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),
+    pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta"),
 ]
 
 # dtypes torch.save writes as plain bytes (torch has no arithmetic for most of them)
@@ -126,3 +127,101 @@ def test_a_dtype_safetensors_has_no_code_for_is_refused_in_one_line(tmp_path: Pa
     assert f"not supported yet: dtype {name}" in result.output
     assert "corrupt" not in result.output
     assert not out.exists()
+
+
+# -- inspect, load_into and validate never fail with an internal error (exit 3) --------------------------------
+
+
+def _inspect(path: Path, *args: str) -> Any:
+    result = CliRunner().invoke(cli, ["inspect", str(path), *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output) if "--json" in args else result.output
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_inspect_groups_zero_padded_keys_keeping_their_width(tmp_path: Path, fmt: str) -> None:
+    from safetensors.torch import save_file
+
+    state = {f"layer.{i:05d}.w": torch.ones(2) for i in range(12)}
+    src = tmp_path / f"zp.{fmt}"
+    torch.save(state, src) if fmt == "pt" else save_file(state, src)
+    (group,) = _inspect(src, "--json")["models"][""]["groups"]
+    assert (group["keys"], group["count"], group["shape"]) == ("layer.{00000..00011}.w", 12, [2])
+    assert "layer.{00000..00011}.w  12 × float32 [2]" in _inspect(src)
+
+
+def test_inspect_shows_keys_of_any_shape_one_group_each(tmp_path: Path) -> None:
+    names = ["a{b}.c", "a,b", "x..y", "x.", ".z", "", "l.{0..2}", "m.08", "m.09", "m.10"]
+    src = tmp_path / "odd.pt"
+    torch.save({name: torch.ones(i + 1) for i, name in enumerate(names)}, src)
+    groups = _inspect(src, "--json")["models"][""]["groups"]
+    assert [g["keys"] for g in groups] == [*names[:-3], "m.{08..10}"]
+    assert [g["shape"] for g in groups[:-1]] == [[i + 1] for i in range(len(names) - 3)]
+
+
+SPARSE = {
+    "coo": lambda t: t.to_sparse(),
+    "csr": lambda t: t.to_sparse_csr(),
+    "csc": lambda t: t.to_sparse_csc(),
+    "bsr": lambda t: t.to_sparse_bsr((2, 2)),
+    "bsc": lambda t: t.to_sparse_bsc((2, 2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(SPARSE))
+def test_inspect_shows_a_sparse_tensor_with_its_layout(tmp_path: Path, layout: str) -> None:
+    sparse = SPARSE[layout](torch.eye(4, dtype=torch.float16))
+    src = tmp_path / f"{layout}.pt"
+    torch.save({"s": sparse, "w": torch.ones(3)}, src)
+    model = _inspect(src, "--json")["models"][""]
+    s, w = model["groups"]
+    assert (s["keys"], s["dtype"], s["shape"], s["layout"]) == ("s", "float16", [4, 4], f"sparse_{layout}")
+    assert "layout" not in w
+    parts = {"coo": ("_indices", "_values"), "csr": ("crow_indices", "col_indices", "values"),
+             "csc": ("ccol_indices", "row_indices", "values")}  # fmt: skip
+    parts.update(bsr=parts["csr"], bsc=parts["csc"])
+    stored = sum(getattr(sparse, p)().nbytes for p in parts[layout])
+    assert model["bytes"] == stored + 12  # what the file holds, not the dense size
+    assert f"s  float16 [4, 4] sparse_{layout}" in _inspect(src)
+
+
+def _quantized_linear() -> torch.nn.Module:
+    m = torch.ao.nn.quantized.Linear(4, 3)
+    g = torch.Generator().manual_seed(1)
+    weight = torch.quantize_per_tensor(torch.randn(3, 4, generator=g), 0.05, 0, torch.qint8)
+    m.set_weight_bias(weight, torch.randn(3, generator=g))
+    return m
+
+
+def test_a_quantized_modules_state_dict_loads_into_it(tmp_path: Path) -> None:
+    src = tmp_path / "qlinear.pt"
+    source = _quantized_linear()
+    torch.save(source.state_dict(), src)  # its _packed_params.dtype is a torch.dtype, not a tensor
+    model = torch.ao.nn.quantized.Linear(4, 3)
+    report = ckptfix.load_into(model, src)
+    assert report.ok
+    assert torch.equal(model.weight().int_repr(), source.weight().int_repr())
+    assert torch.equal(model.bias(), source.bias())
+    assert ckptfix.check(src, torch.ao.nn.quantized.Linear(4, 3)).ok
+
+
+def test_validate_a_quantized_modules_state_dict(tmp_path: Path) -> None:
+    src = tmp_path / "qlinear.pt"
+    torch.save(_quantized_linear().state_dict(), src)
+    kwargs = ["--kwargs", '{"in_features": 4, "out_features": 3}']
+    ok = CliRunner().invoke(cli, ["validate", str(src), "--model", "torch.ao.nn.quantized:Linear", *kwargs])
+    assert ok.exit_code == 0, ok.output
+    wrong = CliRunner().invoke(cli, ["validate", str(src), "--model", "torch.nn:Linear", *kwargs])
+    assert wrong.exit_code == 1, wrong.output  # a plain Linear: missing and unexpected keys, not a crash
+
+
+@pytest.mark.parametrize(("value", "kind"), [(3, "int"), (torch.float32, "torch.float32"), ((1, 2), "tuple")])
+def test_a_value_that_is_not_a_tensor_where_the_model_has_one_is_a_wrong_dtype(
+    tmp_path: Path, value: Any, kind: str
+) -> None:
+    src = tmp_path / "odd.pt"
+    torch.save({"weight": value, "bias": torch.zeros(2)}, src)
+    report = ckptfix.check(src, torch.nn.Linear(2, 2))
+    assert report.wrong_dtype == {"weight": (f"{kind} (not a tensor)", "float32")}
+    with pytest.raises(ckptfix.MismatchError, match=f"'weight': {kind} \\(not a tensor\\) vs model float32"):
+        ckptfix.load_into(torch.nn.Linear(2, 2), src)

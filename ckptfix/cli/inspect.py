@@ -66,6 +66,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
             count = f"{group['count']} × " if group["count"] > 1 else ""
             line = f"  {printable(group['keys']):<{width}}  {count}{group['dtype']} {shape}"
+            if "layout" in group:
+                line += f" {group['layout']}"
             if "chunking" in group or "sharding" in group:  # DCP: where its chunks are; DTensor: its placement
                 line += f"  ({group.get('chunking') or group.get('sharding')})"
             lines.append(line)
