@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -155,6 +155,8 @@ class Opened:
     zip: TorchZip | None = None
     before: tuple[int, ...] = ()
     verified: set[str] = field(default_factory=set)  # zip records whose CRC was checked
+    # torch zips: how many storages each location tag names (``{"cuda:0": 120, "cpu": 3}``), kept when torch loads
+    locations: dict[str, int] | None = None
 
     def __enter__(self) -> Opened:
         return self
@@ -300,8 +302,11 @@ def open_checkpoint(
         if reason is None:
             return opened
         os.close(fd)
+        locations = opened.locations
+    else:
+        locations = None
     obj = (opaque_read if opaque else read)(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
-    return Opened(source=source, fmt=fmt, tree=obj, note=reason)
+    return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations)
 
 
 def _torch_needed(fmt: str, *, unsafe: bool) -> str | None:
@@ -335,7 +340,9 @@ def _describe(
         if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
             raise sharded
     verified = {r.name for r in z.archive.records} if verify else set()
-    return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified)
+    locations = dict(Counter(ref.location for ref in z.storages.values()))
+    return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified,
+                  locations=locations)  # fmt: skip
 
 
 def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
@@ -425,6 +432,8 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
     except BaseException:
         opened.close(check=False)
         raise
+    tagged = [p.locations for p in opened.parts if p.locations is not None]
+    opened.locations = dict(sum((Counter(t) for t in tagged), Counter())) if tagged else None
     notes = [f"{os.path.basename(p.source)} is {p.note}" for p in opened.parts if p.note]
     opened.note = notes[0] if notes else None
     return opened

@@ -165,6 +165,8 @@ def summarize(
         }
     if ckpt.note is not None:
         summary["loaded_with_torch"] = ckpt.note
+    if ckpt.locations:  # torch zips: the location tag of each storage, as torch.load(map_location=None) uses it
+        summary["devices"] = ckpt.locations
     if verify:
         parts = folder.parts if folder else [ckpt]
         zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)

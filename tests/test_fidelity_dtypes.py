@@ -225,3 +225,22 @@ def test_a_value_that_is_not_a_tensor_where_the_model_has_one_is_a_wrong_dtype(
     assert report.wrong_dtype == {"weight": (f"{kind} (not a tensor)", "float32")}
     with pytest.raises(ckptfix.MismatchError, match=f"'weight': {kind} \\(not a tensor\\) vs model float32"):
         ckptfix.load_into(torch.nn.Linear(2, 2), src)
+
+
+# -- where tensors were saved ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["described", "loaded-with-torch"])
+def test_inspect_says_which_devices_the_storages_were_saved_on(tmp_path: Path, quantized: bool) -> None:
+    from tests.test_devices import saved_as
+
+    src = tmp_path / "mixed.pt"
+    on_gpu = [torch.ones(3), torch.ones(4)]
+    state = {"a": on_gpu[0], "b": on_gpu[1], "tied": on_gpu[0], "c": torch.zeros(2)}
+    if quantized:  # a file ckptfix hands to torch.load: the tags still come from its description
+        state["q"] = _quantized("qint8")
+    with saved_as("cuda:0", only=on_gpu):
+        torch.save(state, src)
+    summary = _inspect(src, "--json")
+    assert summary["devices"] == {"cuda:0": 2, "cpu": 1 + quantized}  # storages, not tensors: "tied" is "a"
+    assert f"saved on: cuda:0 ×2, cpu ×{1 + quantized} (the device tags of its storages)" in _inspect(src)

@@ -75,6 +75,9 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             lines.append(f"  … {len(groups) - max_groups} more groups (--all shows them)")
     for key, text in summary["other_entries"].items():
         lines.append(f"entry '{key}': {text}")
+    if "devices" in summary:
+        where = ", ".join(f"{tag} ×{n}" for tag, n in summary["devices"].items())
+        lines.append(f"saved on: {where} (the device tags of its storages)")
     if summary.get("verified") == "crc":
         lines.append("verified: every record read, every CRC matches")
     elif "verified" in summary:
