@@ -30,7 +30,7 @@ from ckptfix.formats.opaque import read as opaque_read
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip
-from ckptfix.formats.ziparchive import Record, check_crc, verify_records
+from ckptfix.formats.ziparchive import Record, check_crc, stored_crc, verify_records
 from ckptfix.stream.folders import DcpTensor
 from ckptfix.stream.st import StTensor, tree_from_header
 
@@ -157,6 +157,7 @@ class Opened:
     verified: set[str] = field(default_factory=set)  # zip records whose CRC was checked
     # torch zips: how many storages each location tag names (``{"cuda:0": 120, "cpu": 3}``), kept when torch loads
     locations: dict[str, int] | None = None
+    crc_stored: bool = True  # False: a torch zip saved without CRCs, read unchecked
 
     def __enter__(self) -> Opened:
         return self
@@ -199,7 +200,7 @@ class Opened:
         length = rec.size - start if length is None else length
         if start == 0 and length == rec.size and rec.name not in self.verified:
             data = _pread(self.fd, rec.data_offset, rec.size, source=self.source)
-            check_crc(self.source, rec.name, rec.crc, zlib.crc32(data))
+            check_crc(self.source, rec.name, stored_crc(rec), zlib.crc32(data))
             self.verified.add(rec.name)
             return data
         if rec.name not in self.verified:  # a view of part of a storage: check the whole record once, in chunks
@@ -302,11 +303,11 @@ def open_checkpoint(
         if reason is None:
             return opened
         os.close(fd)
-        locations = opened.locations
+        locations, crc_stored = opened.locations, opened.crc_stored
     else:
-        locations = None
+        locations, crc_stored = None, True
     obj = (opaque_read if opaque else read)(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
-    return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations)
+    return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations, crc_stored=crc_stored)
 
 
 def _torch_needed(fmt: str, *, unsafe: bool) -> str | None:
@@ -342,7 +343,7 @@ def _describe(
     verified = {r.name for r in z.archive.records} if verify else set()
     locations = dict(Counter(ref.location for ref in z.storages.values()))
     return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified,
-                  locations=locations)  # fmt: skip
+                  locations=locations, crc_stored=z.archive.crc_stored)  # fmt: skip
 
 
 def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
@@ -434,6 +435,7 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
         raise
     tagged = [p.locations for p in opened.parts if p.locations is not None]
     opened.locations = dict(sum((Counter(t) for t in tagged), Counter())) if tagged else None
+    opened.crc_stored = all(p.crc_stored for p in opened.parts)
     notes = [f"{os.path.basename(p.source)} is {p.note}" for p in opened.parts if p.note]
     opened.note = notes[0] if notes else None
     return opened

@@ -165,12 +165,14 @@ def summarize(
         }
     if ckpt.note is not None:
         summary["loaded_with_torch"] = ckpt.note
+    if not ckpt.crc_stored:  # saved with torch's compute_crc32=False: every record's CRC is 0
+        summary["crc_stored"] = False
     if ckpt.locations:  # torch zips: the location tag of each storage, as torch.load(map_location=None) uses it
         summary["devices"] = ckpt.locations
     if verify:
         parts = folder.parts if folder else [ckpt]
         zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)
-        summary["verified"] = "crc" if zips and not unsafe else "read"
+        summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
     return summary
 
 

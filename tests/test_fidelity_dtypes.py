@@ -244,3 +244,87 @@ def test_inspect_says_which_devices_the_storages_were_saved_on(tmp_path: Path, q
     summary = _inspect(src, "--json")
     assert summary["devices"] == {"cuda:0": 2, "cpu": 1 + quantized}  # storages, not tensors: "tied" is "a"
     assert f"saved on: cuda:0 ×2, cpu ×{1 + quantized} (the device tags of its storages)" in _inspect(src)
+
+
+# -- files saved without CRCs, or without their tensor bytes -----------------------------------------------------
+
+
+def _save_without_crcs(obj: Any, path: Path) -> None:
+    from torch.utils.serialization import config
+
+    config.save.compute_crc32 = False  # torch then writes 0 as every record's CRC
+    try:
+        torch.save(obj, path)
+    finally:
+        config.save.compute_crc32 = True
+
+
+def _zero_crcs(path: Path, names: Callable[[str], bool]) -> None:
+    """Set the central-directory CRC of the records ``names`` picks to 0, as a damaged or altered file might."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        length = int.from_bytes(data[at + 28 : at + 30], "little")
+        if names(data[at + 46 : at + 46 + length].decode()):
+            data[at + 16 : at + 20] = bytes(4)
+        at = data.find(b"PK\x01\x02", at + 46)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_file_saved_without_crcs_is_read_as_torch_reads_it(tmp_path: Path, path: str) -> None:
+    src = tmp_path / "fast.pt"
+    state = {"w": _random(torch.float32, (3, 5)), "b": _random(torch.bfloat16, (7,))}
+    _save_without_crcs(state, src)
+    assert_bits(PATHS[path](src, tmp_path), state)
+
+
+def test_inspect_and_convert_say_no_crc_is_stored(tmp_path: Path) -> None:
+    src = tmp_path / "fast.pt"
+    _save_without_crcs({"w": torch.ones(3)}, src)
+    assert _inspect(src, "--json")["crc_stored"] is False
+    assert "no CRC stored: bytes not verified" in _inspect(src)
+    assert "verified: every record read (it stores no CRC to check)" in _inspect(src, "--verify")
+    for fast in ([], ["--no-fast"]):
+        result = CliRunner().invoke(cli, ["convert", "-v", str(src), str(tmp_path / "out.pt"), *fast])
+        assert result.exit_code == 0, result.output
+        assert "no CRC stored: bytes not verified" in result.output
+    assert "crc_stored" not in _inspect(tmp_path / "out.pt", "--json")  # torch.save wrote CRCs this time
+
+
+@pytest.mark.parametrize(
+    "zeroed", ["one storage", "every storage", "all but data.pkl"], ids=lambda z: z.replace(" ", "-")
+)
+def test_only_a_file_with_every_crc_zero_is_read_unchecked(tmp_path: Path, zeroed: str) -> None:
+    state = {"w": torch.ones(3), "b": torch.ones(2)}
+    _save_without_crcs(state, tmp_path / "fast.pt")
+    assert_bits(ckptfix.load(tmp_path / "fast.pt"), state)  # every CRC 0, as torch writes it: read unchecked
+    src = tmp_path / "altered.pt"
+    torch.save(state, src)
+    picks = {
+        "one storage": lambda name: name.endswith("/data/1"),
+        "every storage": lambda name: "/data/" in name,
+        "all but data.pkl": lambda name: not name.endswith("data.pkl"),
+    }
+    _zero_crcs(src, picks[zeroed])
+    for args in (["convert", str(src), str(tmp_path / "out.pt")], ["inspect", "--verify", str(src)]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, result.output
+        assert "fails its CRC check (stored 00000000" in result.output
+    with pytest.raises(ckptfix.FormatError, match="fails its CRC check"):
+        ckptfix.load(src)
+
+
+def test_a_file_saved_under_skip_data_is_refused_as_what_it_is(tmp_path: Path) -> None:
+    src = tmp_path / "skipped.pt"
+    with torch.serialization.skip_data():
+        torch.save({"w": torch.ones(3), "b": torch.ones(2)}, src)
+    message = "saved with skip_data: no tensor bytes"
+    for args in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out.pt")], ["convert", "--no-fast",
+                 str(src), str(tmp_path / "out.safetensors")]):  # fmt: skip
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "CRC" not in result.output
+        assert result.output.count("\n") == 1
+    with pytest.raises(ckptfix.FormatError, match=message):
+        ckptfix.load(src)

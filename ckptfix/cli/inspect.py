@@ -78,8 +78,12 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
     if "devices" in summary:
         where = ", ".join(f"{tag} ×{n}" for tag, n in summary["devices"].items())
         lines.append(f"saved on: {where} (the device tags of its storages)")
+    if summary.get("crc_stored") is False:
+        lines.append("no CRC stored: bytes not verified (saved with torch's compute_crc32=False)")
     if summary.get("verified") == "crc":
         lines.append("verified: every record read, every CRC matches")
+    elif "verified" in summary and summary.get("crc_stored") is False:
+        lines.append("verified: every record read (it stores no CRC to check)")
     elif "verified" in summary:
         lines.append("verified: every byte read (this format holds no checksums)")
     return lines
