@@ -15,7 +15,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckptfix.checkpoint import is_tensor
 from ckptfix.errors import MismatchError
+from ckptfix.formats import inert
 from ckptfix.renames import format_rules, likely_renames, prefix_swaps
 
 if TYPE_CHECKING:
@@ -217,7 +219,12 @@ def compare_keys(state: Mapping[str, Any], model: torch.nn.Module, *, source: st
         got = state.get(key)
         if got is None:
             continue
-        if tuple(got.shape) != tuple(want.shape):
+        if not (is_tensor(got) and is_tensor(want)):
+            # a value that is not a tensor (a quantized Linear's packed params and their dtype, extra state):
+            # load_state_dict hands it to the module as it is, so only a tensor where none belongs is wrong
+            if is_tensor(got) != is_tensor(want):
+                report.wrong_dtype[key] = (_kind(got), _kind(want))
+        elif tuple(got.shape) != tuple(want.shape):
             report.wrong_shape[key] = (tuple(got.shape), tuple(want.shape))
         elif dtype_name(got) != dtype_name(want):
             report.wrong_dtype[key] = (dtype_name(got), dtype_name(want))
@@ -225,8 +232,8 @@ def compare_keys(state: Mapping[str, Any], model: torch.nn.Module, *, source: st
     report.tied = tied_in(missing, state, tied_keys(expected))
     missing = [k for k in missing if k not in report.tied]
     if missing and report.unexpected:
-        shapes = {k: tuple(v.shape) for k, v in state.items()}
-        shapes.update({k: tuple(v.shape) for k, v in expected.items() if k not in state})
+        shapes = {k: tuple(v.shape) for k, v in state.items() if is_tensor(v)}
+        shapes.update({k: tuple(v.shape) for k, v in expected.items() if k not in state and is_tensor(v)})
         report.renamed = likely_renames(missing, report.unexpected, shapes)
         report.rename_swaps = prefix_swaps(
             report.renamed,
@@ -247,6 +254,14 @@ def compare_keys(state: Mapping[str, Any], model: torch.nn.Module, *, source: st
 def dtype_name(value: Any) -> str:
     """``float32`` for a tensor (``torch.float32``) and for a tensor record (``"float32"``) alike."""
     return str(value.dtype).removeprefix("torch.")
+
+
+def _kind(value: Any) -> str:
+    """A tensor's dtype, or the type of a value that is not a tensor (``tuple (not a tensor)``)."""
+    if is_tensor(value):
+        return dtype_name(value)
+    inert_global = isinstance(value, type) and issubclass(value, inert.Global)  # torch.qint8 as the file names it
+    return f"{value.full if inert_global else type(value).__name__} (not a tensor)"
 
 
 def tied_keys(expected: Mapping[str, Any]) -> dict[str, list[str]]:

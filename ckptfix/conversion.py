@@ -161,6 +161,12 @@ def convert_file(
         write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size)
     conversion.method = "torch"
     conversion.notes.extend(notes)
+    if in_fmt == "torch-zip" and not unsafe:
+        from ckptfix.formats.torchzip import stores_crcs
+        from ckptfix.formats.ziparchive import NO_CRC
+
+        if not stores_crcs(source):  # the output gets CRCs of its own, computed by torch.save
+            conversion.notes.append(f"{NO_CRC} in the input")
     _note_losses(conversion, out_fmt)
     return conversion
 

@@ -35,42 +35,52 @@ def _build(keys: Iterable[str]) -> _Node:
 
 
 def brace(names: list[str]) -> str:
-    """``['0','1','2','5']`` -> ``{0..2,5}``; a single name stays bare."""
+    """``['0','1','2','5']`` -> ``{0..2,5}``; a single name stays bare. Zero-padded numbers keep their width:
+    ``['00','01','02']`` -> ``{00..02}``."""
     if len(names) == 1:
         return names[0]
     parts: list[str] = []
     i = 0
     while i < len(names):
         j = i
-        while (
-            j + 1 < len(names)
-            and _is_int(names[j])
-            and _is_int(names[j + 1])
-            and int(names[j + 1]) == int(names[j]) + 1
-        ):
+        while j + 1 < len(names) and _follows(names[j], names[j + 1]):
             j += 1
         parts.append(f"{names[i]}..{names[j]}" if j - i >= 2 else ",".join(names[i : j + 1]))
         i = j + 1
     return "{" + ",".join(parts) + "}"
 
 
+def _follows(a: str, b: str) -> bool:
+    """Whether ``b`` is the number after ``a`` written the same way: both plain, or both padded to one width
+    (so that ``{lo..hi}`` expands back to exactly these names)."""
+    if not (_is_int(a) and _is_int(b)) or int(b) != int(a) + 1:
+        return False
+    return len(a) == len(b) if _padded(a) or _padded(b) else True
+
+
+def _padded(text: str) -> bool:
+    return len(text) > 1 and text.startswith("0")
+
+
 def _is_int(text: str) -> bool:
-    return re.fullmatch(r"\d+", text) is not None
+    return re.fullmatch(r"[0-9]+", text) is not None
 
 
-def _render(prefix: str, node: _Node, out: list[str]) -> None:
+def _render(prefix: str, node: _Node, out: list[tuple[str, list[str]]], paths: list[str]) -> None:
+    """Append (line, the keys it stands for) for ``node``, reached by the key prefixes ``paths``."""
     if node.leaf and prefix:
-        out.append(prefix.rstrip("."))
+        out.append((prefix.removesuffix("."), [p.removesuffix(".") for p in paths]))
     groups: dict[frozenset[str], list[str]] = {}
     for name, child in node.children.items():
         groups.setdefault(child.signature(), []).append(name)
     for names in groups.values():
         child = node.children[names[0]]
         label = prefix + brace(names)
+        below = [f"{p}{name}." for p in paths for name in names]
         if not child.children:
-            out.append(label)
+            out.append((label, [p.removesuffix(".") for p in below]))
         else:
-            _render(label + ".", child, out)
+            _render(label + ".", child, out, below)
 
 
 def group_keys(keys: Iterable[str]) -> list[str]:
@@ -79,8 +89,13 @@ def group_keys(keys: Iterable[str]) -> list[str]:
     >>> group_keys(["a.0.weight", "a.0.bias", "a.1.weight", "a.1.bias", "b"])
     ['a.{0,1}.{weight,bias}', 'b']
     """
-    lines: list[str] = []
-    _render("", _build(keys), lines)
+    return [line for line, _ in groups(keys)]
+
+
+def groups(keys: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """:func:`group_keys`, each line with the keys it stands for (whatever the keys hold: braces, commas, dots)."""
+    lines: list[tuple[str, list[str]]] = []
+    _render("", _build(keys), lines, [""])
     return lines
 
 
@@ -92,7 +107,8 @@ def expand(pattern: str) -> list[str]:
     out: list[str] = []
     for part in match.group(1).split(","):
         lo, sep, hi = part.partition("..")
-        options = [str(i) for i in range(int(lo), int(hi) + 1)] if sep else [part]
+        width = len(lo) if _padded(lo) else 0
+        options = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)] if sep else [part]
         for option in options:
             out.extend(expand(pattern[: match.start()] + option + pattern[match.end() :]))
     return out

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats import allowlist, detect_format, inert, read
 from ckptfix.formats.atomic import PathLike
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.dtypes import DTYPES, nbytes
 from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.opaque import read as opaque_read
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip
-from ckptfix.formats.ziparchive import Record, check_crc, verify_records
+from ckptfix.formats.ziparchive import Record, check_crc, stored_crc, verify_records
 from ckptfix.stream.folders import DcpTensor
 from ckptfix.stream.st import StTensor, tree_from_header
 
@@ -46,6 +46,7 @@ class Spec:
 
     dtype: str
     shape: tuple[int, ...]
+    layout: str = "strided"  # sparse_coo, sparse_csr, …: a real tensor loaded by torch
 
     @property
     def numel(self) -> int:
@@ -56,7 +57,7 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype].itemsize
+        return nbytes(self.dtype, self.numel)  # sub-byte dtypes (quint4x2) round up
 
 
 @dataclass(eq=False)
@@ -87,7 +88,27 @@ def spec(value: Any) -> Spec:
         return Spec(value.dtype, tuple(value.shape))
     if isinstance(value, StTensor):
         return Spec(value.dtype, tuple(value.shape))
-    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape))
+    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape), _layout(value))
+
+
+def _layout(value: Any) -> str:
+    return str(getattr(value, "layout", "strided")).removeprefix("torch.")
+
+
+def stored_bytes(value: Any) -> int:
+    """Bytes a tensor's data takes: a sparse tensor's indices and values, not the dense size its shape gives."""
+    layout = _layout(value)
+    if layout == "strided":
+        return spec(value).nbytes
+    if layout == "sparse_coo":
+        parts = [value._indices(), value._values()]
+    elif layout in ("sparse_csr", "sparse_bsr"):
+        parts = [value.crow_indices(), value.col_indices(), value.values()]
+    elif layout in ("sparse_csc", "sparse_bsc"):
+        parts = [value.ccol_indices(), value.row_indices(), value.values()]
+    else:
+        return 0  # a layout with no bytes of its own to count (never saved by torch.save today)
+    return sum(spec(p).nbytes for p in parts)
 
 
 def storage_of(value: Any) -> Hashable | None:
@@ -102,8 +123,8 @@ def storage_of(value: Any) -> Hashable | None:
         return ("pt", inert.tensor_of(value).storage.key)
     if isinstance(value, StTensor):
         return ("st", value.start)
-    if not hasattr(value, "untyped_storage"):  # a record of what a tensor is, with no bytes behind it
-        return None
+    if not hasattr(value, "untyped_storage") or _layout(value) != "strided":
+        return None  # a record of what a tensor is, with no bytes behind it; a sparse tensor, which has no storage
     return (str(value.device), value.untyped_storage().data_ptr())
 
 
@@ -134,6 +155,9 @@ class Opened:
     zip: TorchZip | None = None
     before: tuple[int, ...] = ()
     verified: set[str] = field(default_factory=set)  # zip records whose CRC was checked
+    # torch zips: how many storages each location tag names (``{"cuda:0": 120, "cpu": 3}``), kept when torch loads
+    locations: dict[str, int] | None = None
+    crc_stored: bool = True  # False: a torch zip saved without CRCs, read unchecked
 
     def __enter__(self) -> Opened:
         return self
@@ -176,7 +200,7 @@ class Opened:
         length = rec.size - start if length is None else length
         if start == 0 and length == rec.size and rec.name not in self.verified:
             data = _pread(self.fd, rec.data_offset, rec.size, source=self.source)
-            check_crc(self.source, rec.name, rec.crc, zlib.crc32(data))
+            check_crc(self.source, rec.name, stored_crc(rec), zlib.crc32(data))
             self.verified.add(rec.name)
             return data
         if rec.name not in self.verified:  # a view of part of a storage: check the whole record once, in chunks
@@ -279,8 +303,11 @@ def open_checkpoint(
         if reason is None:
             return opened
         os.close(fd)
+        locations, crc_stored = opened.locations, opened.crc_stored
+    else:
+        locations, crc_stored = None, True
     obj = (opaque_read if opaque else read)(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
-    return Opened(source=source, fmt=fmt, tree=obj, note=reason)
+    return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations, crc_stored=crc_stored)
 
 
 def _torch_needed(fmt: str, *, unsafe: bool) -> str | None:
@@ -314,7 +341,9 @@ def _describe(
         if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
             raise sharded
     verified = {r.name for r in z.archive.records} if verify else set()
-    return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified)
+    locations = dict(Counter(ref.location for ref in z.storages.values()))
+    return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified,
+                  locations=locations, crc_stored=z.archive.crc_stored)  # fmt: skip
 
 
 def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
@@ -404,6 +433,9 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
     except BaseException:
         opened.close(check=False)
         raise
+    tagged = [p.locations for p in opened.parts if p.locations is not None]
+    opened.locations = dict(sum((Counter(t) for t in tagged), Counter())) if tagged else None
+    opened.crc_stored = all(p.crc_stored for p in opened.parts)
     notes = [f"{os.path.basename(p.source)} is {p.note}" for p in opened.parts if p.note]
     opened.note = notes[0] if notes else None
     return opened

@@ -18,8 +18,8 @@ from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.formats.shards import DTensorRecord, flat_param_keys
-from ckptfix.keytree import expand, group_keys
-from ckptfix.reading import OpenedFolder, open_checkpoint, spec, storage_of
+from ckptfix.keytree import groups as key_groups
+from ckptfix.reading import OpenedFolder, open_checkpoint, spec, storage_of, stored_bytes
 from ckptfix.stream.folders import DcpTensor, chunking
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -68,15 +68,16 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     else:
         shards = {}
     ways = chunks or shards
-    parts: dict[str | None, list[str]] = {}
-    for k in specs:
-        parts.setdefault(ways.get(k), []).append(k)
+    # keys grouped per way and per layout (strided, sparse_coo, …), so that each group line says both
+    parts: dict[tuple[str | None, str], list[str]] = {}
+    for k, found in specs.items():
+        parts.setdefault((ways.get(k), found.layout), []).append(k)
     order = {k: i for i, k in enumerate(specs)}
-    lines = sorted(((line, way) for way, keys in parts.items() for line in group_keys(keys)),
-                   key=lambda item: order[expand(item[0])[0]])  # fmt: skip
+    # each line with the keys it stands for, never parsed back from the line: keys may hold braces or commas
+    lines = sorted(((line, keys, part) for part, names in parts.items() for line, keys in key_groups(names)),
+                   key=lambda item: order[item[1][0]])  # fmt: skip
     groups = []
-    for line, way in lines:
-        keys = expand(line)
+    for line, keys, (way, kind) in lines:
         shapes = {specs[k].shape for k in keys}
         dtypes = {specs[k].dtype for k in keys}
         group = {
@@ -86,6 +87,8 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
             "dtype": next(iter(dtypes)) if len(dtypes) == 1 else "mixed",
             "numel": sum(specs[k].numel for k in keys),
         }
+        if kind != "strided":  # sparse: the shape is the dense tensor's
+            group["layout"] = kind
         if ways:
             group["chunking" if chunks else "sharding"] = way
         groups.append(group)
@@ -93,7 +96,7 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
         "layout": layouts.detect(list(state.keys()), source=source).name,
         "tensors": len(specs),
         "parameters": params,
-        "bytes": sum(s.nbytes for s in specs.values()),
+        "bytes": sum(s.nbytes if s.layout == "strided" else stored_bytes(state[k]) for k, s in specs.items()),
         "dtypes": dict(Counter(s.dtype for s in specs.values())),
         "batchnorm_buffers": len(bn),
         "batchnorm_modules": len({k.rsplit(".", 1)[0] for k in bn}),
@@ -162,10 +165,14 @@ def summarize(
         }
     if ckpt.note is not None:
         summary["loaded_with_torch"] = ckpt.note
+    if not ckpt.crc_stored:  # saved with torch's compute_crc32=False: every record's CRC is 0
+        summary["crc_stored"] = False
+    if ckpt.locations:  # torch zips: the location tag of each storage, as torch.load(map_location=None) uses it
+        summary["devices"] = ckpt.locations
     if verify:
         parts = folder.parts if folder else [ckpt]
         zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)
-        summary["verified"] = "crc" if zips and not unsafe else "read"
+        summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
     return summary
 
 

@@ -22,7 +22,7 @@ from ckptfix.formats import inert
 from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.safetensors import tensor_bytes
 from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.ziparchive import Record, ZipWriter, check_crc
+from ckptfix.formats.ziparchive import Record, ZipWriter, check_crc, stored_crc
 from ckptfix.reading import FolderTensor, Opened, identity, spec
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import DcpTensor
@@ -207,7 +207,7 @@ class _TorchZip(StreamedWriter):
             whole = t.offset == 0 and t.is_contiguous() and spec(t).nbytes == source.size
             if not whole or t.storage.key in self.written:
                 return  # a view of a larger storage: copied whole from the input at the end
-            self._record(t.storage.key, tensor_bytes(tensor), crc=source.crc)
+            self._record(t.storage.key, tensor_bytes(tensor), crc=stored_crc(source))  # None: computed
         elif rec.storage.key not in self.written:
             self._record(rec.storage.key, tensor_bytes(tensor))
 
@@ -245,7 +245,7 @@ class _TorchZip(StreamedWriter):
             _pwrite_all(self.fd, data, offset + done)
             crc = zlib.crc32(data, crc)
             done += len(data)
-        check_crc(self.base.source, source.name, source.crc, crc)
+        check_crc(self.base.source, source.name, stored_crc(source), crc)
         self.writer.end(crc)
         self.written.add(key)
 

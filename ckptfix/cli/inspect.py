@@ -66,6 +66,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
             count = f"{group['count']} × " if group["count"] > 1 else ""
             line = f"  {printable(group['keys']):<{width}}  {count}{group['dtype']} {shape}"
+            if "layout" in group:
+                line += f" {group['layout']}"
             if "chunking" in group or "sharding" in group:  # DCP: where its chunks are; DTensor: its placement
                 line += f"  ({group.get('chunking') or group.get('sharding')})"
             lines.append(line)
@@ -73,8 +75,15 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             lines.append(f"  … {len(groups) - max_groups} more groups (--all shows them)")
     for key, text in summary["other_entries"].items():
         lines.append(f"entry '{key}': {text}")
+    if "devices" in summary:
+        where = ", ".join(f"{tag} ×{n}" for tag, n in summary["devices"].items())
+        lines.append(f"saved on: {where} (the device tags of its storages)")
+    if summary.get("crc_stored") is False:
+        lines.append("no CRC stored: bytes not verified (saved with torch's compute_crc32=False)")
     if summary.get("verified") == "crc":
         lines.append("verified: every record read, every CRC matches")
+    elif "verified" in summary and summary.get("crc_stored") is False:
+        lines.append("verified: every record read (it stores no CRC to check)")
     elif "verified" in summary:
         lines.append("verified: every byte read (this format holds no checksums)")
     return lines

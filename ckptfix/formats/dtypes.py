@@ -14,6 +14,7 @@ class DType(NamedTuple):
     itemsize: int
     safetensors: str | None  # the safetensors code, None when safetensors cannot store it
     storage: str | None  # the legacy typed-storage class torch.save pickles for it, if any
+    per_item: int = 1  # values packed in each item: shapes, offsets and strides count values, storages items
 
 
 DTYPES: dict[str, DType] = {
@@ -37,12 +38,21 @@ DTYPES: dict[str, DType] = {
     "float8_e4m3fnuz": DType(1, None, None),
     "float8_e5m2fnuz": DType(1, None, None),
     "float8_e8m0fnu": DType(1, None, None),
+    # bytes torch saves and loads (torch.load rebuilds them as they are) without arithmetic on them: carried bit
+    # for bit. safetensors has no code for any of them (its F4 is not read by safetensors.torch up to 0.8).
+    "complex32": DType(4, None, None),
+    "float4_e2m1fn_x2": DType(1, None, None),  # one item holds two values, but torch counts items
+    "bits8": DType(1, None, None),
+    "bits16": DType(2, None, None),
+    "bits1x8": DType(1, None, None),
+    "bits2x4": DType(1, None, None),
+    "bits4x2": DType(1, None, None),
     # quantized dtypes: their storages are sized in these units, so the storage-size rule covers them too
     "qint8": DType(1, None, "QInt8Storage"),
     "quint8": DType(1, None, "QUInt8Storage"),
     "qint32": DType(4, None, "QInt32Storage"),
-    "quint4x2": DType(1, None, "QUInt4x2Storage"),
-    "quint2x4": DType(1, None, "QUInt2x4Storage"),
+    "quint4x2": DType(1, None, "QUInt4x2Storage", per_item=2),  # sub-byte: torch counts their values, not bytes
+    "quint2x4": DType(1, None, "QUInt2x4Storage", per_item=4),
 }
 QUANTIZED = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
 # legacy storage class -> dtype name
@@ -54,6 +64,12 @@ FROM_SAFETENSORS: dict[str, str] = {d.safetensors: name for name, d in DTYPES.it
 def itemsize(name: str) -> int:
     """Bytes per element of dtype ``name`` (a KeyError for a name not in the table)."""
     return DTYPES[name].itemsize
+
+
+def nbytes(name: str, numel: int) -> int:
+    """Bytes that ``numel`` values of dtype ``name`` take (sub-byte dtypes round up to whole bytes)."""
+    dtype = DTYPES[name]
+    return -(-numel // dtype.per_item) * dtype.itemsize
 
 
 def storage_itemsize(storage_class: str) -> int | None:

@@ -23,7 +23,7 @@ from typing import IO, Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import allowlist, opscan
-from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, storage_itemsize
+from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
 
 MAX_DEPTH = 1000  # containers nested deeper than this are refused (consumers walk trees recursively)
 EXPANDED_LIMIT = 256 << 20  # bytes an expanded (stride-0) view may claim beyond its storage
@@ -169,7 +169,6 @@ def _check_view(func: str, args: tuple[Any, ...], *, dtype: str | None) -> None:
         )
     if dtype is None or dtype not in DTYPES:
         raise FormatError(f"tensor in storage '{ref.key}' has unknown dtype {dtype!r}; the file is corrupt")
-    width = DTYPES[dtype].itemsize
     numel, overflow = 1, any(v > _INT64 for v in (offset, *shape, *stride))
     for d in shape:  # torch multiplies the sizes in order and fails on overflow, even when a later size is 0
         numel *= d
@@ -182,14 +181,15 @@ def _check_view(func: str, args: tuple[Any, ...], *, dtype: str | None) -> None:
     if numel == 0:
         return
     extent = offset + 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True))
-    if extent * width > ref.nbytes:
+    reach, size = nbytes(dtype, extent), nbytes(dtype, numel)  # quint4x2 packs two values a byte
+    if reach > ref.nbytes:
         raise FormatError(
-            f"tensor in storage '{ref.key}' reaches byte {extent * width} of a {ref.nbytes}-byte storage; "
+            f"tensor in storage '{ref.key}' reaches byte {reach} of a {ref.nbytes}-byte storage; "
             f"the file is corrupt or crafted to read other records"
         )
-    if numel * width > ref.nbytes + EXPANDED_LIMIT:
+    if size > ref.nbytes + EXPANDED_LIMIT:
         raise FormatError(
-            f"tensor in storage '{ref.key}' is an expanded view of {numel * width} bytes over {ref.nbytes}; "
+            f"tensor in storage '{ref.key}' is an expanded view of {size} bytes over {ref.nbytes}; "
             f"materializing it would take that much memory (limit {EXPANDED_LIMIT} bytes beyond its storage)"
         )
 

@@ -247,8 +247,8 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
             raise OutputError(f"{out_s}: key '{key}' holds a {type(t).__name__}, not a tensor; write a .pt file")
         if safetensors_code(dtype_name(t.dtype)) is None:
             raise OutputError(
-                f"{out_s}: key '{key}' has dtype {dtype_name(t.dtype)}, which safetensors cannot store; "
-                f"write a .pt file"
+                f"{out_s}: key '{key}': not supported yet: dtype {dtype_name(t.dtype)} in .safetensors (it has no "
+                f"code for it); write a .pt file"
             )
         if t.layout != torch.strided:
             raise OutputError(f"{out_s}: key '{key}' is a {t.layout} tensor; densify it or write a .pt file")

@@ -18,7 +18,15 @@ from typing import Any
 from ckptfix.errors import FormatError
 from ckptfix.formats import inert
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.ziparchive import Archive, Record, check_crc, damaged, read_archive, verify_records
+from ckptfix.formats.ziparchive import (
+    Archive,
+    Record,
+    check_crc,
+    damaged,
+    read_archive,
+    verify_records,
+    without_crcs,
+)
 
 # The small records torch.save writes besides data.pkl and the storages, in its order.
 HEAD = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
@@ -54,7 +62,7 @@ def read_torch_zip(
         archive = read_archive(fd, path, start=start, end=end)
         pkl = _pickle_record(archive, path)
         data = os.pread(fd, pkl.size, pkl.data_offset)
-        check_crc(path, pkl.name, pkl.crc, zlib.crc32(data))
+        _check_pickle_crc(archive, pkl, data, path=path)
         (tree,), storages = inert.load(
             data, source=path, allowed=allowed, as_data=as_data, refused=refused, plain=plain
         )
@@ -68,6 +76,8 @@ def read_torch_zip(
                 f"{path}: record '{rec.name}' holds {rec.size} bytes but its storage needs {ref.nbytes}; "
                 f"the file is corrupt"
             )
+    if archive.crc_stored:
+        _refuse_skipped_data(fd, path, archive, storages)
     order = archive.get("byteorder")
     byteorder = os.pread(fd, min(order.size, 16), order.data_offset).decode("ascii", "replace") if order else "little"
     if byteorder not in ("little", "big"):
@@ -75,6 +85,52 @@ def read_torch_zip(
     if verify:
         verify_records(fd, path, archive.records)
     return TorchZip(archive, tree, storages, byteorder, pkl)
+
+
+def _check_pickle_crc(archive: Archive, pkl: Record, data: bytes, *, path: str) -> None:
+    """Check data.pkl's CRC, or mark the archive as saved without CRCs.
+
+    ``torch.save`` with ``torch.utils.serialization.config.save.compute_crc32 = False`` writes 0 as the CRC of
+    every record, and torch's reader never checks CRCs. Only that whole-file form counts: every record's CRC 0
+    while data.pkl's bytes, always read, have another (a real CRC is 0 once in 2^32). A file with some CRCs 0 and
+    others not is checked record by record, so a damaged or altered file cannot skip the check for some records;
+    one with none is read unchecked, and says so (``inspect``, ``convert -v``).
+    """
+    actual = zlib.crc32(data)
+    if _without_crcs(archive, pkl, actual):
+        without_crcs(archive)
+        return
+    check_crc(path, pkl.name, pkl.crc, actual)
+
+
+def _without_crcs(archive: Archive, pkl: Record, actual: int) -> bool:
+    return pkl.crc == 0 and actual != 0 and all(r.crc == 0 for r in archive.records)
+
+
+def stores_crcs(path: str) -> bool:
+    """Whether the torch zip at ``path`` (already read and checked) stores CRCs: the central directory and
+    data.pkl read again, for a caller that loaded it with torch."""
+    with open(path, "rb") as f:
+        archive = read_archive(f.fileno(), path)
+        pkl = _pickle_record(archive, path)
+        return not _without_crcs(archive, pkl, zlib.crc32(os.pread(f.fileno(), pkl.size, pkl.data_offset)))
+
+
+_ZERO_PREFIX = 64 << 10  # bytes of each storage read to tell skip_data's zero-filled placeholders from data
+
+
+def _refuse_skipped_data(fd: int, path: str, archive: Archive, storages: dict[str, inert.StorageRef]) -> None:
+    """Refuse a file saved under ``torch.serialization.skip_data()``: storage records of the right size, zero-filled,
+    with CRC 0, beside records whose CRCs are real. A real storage's CRC is 0 once in 2^32, and then its bytes
+    are not zero (the CRC of zeros is not 0): only the first 64 KiB of records whose CRC is 0 are read."""
+    records = [rec for key in storages if (rec := archive.get(f"data/{key}")) is not None and rec.size]
+    if not records or any(rec.crc for rec in records):
+        return
+    if all(not any(os.pread(fd, min(rec.size, _ZERO_PREFIX), rec.data_offset)) for rec in records):
+        raise FormatError(
+            f"{path}: saved with skip_data: no tensor bytes (its {len(records)} storage record(s) are zero-filled "
+            f"placeholders of torch.serialization.skip_data()); save it again without skip_data"
+        )
 
 
 def _pickle_record(archive: Archive, path: str) -> Record:

@@ -56,6 +56,7 @@ class Record:
     internal_attr: int = 0
     external_attr: int = 0
     comment: bytes = b""
+    crc_stored: bool = True  # False in an archive saved without CRCs (see ckptfix.formats.torchzip): never checked
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Archive:
     records: list[Record]
     comment: bytes = b""
     end: int = 0  # where the records end and the central directory starts
+    crc_stored: bool = True  # False: saved without CRCs (every record's is 0), so none can be checked
 
     def __post_init__(self) -> None:
         first = self.records[0].name if self.records else ""
@@ -274,13 +276,28 @@ _WINDOW = 64 << 10
 _HEADER_ROOM = 1024  # a local header and a name of up to ~1 KB, read with the window
 
 
-def check_crc(path: str, name: str, stored: int, actual: int) -> None:
-    """The one CRC rule and its message."""
-    if actual != stored:
+def check_crc(path: str, name: str, stored: int | None, actual: int) -> None:
+    """The one CRC rule and its message (``stored`` None: the archive stores no CRC to check)."""
+    if stored is not None and actual != stored:
         raise FormatError(
             f"{path}: record '{name}' fails its CRC check (stored {stored:08x}, actual {actual:08x}); "
             f"the file is corrupt: re-download or re-save it"
         )
+
+
+NO_CRC = "no CRC stored: bytes not verified"  # what inspect and convert -v say of an archive saved without CRCs
+
+
+def stored_crc(rec: Record) -> int | None:
+    """The CRC ``rec``'s bytes must have; None in an archive saved without CRCs (the bytes are read unchecked)."""
+    return rec.crc if rec.crc_stored else None
+
+
+def without_crcs(archive: Archive) -> None:
+    """Mark ``archive`` as saved without CRCs: its records' bytes are read as torch reads them, unchecked."""
+    archive.crc_stored = False
+    for rec in archive.records:
+        rec.crc_stored = False
 
 
 def verify_records(fd: int, path: str, records: list[Record]) -> None:
@@ -293,7 +310,7 @@ def verify_records(fd: int, path: str, records: list[Record]) -> None:
     # A file the page cache holds is hashed on up to four threads (nothing else runs meanwhile); a cold one is
     # read front to back by one, the fastest way through it.
     warm = cached(fd, min(r.data_offset for r in records), max(r.data_offset + r.size for r in records))
-    checks = [Check(r.name, r.data_offset, r.size, r.crc) for r in records]
+    checks = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in records]
     verifier = Verifier(fd, checks, source=path, workers=min(os.cpu_count() or 1, 4) if warm else None)
     verifier.start()
     verifier.more()

@@ -25,7 +25,7 @@ from ckptfix.formats.opaque import carry, describe
 from ckptfix.formats.safetensors import losses_note, read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip, stand_ins, tensor_record
-from ckptfix.formats.ziparchive import verify_records
+from ckptfix.formats.ziparchive import NO_CRC, stored_crc, verify_records
 from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
@@ -151,6 +151,8 @@ def _write(
         if isinstance(locate, _PtLocator) and (lost := losses_note(params=locate.params, views=0, grads=locate.grads)):
             notes.append(lost)
         said = (", CRCs checked" if checks else "") + ("" if verify or not checks else " (.safetensors keeps none)")
+        if inp is not None and not inp.archive.crc_stored:
+            said = f", {NO_CRC}"
         return f"{len(plan.ranges)} tensors, {_moved(copier)}{said}"
     if inp is not None:
         with atomic_output(out) as f:
@@ -159,6 +161,8 @@ def _write(
             copier.run(zplan.jobs, checks=zplan.checks if verify else ())
             unchanged()
         said = ", CRCs checked" if verify else ", CRCs not checked: the output keeps the input's CRCs"
+        if not inp.archive.crc_stored:
+            said = f", {NO_CRC} (the output stores none either)"
         return f"{len(zplan.jobs)} records, {_moved(copier)}{said}"
     new_tree, sources = _st_to_torch_tree(tree)
     with atomic_output(out) as f:
@@ -232,7 +236,7 @@ class _PtLocator:
         keys, data_dir = self.keys, self.inp.archive.prefix + "data/"
         n = len(data_dir)
         return [
-            new_tuple(Check, (r.name, r.data_offset, r.size, r.crc))
+            new_tuple(Check, (r.name, r.data_offset, r.size, stored_crc(r)))
             for r in self.inp.archive.records
             if r.name[n:] in keys and r.name.startswith(data_dir)
         ]

@@ -296,7 +296,10 @@ def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
-        raise OutputError(f"{out}: key '{key}' has dtype {t.dtype}, which safetensors cannot store; write a .pt file")
+        raise OutputError(
+            f"{out}: key '{key}': not supported yet: dtype {t.dtype} in .safetensors (it has no code for it); "
+            f"write a .pt file"
+        )
     return key, t.dtype, t.shape, t.entry.nbytes if isinstance(t, DcpTensor) else t.nbytes
 
 

@@ -11,7 +11,7 @@ from ckptfix.errors import FormatError
 from ckptfix.formats import inert
 from ckptfix.formats.crc import Check
 from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip
-from ckptfix.formats.ziparchive import ALIGN, BLOCK, ZipWriter
+from ckptfix.formats.ziparchive import ALIGN, BLOCK, ZipWriter, stored_crc
 from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
 from ckptfix.stream.fallback import Fallback
 
@@ -68,10 +68,12 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
             # every record from here on is kept and stays where it was modulo 4096: one range, headers and all
             plan.writer.adopt(records[i:], shift=shift, end=inp.archive.end)
             plan.jobs.append(Job(rec.header_offset, rec.header_offset + shift, inp.archive.end - rec.header_offset))
-            plan.checks += [new_tuple(Check, (r.name, r.data_offset, r.size, r.crc)) for r in records[i:]]
+            plan.checks += [new_tuple(Check, (r.name, r.data_offset, r.size, stored_crc(r))) for r in records[i:]]
             break
         if rec is inp.pkl:
-            plan.writer.add(rec.name, pkl, zlib.crc32(pkl), like=rec)
+            # an input saved without CRCs gives an output without them (0, as torch writes): a CRC computed over
+            # bytes never checked would vouch for them
+            plan.writer.add(rec.name, pkl, zlib.crc32(pkl) if inp.archive.crc_stored else 0, like=rec)
             continue
         if rec.name in dropped:
             continue
@@ -81,7 +83,7 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
         offset = plan.writer.begin(rec.name, rec.size, like=rec, congruent_to=rec.data_offset if movable else None)
         plan.writer.end(rec.crc)
         plan.jobs.append(new_tuple(Job, (rec.data_offset, offset, rec.size)))
-        plan.checks.append(new_tuple(Check, (rec.name, rec.data_offset, rec.size, rec.crc)))
+        plan.checks.append(new_tuple(Check, (rec.name, rec.data_offset, rec.size, stored_crc(rec))))
     plan.writer.finish(inp.archive.comment)
     return plan
 
