@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "MergeError": "ckptfix.errors",
     "MismatchError": "ckptfix.errors",
     "OutputError": "ckptfix.errors",
+    "UsageError": "ckptfix.errors",
     "UnsafeCheckpointError": "ckptfix.errors",
     "Layout": "ckptfix.layouts",
     "detect": "ckptfix.layouts",
@@ -106,6 +107,9 @@ if TYPE_CHECKING:
     )
     from ckptfix.errors import (
         UnsafeCheckpointError as UnsafeCheckpointError,
+    )
+    from ckptfix.errors import (
+        UsageError as UsageError,
     )
     from ckptfix.formats import (
         load as load,

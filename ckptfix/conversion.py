@@ -14,14 +14,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
-from ckptfix.errors import OutputError
+from ckptfix.errors import UsageError
 from ckptfix.formats import detect_format, devices, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_apart, check_output
 from ckptfix.formats.safetensors import losses_note
-from ckptfix.layouts import TARGETS, Layout, parse_rename
+from ckptfix.layouts import Layout, parse_layout, parse_rename
 from ckptfix.signature import strict_keywords
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+# The names people write for them (torch's own aliases, and the mixed-precision shorthands), case-insensitive.
+DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "f32": "float32",
+    "fp16": "float16", "half": "float16", "f16": "float16",
+    "bf16": "bfloat16",
+    "fp64": "float64", "double": "float64", "f64": "float64",
+}  # fmt: skip
+
+
+def float_dtype(name: str | None) -> str | None:
+    """The canonical name of a floating-point dtype (``bf16`` → ``bfloat16``); :class:`UsageError` otherwise."""
+    if name is None:
+        return None
+    key = str(name).strip().lower().removeprefix("torch.")
+    found = DTYPE_ALIASES.get(key, key)
+    if found not in FLOAT_DTYPES:
+        choices = ", ".join([*FLOAT_DTYPES, *DTYPE_ALIASES])
+        raise UsageError(f"dtype={name!r}: not a floating-point dtype ckptfix casts to; choose one of {choices}")
+    return found
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,12 +56,9 @@ class ConvertOptions:
     dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.to is not None and self.to not in TARGETS:
-            raise OutputError(f"to={self.to!r}: unknown layout; choose one of {', '.join(TARGETS)}")
-        if self.dtype is not None and self.dtype not in FLOAT_DTYPES:
-            raise OutputError(
-                f"dtype={self.dtype!r}: not a floating-point dtype; choose one of {', '.join(FLOAT_DTYPES)}"
-            )
+        # frozen: the names people write (DDP, bf16, half) become the canonical ones once, here
+        object.__setattr__(self, "to", parse_layout(self.to))
+        object.__setattr__(self, "dtype", float_dtype(self.dtype))
         for rename in self.renames:
             parse_rename(rename)  # a bad pattern fails here, before any file is opened
 
@@ -105,6 +121,7 @@ def convert_file(
         model_only=model_only,
         dtype=dtype,
     )
+    dtype = options.dtype  # the canonical name (bf16 is bfloat16)
     source = os.fspath(src)
     out_fmt = output_format(dst)
     if shard_size is not None and out_fmt == "dcp":

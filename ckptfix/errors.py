@@ -32,6 +32,10 @@ class LayoutError(CkptfixError):
     """Key layout is ambiguous, collides after conversion, or cannot be mapped to the requested one."""
 
 
+class UsageError(CkptfixError, ValueError):
+    """An argument ckptfix cannot take: an unknown layout or dtype name, a bad option value (also a ValueError)."""
+
+
 class OutputError(CkptfixError):
     """The output cannot be written (same as input, folder missing or read-only, unsupported entries)."""
 
@@ -56,6 +60,7 @@ class DistributedError(CkptfixError):
 _FLAGS = {
     "strip_prefixes": "--strip-prefix", "add_prefixes": "--add-prefix", "renames": "--rename", "entries": "--entry",
     "entry": "--entry", "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
+    "dtype": "--dtype", "to": "--to",
 }  # fmt: skip
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|'[^']*')?")
 
@@ -85,5 +90,6 @@ __all__ = [
     "MismatchError",
     "OutputError",
     "UnsafeCheckpointError",
+    "UsageError",
     "as_flags",
 ]

@@ -10,9 +10,9 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 
-from ckptfix.errors import LayoutError
+from ckptfix.errors import LayoutError, UsageError
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,16 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
 Layout = Literal["single", "dp", "ddp", "compiled", "ddp-compiled", "compiled-ddp"]
 TARGETS: tuple[str, ...] = get_args(Layout)
 assert set(TARGETS) == set(LAYOUTS), "Layout and LAYOUTS must name the same layouts"
+
+
+def parse_layout(name: str | None) -> Layout | None:
+    """A layout name as people write it, case-insensitive (``DDP`` → ``ddp``); :class:`UsageError` if unknown."""
+    if name is None:
+        return None
+    key = str(name).strip().lower().replace("_", "-")
+    if key not in TARGETS:
+        raise UsageError(f"to={name!r}: unknown layout; choose one of {', '.join(TARGETS)}")
+    return cast("Layout", key)
 
 
 def layout_name(chain: Sequence[str]) -> str:

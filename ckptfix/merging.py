@@ -172,7 +172,7 @@ def merge_files(
     """
     from ckptfix.formats.shards import RankFilesError, ShardedCheckpointError, refuse_flat_params
 
-    _check_options(len(paths), buffers=buffers, to=to)
+    to = _check_options(len(paths), buffers=buffers, to=to)
     fmt = output_format(out)
     check_output(out, inputs=tuple(paths))
     labels = [os.fspath(p) for p in paths]
@@ -359,13 +359,13 @@ class _Diverged(Exception):  # noqa: N818 - a signal, not an error
     """Raised inside the output's block so that nothing is written."""
 
 
-def _check_options(count: int, *, buffers: str, to: str) -> None:
+def _check_options(count: int, *, buffers: str, to: str) -> str:
     if buffers not in BUFFER_STRATEGIES:
         raise MergeError(f"unknown buffer strategy '{buffers}': choose one of {', '.join(BUFFER_STRATEGIES)}")
-    if to not in layouts.LAYOUTS:
-        raise MergeError(f"unknown layout '{to}': choose one of {', '.join(layouts.TARGETS)}")
+    layout = layouts.parse_layout(to)  # a UsageError (exit 2) names the layouts; DDP is ddp
     if not count:
         raise MergeError("no inputs to merge; give one checkpoint per rank")
+    return str(layout)
 
 
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:

@@ -41,9 +41,9 @@ def test_a_misspelled_option_names_the_valid_ones(tmp_path: Path) -> None:
 
 
 def test_options_are_checked_once_before_any_file_is_opened(tmp_path: Path) -> None:
-    with pytest.raises(ckptfix.OutputError, match=r"to='plain': unknown layout; choose one of single, dp, ddp"):
+    with pytest.raises(ckptfix.UsageError, match=r"to='plain': unknown layout; choose one of single, dp, ddp"):
         ckptfix.convert_file(tmp_path / "missing.pt", tmp_path / "b.pt", to="plain")  # type: ignore[arg-type]
-    with pytest.raises(ckptfix.OutputError, match=r"dtype='int8': not a floating-point dtype"):
+    with pytest.raises(ckptfix.UsageError, match=r"dtype='int8': not a floating-point dtype"):
         ckptfix.ConvertOptions(dtype="int8")
 
 

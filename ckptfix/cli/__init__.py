@@ -125,7 +125,9 @@ class _Group(click.Group):
 def cli(debug: bool) -> None:
     """Make PyTorch checkpoints portable between single-device, DataParallel, DDP and torch.compile.
 
-    Exit codes: 0 success; 1 a check found a problem; 2 bad usage or an input that cannot be read safely.
+    Exit codes: 0 success; 1 a check found a problem; 2 bad usage or an input that cannot be read safely;
+    3 an internal error (a bug in ckptfix: please report it with --debug's traceback); 141 the output was closed
+    early (a pipe such as `| head`); 128 + N killed by signal N (SIGTERM: 143), outputs left as they were.
     """
 
 

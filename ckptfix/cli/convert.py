@@ -13,7 +13,13 @@ from ckptfix.layouts import TARGETS, Layout
 @click.command()
 @click.argument("src", metavar="IN", type=click.Path())
 @click.argument("dst", metavar="OUT", type=click.Path())
-@click.option("--to", type=click.Choice(TARGETS), default="single", show_default=True, help="Target key layout.")
+@click.option(
+    "--to",
+    type=click.Choice(TARGETS, case_sensitive=False),
+    default="single",
+    show_default=True,
+    help="Target key layout.",
+)
 @click.option("--keep-layout", is_flag=True, help="Do not change the layout (only rename, cast or change format).")
 @click.option("--strip-prefix", multiple=True, metavar="P", help="Remove P from every key (all keys must have it).")
 @click.option("--add-prefix", multiple=True, metavar="P", help="Put P in front of every key, after the layout change.")

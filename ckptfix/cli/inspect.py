@@ -8,7 +8,8 @@ from typing import Any
 import click
 
 from ckptfix.cli.options import safety_options
-from ckptfix.cli.render import human_bytes, printable
+from ckptfix.cli.render import printable
+from ckptfix.units import human_bytes
 
 _FOLDERS = {
     "shards": "folder",

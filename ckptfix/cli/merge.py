@@ -20,7 +20,13 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("inputs", metavar="RANK0 RANK1 …", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Merged checkpoint.")
-@click.option("--to", type=click.Choice(TARGETS), default="single", show_default=True, help="Output key layout.")
+@click.option(
+    "--to",
+    type=click.Choice(TARGETS, case_sensitive=False),
+    default="single",
+    show_default=True,
+    help="Output key layout.",
+)
 @click.option(
     "--buffers",
     type=click.Choice(BUFFER_STRATEGIES),

@@ -69,11 +69,3 @@ def by_change(title: str, changes: dict[str, tuple[Any, Any]], fmt: str) -> None
         groups[fmt.format(a=shown[0], b=shown[1])].append(key)
     for change, keys in groups.items():
         section(f"{title}, {change}", keys)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"

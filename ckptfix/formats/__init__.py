@@ -11,6 +11,7 @@ The input format is decided by content (magic bytes), the output format by OUT's
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 from collections.abc import Iterable
@@ -29,6 +30,7 @@ def detect_format(path: PathLike) -> str:
     ``folder`` is a folder of shards or training state, or a shard index file (JSON) in one.
     """
     source = os.fspath(path)
+    refuse_remote(source)
     if os.path.isdir(source):
         return "folder"
     try:
@@ -80,8 +82,21 @@ def _not_a_dcp_shard(source: str) -> None:
         )
 
 
+def refuse_remote(path: str) -> None:
+    """An ``s3://``, ``gs://``, ``hf://`` or ``https://`` address is said to be one, not called a missing file."""
+    if _REMOTE.match(path):
+        raise FormatError(
+            f"{path}: remote paths are not read yet; download the file first (aws s3 cp, gsutil cp, "
+            f"huggingface-cli download, curl -O) and pass the local copy"
+        )
+
+
+_REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def output_format(path: PathLike) -> str:
     """``torch`` or ``safetensors`` from OUT's extension; ``dcp`` for a folder (ending in ``/`` or existing)."""
+    refuse_remote(os.fspath(path))
     if os.fspath(path).endswith(os.sep) or os.path.isdir(path):
         return "dcp"
     name = os.fspath(path).lower()
@@ -89,7 +104,10 @@ def output_format(path: PathLike) -> str:
         return "safetensors"
     if name.endswith(TORCH_EXTENSIONS):
         return "torch"
-    raise OutputError(f"{os.fspath(path)}: unknown output extension; use .pt, .pth or .bin (torch) or .safetensors")
+    raise OutputError(
+        f"{os.fspath(path)}: unknown output extension; use {', '.join(TORCH_EXTENSIONS)} (torch) or .safetensors, "
+        f"or end it with / for a DCP folder"
+    )
 
 
 def load(

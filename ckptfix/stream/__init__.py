@@ -31,6 +31,7 @@ from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header
 from ckptfix.stream.torchzip import Source, plan_new_torch, plan_torch_to_torch
+from ckptfix.units import human_bytes
 
 # Recipes the writers reproduce exactly; any other call (quantized, sparse, subclass) goes the torch way.
 _WRITABLE = frozenset(
@@ -180,15 +181,8 @@ def _write(
 def _moved(copier: Copier) -> str:
     """What the file system did: blocks shared with the input (nothing written) and bytes copied."""
     if copier.shared:
-        return f"{_size(copier.shared)} shared with the input, {_size(copier.copied)} copied"
-    return f"{_size(copier.copied)} copied"
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} bytes"
+        return f"{human_bytes(copier.shared)} shared with the input, {human_bytes(copier.copied)} copied"
+    return f"{human_bytes(copier.copied)} copied"
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

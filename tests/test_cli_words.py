@@ -1,0 +1,78 @@
+"""The CLI takes names as people write them and says exactly what it does: dtype and layout spellings, remote
+paths, output extensions, exit codes, one size convention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ckptfix
+from ckptfix.cli import cli
+from ckptfix.units import human_bytes
+from tests.models import make_net, wrap
+
+
+@pytest.fixture
+def ddp(tmp_path: Path) -> Path:
+    path = tmp_path / "ddp.pt"
+    torch.save({"model": wrap("dp", make_net()).cpu().state_dict()}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("bf16", torch.bfloat16), ("BF16", torch.bfloat16), ("fp16", torch.float16), ("half", torch.float16),
+     ("fp32", torch.float32), ("float", torch.float32), ("torch.float64", torch.float64), ("double", torch.float64)],
+)  # fmt: skip
+def test_dtype_names_as_people_write_them(ddp: Path, tmp_path: Path, name: str, dtype: torch.dtype) -> None:
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "out.pt"), "--dtype", name])
+    assert result.exit_code == 0, result.output
+    state = torch.load(tmp_path / "out.pt", weights_only=True)["model"]
+    assert state["head.weight"].dtype == dtype and state["features.1.num_batches_tracked"].dtype == torch.int64
+
+
+def test_a_bad_dtype_or_layout_names_the_flag_in_the_cli_and_the_keyword_in_the_library(
+    ddp: Path, tmp_path: Path
+) -> None:
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.pt"), "--dtype", "int8"])
+    assert result.exit_code == 2 and "--dtype 'int8': not a floating-point dtype" in result.output, result.output
+    assert "bf16" in result.output and not (tmp_path / "o.pt").exists()
+    for options, word in (({"to": "module"}, "to='module': unknown layout"), ({"dtype": "fp8"}, "dtype='fp8'")):
+        with pytest.raises(ckptfix.UsageError, match=word) as caught:
+            ckptfix.convert_file(ddp, tmp_path / "o.pt", **options)
+        assert isinstance(caught.value, ValueError)
+
+
+def test_layout_names_are_case_insensitive(ddp: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "c.pt"), "--to", "Compiled"])
+    assert result.exit_code == 0, result.output
+    assert all(k.startswith("_orig_mod.") for k in torch.load(tmp_path / "c.pt", weights_only=True)["model"])
+    ckptfix.convert_file(ddp, tmp_path / "s.pt", to="SINGLE")  # type: ignore[arg-type]
+    assert "head.weight" in torch.load(tmp_path / "s.pt", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/ckpt.pt", "https://example.com/m.safetensors", "hf://org/model"])
+def test_a_remote_path_is_said_to_be_one(tmp_path: Path, ddp: Path, url: str) -> None:
+    for args in (["convert", url, str(tmp_path / "o.pt")], ["inspect", url], ["convert", str(ddp), url]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2 and "remote paths are not read yet; download the file first" in result.output
+
+
+def test_the_extension_message_lists_every_extension_accepted(ddp: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.txt")])
+    assert result.exit_code == 2 and ".pt, .pth, .bin, .ckpt, .tar (torch) or .safetensors" in result.output
+    assert CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.ckpt")]).exit_code == 0
+
+
+def test_help_lists_every_exit_code() -> None:
+    text = CliRunner().invoke(cli, ["--help"]).output
+    assert all(f"{code} " in text for code in ("0", "1", "2", "3", "141"))
+
+
+def test_one_size_convention() -> None:
+    assert [human_bytes(n) for n in (512, 1_000, 68_900, 1_610_612_736, 2 * 10**12)] == [
+        "512 B", "1.0 kB", "68.9 kB", "1.6 GB", "2.0 TB"
+    ]  # fmt: skip
