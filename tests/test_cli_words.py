@@ -76,3 +76,24 @@ def test_one_size_convention() -> None:
     assert [human_bytes(n) for n in (512, 1_000, 68_900, 1_610_612_736, 2 * 10**12)] == [
         "512 B", "1.0 kB", "68.9 kB", "1.6 GB", "2.0 TB"
     ]  # fmt: skip
+
+
+def test_convert_and_sanitize_say_what_they_did_as_json(ddp: Path, tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "m.safetensors"
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(out), "--model-only", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert set(report) == {"input", "output", "method", "changes", "kept", "dropped", "notes"}
+    assert report["changes"] == [
+        {"entry": "model", "layout_from": "ddp", "layout_to": "single", "keys": 16, "renamed": 16}
+    ]
+    assert report["method"] == "stream" and report["output"] == str(out) and out.exists()
+    from argparse import Namespace
+
+    src = tmp_path / "args.pt"
+    torch.save({"model": make_net().state_dict(), "args": Namespace(lr=0.1)}, src)
+    result = CliRunner().invoke(cli, ["sanitize", str(src), str(tmp_path / "clean.pt"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["converted"] == {"argparse.Namespace -> dict": 1}

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import cast
+import dataclasses
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 
 from ckptfix.cli.options import safety_options
+from ckptfix.cli.render import echo_json
 from ckptfix.layouts import TARGETS, Layout
+
+if TYPE_CHECKING:
+    from ckptfix.checkpoint import Conversion
 
 
 @click.command()
@@ -42,6 +47,7 @@ from ckptfix.layouts import TARGETS, Layout
     "is a folder).",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: README, CLI).")
 @safety_options
 def convert(
     src: str,
@@ -58,6 +64,7 @@ def convert(
     no_verify: bool,
     shard_size: int | None,
     verbose: bool,
+    as_json: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
@@ -94,6 +101,9 @@ def convert(
         entries=list(entries) if entries else None,
         model_only=model_only,
     )
+    if as_json:
+        echo_json(conversion_json(result, src=src, dst=dst))
+        return
     for change in result.changes:
         where = f"'{change.entry}'" if change.entry else "state dict"
         click.echo(
@@ -113,6 +123,19 @@ def convert(
             if note.startswith(KEPT):
                 click.echo(f"ckptfix: {note}", err=True)
     click.echo(f"wrote {dst}")
+
+
+def conversion_json(result: Conversion, *, src: str, dst: str) -> dict[str, Any]:
+    """``convert --json``: the facts the text output gives, under stable keys."""
+    return {
+        "input": src,
+        "output": dst,
+        "method": result.method,  # "stream": bytes copied, no tensor loaded; "torch": loaded and saved
+        "changes": [dataclasses.asdict(change) for change in result.changes],
+        "kept": list(result.kept),
+        "dropped": list(result.dropped),
+        "notes": list(result.notes),
+    }
 
 
 def _parse_size(value: str) -> int:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from ckptfix.cli.render import echo
+from ckptfix.cli.render import echo, echo_json
 
 
 @click.command()
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
 @click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False))
-def sanitize(src: str, dst: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: README, CLI).")
+def sanitize(src: str, dst: str, as_json: bool) -> None:
     """Write OUT, a copy of torch checkpoint IN that torch.load(weights_only=True) opens, keeping what is data.
 
     Nothing in IN is run: its pickle is read inertly. argparse.Namespace becomes a dict, pathlib paths strings,
@@ -24,6 +25,14 @@ def sanitize(src: str, dst: str) -> None:
     from ckptfix.sanitizing import sanitize
 
     result = sanitize(src, dst)
+    if as_json:
+        echo_json({
+            "input": src,
+            "output": dst,
+            "converted": dict(sorted(result.converted.items())),
+            "dropped": [{"where": d.where, "what": d.what, "why": d.why} for d in result.dropped],
+        })  # fmt: skip
+        return
     for change, count in sorted(result.converted.items()):
         echo(f"rewrote {count} × {change}")
     for dropped in result.dropped:
