@@ -157,7 +157,7 @@ def _header(size: int, size_mb: int, cache: str, repeat: int, where: str) -> str
 
 def _standard(folder: Path, pt: Path, st: Path, args: argparse.Namespace, size_mb: int, repeat: int) -> str:
     o = folder / "out"
-    ckptfix = [*CKPTFIX, "convert"]
+    ckptfix = [*CKPTFIX, "convert", "--force"]
     methods: list[Method] = [
         ("cp", pt, ["cp", str(pt), f"{o}.pt"], Path(f"{o}.pt")),
         ("cp + sync", pt, ["sh", "-c", f'cp "{pt}" "{o}.pt" && sync "{o}.pt"'], Path(f"{o}.pt")),
@@ -221,7 +221,7 @@ def _xfs(folder: Path, args: argparse.Namespace, size_mb: int, repeat: int) -> s
     with _xfs_mount(folder, (size_mb << 20) * 6 + (1 << 30)) as fs:
         pt, st = _make_inputs(fs, size_mb)
         o = fs / "out"
-        cli = [*CKPTFIX, "convert"]
+        cli = [*CKPTFIX, "convert", "--force"]
         methods: list[Method] = [
             ("cat IN > /dev/null (read once)", pt, ["sh", "-c", f'cat "{pt}" > /dev/null'], Path(f"{o}.none")),
             ("ckptfix --version (start-up: Python, click)", pt, [*CKPTFIX, "--version"], Path(f"{o}.none")),

@@ -97,14 +97,14 @@ def _du(path: Path) -> int:
 
 
 def _methods(src: Path, out: Path, kind: str) -> list[tuple[str, list[str]]]:
-    ckptfix = [*CKPTFIX, "convert", str(src), str(out / "ckptfix.safetensors")]
+    ckptfix = [*CKPTFIX, "convert", str(src), str(out / "ckptfix.safetensors"), "--force"]
     if kind.startswith("dcp"):
         ckptfix += ["--model-only", "--entry", "model"]
     methods = [
         ("cp -r + sync", ["sh", "-c", f"cp -r {src} {out / 'copy'} && sync"]),
         ("ckptfix convert → .safetensors", ckptfix),
         # the whole checkpoint, as dcp_to_torch_save writes it
-        ("ckptfix convert → .pt", [*CKPTFIX, "convert", str(src), str(out / "ckptfix.pt")]),
+        ("ckptfix convert → .pt", [*CKPTFIX, "convert", str(src), str(out / "ckptfix.pt"), "--force"]),
     ]
     if kind.startswith("dcp"):
         methods.append(("torch dcp_to_torch_save → .pt", [PY, "-c", TORCH_DCP, str(src), str(out / "torch.pt")]))

@@ -85,7 +85,8 @@ def _commands(pt: Path, st: Path, o: Path) -> dict[str, tuple[list[str], list[st
     out: dict[str, tuple[list[str], list[str], Path | None]] = {}
     for op, (src, ext) in ins.items():
         dst = o.with_suffix(ext)
-        out[op] = ([PY, "-m", "ckptfix", "convert", str(src), str(dst)], [PY, "-c", TORCH[op], str(src), str(dst)], dst)
+        mine = [PY, "-m", "ckptfix", "convert", str(src), str(dst), "--force"]
+        out[op] = (mine, [PY, "-c", TORCH[op], str(src), str(dst)], dst)
     out["load .pt"] = ([PY, "-c", CKPTFIX_LOAD, str(pt)], [PY, "-c", TORCH["load .pt"], str(pt)], None)
     return out
 

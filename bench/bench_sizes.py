@@ -148,9 +148,13 @@ def _commands(folder: Path, layers: int) -> dict[str, tuple[list[str], list[str]
         return [PY, "-c", TORCH[op], *map(str, args)]
 
     return {
-        "convert .pt": ([*CKPTFIX, "convert", str(a), str(o_pt), "--to", "ddp"], torch("convert .pt", a, o_pt), o_pt),
+        "convert .pt": (
+            [*CKPTFIX, "convert", str(a), str(o_pt), "--to", "ddp", "--force"],
+            torch("convert .pt", a, o_pt),
+            o_pt,
+        ),
         "convert .safetensors": (
-            [*CKPTFIX, "convert", str(a), str(o_st), "--to", "ddp"],
+            [*CKPTFIX, "convert", str(a), str(o_st), "--to", "ddp", "--force"],
             torch("convert .safetensors", a, o_st),
             o_st,
         ),
@@ -161,7 +165,7 @@ def _commands(folder: Path, layers: int) -> dict[str, tuple[list[str], list[str]
             None,
         ),
         "diff": ([*CKPTFIX, "diff", str(a), str(b)], torch("diff", a, b), None),
-        "merge": ([*CKPTFIX, "merge", str(a), str(a2), "-o", str(o_pt)], torch("merge", o_pt, a, a2), o_pt),
+        "merge": ([*CKPTFIX, "merge", str(a), str(a2), "-o", str(o_pt), "--force"], torch("merge", o_pt, a, a2), o_pt),
     }
 
 

@@ -98,12 +98,16 @@ def convert_file(
     fast: bool = True,
     verify: bool = True,
     shard_size: int | None = None,
+    overwrite: bool = False,
 ) -> Conversion:
     """Convert checkpoint ``src`` into ``dst`` (format from its extension); returns what changed.
 
     ``src`` may be a folder (transformers shards, an accelerate ``save_state`` folder, a DCP folder) or its
     index file. ``dst`` ending in ``/`` (or an existing empty folder) gets a DCP folder; ``shard_size`` (bytes)
     writes transformers shards of at most that size beside ``dst`` (or in it, when it is a folder).
+
+    An existing ``dst`` file is refused unless ``overwrite=True`` (it is then replaced atomically); an output
+    folder must be new or empty.
 
     ``result.method`` says which path ran ("stream" or "torch") and ``result.notes`` why and what was copied.
     ``verify=False`` lets the fast path skip reading a .pt input for its CRCs when the output is a .pt: the
@@ -127,7 +131,7 @@ def convert_file(
     if shard_size is not None and out_fmt == "dcp":
         dst, out_fmt = os.path.join(dst, "model.safetensors"), "safetensors"  # shards in that folder
     if out_fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
-        check_output(dst, inputs=(src,))
+        check_output(dst, inputs=(src,), overwrite=overwrite)
     else:
         check_apart(dst, inputs=(src,))
     in_fmt = detect_format(src)

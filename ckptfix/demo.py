@@ -119,7 +119,9 @@ def _check(source: str, path: Path, out: Path, images: torch.Tensor, labels: tor
             dst = out / "converted" / f"{source}-to-{target}{ext}"
             try:
                 # safetensors holds tensors only: the model entry goes alone.
-                convert_file(path, dst, to=cast("layouts.Layout", target), model_only=ext == ".safetensors")
+                convert_file(  # --out DIR may hold a previous run's files: the demo's own, replaced
+                    path, dst, to=cast("layouts.Layout", target), model_only=ext == ".safetensors", overwrite=True
+                )
             except CkptfixError as e:
                 row.plain = row.wrapped = f"FAIL: {e}"
                 rows.append(row)

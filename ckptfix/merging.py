@@ -154,6 +154,7 @@ def merge_files(
     allow_globals: Iterable[str] = (),
     unsafe: bool = False,
     model_only: bool = False,
+    overwrite: bool = False,
 ) -> MergeResult:
     """Merge per-rank files (or folders) into ``out`` key by key; nothing is written when parameters diverge.
 
@@ -174,7 +175,7 @@ def merge_files(
 
     to = _check_options(len(paths), buffers=buffers, to=to)
     fmt = output_format(out)
-    check_output(out, inputs=tuple(paths))
+    check_output(out, inputs=tuple(paths), overwrite=overwrite)
     labels = [os.fspath(p) for p in paths]
     allowed = tuple(allow_globals)
     options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": set(buffer_keys),

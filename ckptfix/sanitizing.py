@@ -78,11 +78,11 @@ class _Drop(Exception):  # noqa: N818 - a signal: leave this object out, for thi
 
 
 @strict_keywords
-def sanitize(src: PathLike, dst: PathLike) -> Sanitized:
+def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Sanitized:
     """Write ``dst``, a copy of torch checkpoint ``src`` that ``torch.load(weights_only=True)`` opens.
 
     Nothing of ``src`` is run. Returns what was dropped (and why) and what was rewritten; ``dst`` is written
-    atomically, in the format its extension names.
+    atomically, in the format its extension names; an existing ``dst`` is refused unless ``overwrite=True``.
 
     >>> result = ckptfix.sanitize("epoch_12.pth", "epoch_12.clean.pth")
     >>> [str(d) for d in result.dropped]   # ["message_hub['log_scalars']['train/loss']: mmengine... (...)"]
@@ -95,7 +95,7 @@ def sanitize(src: PathLike, dst: PathLike) -> Sanitized:
         kind = "holds no pickle" if fmt == "safetensors" else "is not a torch zip file (torch.save since 1.6)"
         raise FormatError(f"{source}: {kind}; sanitize rewrites the pickle of a torch zip checkpoint")
     out_fmt = output_format(dst)
-    check_output(dst, inputs=(src,))
+    check_output(dst, inputs=(src,), overwrite=overwrite)
     result = Sanitized()
     with open(source, "rb") as f:
         fd = f.fileno()

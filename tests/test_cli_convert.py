@@ -46,10 +46,10 @@ def test_custom_prefixes_and_renames(tmp_path: Path) -> None:
     result = run("convert", str(src), str(out), "--strip-prefix", "model.", "--to", "ddp")
     assert result.exit_code == 0, result.output
     assert all(k.startswith("module.features") or k.startswith("module.head") for k in ckptfix.load(out)["state_dict"])
-    result = run("convert", str(src), str(out), "--rename", r"^model\.head\.=classifier.", "--keep-layout")
+    result = run("convert", str(src), str(out), "--rename", r"^model\.head\.=classifier.", "--keep-layout", "--force")
     assert result.exit_code == 0, result.output
     assert "classifier.weight" in ckptfix.load(out)["state_dict"]
-    result = run("convert", str(src), str(out), "--strip-prefix", "net.")
+    result = run("convert", str(src), str(out), "--strip-prefix", "net.", "--force")
     assert result.exit_code == 2
     assert "--strip-prefix 'net.' does not match key 'model.features.0.weight'" in result.output
 

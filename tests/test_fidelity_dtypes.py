@@ -286,7 +286,7 @@ def test_inspect_and_convert_say_no_crc_is_stored(tmp_path: Path) -> None:
     assert "no CRC stored: bytes not verified" in _inspect(src)
     assert "verified: every record read (it stores no CRC to check)" in _inspect(src, "--verify")
     for fast in ([], ["--no-fast"]):
-        result = CliRunner().invoke(cli, ["convert", "-v", str(src), str(tmp_path / "out.pt"), *fast])
+        result = CliRunner().invoke(cli, ["convert", "-v", str(src), str(tmp_path / "out.pt"), *fast, "--force"])
         assert result.exit_code == 0, result.output
         assert "no CRC stored: bytes not verified" in result.output
     assert "crc_stored" not in _inspect(tmp_path / "out.pt", "--json")  # torch.save wrote CRCs this time

@@ -122,3 +122,31 @@ def test_the_library_refuses_alike(tmp_path: Path) -> None:
     with pytest.raises(OutputError, match="holds the input folder"):
         ckptfix.convert_file(folder, str(tmp_path) + "/")
     assert _tree_hash(folder) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "sanitize", "merge"])
+def test_an_existing_output_is_replaced_only_when_asked(tmp_path: Path, command: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": wrap("dp", make_net()).cpu().state_dict()}, src)
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"precious")
+    args = {"convert": ["convert", str(src), str(out)], "sanitize": ["sanitize", str(src), str(out)],
+            "merge": ["merge", str(src), str(src), "-o", str(out)]}[command]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and f"{out}: already exists" in result.output and "--force" in result.output
+    assert out.read_bytes() == b"precious"
+    result = CliRunner().invoke(cli, [*args, "--force"])
+    assert result.exit_code == 0, result.output
+    assert any(k.endswith("head.weight") for k in torch.load(out, weights_only=True)["model"])
+
+
+def test_the_library_refuses_an_existing_output_unless_overwrite(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.pt", tmp_path / "out.safetensors"
+    torch.save(make_net().state_dict(), src)
+    out.write_bytes(b"precious")
+    for call in (lambda **kw: ckptfix.convert_file(src, out, **kw), lambda **kw: ckptfix.sanitize(src, out, **kw)):
+        with pytest.raises(OutputError, match=r"already exists; write to a new path, or pass overwrite=True"):
+            call()
+        assert out.read_bytes() == b"precious"
+    ckptfix.convert_file(src, out, overwrite=True)
+    assert "head.weight" in ckptfix.load(out)

@@ -43,8 +43,9 @@ def _default_signals() -> None:
         signal.signal(signum, signal.SIG_DFL)
 
 
-def _signal_mid_write(command: list[str], folder: Path, signum: int) -> int:
-    """Run ``command``; once its temp file exists, deliver ``signum`` while it is frozen; return its exit status."""
+def _signal_mid_write(command: list[str], folder: Path, signum: int) -> tuple[int, str]:
+    """Run ``command``; once its temp file exists, deliver ``signum`` while it is frozen; return its exit status
+    and what it printed on stderr."""
     # The child starts with every signal at its default, as from a terminal: a shell running this test suite in
     # the background (`pytest &`) would have it inherit SIGINT ignored, and an ignored Ctrl-C is not sent by anyone.
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=folder,
@@ -62,7 +63,7 @@ def _signal_mid_write(command: list[str], folder: Path, signum: int) -> int:
         child.send_signal(signum)
         child.send_signal(signal.SIGCONT)
         child.wait(timeout=60)
-        return child.returncode
+        return child.returncode, child.stderr.read().decode(errors="replace")[-2000:]
     finally:
         if child.poll() is None:
             child.kill()
@@ -84,13 +85,13 @@ def _command(kind: str, ranks: list[Path], out: Path) -> list[str]:
 
 def _check(kind: str, signum: int, ranks: list[Path], tmp_path: Path) -> None:
     out = tmp_path / ("merged.pt" if kind != "convert" else "model.safetensors")
-    status = _signal_mid_write(_command(kind, ranks, out), tmp_path, signum)
+    status, stderr = _signal_mid_write(_command(kind, ranks, out), tmp_path, signum)
     assert _temp_files(tmp_path) == [], "the temp file was left behind"
     assert not out.exists()
     if kind == "save":  # a library call: the process ends by the signal itself, as it would have without ckptfix
-        assert status in (-signum, 128 + signum)
+        assert status in (-signum, 128 + signum), stderr
     else:  # the CLI exits 128 + N, as a shell reports a program a signal stopped
-        assert status == 128 + signum
+        assert status == 128 + signum, stderr
 
 
 def test_sigterm_during_merge_removes_the_temp_file(ranks: list[Path], tmp_path: Path) -> None:

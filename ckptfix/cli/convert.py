@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
-from ckptfix.cli.options import safety_options
+from ckptfix.cli.options import force_option, safety_options
 from ckptfix.cli.render import echo_json
 from ckptfix.layouts import TARGETS, Layout
 
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 )
 @click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: README, CLI).")
+@force_option
 @safety_options
 def convert(
     src: str,
@@ -65,6 +66,7 @@ def convert(
     shard_size: int | None,
     verbose: bool,
     as_json: bool,
+    overwrite: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
@@ -100,6 +102,7 @@ def convert(
         renames=rename,
         entries=list(entries) if entries else None,
         model_only=model_only,
+        overwrite=overwrite,
     )
     if as_json:
         echo_json(conversion_json(result, src=src, dst=dst))

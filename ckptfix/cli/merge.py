@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptfix.cli.options import model_from_options, safety_options
+from ckptfix.cli.options import force_option, model_from_options, safety_options
 from ckptfix.cli.render import LIST_LIMIT, echo, echo_json, section, warn
 from ckptfix.keytree import group_keys
 from ckptfix.layouts import TARGETS
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 @click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
 @click.option("--model-only", is_flag=True, help="Write only the merged model state dict; drop RANK0's other entries.")
 @click.option("--json", "as_json", is_flag=True, help="Print the merge report as JSON.")
+@force_option
 @safety_options
 def merge(
     inputs: tuple[str, ...],
@@ -50,6 +51,7 @@ def merge(
     kwargs: str | None,
     model_only: bool,
     as_json: bool,
+    overwrite: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
@@ -76,7 +78,7 @@ def merge(
     from ckptfix.formats.atomic import check_output
     from ckptfix.merging import merge_files
 
-    check_output(out, inputs=inputs)
+    check_output(out, inputs=inputs, overwrite=overwrite)
     for j, later in enumerate(inputs):
         for earlier in inputs[:j]:
             if os.path.realpath(later) == os.path.realpath(earlier):
@@ -92,6 +94,7 @@ def merge(
         allow_globals=allow_globals,
         unsafe=unsafe_pickle,
         model_only=model_only,
+        overwrite=overwrite,
     )
     for message in result.warnings:
         warn(message)

@@ -30,6 +30,14 @@ def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+force_option = click.option(
+    "--force",
+    "overwrite",
+    is_flag=True,
+    help="Replace OUT if it exists (atomically: the old file stays whole until the new one is). Default: refuse.",
+)
+
+
 def model_from_options(model_spec: str, kwargs: str | None, *, device: str | None = None) -> torch.nn.Module:
     """The model of ``--model`` and ``--kwargs`` (on ``device``, see ``build_model``); errors name the flags.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ckptfix.cli.options import force_option
 from ckptfix.cli.render import echo, echo_json
 
 
@@ -11,7 +12,8 @@ from ckptfix.cli.render import echo, echo_json
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
 @click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: README, CLI).")
-def sanitize(src: str, dst: str, as_json: bool) -> None:
+@force_option
+def sanitize(src: str, dst: str, as_json: bool, overwrite: bool) -> None:
     """Write OUT, a copy of torch checkpoint IN that torch.load(weights_only=True) opens, keeping what is data.
 
     Nothing in IN is run: its pickle is read inertly. argparse.Namespace becomes a dict, pathlib paths strings,
@@ -24,7 +26,7 @@ def sanitize(src: str, dst: str, as_json: bool) -> None:
     """
     from ckptfix.sanitizing import sanitize
 
-    result = sanitize(src, dst)
+    result = sanitize(src, dst, overwrite=overwrite)
     if as_json:
         echo_json({
             "input": src,

@@ -22,8 +22,9 @@ from ckptfix.errors import CkptfixError, OutputError
 PathLike = str | os.PathLike[str]
 
 
-def check_output(out: PathLike, *, inputs: tuple[PathLike, ...] = ()) -> None:
-    """Refuse, before any work is done, an OUT that cannot be written or that is one of the inputs."""
+def check_output(out: PathLike, *, inputs: tuple[PathLike, ...] = (), overwrite: bool = True) -> None:
+    """Refuse, before any work is done, an OUT that cannot be written or that is one of the inputs; and, unless
+    ``overwrite``, one that exists (a command never destroys a file it was not told to)."""
     out_s = os.fspath(out)
     folder = os.path.dirname(os.path.abspath(out_s))
     if not os.path.isdir(folder):
@@ -33,6 +34,8 @@ def check_output(out: PathLike, *, inputs: tuple[PathLike, ...] = ()) -> None:
     if os.path.isdir(out_s):
         raise OutputError(f"{out_s}: is a folder; give a file name such as {os.path.join(out_s, 'model.pt')}")
     check_apart(out_s, inputs=inputs)
+    if not overwrite and os.path.lexists(out_s):
+        raise OutputError(f"{out_s}: already exists; write to a new path, or pass overwrite=True to replace it")
 
 
 def check_apart(out: PathLike, *, inputs: tuple[PathLike, ...]) -> None:
