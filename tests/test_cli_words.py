@@ -97,3 +97,18 @@ def test_convert_and_sanitize_say_what_they_did_as_json(ddp: Path, tmp_path: Pat
     result = CliRunner().invoke(cli, ["sanitize", str(src), str(tmp_path / "clean.pt"), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["converted"] == {"argparse.Namespace -> dict": 1}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--to", "single", "--keep-layout"], "--to single and --keep-layout ask for opposite things"),
+        (["--no-fast", "--no-verify"], "--no-verify is the fast path's and --no-fast turns it off"),
+    ],
+)
+def test_options_that_conflict_are_a_usage_error_naming_both(
+    ddp: Path, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.pt"), *flags])
+    assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "o.pt").exists()

@@ -87,6 +87,7 @@ def convert(
     """
     from ckptfix.conversion import convert_file
 
+    _refuse_conflicts(click.get_current_context(), keep_layout=keep_layout, no_fast=no_fast, no_verify=no_verify)
     result = convert_file(
         src,
         dst,
@@ -126,6 +127,20 @@ def convert(
             if note.startswith(KEPT):
                 click.echo(f"ckptfix: {note}", err=True)
     click.echo(f"wrote {dst}")
+
+
+def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, no_verify: bool) -> None:
+    """Options that ask for opposite things: a usage error naming both, before any file is opened."""
+    from ckptfix.errors import UsageError
+
+    given = ctx.get_parameter_source("to") == click.core.ParameterSource.COMMANDLINE
+    if keep_layout and given:
+        raise UsageError(
+            f"--to {ctx.params['to']} and --keep-layout ask for opposite things (a layout change, none); drop one"
+        )
+    if no_fast and no_verify:
+        raise UsageError("--no-verify is the fast path's and --no-fast turns it off (the torch path checks every "
+                         "CRC); drop one")  # fmt: skip
 
 
 def conversion_json(result: Conversion, *, src: str, dst: str) -> dict[str, Any]:
