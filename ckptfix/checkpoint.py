@@ -208,6 +208,8 @@ def convert_checkpoint(
         where = f"{source}[{name!r}]" if name else source
         state = get_entry(obj, name)
         before = layouts.detect(state.keys(), source=where)
+        if to is not None and not custom:
+            layouts.refuse_partly_wrapped(state.keys(), before, source=where)
         _check_strips(state.keys(), strips, source=where)
         staged = apply_maps(state, custom, source=where) if custom else state  # the custom maps' collisions first
         _, maps = layouts.conversion_maps(staged.keys(), to=to, source=where, found=None if custom else before)

@@ -62,7 +62,7 @@ _FLAGS = {
     "entry": "--entry", "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
     "dtype": "--dtype", "to": "--to", "overwrite": "--force",
 }  # fmt: skip
-_KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|'[^']*')?")
+_KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|None\b|'[^']*')?")
 
 
 def as_flags(message: str) -> str:
@@ -74,6 +74,8 @@ def as_flags(message: str) -> str:
 
     def flag(match: re.Match[str]) -> str:
         value = match.group(2)
+        if match.group(1) == "to" and value == "None":  # the library keeps the layout with to=None
+            return "--keep-layout"
         if match.group(1) == "allow_globals" and value:  # a dotted class name needs no quotes at a shell
             value = value[1:-1]
         return _FLAGS[match.group(1)] + (f" {value}" if value and value != "True" else "")

@@ -109,6 +109,22 @@ def detect(keys: Iterable[str], *, source: str = "state dict") -> Detected:
 # any/all stop at the first key that decides
 
 
+def refuse_partly_wrapped(keys: Iterable[str], found: Detected, *, source: str) -> None:
+    """A state dict where some keys, not all, still carry a wrapper's prefix once ``found``'s chain is peeled
+    (``module.fc.weight`` beside ``conv.weight``): converting it would leave those keys wrapped and say nothing."""
+    peel = sum(len(_OUTER[name].prefix) for name in found.chain)
+    inner = [k[peel:] for k in keys]
+    for wrapper in _OUTER.values():
+        some = [k for k in inner if k.startswith(wrapper.prefix)]
+        if some and len(some) < len(inner):
+            raise LayoutError(
+                f"{source}: {len(some)} of {len(inner)} keys start with '{wrapper.prefix}' (e.g. '{some[0]}') and "
+                f"the other {len(inner) - len(some)} do not: a partly wrapped state dict, which a layout change "
+                f"would leave as it is. Strip it from those keys with renames='^{re.escape(wrapper.prefix)}=', "
+                f"or keep every key as it is with to=None"
+            )
+
+
 def _all_prefixed(keys: Sequence[str], prefix: str) -> bool:
     return all(map(str.startswith, keys, repeat(prefix)))
 

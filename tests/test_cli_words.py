@@ -112,3 +112,20 @@ def test_options_that_conflict_are_a_usage_error_naming_both(
     result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.pt"), *flags])
     assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1, result.output
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_partly_wrapped_state_dict_is_said_to_be_one(tmp_path: Path) -> None:
+    state = make_net().state_dict()
+    state = {(f"module.{k}" if k.startswith("head") else k): v for k, v in state.items()}
+    src = tmp_path / "partial.pt"
+    torch.save({"model": state}, src)
+    result = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "o.pt")])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "2 of 16 keys start with 'module.' (e.g. 'module.head.weight') and the other 14 do not" in result.output
+    assert "--rename '^module\\.='" in result.output and "--keep-layout" in result.output
+    fixed = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "o.pt"), "--rename", "^module\\.="])
+    assert fixed.exit_code == 0 and "(2 renamed)" in fixed.output, fixed.output
+    kept = CliRunner().invoke(cli, ["convert", str(src), str(tmp_path / "k.pt"), "--keep-layout"])
+    assert kept.exit_code == 0, kept.output
+    with pytest.raises(ckptfix.LayoutError, match=r"renames='\^module\\\.=', or keep every key as it is with to=None"):
+        ckptfix.convert_file(src, tmp_path / "lib.pt")

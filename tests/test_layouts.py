@@ -50,13 +50,14 @@ def test_mixed_wrapped_and_plain_keys_is_an_error_naming_both() -> None:
         layouts.detect(["module.x", "x", "module.y"])
 
 
-def test_partial_prefix_is_not_stripped() -> None:
-    # A model whose submodule is really called "module" keeps its keys.
+def test_partial_prefix_is_not_stripped_and_is_said() -> None:
+    # Some keys with the prefix, some without: a partly wrapped state dict, or a submodule really called "module".
+    # Neither is guessed: the prefix is not peeled, and a layout change says so instead of passing it through.
     assert layouts.detect(["module.weight", "head.weight"]).chain == ()
-    assert list(convert({"module.weight": torch.zeros(1), "head.weight": torch.zeros(1)}, to="single")) == [
-        "module.weight",
-        "head.weight",
-    ]
+    state = {"module.weight": torch.zeros(1), "head.weight": torch.zeros(1)}
+    with pytest.raises(LayoutError, match=r"1 of 2 keys start with 'module\.' \(e\.g\. 'module\.weight'\)"):
+        convert(state, to="single")
+    assert list(convert(state, to=None)) == ["module.weight", "head.weight"]  # kept as they are when asked
 
 
 def test_double_module_prefix_peels_twice() -> None:
