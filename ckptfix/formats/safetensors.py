@@ -184,14 +184,16 @@ def sharing_groups(state: Mapping[str, Any]) -> list[list[str]]:
 
 
 def _is_simple(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, str)):
+    """Whether JSON gives ``value`` back as it is: exact types only (a tuple would come back a list, an
+    OrderedDict a dict, an int or str subclass its base), finite floats, string keys."""
+    if value is None or type(value) in (bool, int, str):
         return True
-    if isinstance(value, float):
+    if type(value) is float:
         return math.isfinite(value)
-    if isinstance(value, (list, tuple)):
+    if type(value) is list:
         return all(_is_simple(v) for v in value)
-    if isinstance(value, Mapping):
-        return all(isinstance(k, str) and _is_simple(v) for k, v in value.items())
+    if type(value) is dict:
+        return all(type(k) is str and _is_simple(v) for k, v in value.items())
     return False
 
 
