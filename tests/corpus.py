@@ -105,6 +105,12 @@ def _small() -> dict[str, torch.Tensor]:
     return {"w": w, "b": torch.arange(3), "tied": w, "half": torch.tensor([0.5, float("nan")], dtype=torch.float16)}
 
 
+def _full_checkpoint() -> dict[str, Any]:
+    """What a training loop saves: a module's state dict among values .safetensors metadata can hold (JSON)."""
+    return {"epoch": 3, "model": SmallNet().state_dict(), "loss": 0.25, "name": "run-1", "flags": [True, None],
+            "config": {"lr": 0.1, "steps": [1, 2]}, "big": 2**70}  # fmt: skip
+
+
 @contextmanager
 def saved_as(location: str) -> Iterator[None]:
     """Inside it, torch.save tags every storage with ``location``, as a save on that device would."""
@@ -189,6 +195,8 @@ PT_CASES: dict[str, Callable[[Path], None]] = {
     "parameters": _saver(_parameters),
     "plain-dict": _saver(lambda: dict(_small())),
     "module-state-dict": _saver(lambda: SmallNet().state_dict()),  # an OrderedDict with _metadata
+    "full-checkpoint": _saver(_full_checkpoint),
+    "full-checkpoint-tuple": _saver(lambda: {**_full_checkpoint(), "args": ("a", 2)}),  # JSON has no tuple
     "protocol-2": _saver(_small, pickle_protocol=2),
     "protocol-3": _saver(_small, pickle_protocol=3),
     "protocol-4": _saver(_small, pickle_protocol=4),  # torch.load(weights_only=True) refuses these two
