@@ -197,6 +197,31 @@ def _is_simple(value: Any) -> bool:
     return False
 
 
+# torch globals a weights-only pickle holds as values, by the type torch.load gives them
+_TORCH_TYPES = {
+    **{f"torch.{name}": "dtype" for name in DTYPES},
+    **{f"torch.{q}": "qscheme" for q in ("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric",
+                                         "per_channel_symmetric", "per_channel_affine_float_qparams")},
+}  # fmt: skip
+
+
+def _type_name(value: Any) -> str:
+    """The type of ``value`` as torch.load builds it, also for the fast path's stand-ins (not "Inert")."""
+    from ckptfix.formats import inert
+
+    if isinstance(value, inert.InertParameter):
+        return "Parameter"
+    if isinstance(value, inert.InertTensor):
+        return "Tensor"
+    if isinstance(value, inert.Inert):
+        return {"_codecs.encode": "bytes"}.get(value.func.full, value.func.name)
+    if isinstance(value, type) and issubclass(value, inert.Global):
+        return _TORCH_TYPES.get(value.full, value.full)
+    if isinstance(value, OrderedDict):
+        return "OrderedDict"
+    return type(value).__name__
+
+
 def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str, Any]]:
     """Split a checkpoint into the one state dict a safetensors file can hold and its ckptfix metadata."""
     bare = is_state_dict(obj)
@@ -228,7 +253,7 @@ def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str
             continue
         if not isinstance(key, str) or not _is_simple(value):
             raise OutputError(
-                f"{out}: entry '{key}' ({type(value).__name__}) cannot go into .safetensors metadata; "
+                f"{out}: entry '{key}' ({_type_name(value)}) cannot go into .safetensors metadata; "
                 f"write a .pt file to keep it, or model_only=True to keep only '{entry}'"
             )
         extras[key] = value
