@@ -111,6 +111,14 @@ def _full_checkpoint() -> dict[str, Any]:
             "config": {"lr": 0.1, "steps": [1, 2]}, "big": 2**70}  # fmt: skip
 
 
+def _python_values() -> dict[str, Any]:
+    """A state dict among the Python and torch values a weights-only pickle holds."""
+    return {"model": dict(_small()), "epoch": 3, "none": None, "neg_zero": -0.0, "size": torch.Size([2, 3]),
+            "dtype": torch.float16, "device": torch.device("cuda:1"), "complex": 1 - 2j, "bytes": b"a\x00",
+            "set": {1, 2}, "nan": float("nan"), "qscheme": torch.per_channel_affine, "layout": torch.sparse_csr,
+            "tensors": [torch.ones(2), (torch.zeros(1), 5)], "by_int": {1: "one"}}  # fmt: skip
+
+
 @contextmanager
 def saved_as(location: str) -> Iterator[None]:
     """Inside it, torch.save tags every storage with ``location``, as a save on that device would."""
@@ -197,6 +205,8 @@ PT_CASES: dict[str, Callable[[Path], None]] = {
     "module-state-dict": _saver(lambda: SmallNet().state_dict()),  # an OrderedDict with _metadata
     "full-checkpoint": _saver(_full_checkpoint),
     "full-checkpoint-tuple": _saver(lambda: {**_full_checkpoint(), "args": ("a", 2)}),  # JSON has no tuple
+    "full-checkpoint-dict": _saver(lambda: {"step": 1, "state_dict": dict(_small()), "none": None, "neg": -0.0}),
+    "python-values": _saver(_python_values),
     "protocol-2": _saver(_small, pickle_protocol=2),
     "protocol-3": _saver(_small, pickle_protocol=3),
     "protocol-4": _saver(_small, pickle_protocol=4),  # torch.load(weights_only=True) refuses these two
