@@ -35,8 +35,8 @@ DTYPES: dict[str, DType] = {
     "float8_e5m2": DType(1, "F8_E5M2", None),
     "complex64": DType(8, "C64", "ComplexFloatStorage"),
     "complex128": DType(16, None, "ComplexDoubleStorage"),
-    "float8_e4m3fnuz": DType(1, None, None),
-    "float8_e5m2fnuz": DType(1, None, None),
+    "float8_e4m3fnuz": DType(1, "F8_E4M3FNUZ", None),  # codes safetensors writes and reads (0.8 does)
+    "float8_e5m2fnuz": DType(1, "F8_E5M2FNUZ", None),
     "float8_e8m0fnu": DType(1, None, None),
     # bytes torch saves and loads (torch.load rebuilds them as they are) without arithmetic on them: carried bit
     # for bit. safetensors has no code for any of them (its F4 is not read by safetensors.torch up to 0.8).

@@ -184,15 +184,42 @@ def sharing_groups(state: Mapping[str, Any]) -> list[list[str]]:
 
 
 def _is_simple(value: Any) -> bool:
-    if value is None or isinstance(value, (bool, int, str)):
+    """Whether JSON gives ``value`` back as it is: exact types only (a tuple would come back a list, an
+    OrderedDict a dict, an int or str subclass its base), finite floats, string keys."""
+    if value is None or type(value) in (bool, int, str):
         return True
-    if isinstance(value, float):
+    if type(value) is float:
         return math.isfinite(value)
-    if isinstance(value, (list, tuple)):
+    if type(value) is list:
         return all(_is_simple(v) for v in value)
-    if isinstance(value, Mapping):
-        return all(isinstance(k, str) and _is_simple(v) for k, v in value.items())
+    if type(value) is dict:
+        return all(type(k) is str and _is_simple(v) for k, v in value.items())
     return False
+
+
+# torch globals a weights-only pickle holds as values, by the type torch.load gives them
+_TORCH_TYPES = {
+    **{f"torch.{name}": "dtype" for name in DTYPES},
+    **{f"torch.{q}": "qscheme" for q in ("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric",
+                                         "per_channel_symmetric", "per_channel_affine_float_qparams")},
+}  # fmt: skip
+
+
+def _type_name(value: Any) -> str:
+    """The type of ``value`` as torch.load builds it, also for the fast path's stand-ins (not "Inert")."""
+    from ckptfix.formats import inert
+
+    if isinstance(value, inert.InertParameter):
+        return "Parameter"
+    if isinstance(value, inert.InertTensor):
+        return "Tensor"
+    if isinstance(value, inert.Inert):
+        return {"_codecs.encode": "bytes"}.get(value.func.full, value.func.name)
+    if isinstance(value, type) and issubclass(value, inert.Global):
+        return _TORCH_TYPES.get(value.full, value.full)
+    if isinstance(value, OrderedDict):
+        return "OrderedDict"
+    return type(value).__name__
 
 
 def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str, Any]]:
@@ -226,7 +253,7 @@ def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str
             continue
         if not isinstance(key, str) or not _is_simple(value):
             raise OutputError(
-                f"{out}: entry '{key}' ({type(value).__name__}) cannot go into .safetensors metadata; "
+                f"{out}: entry '{key}' ({_type_name(value)}) cannot go into .safetensors metadata; "
                 f"write a .pt file to keep it, or model_only=True to keep only '{entry}'"
             )
         extras[key] = value
