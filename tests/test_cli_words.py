@@ -129,3 +129,13 @@ def test_a_partly_wrapped_state_dict_is_said_to_be_one(tmp_path: Path) -> None:
     assert kept.exit_code == 0, kept.output
     with pytest.raises(ckptfix.LayoutError, match=r"renames='\^module\\\.=', or keep every key as it is with to=None"):
         ckptfix.convert_file(src, tmp_path / "lib.pt")
+
+
+def test_inspect_columns_hold_when_a_key_group_is_wide(tmp_path: Path) -> None:
+    wide = "very.long.module.name." * 6 + "weight"
+    torch.save({wide: torch.ones(2), "b": torch.ones(3)}, tmp_path / "wide.pt")
+    lines = CliRunner().invoke(cli, ["inspect", str(tmp_path / "wide.pt")]).output.splitlines()
+    at = lines.index(f"  {wide}")  # the wide group alone on its line, its details on the next
+    details, other = lines[at + 1], next(line for line in lines if line.startswith("  b "))
+    assert details.strip() == "float32 [2]" and other.split()[-2:] == ["float32", "[3]"]
+    assert details.index("float32") == other.index("float32")

@@ -62,11 +62,16 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         if model["non_tensor_keys"]:
             lines.append(f"  non-tensor values: {', '.join(model['non_tensor_keys'])}")
         groups = model["groups"]
-        width = min(max((len(printable(g["keys"])) for g in groups), default=0), 80)
+        # the column fits the groups up to 100 characters; a wider one gets a line of its own
+        width = max((n for g in groups if (n := len(printable(g["keys"]))) <= 100), default=0)
         for group in groups[:max_groups]:
             shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
             count = f"{group['count']} × " if group["count"] > 1 else ""
-            line = f"  {printable(group['keys']):<{width}}  {count}{group['dtype']} {shape}"
+            keys = printable(group["keys"])
+            if len(keys) > width:  # a group wider than the column: its details on a line of their own, aligned
+                lines.append(f"  {keys}")
+                keys = ""
+            line = f"  {keys:<{width}}  {count}{group['dtype']} {shape}"
             if "layout" in group:
                 line += f" {group['layout']}"
             if "chunking" in group or "sharding" in group:  # DCP: where its chunks are; DTensor: its placement
