@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tests.models import SmallNet
+from tests.writers import save_without_crcs, saved_as, saved_on
 
 # every dtype torch.save writes as a plain tensor (a dtype missing from this torch is skipped)
 DTYPES = (
@@ -119,30 +119,6 @@ def _python_values() -> dict[str, Any]:
             "tensors": [torch.ones(2), (torch.zeros(1), 5)], "by_int": {1: "one"}}  # fmt: skip
 
 
-@contextmanager
-def saved_as(location: str) -> Iterator[None]:
-    """Inside it, torch.save tags every storage with ``location``, as a save on that device would."""
-    entry = (-1000, lambda storage: location, lambda storage, where: None)
-    torch.serialization._package_registry.append(entry)
-    torch.serialization._package_registry.sort(key=lambda e: e[0])
-    try:
-        yield
-    finally:
-        torch.serialization._package_registry.remove(entry)
-
-
-@contextmanager
-def saved_on(tags: dict[int, str]) -> Iterator[None]:
-    """Inside it, torch.save tags the storages whose ``_cdata`` is in ``tags`` with that location."""
-    entry = (-1000, lambda storage: tags.get(storage._cdata), lambda storage, where: None)
-    torch.serialization._package_registry.append(entry)
-    torch.serialization._package_registry.sort(key=lambda e: e[0])
-    try:
-        yield
-    finally:
-        torch.serialization._package_registry.remove(entry)
-
-
 def _byteswapped(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous, on its own storage) with each element's bytes reversed."""
     width = t.element_size()
@@ -163,20 +139,11 @@ def _save_big_endian(path: Path) -> None:
         sys.byteorder = real  # type: ignore[misc]
 
 
-def _save_without_crcs(obj: Any, path: Path) -> None:
-    from torch.utils.serialization import config
-
-    config.save.compute_crc32 = False  # torch then writes 0 as every record's CRC
-    try:
-        torch.save(obj, path)
-    finally:
-        config.save.compute_crc32 = True
-
-
 def _save_mixed_devices(path: Path) -> None:
     state = _small()
     other = torch.arange(3.0)
-    with saved_on({state["w"].untyped_storage()._cdata: "cuda:1", other.untyped_storage()._cdata: "cuda:0"}):
+    tags = {state["w"].untyped_storage()._cdata: "cuda:1", other.untyped_storage()._cdata: "cuda:0"}
+    with saved_on(lambda storage: tags.get(storage._cdata)):
         torch.save({**state, "other": other}, path)
 
 
@@ -215,7 +182,7 @@ PT_CASES: dict[str, Callable[[Path], None]] = {
     "legacy-views": _saver(_views, _use_new_zipfile_serialization=False),
     "cuda-tags": _save_cuda,
     "mixed-tags": _save_mixed_devices,
-    "no-crc32": lambda path: _save_without_crcs(_small(), path),
+    "no-crc32": lambda path: save_without_crcs(_small(), path),
 }
 
 # dtypes safetensors.torch writes and reads

@@ -6,8 +6,6 @@ storage's location in the pickle); the tests marked ``cuda`` run where a GPU is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,26 +16,9 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from tests.models import make_net, wrap
+from tests.writers import saved_as
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh runs these)")
-
-
-@contextmanager
-def saved_as(location: str, *, only: list[torch.Tensor] | None = None) -> Iterator[None]:
-    """Inside it, torch.save writes the storages (of ``only``'s tensors, else all) with ``location``, as a save
-    on that device would."""
-    chosen = None if only is None else {t.untyped_storage()._cdata for t in only}
-
-    def tag(storage: Any) -> str | None:
-        return location if chosen is None or storage._cdata in chosen else None
-
-    entry = (-1000, tag, lambda storage, where: None)
-    torch.serialization._package_registry.append(entry)
-    torch.serialization._package_registry.sort(key=lambda e: e[0])
-    try:
-        yield
-    finally:
-        torch.serialization._package_registry.remove(entry)
 
 
 def locations(path: Path) -> list[str]:

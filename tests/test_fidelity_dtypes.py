@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.writers import save_without_crcs
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),
@@ -232,7 +233,7 @@ def test_a_value_that_is_not_a_tensor_where_the_model_has_one_is_a_wrong_dtype(
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["described", "loaded-with-torch"])
 def test_inspect_says_which_devices_the_storages_were_saved_on(tmp_path: Path, quantized: bool) -> None:
-    from tests.test_devices import saved_as
+    from tests.writers import saved_as
 
     src = tmp_path / "mixed.pt"
     on_gpu = [torch.ones(3), torch.ones(4)]
@@ -247,16 +248,6 @@ def test_inspect_says_which_devices_the_storages_were_saved_on(tmp_path: Path, q
 
 
 # -- files saved without CRCs, or without their tensor bytes -----------------------------------------------------
-
-
-def _save_without_crcs(obj: Any, path: Path) -> None:
-    from torch.utils.serialization import config
-
-    config.save.compute_crc32 = False  # torch then writes 0 as every record's CRC
-    try:
-        torch.save(obj, path)
-    finally:
-        config.save.compute_crc32 = True
 
 
 def _zero_crcs(path: Path, names: Callable[[str], bool]) -> None:
@@ -275,13 +266,13 @@ def _zero_crcs(path: Path, names: Callable[[str], bool]) -> None:
 def test_a_file_saved_without_crcs_is_read_as_torch_reads_it(tmp_path: Path, path: str) -> None:
     src = tmp_path / "fast.pt"
     state = {"w": _random(torch.float32, (3, 5)), "b": _random(torch.bfloat16, (7,))}
-    _save_without_crcs(state, src)
+    save_without_crcs(state, src)
     assert_bits(PATHS[path](src, tmp_path), state)
 
 
 def test_inspect_and_convert_say_no_crc_is_stored(tmp_path: Path) -> None:
     src = tmp_path / "fast.pt"
-    _save_without_crcs({"w": torch.ones(3)}, src)
+    save_without_crcs({"w": torch.ones(3)}, src)
     assert _inspect(src, "--json")["crc_stored"] is False
     assert "no CRC stored: bytes not verified" in _inspect(src)
     assert "verified: every record read (it stores no CRC to check)" in _inspect(src, "--verify")
@@ -297,7 +288,7 @@ def test_inspect_and_convert_say_no_crc_is_stored(tmp_path: Path) -> None:
 )
 def test_only_a_file_with_every_crc_zero_is_read_unchecked(tmp_path: Path, zeroed: str) -> None:
     state = {"w": torch.ones(3), "b": torch.ones(2)}
-    _save_without_crcs(state, tmp_path / "fast.pt")
+    save_without_crcs(state, tmp_path / "fast.pt")
     assert_bits(ckptfix.load(tmp_path / "fast.pt"), state)  # every CRC 0, as torch writes it: read unchecked
     src = tmp_path / "altered.pt"
     torch.save(state, src)

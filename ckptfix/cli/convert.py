@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import click
 
-from ckptfix.cli.options import force_option, safety_options
+from ckptfix.cli.options import force_option, safety_options, to_option
 from ckptfix.cli.render import echo_json
-from ckptfix.layouts import TARGETS, Layout
+from ckptfix.layouts import Layout
 
 if TYPE_CHECKING:
     from ckptfix.checkpoint import Conversion
@@ -18,13 +18,7 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("src", metavar="IN", type=click.Path())
 @click.argument("dst", metavar="OUT", type=click.Path())
-@click.option(
-    "--to",
-    type=click.Choice(TARGETS, case_sensitive=False),
-    default="single",
-    show_default=True,
-    help="Target key layout.",
-)
+@to_option("Target key layout.")
 @click.option("--keep-layout", is_flag=True, help="Do not change the layout (only rename, cast or change format).")
 @click.option("--strip-prefix", multiple=True, metavar="P", help="Remove P from every key (all keys must have it).")
 @click.option("--add-prefix", multiple=True, metavar="P", help="Put P in front of every key, after the layout change.")

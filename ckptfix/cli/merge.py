@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptfix.cli.options import force_option, model_from_options, safety_options
+from ckptfix.cli.options import force_option, model_from_options, safety_options, to_option
 from ckptfix.cli.render import LIST_LIMIT, echo, echo_json, section, warn
 from ckptfix.keytree import group_keys
-from ckptfix.layouts import TARGETS
 from ckptfix.merging import BUFFER_STRATEGIES
 
 if TYPE_CHECKING:
@@ -20,13 +19,7 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("inputs", metavar="RANK0 RANK1 …", nargs=-1, required=True, type=click.Path())
 @click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Merged checkpoint.")
-@click.option(
-    "--to",
-    type=click.Choice(TARGETS, case_sensitive=False),
-    default="single",
-    show_default=True,
-    help="Output key layout.",
-)
+@to_option("Output key layout.")
 @click.option(
     "--buffers",
     type=click.Choice(BUFFER_STRATEGIES),

@@ -30,6 +30,15 @@ def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+def to_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--to LAYOUT``, any case (``DDP``), single by default."""
+    from ckptfix.layouts import TARGETS
+
+    return click.option(
+        "--to", type=click.Choice(TARGETS, case_sensitive=False), default="single", show_default=True, help=what
+    )
+
+
 force_option = click.option(
     "--force",
     "overwrite",
