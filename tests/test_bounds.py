@@ -1,0 +1,129 @@
+"""Hardening round 3: every count that decides work or memory bounded by what is on disk, clear refusals (exit 2,
+one line naming the file) where an internal error or a silent loss was, and a bounded run for each.
+
+Each hostile input is built byte by byte or with torch; each case checks the exit status, the one-line message,
+the input's bytes unchanged, no output or temp file left, and (resource cases) time and peak memory of the
+process, measured in a subprocess.
+"""
+
+from __future__ import annotations
+
+import _codecs
+import ast
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+_SCRIPT = Path(sys.executable).parent / "ckptfix"
+CKPTFIX = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ckptfix"]
+MAX_RSS_MB = 200  # the process's peak, torch imported or not
+MAX_SECONDS = 5.0
+
+
+# The measuring parent: a small process that starts the command and reports its exit status, wall time and peak
+# RSS. (A child forked from pytest would count pytest's own pages, torch included, in its peak: Linux keeps the
+# high-water mark across exec.)
+_MEASURE = """
+import os, subprocess, sys, time
+start = time.monotonic()
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(proc.pid, 0)
+print(os.waitstatus_to_exitcode(status), time.monotonic() - start, usage.ru_maxrss / 1024)
+"""
+
+
+def run(*args: str | os.PathLike[str], cwd: Path) -> tuple[int, str, float, float]:
+    """``ckptfix ARGS`` in a subprocess: exit status, stderr, wall seconds and peak RSS (MB) of that process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-c", _MEASURE, *CKPTFIX, *map(os.fspath, args)]
+    proc = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    code, seconds, rss = proc.stdout.split()
+    return int(code), proc.stderr, float(seconds), float(rss)
+
+
+def digest(path: Path) -> str:
+    if path.is_dir():
+        return "".join(f"{p.relative_to(path)}:{digest(p)}" for p in sorted(path.rglob("*")) if p.is_file())
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def refused(*args: str | os.PathLike[str], source: Path, cwd: Path, contains: str = "",
+            bounded: bool = False) -> str:  # fmt: skip
+    """Run ``ckptfix ARGS`` on ``source`` and check the refusal contract; returns the message."""
+    before, listing = digest(source), sorted(os.listdir(cwd))
+    code, stderr, seconds, rss = run(*args, cwd=cwd)
+    message = stderr.strip()
+    assert code == 2, f"exit {code}: {stderr[-2000:]}"
+    assert "Traceback" not in stderr and "\n" not in message, message
+    assert message.startswith("ckptfix: error:") and source.name in message, message
+    assert contains in message, message
+    assert digest(source) == before, "the input changed"
+    assert sorted(os.listdir(cwd)) == listing, f"left behind: {set(os.listdir(cwd)) - set(listing)}"
+    if bounded:
+        assert seconds < MAX_SECONDS, f"took {seconds:.1f} s"
+        assert rss < MAX_RSS_MB, f"peak RSS {rss:.0f} MB"
+    return message
+
+
+# --- item 7: no import circle in formats/ ------------------------------------------------------------------------
+
+
+def test_allowlist_does_not_import_the_shard_reader() -> None:
+    tree = ast.parse((ROOT / "ckptfix" / "formats" / "allowlist.py").read_text())
+    names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {n for n in names if n.startswith("ckptfix.formats.") and n != "ckptfix.formats.dtypes"}, names
+
+
+# --- item 1: counts in a pickle bounded by the file's bytes ------------------------------------------------------
+
+
+class _Encoded:
+    """Pickles as ``_codecs.encode(text, 'latin1')``: the bytes of a protocol-2 pickle."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __reduce__(self) -> Any:
+        return (_codecs.encode, (self.text, "latin1"))
+
+
+class _Array:
+    """Pickles as numpy does an ndarray (``_reconstruct`` then its state), with any shape: numpy not needed."""
+
+    def __init__(self, shape: tuple[int, ...], descr: str, data: str) -> None:
+        self.shape, self.descr, self.data = shape, descr, data
+
+    def __reduce__(self) -> Any:
+        np = pytest.importorskip("numpy")
+        reconstruct = np.ndarray.__reduce__(np.zeros(1))[0]
+        return (reconstruct, (np.ndarray, (0,), _Encoded("b")),
+                (1, self.shape, np.dtype(self.descr), False, _Encoded(self.data)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "descr"),
+    [((3_000_000, 0), "<U3"), ((10**9, 0), "<U3"), ((10**9,), "<U0"), ((2**64, 0), "<f8"), ((0, 2**63), "<U2")],
+)
+def test_sanitize_array_shape_bounded_by_file(tmp_path: Path, shape: tuple[int, ...], descr: str) -> None:
+    src = tmp_path / "arrays.pt"
+    torch.save({"w": torch.ones(2), "a": _Array(shape, descr, "")}, src)
+    assert src.stat().st_size < 4096
+    refused("sanitize", src, tmp_path / "out.pt", source=src, cwd=tmp_path, contains="key 'a'", bounded=True)
+
+
+def test_sanitize_small_empty_string_arrays_still_convert(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    src = tmp_path / "arrays.pt"
+    torch.save({"a": _Array((3, 0), "<U3", ""), "b": np.array([["x", "yz"]])}, src)
+    code, stderr, _, _ = run("sanitize", src, tmp_path / "out.pt", cwd=tmp_path)
+    assert code == 0, stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out == {"a": [[], [], []], "b": [["x", "yz"]]}
