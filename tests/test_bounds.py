@@ -127,3 +127,92 @@ def test_sanitize_small_empty_string_arrays_still_convert(tmp_path: Path) -> Non
     assert code == 0, stderr
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     assert out == {"a": [[], [], []], "b": [["x", "yz"]]}
+
+
+# --- items 2, 3, 5: DCP plans bounded by the data files, one path per planner entry, clear refusals ---------------
+
+
+def _dcp(tmp_path: Path, edit: Any) -> Path:
+    """A real one-process DCP folder whose Metadata object ``edit`` changes, pickled back as torch does."""
+    import pickle
+
+    from ckptfix.torchcompat import dcp_save_local
+
+    folder = tmp_path / "dcp"
+    state = {"model": {"a": torch.ones(3), "b": torch.zeros(2, 2), "c": torch.arange(4.0)}, "step": 3}
+    dcp_save_local(state, checkpoint_id=str(folder))
+    meta = folder / ".metadata"
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)  # our own file
+    edit(metadata)
+    with open(meta, "wb") as f:
+        pickle.dump(metadata, f)
+    return folder
+
+
+def test_dcp_metadata_bounded_by_its_data_files(tmp_path: Path) -> None:
+    def many(m: Any) -> None:
+        m.planner_data = [{} for _ in range(8_000_000)]  # 16 MB of pickle, over 2 GB unpickled
+
+    folder = _dcp(tmp_path, many)
+    assert (folder / ".metadata").stat().st_size > 15 << 20
+    for command in (["inspect", folder], ["convert", folder, tmp_path / "out.safetensors"]):
+        refused(*command, source=folder, cwd=tmp_path, contains="bytes of metadata for", bounded=True)
+
+
+def test_dcp_planner_entries_one_path_each(tmp_path: Path) -> None:
+    def same(m: Any) -> None:
+        m.planner_data["model.b"] = m.planner_data["model.a"]
+
+    folder = _dcp(tmp_path, same)
+    message = refused("convert", folder, tmp_path / "out.safetensors", source=folder, cwd=tmp_path)
+    assert "'model.a'" in message and "'model.b'" in message and "one path per planner entry" in message
+
+
+def test_dcp_planner_entry_under_another_value(tmp_path: Path) -> None:
+    def under(m: Any) -> None:
+        m.planner_data["model.a"] = ("step", "a")
+
+    folder = _dcp(tmp_path, under)
+    message = refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path)
+    assert "'model.a'" in message and "'step'" in message
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp\0x", "__0_0\ud800.distcp"])
+def test_dcp_relative_path_no_file_can_have(tmp_path: Path, name: str) -> None:
+    def rename(m: Any) -> None:
+        for info in m.storage_data.values():
+            info.relative_path = name
+
+    folder = _dcp(tmp_path, rename)
+    refused("inspect", folder, source=folder, cwd=tmp_path, contains="a name no file can have")
+
+
+@pytest.mark.parametrize("glob", ["Size", "FloatStorage", "UntypedStorage"])
+def test_dcp_dtype_not_a_dtype(tmp_path: Path, glob: str) -> None:
+    def dtype(m: Any) -> None:
+        m.state_dict_metadata["model.a"].properties.dtype = getattr(torch, glob)
+
+    folder = _dcp(tmp_path, dtype)
+    message = refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path, contains="dtype torch.")
+    assert f"{glob}, which is not a torch dtype" in message
+
+
+@pytest.mark.parametrize(("size", "says"), [(2**44, "needs 70368744177664 bytes"), (-6, "non-negative")])
+def test_dcp_global_shape_bounded_by_its_bytes(tmp_path: Path, size: int, says: str) -> None:
+    def shape(m: Any) -> None:
+        entry = m.state_dict_metadata["model.a"]
+        entry.size = entry.chunks[0].sizes = torch.Size([size])
+
+    folder = _dcp(tmp_path, shape)
+    for command in (["inspect", folder], ["convert", folder, tmp_path / "out.pt"], ["diff", folder, folder]):
+        refused(*command, source=folder, cwd=tmp_path, contains=says, bounded=True)
+
+
+def test_dcp_items_sharing_bytes(tmp_path: Path) -> None:
+    def share(m: Any) -> None:
+        infos = list(m.storage_data.values())
+        infos[1].offset, infos[1].length = infos[0].offset, infos[0].length
+
+    folder = _dcp(tmp_path, share)
+    refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path, contains="stored in the same bytes")
