@@ -216,3 +216,54 @@ def test_dcp_items_sharing_bytes(tmp_path: Path) -> None:
 
     folder = _dcp(tmp_path, share)
     refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path, contains="stored in the same bytes")
+
+
+# --- item 4: what a .pt output refuses, .safetensors and folder outputs refuse; headers the library reads ---------
+
+
+def _safetensors_by_hand(path: Path, shape: list[int]) -> None:
+    import json
+    import struct
+
+    raw = json.dumps({"e": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+OUTPUTS = (["out.pt"], ["out.safetensors"], ["shards/", "--shard-size", "1MB"], ["dcp_out/"])  # relative to cwd
+
+
+@pytest.mark.parametrize("size", [2**64, 2**63])
+def test_empty_tensor_past_64_bits_from_safetensors(tmp_path: Path, size: int) -> None:
+    src = tmp_path / "in.safetensors"
+    _safetensors_by_hand(src, [0, size])
+    for out, *options in OUTPUTS:
+        refused("convert", src, out, *options, source=src, cwd=tmp_path, contains="past 64 bits")
+
+
+@pytest.mark.parametrize("size", [2**64, 2**63])
+def test_empty_tensor_past_64_bits_from_dcp(tmp_path: Path, size: int) -> None:
+    def shape(m: Any) -> None:
+        entry = m.state_dict_metadata["model.b"]
+        entry.size = entry.chunks[0].sizes = torch.Size([0, size])
+
+    folder = _dcp(tmp_path, shape)
+    for out, *options in OUTPUTS:
+        message = refused("convert", folder, out, *options, source=folder, cwd=tmp_path)
+        assert "'model.b'" in message and "past 64 bits" in message
+
+
+def test_written_headers_are_ones_the_library_reads(tmp_path: Path) -> None:
+    from ckptfix.errors import OutputError
+    from ckptfix.formats.safetensors import LIBRARY_MAX_HEADER, encode_header
+
+    with pytest.raises(OutputError, match=r"^x\.safetensors: key 'e' has shape \[0, 18446744073709551616\]"):
+        encode_header({"e": None}, {}, [("e", "float32", (0, 2**64), 0)], {}, out="x.safetensors")
+    many = [(f"k{i:07d}", "float32", (0,), 0) for i in range(LIBRARY_MAX_HEADER // 60)]
+    with pytest.raises(OutputError, match=r"^x\.safetensors: its safetensors header would take \d+ bytes"):
+        encode_header(dict.fromkeys(k for k, *_ in many), {}, many, {}, out="x.safetensors")
+    safetensors = pytest.importorskip("safetensors.torch")
+    fine = [("e", "float32", (0, 2**62), 0)]
+    path = tmp_path / "ok.safetensors"
+    path.write_bytes(encode_header({"e": None}, {}, fine, {}, out=str(path)))
+    assert safetensors.load_file(path)["e"].shape == (0, 2**62)

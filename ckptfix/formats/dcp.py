@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats import allowlist, inert
-from ckptfix.formats.dtypes import DTYPES, nbytes
+from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -95,12 +95,15 @@ def _fields(obj: Any, cls: str, names: tuple[str, ...], *, source: str) -> dict[
     return state
 
 
-def _size(obj: Any, *, source: str) -> tuple[int, ...]:
+def _size(obj: Any, *, source: str, key: str) -> tuple[int, ...]:
     if isinstance(obj, inert.Inert) and obj.func.full == "torch.Size" and len(obj.args) == 1:
         dims = obj.args[0]
         if isinstance(dims, tuple) and all(type(d) is int and d >= 0 for d in dims):
+            if problem := shape_problem(dims):
+                raise FormatError(f"{source}: tensor '{key}': size {list(dims)} has {problem}; the metadata is damaged")
             return dims
-    raise FormatError(f"{source}: a tensor size is not a torch.Size of non-negative ints; the metadata is damaged")
+    raise FormatError(f"{source}: tensor '{key}': a size is not a torch.Size of non-negative ints; the metadata is "
+                      f"damaged")  # fmt: skip
 
 
 def read_dcp(root: str) -> Dcp:
@@ -202,7 +205,7 @@ def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> d
         if offset < 0 or length <= 0 or offset + length > sizes[path]:
             raise FormatError(f"{source}: '{fqn}' is stored at bytes {offset}..{offset + length} of {name}, which "
                               f"has {sizes[path]}; the file is truncated: copy the folder again")  # fmt: skip
-        chunk = None if idx.get("offset") is None else _size(idx["offset"], source=source)
+        chunk = None if idx.get("offset") is None else _size(idx["offset"], source=source, key=fqn)
         out[(fqn, chunk)] = Span(path, offset, length)
     _check_apart(out, source=source)
     return out
@@ -232,14 +235,14 @@ def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source:
             f"{source}: tensor '{key}' has dtype {what or type(dtype_glob).__name__}, which is not a torch dtype "
             f"ckptfix knows; the metadata is damaged or from an unsupported torch"
         )
-    shape = _size(fields.get("size"), source=source)
+    shape = _size(fields.get("size"), source=source, key=key)
     raw_chunks = fields.get("chunks")
     if not isinstance(raw_chunks, list) or len(raw_chunks) > MAX_CHUNKS:
         raise FormatError(f"{source}: tensor '{key}' has no chunk list (or over {MAX_CHUNKS}); metadata damaged")
     boxes = []
     for raw in raw_chunks:
         c = _fields(raw, _META + "ChunkStorageMetadata", ("offsets", "sizes"), source=source)
-        boxes.append((_size(c.get("offsets"), source=source), _size(c.get("sizes"), source=source)))
+        boxes.append((_size(c.get("offsets"), source=source, key=key), _size(c.get("sizes"), source=source, key=key)))
     _check_tiling(key, shape, boxes, source=source)
     chunks = []
     for offsets, sizes in sorted(boxes):
