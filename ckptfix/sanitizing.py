@@ -175,9 +175,15 @@ class _Cleaner:
             for key, value in obj.items():
                 here = _join(where, key)
                 try:
-                    out[self._item(key, here)] = self._item(value, here)
+                    new_key, new_value = self._item(key, here), self._item(value, here)
                 except _Drop:
                     continue
+                try:
+                    out[new_key] = new_value
+                except TypeError:  # a key rewritten as a dict or list (a Namespace, an array of strings)
+                    what = key.func.full if isinstance(key, inert.Inert) else type(key).__name__
+                    self.result.dropped.append(Dropped(here, what, f"a dict key that becomes a {_kind(new_key)}, "
+                                                                   f"which cannot be a key"))  # fmt: skip
             for name, value in getattr(obj, "__dict__", {}).items():  # _metadata of an OrderedDict
                 setattr(out, name, self.clean(value, f"{where}.{name}"))
             return out

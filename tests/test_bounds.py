@@ -267,3 +267,86 @@ def test_written_headers_are_ones_the_library_reads(tmp_path: Path) -> None:
     path = tmp_path / "ok.safetensors"
     path.write_bytes(encode_header({"e": None}, {}, fine, {}, out=str(path)))
     assert safetensors.load_file(path)["e"].shape == (0, 2**62)
+
+
+# --- item 5: clear refusals (or plain handling) where an internal error was ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "says"),
+    [("Size", (2,), "dtype is Size"), ("FloatStorage", (2,), "dtype is FloatStorage"),
+     ("", (2,), "dtype is not a dtype"), ("float32", (2**61, 2**61, 0), "past 64 bits")],
+)  # fmt: skip
+def test_dtensor_dtype_and_shape_proven(dtype: str, shape: tuple[int, ...], says: str) -> None:
+    from ckptfix.errors import FormatError
+    from ckptfix.formats import shards
+
+    with pytest.raises(FormatError, match=rf"^rank1\.pt: key 'w': its DTensor .*{says}"):
+        shards._check_piece("w", dtype=dtype, shape=shape, mesh=(2,), coordinate=(0,), placements=(("replicate", 0),),
+                            source="rank1.pt")  # fmt: skip
+
+
+class _NamespaceKey:
+    """Hashable here; pickles as an ``argparse.Namespace`` (which sanitize rewrites as a dict: no key)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __reduce__(self) -> Any:
+        import argparse
+
+        return (argparse.Namespace, (), {"lr": 0.1})
+
+
+def test_sanitize_namespace_as_a_dict_key_is_dropped_and_listed(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(2), "cfg": {_NamespaceKey(): 3, "b": 4}}, src)
+    before = digest(src)
+    code, stderr, _, _ = run("sanitize", src, "out.pt", cwd=tmp_path)
+    assert code == 0, stderr
+    assert digest(src) == before
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["cfg"] == {"b": 4} and torch.equal(out["w"], torch.ones(2))
+
+
+def _save_deep(obj: Any, path: Path) -> None:
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit + 5000)  # pickling recurses per level; pytest's own frames are below
+    try:
+        torch.save(obj, path)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+@pytest.mark.parametrize("depth", [250, 330, 999])
+def test_deep_nesting_torch_opens_is_walked_by_every_command(tmp_path: Path, depth: int) -> None:
+    src = tmp_path / "deep.pt"
+    _save_deep({"model": {"w": torch.ones(2)}, "deep": _nested(depth)}, src)
+    assert torch.load(src, weights_only=True)["model"]["w"].shape == (2,)
+    before = digest(src)
+    commands = [["inspect", src], ["inspect", "--json", src], ["sanitize", src, "s.pt"], ["convert", src, "c.pt"],
+                ["convert", src, "d.pt", "--to", "ddp"], ["convert", src, "c.safetensors"], ["convert", src, "dcp/"],
+                ["diff", src, src]]  # fmt: skip
+    for command in commands:
+        code, stderr, _, _ = run(*command, cwd=tmp_path)
+        assert code == 0, f"{command[0]}: exit {code}: {stderr[-500:]}"
+    assert digest(src) == before
+    for name in ("s.pt", "c.pt", "d.pt"):
+        torch.load(tmp_path / name, weights_only=True)
+
+
+def test_nesting_past_the_documented_depth_is_refused_everywhere(tmp_path: Path) -> None:
+    from ckptfix.formats.inert import MAX_DEPTH
+
+    src = tmp_path / "deep.pt"
+    _save_deep({"model": {"w": torch.ones(2)}, "deep": _nested(MAX_DEPTH + 1)}, src)
+    for command in (["inspect", src], ["sanitize", src, "s.pt"], ["convert", src, "c.pt"],
+                    ["convert", src, "c.safetensors"], ["diff", src, src]):  # fmt: skip
+        refused(*command, source=src, cwd=tmp_path, contains=f"more than {MAX_DEPTH} deep")

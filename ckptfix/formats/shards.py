@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from ckptfix.errors import FormatError, MergeError
 from ckptfix.formats import inert
 from ckptfix.formats.allowlist import DTENSOR_GLOBALS, ShardedCheckpointError, explain
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.dtypes import DTYPES, shape_problem
 
 FLAT_PARAM = "_flat_param"
 
@@ -111,6 +111,8 @@ def _check_piece(
         raise FormatError(f"{damaged} dtype is {dtype or 'not a dtype'}; the file is damaged or crafted")
     if not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape):
         raise FormatError(f"{damaged} shape {list(shape)} is not a list of sizes; the file is damaged or crafted")
+    if problem := shape_problem(shape):
+        raise FormatError(f"{damaged} shape {list(shape)} has {problem}; the file is damaged or crafted")
     if not all(type(n) is int and 1 <= n < _MAX_DIM for n in mesh) or math.prod(mesh) > _MAX_DIM:
         raise FormatError(f"{damaged} mesh {list(mesh)} is not a device mesh; the file is damaged or crafted")
     if not all(type(c) is int and 0 <= c < n for c, n in zip(coordinate, mesh, strict=True)):
