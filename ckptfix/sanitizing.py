@@ -40,6 +40,10 @@ _RECONSTRUCT = {f"{m}.multiarray._reconstruct" for m in ("numpy.core", "numpy._c
 _SCALAR = {f"{m}.multiarray.scalar" for m in ("numpy.core", "numpy._core")}
 _PATHS = {f"pathlib.{c}" for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
 _NOT_READ = "an object of a class torch's weights-only loader does not build"
+# Lists and strings that arrays of strings may become, all together: a few per byte of the file. An array's shape
+# is a count in its pickle, not bytes in it: (3_000_000, 0) would be three million empty lists from a 1 KB file.
+_TEXT_NODES_BASE = 1 << 16
+_TEXT_NODES_PER_BYTE = 16
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class _Drop(Exception):  # noqa: N818 - a signal: leave this object out, for thi
     pass
 
 
+class _TooBig(Exception):  # noqa: N818 - a signal: refuse the file, naming this key
+    pass
+
+
 @strict_keywords
 def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Sanitized:
     """Write ``dst``, a copy of torch checkpoint ``src`` that ``torch.load(weights_only=True)`` opens.
@@ -101,10 +109,13 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
         fd = f.fileno()
         before = file_identity(fd)
         z = read_torch_zip(fd, source, allowed=allowlist.TORCH_DEFAULT, verify=True, refused=[])
+        budget = _TEXT_NODES_BASE + _TEXT_NODES_PER_BYTE * os.fstat(fd).st_size
         try:
-            tree = _Cleaner(result).clean(z.tree, "")
+            tree = _Cleaner(result, budget=budget).clean(z.tree, "")
         except _Drop as e:
             raise FormatError(f"{source}: the checkpoint itself is {e.args[0]} ({e.args[1]}); nothing to keep") from e
+        except _TooBig as e:
+            raise FormatError(f"{source}: {e}; nothing was written") from e
         try:
             obj = materialize(z, fd, mmap=False, tree=tree, leaf=_tensor)
         except NotBuilt as e:
@@ -132,8 +143,9 @@ def _tensor(obj: Any) -> Any:
 class _Cleaner:
     """Rewrites an inert tree into what torch's weights-only loader reads; shared objects stay shared."""
 
-    def __init__(self, result: Sanitized) -> None:
+    def __init__(self, result: Sanitized, *, budget: int) -> None:
         self.result = result
+        self.budget = budget  # lists and strings arrays of strings may still become (_TEXT_NODES_PER_BYTE)
         self.done: dict[int, Any] = {}
         self.keep: list[Any] = []  # the inert objects, alive while their ids are keys
         self.set = inert.make_global("builtins", "set")
@@ -163,9 +175,15 @@ class _Cleaner:
             for key, value in obj.items():
                 here = _join(where, key)
                 try:
-                    out[self._item(key, here)] = self._item(value, here)
+                    new_key, new_value = self._item(key, here), self._item(value, here)
                 except _Drop:
                     continue
+                try:
+                    out[new_key] = new_value
+                except TypeError:  # a key rewritten as a dict or list (a Namespace, an array of strings)
+                    what = key.func.full if isinstance(key, inert.Inert) else type(key).__name__
+                    self.result.dropped.append(Dropped(here, what, f"a dict key that becomes a {_kind(new_key)}, "
+                                                                   f"which cannot be a key"))  # fmt: skip
             for name, value in getattr(obj, "__dict__", {}).items():  # _metadata of an OrderedDict
                 setattr(out, name, self.clean(value, f"{where}.{name}"))
             return out
@@ -264,8 +282,7 @@ class _Cleaner:
         pure = pathlib.PureWindowsPath if "Windows" in rec.func.name else pathlib.PurePosixPath
         return str(pure(*rec.args))
 
-    @staticmethod
-    def _array(rec: inert.Inert, where: str) -> _Array | Any:
+    def _array(self, rec: inert.Inert, where: str) -> _Array | Any:
         state = rec.state if rec.has_state else None
         if (
             len(rec.args) != 3
@@ -280,8 +297,20 @@ class _Cleaner:
         data = _bytes(raw)
         if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
             raise _Drop("numpy.ndarray", "an array with a malformed shape")
-        if dtype is None and data is not None and (text := _text_array(dtype_rec, shape, data, bool(fortran))):
-            return text[0]
+        if not _fits_int64(shape):
+            raise _TooBig(f"key '{where}': a numpy array of shape {list(shape)}, past 64 bits; the file is damaged "
+                          f"or crafted: drop that key")  # fmt: skip
+        if dtype is None and data is not None:
+            nodes = _text_nodes(dtype_rec, shape, data, limit=self.budget)
+            if nodes > self.budget:
+                raise _TooBig(
+                    f"key '{where}': a numpy array of strings of shape {list(shape)} would become over "
+                    f"{self.budget} lists and strings, more than the file's bytes can hold; the file is damaged "
+                    f"or crafted: drop that key"
+                )
+            if text := _text_array(dtype_rec, shape, data, bool(fortran)):
+                self.budget -= nodes
+                return text[0]
         if dtype is None or data is None:
             raise _Drop("numpy.ndarray", "an array of objects or records, which a tensor cannot hold")
         from ckptfix.formats.dtypes import DTYPES
@@ -317,6 +346,35 @@ def _kind(value: Any) -> str:
     if isinstance(value, inert.Inert):
         return value.func.name
     return "number" if isinstance(value, (int, float, complex)) else type(value).__name__
+
+
+def _fits_int64(shape: tuple[int, ...]) -> bool:
+    """Whether torch can hold ``shape``: every size, and their product taken in order, within 64 bits."""
+    numel = 1
+    for d in shape:
+        numel *= d
+        if d > _INT64 or numel > _INT64:
+            return False
+    return True
+
+
+_INT64 = (1 << 63) - 1
+
+
+def _text_nodes(rec: Any, shape: tuple[int, ...], data: bytes, *, limit: int) -> int:
+    """How many lists and strings :func:`_text_array` would build for ``shape`` (counting stops past ``limit``);
+    0 for an array it does not build."""
+    if not (isinstance(rec, inert.Inert) and rec.args and isinstance(rec.args[0], str)):
+        return 0
+    if rec.args[0][:1] != "U":
+        return 0
+    nodes, level = 1, 1  # the outer list (or the one string of a 0-d array)
+    for size in shape[:-1]:
+        level *= size
+        nodes += level
+        if nodes > limit:
+            return nodes
+    return nodes + level * (shape[-1] if shape else 0)
 
 
 def _text_array(rec: Any, shape: tuple[int, ...], data: bytes, fortran: bool) -> tuple[Any] | None:

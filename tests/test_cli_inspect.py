@@ -111,7 +111,7 @@ def sparse_pt(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
 def sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
     """A .safetensors file of float32 zeros: the one header writer, then holes up to the file's end."""
     stored = [(key, "float32", shape, math.prod(shape) * 4) for key, shape in shapes.items()]
-    header = encode_header(dict.fromkeys(shapes), {"entry": ""}, stored, {})
+    header = encode_header(dict.fromkeys(shapes), {"entry": ""}, stored, {}, out="x.safetensors")
     with open(path, "wb") as f:
         f.write(header)
         f.truncate(len(header) + sum(n for *_, n in stored))

@@ -89,9 +89,12 @@ class _Group(click.Group):
             formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
+        from ckptfix.formats.inert import deep_enough
+
         debug = bool(ctx.params.get("debug"))
         try:
-            return super().invoke(ctx)
+            with deep_enough():  # every command walks trees as deep as the readers accept
+                return super().invoke(ctx)
         except CkptfixError as e:
             if debug:
                 raise

@@ -190,8 +190,6 @@ def refuse(names: Iterable[str], *, source: str) -> None:
     needed = list(dict.fromkeys(canonical(n) for n in names))
     if not needed:
         return
-    from ckptfix.formats.shards import explain  # sharded tensors: say what the file is and how to merge it
-
     if sharded := explain(needed, source=source):
         raise sharded
     unsupported = [n for n in needed if n in UNSUPPORTED]
@@ -238,3 +236,52 @@ def resolve(names: Iterable[str], *, source: str) -> list[Callable[..., Any] | t
             ) from e
         objects.append((obj, name))
     return objects
+
+
+# Sharded tensors (formats/shards.py reads them): named here, so that a refusal can say what such a file is
+# without this module importing the reader.
+_DT = "torch.distributed.tensor."
+DTENSOR_GLOBALS = frozenset(
+    {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass", _DT + "DTensor",
+     _DT + "_api.DTensor", _DT + "_dtensor_spec.DTensorSpec", _DT + "_dtensor_spec.TensorMeta",
+     _DT + "_dtensor_spec.ShardOrderEntry", _DT + "placement_types.Shard", _DT + "placement_types.Replicate",
+     _DT + "placement_types._StridedShard", _DT + "placement_types.Partial",
+     "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
+     "torch.distributed._mesh_layout._FlatLayout", "torch.device", "torch.serialization._get_layout"}
+)  # fmt: skip
+_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
+
+
+class ShardedCheckpointError(FormatError):
+    """A file holds one rank's shards, not full tensors: merge every rank's file, or save a full state dict.
+
+    ``kind``: ``dtensor`` (FSDP2 / tensor parallel: ``ckptfix merge`` reassembles them), ``sharded-tensor``
+    (FSDP1 local state) or ``flat-param`` (FSDP1 flat parameters).
+    """
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | None:
+    """The error for a file refused only for naming sharded-tensor classes, saying what it is; else None."""
+    names = set(names)
+    if not names:
+        return None
+    if names <= DTENSOR_GLOBALS and any("DTensor" in n for n in names):
+        return ShardedCheckpointError(
+            f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
+            f"tensors; reassemble them from every rank's file with `ckptfix merge rank0.pt … rankN.pt -o "
+            f"full.safetensors` (in Python: ckptfix.formats.shards.load_ranks) or save "
+            f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
+            kind="dtensor",
+        )
+    if any(n.startswith(_SHARDED_TENSOR) for n in names):
+        return ShardedCheckpointError(
+            f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
+            f"part), not full tensors, and ckptfix does not reassemble them; save a FULL_STATE_DICT "
+            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) or use DCP",
+            kind="sharded-tensor",
+        )
+    return None

@@ -114,8 +114,12 @@ class Terminated(BaseException):
         super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
+_RECEIVED: list[int] = []  # every termination signal raised as Terminated, in order (see atomic_output)
+
+
 def raise_terminated(signum: int, frame: FrameType | None) -> None:
     """A signal handler that turns a termination signal into :class:`Terminated`."""
+    _RECEIVED.append(signum)
     raise Terminated(signum)
 
 
@@ -155,8 +159,16 @@ def atomic_output(out: PathLike) -> Iterator[BinaryIO]:
     The temp file lives in OUT's folder so the final rename never crosses file systems. It gets the mode a
     plain ``open()`` would give (0666 & ~umask) rather than mkstemp's 0600.
     """
+    seen = len(_RECEIVED)
     with unwinding_signals(), _temp_output(out) as f:
-        yield f
+        try:
+            yield f
+        except Exception as e:
+            # torch's writer turns an exception raised in its Python callbacks into its own RuntimeError
+            # ("unexpected pos"): a termination swallowed that way still ends the process as one
+            if len(_RECEIVED) > seen:
+                raise Terminated(_RECEIVED[-1]) from e
+            raise
 
 
 @contextlib.contextmanager

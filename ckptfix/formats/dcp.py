@@ -9,6 +9,7 @@ chunk's archive with the same reader and rules as a ``.pt`` file.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -17,11 +18,15 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats import allowlist, inert
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
 MAX_CHUNKS = 1 << 16  # per tensor; the overlap check is quadratic in it
+# A plan is smaller than the data it describes: each stored item is a whole torch.save archive (a kilobyte or more)
+# and takes a few hundred bytes of metadata. Metadata past the folder's data files by more than this is refused
+# unread: unpickling costs over a hundred bytes of memory per byte of a crafted pickle (8M empty dicts in 16 MB).
+METADATA_SLACK = 1 << 20
 _META = "torch.distributed.checkpoint.metadata."
 _CLASSES = frozenset(
     {_META + n for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
@@ -90,12 +95,15 @@ def _fields(obj: Any, cls: str, names: tuple[str, ...], *, source: str) -> dict[
     return state
 
 
-def _size(obj: Any, *, source: str) -> tuple[int, ...]:
+def _size(obj: Any, *, source: str, key: str) -> tuple[int, ...]:
     if isinstance(obj, inert.Inert) and obj.func.full == "torch.Size" and len(obj.args) == 1:
         dims = obj.args[0]
         if isinstance(dims, tuple) and all(type(d) is int and d >= 0 for d in dims):
+            if problem := shape_problem(dims):
+                raise FormatError(f"{source}: tensor '{key}': size {list(dims)} has {problem}; the metadata is damaged")
             return dims
-    raise FormatError(f"{source}: a tensor size is not a torch.Size of non-negative ints; the metadata is damaged")
+    raise FormatError(f"{source}: tensor '{key}': a size is not a torch.Size of non-negative ints; the metadata is "
+                      f"damaged")  # fmt: skip
 
 
 def read_dcp(root: str) -> Dcp:
@@ -105,6 +113,12 @@ def read_dcp(root: str) -> Dcp:
 
     source = os.path.join(root, METADATA)
     with open(source, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > METADATA_SLACK and size > METADATA_SLACK + (on_disk := _data_bytes(root)):
+            raise FormatError(
+                f"{source}: {size} bytes of metadata for {on_disk} bytes of data files; a DCP plan is smaller "
+                f"than the data it describes: the metadata is damaged or crafted, or the folder incomplete"
+            )
         data = f.read(MAX_METADATA + 1)
     if len(data) > MAX_METADATA:
         raise FormatError(f"{source}: over 1 GiB of metadata; refusing it")
@@ -114,8 +128,11 @@ def read_dcp(root: str) -> Dcp:
     entries = meta.get("state_dict_metadata")
     storage = meta.get("storage_data")
     planner = meta.get("planner_data") or {}
-    if not isinstance(entries, dict) or not isinstance(storage, dict) or not isinstance(planner, dict):
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise FormatError(f"{source}: no state_dict_metadata or storage_data; not a DCP checkpoint ckptfix reads")
+    if not isinstance(planner, dict):
+        raise FormatError(f"{source}: its planner_data is a {type(planner).__name__}, not a dict of key paths; the "
+                          f"metadata is damaged")  # fmt: skip
     spans = _spans(storage, root=root, source=source, inside=inside)
     tensors: dict[str, TensorEntry] = {}
     values: dict[str, Span] = {}
@@ -129,7 +146,39 @@ def read_dcp(root: str) -> Dcp:
         else:
             tensors[key] = _tensor(key, entry, spans, source=source)
     paths = {key: _path(key, planner.get(key), source=source) for key in entries}
+    _check_paths(paths, source=source)
     return Dcp(root=root, tensors=tensors, values=values, paths=paths)
+
+
+def _data_bytes(root: str) -> int:
+    """Bytes in the regular files of ``root`` beside its metadata (nothing opened: FIFOs and devices count 0)."""
+    total = 0
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.name != METADATA:
+                try:
+                    total += entry.stat().st_size if entry.is_file() else 0
+                except OSError:
+                    continue
+    return total
+
+
+def _check_paths(paths: dict[str, tuple[str | int, ...]], *, source: str) -> None:
+    """One place per planner entry: no two keys at the same path, none under another's value (either would drop a
+    value when the nested dict is rebuilt). Linear in the paths' total length."""
+    owner: dict[tuple[Any, ...], str] = {}
+    for key, path in paths.items():
+        typed = tuple((type(p).__name__, p) for p in path)  # 1 and "1" are two places, as are True and 1
+        if (other := owner.get(typed)) is not None:
+            raise FormatError(f"{source}: keys '{other}' and '{key}' both have planner path {list(path)}; one path "
+                              f"per planner entry: the metadata is damaged or crafted")  # fmt: skip
+        owner[typed] = key
+    for key, path in paths.items():
+        typed = tuple((type(p).__name__, p) for p in path)
+        for end in range(1, len(typed)):
+            if (other := owner.get(typed[:end])) is not None:
+                raise FormatError(f"{source}: key '{key}' (planner path {list(path)}) lies under the value of key "
+                                  f"'{other}' ({list(path[:end])}); the metadata is damaged or crafted")  # fmt: skip
 
 
 def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> dict[tuple[str, Any], Span]:
@@ -156,9 +205,22 @@ def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> d
         if offset < 0 or length <= 0 or offset + length > sizes[path]:
             raise FormatError(f"{source}: '{fqn}' is stored at bytes {offset}..{offset + length} of {name}, which "
                               f"has {sizes[path]}; the file is truncated: copy the folder again")  # fmt: skip
-        chunk = None if idx.get("offset") is None else _size(idx["offset"], source=source)
+        chunk = None if idx.get("offset") is None else _size(idx["offset"], source=source, key=fqn)
         out[(fqn, chunk)] = Span(path, offset, length)
+    _check_apart(out, source=source)
     return out
+
+
+def _check_apart(spans: dict[tuple[str, Any], Span], *, source: str) -> None:
+    """No two stored items share bytes (DCP writes each once): then every tensor's bytes, each chunk no larger than
+    its span, add up to no more than the data files hold. O(n log n)."""
+    keys = list(spans)
+    ordered = sorted((s.path, s.offset, s.offset + s.length, i) for i, s in enumerate(spans.values()))
+    for (path_a, _, end_a, a), (path_b, start_b, _, b) in itertools.pairwise(ordered):
+        if path_a == path_b and start_b < end_a:
+            raise FormatError(f"{source}: '{keys[a][0]}' and '{keys[b][0]}' are stored in the same bytes of "
+                              f"{os.path.basename(path_a)} (from byte {start_b}); the metadata is damaged or "
+                              f"crafted")  # fmt: skip
 
 
 def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source: str) -> TensorEntry:
@@ -167,16 +229,20 @@ def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source:
                     ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), source=source)  # fmt: skip
     dtype_glob = props.get("dtype")
     dtype = getattr(dtype_glob, "full", "").removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise FormatError(f"{source}: tensor '{key}' has dtype {dtype_glob!r}, which ckptfix does not know")
-    shape = _size(fields.get("size"), source=source)
+    if dtype not in DTYPES or not isinstance(dtype_glob, type):
+        what = getattr(dtype_glob, "full", None) or getattr(getattr(dtype_glob, "func", None), "full", None)
+        raise FormatError(
+            f"{source}: tensor '{key}' has dtype {what or type(dtype_glob).__name__}, which is not a torch dtype "
+            f"ckptfix knows; the metadata is damaged or from an unsupported torch"
+        )
+    shape = _size(fields.get("size"), source=source, key=key)
     raw_chunks = fields.get("chunks")
     if not isinstance(raw_chunks, list) or len(raw_chunks) > MAX_CHUNKS:
         raise FormatError(f"{source}: tensor '{key}' has no chunk list (or over {MAX_CHUNKS}); metadata damaged")
     boxes = []
     for raw in raw_chunks:
         c = _fields(raw, _META + "ChunkStorageMetadata", ("offsets", "sizes"), source=source)
-        boxes.append((_size(c.get("offsets"), source=source), _size(c.get("sizes"), source=source)))
+        boxes.append((_size(c.get("offsets"), source=source, key=key), _size(c.get("sizes"), source=source, key=key)))
     _check_tiling(key, shape, boxes, source=source)
     chunks = []
     for offsets, sizes in sorted(boxes):
@@ -184,6 +250,9 @@ def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source:
         if span is None:
             raise FormatError(f"{source}: tensor '{key}' chunk at {list(offsets)} has no stored bytes; the "
                               f"checkpoint is incomplete (a rank's file missing?)")  # fmt: skip
+        if (need := nbytes(dtype, math.prod(sizes))) > span.length:
+            raise FormatError(f"{source}: tensor '{key}' chunk at {list(offsets)} of size {list(sizes)} needs {need} "
+                              f"bytes, stored in {span.length}; the metadata is damaged or crafted")  # fmt: skip
         chunks.append(Chunk(offsets, sizes, span))
     return TensorEntry(dtype=dtype, shape=shape, chunks=tuple(chunks))
 

@@ -5,6 +5,7 @@ Stdlib only, so the readers, the streaming path and the torch path all look size
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 
@@ -84,3 +85,18 @@ def safetensors_code(name: str) -> str | None:
     """The safetensors code of dtype ``name``, None when safetensors cannot store it."""
     dtype = DTYPES.get(name)
     return None if dtype is None else dtype.safetensors
+
+
+_INT64 = (1 << 63) - 1
+
+
+def shape_problem(shape: Iterable[int]) -> str | None:
+    """Why torch cannot hold ``shape`` (a size, or the product of the sizes taken in order, past 64 bits: torch's
+    rule, stricter than the safetensors library's), or None: the shape rule of every .safetensors read or written
+    and of DCP sizes."""
+    numel = 1
+    for d in shape:
+        numel *= d
+        if d > _INT64 or numel > _INT64:
+            return "sizes past 64 bits, which torch cannot build"
+    return None

@@ -26,7 +26,7 @@ from typing import Any
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.atomic import PathLike, atomic_output
-from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
+from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 
 MAX_HEADER = 100 * 1024 * 1024
 _span = operator.itemgetter(0, 1)  # (begin, end) of a (begin, end, name) triple
@@ -134,9 +134,11 @@ def _entry(name: str, value: Any, *, source: str, data_size: int) -> TensorInfo:
         or not 0 <= offsets[0] <= offsets[1] <= data_size
     ):
         raise FormatError(f"{where}: data_offsets {offsets!r} fall outside the data buffer; the file is corrupt")
+    if problem := shape_problem(shape):
+        raise FormatError(f"{where}: shape {shape} has {problem}; the file is corrupt or crafted")
     numel = 1
     for d in shape:
-        numel *= d  # Python ints do not overflow; a huge product simply fails the size check below
+        numel *= d
     if numel * _itemsize(dtype) != offsets[1] - offsets[0]:
         raise FormatError(
             f"{where}: {dtype} × {shape} needs {numel * _itemsize(dtype)} bytes but spans "
@@ -288,7 +290,7 @@ def save_safetensors(obj: Any, out: PathLike) -> None:
         tensors[key] = t.detach().to("cpu")
     stored = [(key, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for key, t in tensors.items()]
     with atomic_output(out) as f:
-        f.write(encode_header(state, meta, stored, aliases))
+        f.write(encode_header(state, meta, stored, aliases, out=out_s))
         for t in tensors.values():
             if t.numel():
                 f.write(tensor_bytes(t))
@@ -333,12 +335,16 @@ def losses_note(*, params: int, views: int, grads: int) -> str | None:
     return f".safetensors keeps values only: {', '.join(lost)} not kept" if lost else None
 
 
+LIBRARY_MAX_HEADER = 100_000_000  # the safetensors library's own limit (MAX_HEADER_SIZE in its tensor.rs)
+
+
 def encode_header(
     state: Mapping[str, Any],
     meta: dict[str, Any],
     stored: Iterable[tuple[str, str, tuple[int, ...], int]],
     aliases: Mapping[str, str],
     *,
+    out: str,
     congruent_to: int | None = None,
 ) -> bytes:
     """The length prefix and padded JSON header for ``stored`` (key, torch dtype name, shape, bytes), in order.
@@ -355,6 +361,10 @@ def encode_header(
         meta["module_versions"] = {k: dict(v) for k, v in versions.items()}
     header: dict[str, Any] = {"__metadata__": {"format": "pt", META_KEY: json.dumps(meta)}}
     stored = list(stored)
+    for key, _, shape, _ in stored:  # what a .pt output refuses, and a header the library would refuse
+        if problem := shape_problem(shape):
+            raise OutputError(f"{out}: key '{key}' has shape {list(shape)}, with {problem}; "
+                              f"nothing was written")  # fmt: skip
     if any(key == "__metadata__" for key, *_ in stored):  # replaces the metadata in place: json.dumps decides
         offset = 0
         for key, dtype, shape, nbytes in stored:
@@ -380,8 +390,13 @@ def encode_header(
     # The data buffer starts 64-byte aligned (safetensors pads to 8): tensors at multiples of 64 are then aligned
     # as torch.save aligns its records, so a .pt made from this file can share their blocks.
     raw += b" " * (-(8 + len(raw)) % 64)
-    if congruent_to is not None and congruent_to % 8 == 0:
+    if congruent_to is not None and congruent_to % 8 == 0 and len(raw) + 4096 <= LIBRARY_MAX_HEADER:
         raw += b" " * ((congruent_to - 8 - len(raw)) % 4096)
+    if len(raw) > LIBRARY_MAX_HEADER:
+        raise OutputError(
+            f"{out}: its safetensors header would take {len(raw)} bytes, over the {LIBRARY_MAX_HEADER} the "
+            f"safetensors library reads; write a .pt file, or a sharded folder"
+        )
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -20,31 +20,10 @@ from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, MergeError
 from ckptfix.formats import inert
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.allowlist import DTENSOR_GLOBALS, ShardedCheckpointError, explain
+from ckptfix.formats.dtypes import DTYPES, shape_problem
 
-_DT = "torch.distributed.tensor."
-DTENSOR_GLOBALS = frozenset(
-    {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass", _DT + "DTensor",
-     _DT + "_api.DTensor", _DT + "_dtensor_spec.DTensorSpec", _DT + "_dtensor_spec.TensorMeta",
-     _DT + "_dtensor_spec.ShardOrderEntry", _DT + "placement_types.Shard", _DT + "placement_types.Replicate",
-     _DT + "placement_types._StridedShard", _DT + "placement_types.Partial",
-     "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
-     "torch.distributed._mesh_layout._FlatLayout", "torch.device", "torch.serialization._get_layout"}
-)  # fmt: skip
-_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
 FLAT_PARAM = "_flat_param"
-
-
-class ShardedCheckpointError(FormatError):
-    """A file holds one rank's shards, not full tensors: merge every rank's file, or save a full state dict.
-
-    ``kind``: ``dtensor`` (FSDP2 / tensor parallel: ``ckptfix merge`` reassembles them), ``sharded-tensor``
-    (FSDP1 local state) or ``flat-param`` (FSDP1 flat parameters).
-    """
-
-    def __init__(self, message: str, *, kind: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 class RankFilesError(MergeError):
@@ -52,29 +31,6 @@ class RankFilesError(MergeError):
     leave gaps, files of two runs. Bad input (exit 2), unlike ranks whose values disagree."""
 
     exit_code = 2
-
-
-def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | None:
-    """The error for a file refused only for naming sharded-tensor classes, saying what it is; else None."""
-    names = set(names)
-    if not names:
-        return None
-    if names <= DTENSOR_GLOBALS and any("DTensor" in n for n in names):
-        return ShardedCheckpointError(
-            f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
-            f"tensors; reassemble them from every rank's file with `ckptfix merge rank0.pt … rankN.pt -o "
-            f"full.safetensors` (in Python: ckptfix.formats.shards.load_ranks) or save "
-            f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
-            kind="dtensor",
-        )
-    if any(n.startswith(_SHARDED_TENSOR) for n in names):
-        return ShardedCheckpointError(
-            f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
-            f"part), not full tensors, and ckptfix does not reassemble them; save a FULL_STATE_DICT "
-            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) or use DCP",
-            kind="sharded-tensor",
-        )
-    return None
 
 
 def flat_param_keys(state: Any) -> list[str]:
@@ -155,6 +111,8 @@ def _check_piece(
         raise FormatError(f"{damaged} dtype is {dtype or 'not a dtype'}; the file is damaged or crafted")
     if not all(type(n) is int and 0 <= n < _MAX_DIM for n in shape):
         raise FormatError(f"{damaged} shape {list(shape)} is not a list of sizes; the file is damaged or crafted")
+    if problem := shape_problem(shape):
+        raise FormatError(f"{damaged} shape {list(shape)} has {problem}; the file is damaged or crafted")
     if not all(type(n) is int and 1 <= n < _MAX_DIM for n in mesh) or math.prod(mesh) > _MAX_DIM:
         raise FormatError(f"{damaged} mesh {list(mesh)} is not a device mesh; the file is damaged or crafted")
     if not all(type(c) is int and 0 <= c < n for c, n in zip(coordinate, mesh, strict=True)):

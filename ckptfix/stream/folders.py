@@ -110,7 +110,7 @@ def convert_folder(
         verifier = VerifyInTurn(files, files.checks)
         try:
             with atomic_output(dst) as out:
-                out.write(encode_header(state, meta, stored, aliases))
+                out.write(encode_header(state, meta, stored, aliases, out=dst))
                 out.flush()
                 copier = InOrder(lambda t: _write_tensor(out, t, files))
                 try:

@@ -78,7 +78,7 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any, keep_offsets: bool = Fa
         stored.append((key, dtype, tuple(shape), nbytes))
         ranges.append((src, nbytes))
     start = _best_data_start(ranges) if keep_offsets else None
-    return StOutput(encode_header(state, meta, stored, aliases, congruent_to=start), ranges)
+    return StOutput(encode_header(state, meta, stored, aliases, out=out, congruent_to=start), ranges)
 
 
 def _best_data_start(ranges: list[tuple[int, int]]) -> int | None:
