@@ -17,6 +17,7 @@ from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_
 from ckptfix.errors import UsageError
 from ckptfix.formats import detect_format, devices, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_apart, check_output
+from ckptfix.formats.depth import deep
 from ckptfix.formats.safetensors import losses_note
 from ckptfix.layouts import Layout, parse_layout, parse_rename
 from ckptfix.signature import strict_keywords
@@ -81,6 +82,7 @@ class ConvertOptions:
         )
 
 
+@deep
 @strict_keywords
 def convert_file(
     src: PathLike,

@@ -12,6 +12,7 @@ from ckptfix.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, 
 from ckptfix.errors import LayoutError
 from ckptfix.formats import inert, opaque
 from ckptfix.formats.atomic import PathLike
+from ckptfix.formats.depth import deep
 from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 
@@ -117,6 +118,7 @@ def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
+@deep
 def diff(
     a: Any,
     b: Any,
@@ -148,6 +150,7 @@ def diff(
     )
 
 
+@deep
 def diff_files(
     a: PathLike,
     b: PathLike,

@@ -24,6 +24,7 @@ from ckptfix.checkpoint import (
 )
 from ckptfix.compare import KeyReport, compare_keys, filled_by_load, tied_keys
 from ckptfix.errors import LayoutError
+from ckptfix.formats.depth import deep
 from ckptfix.renames import format_rules, prefix_fits
 from ckptfix.signature import strict_keywords
 
@@ -154,6 +155,7 @@ def ready_to_load(adapted: Mapping[str, Any], report: KeyReport, *, strict: bool
 
 
 @strict_keywords
+@deep
 def load_into(
     model: torch.nn.Module,
     path_or_state: Source,
@@ -229,6 +231,7 @@ def _place(
 
 
 @strict_keywords
+@deep
 def check(
     path_or_state: Source,
     model: torch.nn.Module,
@@ -304,6 +307,7 @@ class Validation:
     entries: list[str] = field(default_factory=list)
 
 
+@deep
 def validate_file(
     path: str | os.PathLike[str],
     build: Callable[[str | None], torch.nn.Module],

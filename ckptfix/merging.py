@@ -30,6 +30,7 @@ from ckptfix.diff import same_bytes, tensor_diff
 from ckptfix.errors import MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.depth import deep
 from ckptfix.formats.shards import DTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
@@ -81,6 +82,7 @@ class MergeResult:
         }
 
 
+@deep
 def merge(
     states: Sequence[Any],
     *,
@@ -143,6 +145,7 @@ def _in_memory(merger: _Merger) -> MergeResult:
     return merger.finish()
 
 
+@deep
 def merge_files(
     paths: Sequence[PathLike],
     out: PathLike,

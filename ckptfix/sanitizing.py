@@ -24,6 +24,7 @@ from typing import Any
 from ckptfix.errors import FormatError
 from ckptfix.formats import allowlist, detect_format, inert, write
 from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.depth import deep
 from ckptfix.formats.materialize import NotBuilt, materialize
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
@@ -86,6 +87,7 @@ class _TooBig(Exception):  # noqa: N818 - a signal: refuse the file, naming this
 
 
 @strict_keywords
+@deep
 def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Sanitized:
     """Write ``dst``, a copy of torch checkpoint ``src`` that ``torch.load(weights_only=True)`` opens.
 

@@ -15,6 +15,7 @@ from ckptfix import layouts
 from ckptfix.checkpoint import get_entry, is_tensor, model_entries
 from ckptfix.formats import inert
 from ckptfix.formats.atomic import PathLike
+from ckptfix.formats.depth import deep
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.opaque import OpaqueEntry
 from ckptfix.formats.shards import DTensorRecord, flat_param_keys
@@ -121,6 +122,7 @@ def _sharing(state: Mapping[str, Any]) -> list[list[str]]:
     return [keys for keys in groups.values() if len(keys) > 1]
 
 
+@deep
 def summarize(
     path: PathLike, *, allow_globals: tuple[str, ...] = (), unsafe: bool = False, verify: bool = False
 ) -> dict[str, Any]:

@@ -344,7 +344,7 @@ def test_deep_nesting_torch_opens_is_walked_by_every_command(tmp_path: Path, dep
 
 
 def test_nesting_past_the_documented_depth_is_refused_everywhere(tmp_path: Path) -> None:
-    from ckptfix.formats.inert import MAX_DEPTH
+    from ckptfix.formats.depth import MAX_DEPTH
 
     src = tmp_path / "deep.pt"
     _save_deep({"model": {"w": torch.ones(2)}, "deep": _nested(MAX_DEPTH + 1)}, src)
@@ -423,3 +423,19 @@ def test_sigterm_ends_a_long_step_within_a_second(big_ranks: list[Path], command
         assert message == "ckptfix: terminated by SIGTERM; no output was written", message
     assert sorted(os.listdir(folder)) == listing, f"left behind: {set(os.listdir(folder)) - set(listing)}"
     assert [digest(p) for p in big_ranks] == before
+
+
+def test_the_library_walks_deep_nesting_as_the_cli_does(tmp_path: Path) -> None:
+    import ckptfix
+
+    # In this process, at Python's default recursion limit: each public call raises it for itself, and only then.
+    src = tmp_path / "deep.pt"
+    _save_deep({"model": {"w": torch.ones(2)}, "deep": _nested(330)}, src)
+    limit = sys.getrecursionlimit()
+    assert ckptfix.load(src)["model"]["w"].shape == (2,)
+    for fast in (True, False):
+        ckptfix.convert_file(src, tmp_path / f"c{fast}.pt", fast=fast)
+    ckptfix.sanitize(src, tmp_path / "s.pt")
+    assert ckptfix.summarize(src)["models"]
+    assert ckptfix.diff(ckptfix.load(src), ckptfix.load(tmp_path / "cTrue.pt")).equal
+    assert sys.getrecursionlimit() == limit

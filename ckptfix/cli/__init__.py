@@ -89,7 +89,7 @@ class _Group(click.Group):
             formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
-        from ckptfix.formats.inert import deep_enough
+        from ckptfix.formats.depth import deep_enough
 
         debug = bool(ctx.params.get("debug"))
         try:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.distributed import buckets, protocol, wire
 from ckptfix.errors import DistributedError, MismatchError
+from ckptfix.formats.depth import deep
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +32,7 @@ DEFAULT_TIMEOUT = 600.0
 DEFAULT_BUCKET_MB = 64.0
 
 
+@deep
 def load_for_ddp(
     model: torch.nn.Module,
     path: PathLike,
@@ -283,6 +285,7 @@ def _check_device(model: torch.nn.Module, session: protocol.Session) -> None:
             )
 
 
+@deep
 def save_for_ddp(
     obj: torch.nn.Module | Mapping[str, Any],
     path: PathLike,

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.atomic import PathLike, check_output
+from ckptfix.formats.depth import deep
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
@@ -110,6 +111,7 @@ def output_format(path: PathLike) -> str:
     )
 
 
+@deep
 def load(
     path: PathLike,
     *,
@@ -174,6 +176,7 @@ def read(
     )
 
 
+@deep
 def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
     """Write ``obj`` atomically in the format OUT's extension names (temp file, fsync, rename).
 

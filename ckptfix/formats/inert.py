@@ -23,11 +23,9 @@ from typing import IO, Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import allowlist, opscan
+from ckptfix.formats.depth import MAX_DEPTH
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
 
-MAX_DEPTH = 1000  # containers nested deeper than this are refused (as deep as torch's own loader opens)
-# Consumers walk trees recursively, a few frames a level: deep_enough() gives them the room MAX_DEPTH needs.
-FRAMES_PER_LEVEL = 12
 EXPANDED_LIMIT = 256 << 20  # bytes an expanded (stride-0) view may claim beyond its storage
 _INT64 = (1 << 63) - 1
 # The math bits torch.save records in a tensor's metadata (torch._utils.get_tensor_metadata), and the dtypes each
@@ -526,21 +524,6 @@ class _FastUnpickler(_pickle.Unpickler):
                 ref = self.storages[key] = StorageRef(pid)
                 return ref
         return _Unpickler.persistent_load(self, pid)  # type: ignore[arg-type]
-
-
-@contextmanager
-def deep_enough() -> Iterator[None]:
-    """Python's recursion limit raised (never lowered) so that a tree :data:`MAX_DEPTH` deep, the deepest any reader
-    accepts, can be walked by recursive code: without it a 330-deep list that torch opens fails as an internal
-    error. Python 3.11+ keeps Python frames off the C stack, so the raised limit does not risk it."""
-    import sys
-
-    before = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(before, MAX_DEPTH * FRAMES_PER_LEVEL + 2000))
-    try:
-        yield
-    finally:
-        sys.setrecursionlimit(before)
 
 
 @contextmanager
