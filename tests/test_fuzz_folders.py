@@ -251,12 +251,9 @@ def metadata_edits(draw: st.DrawFn, seed: Path) -> Callable[[Path], None]:
                 + ["swap", "rekey", "transform", "version", "top"]
             )
         )
-        fields = (meta.state_dict_metadata, meta.storage_data, meta.planner_data)
-        if not all(isinstance(f, dict) and f for f in fields):
-            break  # an earlier "top" edit: nothing left to edit inside
         fqn = draw(st.sampled_from(tensors))
         md = meta.state_dict_metadata.get(fqn)
-        if not hasattr(md, "chunks"):  # swapped with the bytes entry, or gone in a "top" edit
+        if not hasattr(md, "chunks"):  # swapped with the bytes entry
             continue
         ndim = len(md.size)
         dims = st.lists(_INTS, min_size=ndim, max_size=ndim) | st.lists(_INTS, max_size=5)
@@ -298,6 +295,7 @@ def metadata_edits(draw: st.DrawFn, seed: Path) -> Callable[[Path], None]:
         elif kind == "top":
             field = draw(st.sampled_from(["state_dict_metadata", "storage_data", "planner_data"]))
             setattr(meta, field, draw(st.sampled_from([None, [], {}, "x", {"a": None}])))
+            break  # nothing of that field is left to edit
         else:
             other = draw(st.sampled_from(sorted(meta.planner_data)))
             path = draw(
