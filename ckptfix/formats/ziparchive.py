@@ -121,8 +121,11 @@ def read_archive(fd: int, path: str, *, start: int = 0, end: int | None = None) 
     eocd_offset = size - tail_len + pos
     _, disk, cd_disk, _, count, cd_size, cd_offset, comment_len = _EOCD.unpack_from(tail, pos)
     comment = tail[pos + _EOCD.size : pos + _EOCD.size + comment_len]
-    if eocd_offset + _EOCD.size + comment_len != size:
-        raise damaged(path, f"{size - eocd_offset - _EOCD.size - comment_len} bytes follow the zip end record")
+    trailing = size - eocd_offset - _EOCD.size - comment_len
+    if trailing < 0:  # a comment length past the end of the file: not "-N bytes follow"
+        raise damaged(path, f"the zip end record's comment ({comment_len} bytes) runs past the end of the file")
+    if trailing:
+        raise damaged(path, f"{trailing} bytes follow the zip end record")
     cd_end = eocd_offset
     locator_at = eocd_offset - _LOCATOR.size
     # torch.save always writes the zip64 end records; other writers only when a field overflows
