@@ -62,3 +62,16 @@ def test_a_shard_name_that_cannot_be_a_path_is_refused_by_name(tmp_path: Path, n
         assert result.exit_code == 2, result.output
         assert "a name no file can have" in result.output and key in result.output
         assert result.output.count("\n") == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [(None, "not a JSON index"), ('{"weight_map": [1, 2]}', "has no 'weight_map' dict; the index is damaged")],
+    ids=["truncated", "weight-map-not-a-dict"],
+)
+def test_a_damaged_index_is_named_not_called_missing(tmp_path: Path, text: str | None, message: str) -> None:
+    folder = _sharded(tmp_path)
+    (index,) = folder.glob("*.index.json")
+    index.write_text(index.read_text()[:-5] if text is None else text)
+    result = CliRunner().invoke(cli, ["inspect", str(folder)])
+    assert result.exit_code == 2 and message in result.output and index.name in result.output, result.output

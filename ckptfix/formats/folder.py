@@ -93,6 +93,10 @@ def describe(path: PathLike) -> Folder:
         )
     if indexes:
         return _sharded(source, os.path.join(source, indexes[0]))
+    broken = [n for n in names if n.endswith(INDEX_SUFFIX)]
+    if broken and not any(_MODEL_FILE.match(n) for n in names):
+        _read_index(os.path.join(source, broken[0]))  # says what is wrong with it (an index that is not one)
+        raise FormatError(f"{os.path.join(source, broken[0])}: has no 'weight_map' dict; the index is damaged")
     return _accelerate(source, names)
 
 
