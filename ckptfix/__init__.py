@@ -37,8 +37,8 @@ _EXPORTS: dict[str, str] = {
     "KeyReport": "ckptfix.compare",
     "check": "ckptfix.loading",
     "load_into": "ckptfix.loading",
-    "DiffReport": "ckptfix.diff",
-    "diff": "ckptfix.diff",
+    "DiffReport": "ckptfix.diffing",
+    "diff": "ckptfix.diffing",
     "MergeResult": "ckptfix.merging",
     "merge": "ckptfix.merging",  # module not named merge: importing it would shadow the function
     "summarize": "ckptfix.summary",
@@ -72,10 +72,10 @@ if TYPE_CHECKING:
     from ckptfix.conversion import (
         convert_file as convert_file,
     )
-    from ckptfix.diff import (
+    from ckptfix.diffing import (
         DiffReport as DiffReport,
     )
-    from ckptfix.diff import (
+    from ckptfix.diffing import (
         diff as diff,
     )
     from ckptfix.distributed import (

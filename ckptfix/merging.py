@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
-from ckptfix.diff import same_bytes, tensor_diff
+from ckptfix.diffing import same_bytes, tensor_diff
 from ckptfix.errors import MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
@@ -109,7 +109,7 @@ def merge(
             f"equal on every rank: check these are files of the same step, or pass a larger atol"
         )
     for message in result.warnings:
-        warnings.warn(message, stacklevel=2)
+        warnings.warn(message, stacklevel=3)  # merge's caller, past the depth wrapper
     return result.obj
 
 

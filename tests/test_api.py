@@ -79,3 +79,15 @@ def test_layers_import_only_downwards(index: int) -> None:
     for path in files:
         for name in _imports(path):
             assert not name.startswith(tuple(above)), f"{path.relative_to(root)} imports {name}, a layer above it"
+
+
+def test_every_exported_function_stays_a_function_once_every_module_is_imported() -> None:
+    # A module named like a function it exports (ckptfix/diff.py and diff()) replaced the function on import.
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(ckptfix.__path__, "ckptfix."):
+        if not info.name.startswith(("ckptfix.cli", "ckptfix.trainer", "ckptfix.demo", "ckptfix.__main__")):
+            importlib.import_module(info.name)
+    for name in ("diff", "merge", "sanitize", "load", "save", "convert", "convert_file", "load_into", "check"):
+        assert callable(getattr(ckptfix, name)), name

@@ -1,4 +1,4 @@
-"""ckptfix.diff: layout-normalised comparison of two checkpoints."""
+"""ckptfix.diffing: layout-normalised comparison of two checkpoints."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.diff import diff, diff_files, same_bytes, tensor_diff
+from ckptfix.diffing import diff, diff_files, same_bytes, tensor_diff
 from tests.models import SmallNet
 
 
@@ -95,7 +95,7 @@ def test_bare_state_against_full_checkpoint_pairs_the_lone_entry() -> None:
 
 
 def test_the_difference_is_computed_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ckptfix.diff._CHUNK", 7)  # many chunks, one partial
+    monkeypatch.setattr("ckptfix.diffing._CHUNK", 7)  # many chunks, one partial
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 11, generator=gen)
     y = x.clone()
@@ -158,7 +158,7 @@ def test_other_entries_of_inert_descriptions_compare_by_value(tmp_path: Path) ->
 
 
 def test_bytes_of_tensors_off_the_cpu_are_compared_as_bits() -> None:
-    from ckptfix.diff import _bits
+    from ckptfix.diffing import _bits
 
     # the comparison used for GPU tensors (and a GPU tensor against a CPU one); NaN payloads count as equal bits
     nan = torch.tensor([float("nan"), 1.0])

@@ -50,7 +50,7 @@ def diff(
     Example: ckptfix diff lightning.ckpt weights.safetensors --entry state_dict --strip-prefix model.
     Example: ckptfix diff hf_model/ consolidated.safetensors
     """
-    from ckptfix.diff import diff_files
+    from ckptfix.diffing import diff_files
 
     report = diff_files(
         a,

@@ -232,7 +232,7 @@ def _read_on_source(
             f"{source}: left out of the returned entries, not built: "
             + "; ".join(f"'{name}' ({what})" for name, what in left.items())
             + ". Pass allow_globals= for its classes if you trust the file",
-            stacklevel=4,  # the caller of load_for_ddp
+            stacklevel=5,  # the caller of load_for_ddp, past the depth wrapper
         )
     entries: list[buckets.Entry] = []
     tensors: list[torch.Tensor] = []

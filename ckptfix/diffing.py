@@ -137,7 +137,7 @@ def diff(
     no other entries; each of ``strip_prefixes`` is removed from the side(s) whose every key starts with it, so a
     Lightning ``.ckpt`` (``model.`` keys under ``state_dict``) compares with its extracted weights.
 
-    >>> report = ckptfix.diff.diff(torch.load("a.pt"), torch.load("b.pt"), atol=1e-6)
+    >>> report = ckptfix.diff(torch.load("a.pt"), torch.load("b.pt"), atol=1e-6)
     >>> report.equal
     """
     return compare(
