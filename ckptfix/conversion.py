@@ -82,8 +82,8 @@ class ConvertOptions:
         )
 
 
-@deep
 @strict_keywords
+@deep
 def convert_file(
     src: PathLike,
     dst: PathLike,

@@ -24,12 +24,12 @@ _REGISTERED = False
 
 
 @contextmanager
-def keeping_locations() -> Iterator[dict[int, str]]:
+def keeping_locations() -> Iterator[None]:
     """Storages read inside remember their saved location; ``torch.save`` inside writes it back."""
     _register()
     token = _TAGS.set({})
     try:
-        yield _TAGS.get() or {}
+        yield
     finally:
         _TAGS.reset(token)
 
