@@ -25,6 +25,7 @@ from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats import allowlist, detect_format, inert, read
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.dtypes import DTYPES, nbytes
+from ckptfix.formats.legacy import check_legacy
 from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.opaque import read as opaque_read
 from ckptfix.formats.safetensors import read_header
@@ -307,6 +308,8 @@ def open_checkpoint(
     else:
         locations, crc_stored = None, True
     obj = (opaque_read if opaque else read)(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
+    if fmt == "torch-legacy" and not unsafe:  # its pickles again (not its storages): the device tags they name
+        locations = check_legacy(source, allowed=allowlist.allowed_names(list(allow_globals), source=source))
     return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations, crc_stored=crc_stored)
 
 

@@ -75,6 +75,17 @@ def test_loading_a_cuda_saved_file_gives_cpu_tensors_here(tmp_path: Path) -> Non
     )
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_inspect_says_where_the_storages_were_saved(tmp_path: Path, legacy: bool) -> None:
+    src = tmp_path / "mixed.pt"
+    state = make_net().state_dict()
+    with saved_as("cuda:0", only=list(state.values())[:3]):
+        torch.save({"model": state, "rng": torch.get_rng_state()}, src, _use_new_zipfile_serialization=not legacy)
+    result = CliRunner().invoke(cli, ["inspect", str(src)])
+    assert result.exit_code == 0, result.output
+    assert f"saved on: cuda:0 ×3, cpu ×{len(state) - 3 + 1} (the device tags of its storages)" in result.output
+
+
 # --- on a GPU ------------------------------------------------------------------------------------------------
 
 

@@ -206,7 +206,8 @@ def test_model_only_keeps_torch_offset_arithmetic(tmp_path: Path, monkeypatch: p
     opt = torch.optim.Adam(net.parameters())
     net(torch.randn(4, 64)).sum().backward()
     opt.step()
-    torch.save({"model": torch.nn.DataParallel(net).state_dict(), "optimizer": opt.state_dict()}, tmp_path / "in.pt")
+    model = torch.nn.DataParallel(net).cpu().state_dict()  # DataParallel moved it to cuda:0 on a GPU machine
+    torch.save({"model": model, "optimizer": opt.state_dict()}, tmp_path / "in.pt")
     assert convert_file(tmp_path / "in.pt", tmp_path / "out.pt", model_only=True).method == "stream"
     convert_file(tmp_path / "in.pt", tmp_path / "ref.pt", model_only=True, fast=False)
     _check_pt(tmp_path / "out.pt", tmp_path / "ref.pt", monkeypatch)
@@ -231,7 +232,7 @@ def test_records_copied_as_one_range_keep_torch_offset_arithmetic(
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     net(torch.randn(4, 16)).sum().backward()
     opt.step()
-    parts = {"model": torch.nn.DataParallel(net).state_dict(), "optimizer": opt.state_dict()}
+    parts = {"model": torch.nn.DataParallel(net).cpu().state_dict(), "optimizer": opt.state_dict()}
     torch.save({k: parts[k] for k in order}, tmp_path / "in.pt")
     assert convert_file(tmp_path / "in.pt", tmp_path / "out.pt", **options).method == "stream"
     convert_file(tmp_path / "in.pt", tmp_path / "ref.pt", fast=False, **options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections import Counter
 from typing import IO, BinaryIO, cast
 
 from ckptfix.formats import inert
@@ -17,10 +18,12 @@ from ckptfix.formats import inert
 MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
-def check_legacy(path: str, *, allowed: frozenset[str]) -> None:
-    """Read the five pickles inertly, every pickle rule applied; nothing is built."""
+def check_legacy(path: str, *, allowed: frozenset[str]) -> dict[str, int]:
+    """Read the five pickles inertly, every pickle rule applied; nothing is built. Returns how many storages
+    carry each device tag (``cuda:0``), as :attr:`ckptfix.reading.Opened.locations` says for a zip."""
     with open(path, "rb") as f:
-        inert.load(cast("IO[bytes]", _Bounded(f)), source=path, allowed=allowed, count=5, legacy=True)
+        _, storages = inert.load(cast("IO[bytes]", _Bounded(f)), source=path, allowed=allowed, count=5, legacy=True)
+    return dict(Counter(ref.location for ref in storages.values()))
 
 
 class _Bounded(io.RawIOBase):

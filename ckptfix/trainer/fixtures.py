@@ -1,6 +1,7 @@
 """Regenerate ``fixtures/``: real checkpoints from real runs, and ``fixtures/MANIFEST.json`` describing them.
 
     python -m ckptfix.trainer.fixtures            # writes ./fixtures (about a minute on 2 CPU cores)
+    python -m ckptfix.trainer.fixtures --cuda     # on a GPU machine: writes ./fixtures/cuda (seconds)
 
 Each file's manifest record says how it was made (mode, trainer options, torch version), its layout and
 format, its sha256, and the model's eval-mode output on :func:`ckptfix.trainer.model.probe_input`. The probe
@@ -25,6 +26,7 @@ from ckptfix.trainer.config import TrainConfig
 
 MANIFEST = "MANIFEST.json"
 COMMAND = "python -m ckptfix.trainer.fixtures"
+CUDA_DIR = "cuda"  # fixtures/cuda: torch.save of tensors on a real GPU, made by ``COMMAND --cuda``
 # Tiny runs: the fixtures test layouts and formats, not accuracy.
 _RUN = ["--epochs", "1", "--samples", "256", "--val-samples", "64", "--batch-size", "32"]
 # (file, trainer options, file the run writes, prefix its model keys carry)
@@ -35,6 +37,7 @@ _TRAINED: tuple[tuple[str, list[str], str, str], ...] = (
     ("ddp_plain.pt", ["--mode", "ddp"], "checkpoint.pt", ""),
 )
 _WRAPPER_PREFIX = {"compiled": "_orig_mod.", "ddp-compiled": "module._orig_mod.", "compiled-ddp": "_orig_mod.module."}
+_CUDA_PREFIX = {"single": "", "ddp": "module.", "compiled": "_orig_mod."}
 _DRIFT = ["--mode", "ddp", "--save-layout", "wrapped", "--no-buffer-sync", "--save-per-rank"]
 
 
@@ -215,11 +218,104 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
+def storage_locations(path: str | os.PathLike[str]) -> dict[str, int]:
+    """How many storages of a .pt file carry each device tag, as plain torch reads them (on the CPU)."""
+    import torch
+
+    seen: dict[str, int] = {}
+
+    def where(storage: Any, location: str) -> Any:
+        seen[location] = seen.get(location, 0) + 1
+        return storage
+
+    torch.load(path, map_location=where, weights_only=True)
+    return seen
+
+
+def _cuda_states(state: dict[str, Any], scratch: Path) -> dict[str, tuple[str, Any]]:
+    """What torch.save is given on a GPU, by fixture name: (layout, object)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ckptfix.trainer.model import build_model, probe_input
+
+    torch.cuda.set_device(0)
+    model = build_model().cuda()
+    model.load_state_dict(state)
+    # One real optimizer step on the GPU: momentum buffers on cuda:0, the RNG states beside them on the CPU.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model(probe_input().cuda()).logsumexp(1).mean().backward()
+    optimizer.step()
+    full = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 1}
+    full |= {"rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state()}
+    out: dict[str, tuple[str, Any]] = {"cuda_full.pt": ("single", full)}
+    out["cuda_dp.pt"] = ("ddp", torch.nn.DataParallel(model, device_ids=[0]).state_dict())
+    compiled: Any = torch.compile(model)  # wraps only: state_dict() compiles nothing
+    out["cuda_compiled.pt"] = ("compiled", dict(compiled.state_dict()))
+    store = dist.FileStore(str(scratch / "store"), 1)  # type: ignore[attr-defined]
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        out["cuda_ddp.pt"] = ("ddp", {"model": DistributedDataParallel(model, device_ids=[0]).state_dict()})
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+def generate_cuda(out_dir: str | os.PathLike[str], *, source: str | os.PathLike[str]) -> dict[str, Any]:
+    """On a GPU: ``source`` (fixtures/single.pt) trained one step on cuda:0 and saved by torch.save as a plain,
+    DataParallel, compiled and DDP (NCCL) model, plus one in torch's legacy format; with a manifest."""
+    import torch
+
+    from ckptfix.formats.atomic import atomic_output
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{COMMAND} --cuda: needs a CUDA GPU (torch.cuda.is_available() is False)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        states = _cuda_states(_torch_load(Path(source))["model"], Path(tmp))
+    states["cuda_legacy_dp.pt"] = states["cuda_dp.pt"]
+    for name, (layout, obj) in states.items():
+        legacy = name == "cuda_legacy_dp.pt"
+        with atomic_output(out / name) as f:
+            torch.save(obj, f, **({"_use_new_zipfile_serialization": False} if legacy else {}))
+        entry = "model" if "model" in obj else ""
+        on_cpu = _torch_load(out / name)
+        how = {"mode": "single", "from": Path(source).name, "torch": str(torch.__version__)}
+        how["how"] = f"torch.save on {torch.cuda.get_device_name(0)}" + (" (legacy format)" if legacy else "")
+        files[name] = _record(
+            out / name,
+            how=how,
+            layout=layout,
+            entry=entry,
+            probe=reference_probe(on_cpu[entry] if entry else on_cpu, _CUDA_PREFIX[layout]),
+        )
+        files[name]["locations"] = storage_locations(out / name)
+    manifest = {
+        "command": f"{COMMAND} --cuda",
+        "platform": {**platform_info(), "gpu": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda)},
+        "model": "ckptfix.trainer.model:build_model",
+        "probe_input": "ckptfix.trainer.model:probe_input",
+        "files": dict(sorted(files.items())),
+    }
+    with atomic_output(out / MANIFEST) as f:
+        f.write((json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description="Regenerate the checkpoint fixtures.")
-    parser.add_argument("--out", default="fixtures", help="folder to write (default: ./fixtures)")
+    parser.add_argument("--out", default=None, help="folder to write (default: ./fixtures, ./fixtures/cuda)")
+    parser.add_argument("--cuda", action="store_true", help="on a GPU: the CUDA-saved fixtures from fixtures/single.pt")
     ns = parser.parse_args(argv)
-    manifest = generate(ns.out)
+    if ns.cuda:
+        ns.out = ns.out or f"fixtures/{CUDA_DIR}"
+        manifest = generate_cuda(ns.out, source="fixtures/single.pt")
+    else:
+        ns.out = ns.out or "fixtures"
+        manifest = generate(ns.out)
     total = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {len(manifest['files'])} fixtures ({total / 1024:.0f} KiB) and {MANIFEST} to {ns.out}")
     return 0
