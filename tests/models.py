@@ -215,14 +215,21 @@ def _ddp_worker(rank: int, store_path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def start_method() -> str:
+    """fork: the children need no fresh torch import, most of a spawn's cost on a busy machine. A forked child
+    would inherit an initialised default group (the session gloo_world fixture) or a CUDA context it cannot use
+    (an earlier test ran on the GPU), so spawn then."""
+    import torch.distributed as dist
+
+    return "spawn" if dist.is_initialized() or torch.cuda.is_initialized() else "fork"
+
+
 def ddp_rank_files(out: Path) -> list[Path]:
     """Per-rank checkpoints of a real 2-process gloo DDP run, saved under ``out``."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    # fork: the children need no fresh torch import, most of a spawn's cost on a busy machine. A forked child
-    # would inherit an initialised default group (the session gloo_world fixture), so spawn then.
-    method = "spawn" if dist.is_initialized() else "fork"
-    mp.start_processes(_ddp_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True, start_method=method)
+    mp.start_processes(
+        _ddp_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True, start_method=start_method()
+    )
     return [out / f"rank{r}.pt" for r in range(WORLD)]

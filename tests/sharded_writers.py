@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.models import SmallNet, inputs
+from tests.models import SmallNet, inputs, start_method
 
 WORLD = 2
 
@@ -84,13 +84,11 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
 
 def write_fsdp1(out: Path) -> Path:
     """``flat<R>.pt`` and ``local<R>.pt`` of a 2-rank FSDP1 job, in ``out``."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    method = "spawn" if dist.is_initialized() else "fork"
     mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True,
-                       start_method=method)  # fmt: skip
+                       start_method=start_method())  # fmt: skip
     return out
 
 
@@ -120,12 +118,10 @@ def _resume_worker(rank: int, store_path: str, ckpt_dir: str, out_path: str) -> 
 
 def resume_fsdp2(ckpt_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     """Load ``ckpt_dir`` into a 2-rank FSDP2 model; its full state dict afterwards."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    method = "spawn" if dist.is_initialized() else "fork"
     mp.start_processes(_resume_worker, args=(str(out.parent / "resume-store"), str(ckpt_dir), str(out)),
-                       nprocs=WORLD, join=True, start_method=method)  # fmt: skip
+                       nprocs=WORLD, join=True, start_method=start_method())  # fmt: skip
     return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
 
 
@@ -164,26 +160,22 @@ def _mesh2d_worker(rank: int, store_path: str, out_dir: str) -> None:
 
 def write_2d(out: Path) -> Path:
     """``rank<R>.pt`` of 4 ranks on a (2, 2) mesh, and ``full.pt`` (the truth), in ``out``."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    method = "spawn" if dist.is_initialized() else "fork"
     mp.start_processes(_mesh2d_worker, args=(str(out / "store"), str(out)), nprocs=MESH_2D[0] * MESH_2D[1],
-                       join=True, start_method=method)  # fmt: skip
+                       join=True, start_method=start_method())  # fmt: skip
     return out
 
 
 def write(out: Path, mode: str) -> Path:
     """Run the 2-process job writing into ``out``. ``mode``: ``ddp``, ``fsdp2``, ``fsdp2-wide`` (a wider model) or
     ``fsdp2-cols`` (matrices sharded by columns)."""
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    method = "spawn" if dist.is_initialized() else "fork"
     mp.start_processes(_worker, args=(str(out / "store"), str(out), mode), nprocs=WORLD, join=True,
-                       start_method=method)  # fmt: skip
+                       start_method=start_method())  # fmt: skip
     return out
 
 

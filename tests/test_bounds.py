@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+import ckptfix
+
 ROOT = Path(__file__).resolve().parent.parent
 _SCRIPT = Path(sys.executable).parent / "ckptfix"
 CKPTFIX = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "ckptfix"]
@@ -419,9 +421,14 @@ def test_sigterm_ends_a_long_step_within_a_second(big_ranks: list[Path], command
     assert child.returncode in (128 + signal.SIGTERM, -signal.SIGTERM), (child.returncode, err[-500:])
     assert latency < 3.0, f"took {latency:.2f} s to end after SIGTERM"
     assert "Traceback" not in err.decode()
-    if message:
-        assert message == "ckptfix: terminated by SIGTERM; no output was written", message
-    assert sorted(os.listdir(folder)) == listing, f"left behind: {set(os.listdir(folder)) - set(listing)}"
+    left = set(os.listdir(folder)) - set(listing)
+    out = command[command.index("-o") + 1] if "-o" in command else command[2]
+    if message.endswith(" in full"):  # a fast machine finished the rename before the signal came: it says so
+        assert message == f"ckptfix: terminated by SIGTERM after writing {out} in full" and left == {out}
+        assert ckptfix.load(folder / out)
+    else:
+        assert message in ("", "ckptfix: terminated by SIGTERM; no output was written"), message
+        assert not left, f"left behind: {left}"
     assert [digest(p) for p in big_ranks] == before
 
 

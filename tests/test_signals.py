@@ -94,6 +94,26 @@ def _check(kind: str, signum: int, ranks: list[Path], tmp_path: Path) -> None:
         assert status == 128 + signum, stderr
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_after_the_rename_says_the_output_was_written(tmp_path: Path, signum: int) -> None:
+    # The signal lands once the output is in place, while the folder entry is synced: the output stays, complete,
+    # and the message says so instead of "no output was written".
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.arange(4.0)}, src)
+    late = (
+        "import os, sys, ckptfix.formats.atomic as a; sync = a.fsync_dir; "
+        f"a.fsync_dir = lambda f: (sync(f), os.kill(os.getpid(), {int(signum)})); "
+        "from ckptfix.cli import main; sys.argv[0] = 'ckptfix'; main()"
+    )
+    done = subprocess.run([sys.executable, "-c", late, "convert", str(src), str(out)], capture_output=True,
+                          text=True, timeout=120, preexec_fn=_default_signals)  # fmt: skip
+    assert done.returncode == (128 + signum if signum != signal.SIGINT else 130), done.stderr
+    what = "terminated by SIGTERM" if signum == signal.SIGTERM else "interrupted"
+    assert done.stderr.strip().splitlines()[-1] == f"ckptfix: {what} after writing {out} in full", done.stderr
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(4.0))
+    assert _temp_files(tmp_path) == []
+
+
 def test_sigterm_during_merge_removes_the_temp_file(ranks: list[Path], tmp_path: Path) -> None:
     _check("merge", signal.SIGTERM, ranks, tmp_path)
 

@@ -18,7 +18,7 @@ import click
 
 from ckptfix import __version__
 from ckptfix.errors import CkptfixError, as_flags
-from ckptfix.formats.atomic import TERMINATING, Terminated, raise_terminated
+from ckptfix.formats.atomic import TERMINATING, Terminated, completed_outputs, raise_terminated
 
 # Each command is defined in the module of its name under ckptfix.cli; this is the first sentence of its help, for
 # the list in --help (tests/test_cli.py checks that they agree).
@@ -103,11 +103,10 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KeyboardInterrupt:
-            _error("ckptfix: interrupted; no output was written")
+            _error(_stopped("interrupted"))
             ctx.exit(INTERRUPTED)
         except Terminated as e:
-            # Every temp file has been removed on the way here: the output is the old file or none.
-            _error(f"ckptfix: {e}; no output was written")
+            _error(_stopped(str(e)))
             ctx.exit(128 + e.signum)
         except BrokenPipeError:
             # The reader of stdout has exited (`ckptfix diff A B | head -1`): nothing is wrong, stop quietly.
@@ -120,6 +119,12 @@ class _Group(click.Group):
                 raise
             _error(f"ckptfix: internal error: {type(e).__name__}: {e} (rerun with --debug and report it)")
             ctx.exit(INTERNAL_ERROR)
+
+
+def _stopped(what: str) -> str:
+    # Every temp file has been removed on the way here: each output is complete, or as it was before.
+    done = completed_outputs()  # a signal that came after the last rename: say what is there
+    return f"ckptfix: {what} after writing {', '.join(done)} in full" if done else f"ckptfix: {what}; no output was written"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

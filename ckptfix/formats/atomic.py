@@ -115,6 +115,24 @@ class Terminated(BaseException):
 
 
 _RECEIVED: list[int] = []  # every termination signal raised as Terminated, in order (see atomic_output)
+_COMPLETED: list[str] = []  # every output moved into place, in order: what a late signal must not deny
+
+
+def completed_outputs() -> list[str]:
+    """The outputs this process has put in place (renamed in full), oldest first."""
+    return list(_COMPLETED)
+
+
+@contextlib.contextmanager
+def completing(out: str) -> Iterator[None]:
+    """Runs the block (the rename that puts ``out`` in place) with termination signals held, then records
+    ``out`` as complete: a signal arriving after the rename is handled once the record says so."""
+    held = _hold_signals()
+    try:
+        yield
+        _COMPLETED.append(out)
+    finally:
+        _release_signals(held)
 
 
 def raise_terminated(signum: int, frame: FrameType | None) -> None:
@@ -189,7 +207,8 @@ def _temp_output(out: PathLike) -> Iterator[BinaryIO]:
             f.flush()
             os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
-        os.replace(tmp, out_s)
+        with completing(out_s):
+            os.replace(tmp, out_s)
     except BaseException as e:
         if tmp is not None:
             with contextlib.suppress(OSError):

@@ -442,6 +442,7 @@ def save_dcp(obj: Any, out: str) -> None:
     import warnings
 
     from ckptfix.errors import OutputError
+    from ckptfix.formats.atomic import completing
     from ckptfix.torchcompat import dcp_save_local
 
     out = os.path.abspath(out.rstrip(os.sep) or os.sep)
@@ -455,9 +456,10 @@ def save_dcp(obj: Any, out: str) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
             dcp_save_local(obj, checkpoint_id=tmp)  # this process alone, even inside a distributed job
-        with contextlib.suppress(FileNotFoundError):
-            os.rmdir(out)
-        os.rename(tmp, out)
+        with completing(out):
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(out)
+            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats.atomic import PathLike, fsync_dir
+from ckptfix.formats.atomic import PathLike, completing, fsync_dir
 from ckptfix.formats.safetensors import stored_identity
 
 INDEX_SUFFIX = ".index.json"
@@ -373,9 +373,10 @@ def staged(out: PathLike) -> Iterator[str]:
     try:
         yield tmp
         names = sorted(os.listdir(tmp), key=lambda n: n.endswith(INDEX_SUFFIX))  # the index last
-        for name in names:
-            os.rename(os.path.join(tmp, name), os.path.join(folder, name))
-            moved.append(os.path.join(folder, name))
+        with completing(os.fspath(out)):
+            for name in names:
+                os.rename(os.path.join(tmp, name), os.path.join(folder, name))
+                moved.append(os.path.join(folder, name))
         fsync_dir(folder)
     except BaseException:
         for path in moved:

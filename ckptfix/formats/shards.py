@@ -131,12 +131,16 @@ _MAX_DIM = 1 << 62  # no size or mesh past this: products of such numbers stay e
 
 
 def _mesh_shape(mesh: dict[str, Any]) -> tuple[int, ...]:
-    """The mesh's shape: from its layout (torch >= 2.9: one flat layout per mesh dimension, the rank map flat), or
-    from the shape of its mesh tensor (older torch)."""
+    """The mesh's shape: from its layout (torch >= 2.9; one per mesh dimension in ``axes``, or one layout whose
+    top-level sizes are the dimensions as torch 2.11 pickles it), or from the shape of its mesh tensor (older)."""
     layout = mesh.get("_layout")
     if layout is None:
         return tuple(inert.tensor_of(mesh["mesh"]).shape)
-    return tuple(math.prod(_ints(_state(axis)["shape"])) for axis in _state(layout)["axes"])
+    fields = _state(layout)
+    if "axes" in fields:
+        return tuple(math.prod(_ints(_state(axis)["shape"])) for axis in fields["axes"])
+    top = fields["shape"]
+    return tuple(math.prod(_ints(part)) for part in (top if isinstance(top, (tuple, list)) else (top,)))
 
 
 def _ints(shape: Any) -> list[int]:
