@@ -17,13 +17,13 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
+from ckptfix.torchcompat import dcp_save_local
 from tests import st_spec
 from tests.assertions import assert_same
 from tests.models import SmallNet
@@ -56,7 +56,7 @@ def _assert_values(got: Any, want: dict[str, torch.Tensor]) -> None:
 def _dcp_save(state: Any, folder: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one process, no process group: the intent here
-        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+        dcp_save_local(state, checkpoint_id=str(folder))
 
 
 def _dcp_truth(folder: Path, tmp: Path) -> Any:

@@ -38,9 +38,12 @@ def _coordinate(value: tuple[int, ...]) -> Callable[[Any], None]:
 
 
 def _placement(dim: int) -> Callable[[Any], None]:
-    from torch.distributed.tensor import Shard
+    def edit(t: Any) -> None:
+        from torch.distributed.tensor import Shard  # torch 2.4 has it as torch.distributed._tensor only
 
-    return lambda t: object.__setattr__(t._spec, "placements", (Shard(dim),))
+        object.__setattr__(t._spec, "placements", (Shard(dim),))
+
+    return edit
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,31 @@ on that device tags them, made without a GPU), and saves without CRCs (torch's `
 
 from __future__ import annotations
 
+import importlib.util
+import io
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+
+# torch.save's compute_crc32 option (torch.utils.serialization.config) is new in torch 2.7
+CAN_SKIP_CRCS = importlib.util.find_spec("torch.utils.serialization") is not None
+without_crcs = pytest.mark.skipif(not CAN_SKIP_CRCS, reason=f"torch {torch.__version__} always writes CRCs")
+
+
+def torch_saves(name: str) -> bool:
+    """Whether this torch has dtype ``name`` and torch.save writes it (torch 2.5 has uint16 but cannot save it)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        return False
+    try:
+        torch.save(torch.zeros(16, dtype=torch.uint8).view(dtype), io.BytesIO())
+    except Exception:
+        return False
+    return True
 
 
 @contextmanager
