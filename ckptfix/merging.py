@@ -11,12 +11,19 @@ a few copies of one tensor, not the ranks' checkpoints. Inputs may be folders (p
 folders). FSDP2 rank files (DTensor shards) are not averaged: their full tensors are reassembled from every rank's
 shards (:func:`ckptfix.formats.shards.load_ranks`), and what is left per rank (BatchNorm statistics) is merged as
 for DDP.
+
+``average=True`` (or ``weights``) merges checkpoints of one model from different steps or runs instead (timm's
+``avg_checkpoints.py``, model soups): every floating tensor is the (weighted) mean of the files' values, accumulated
+in float64 and stored in its own dtype; other tensors (``num_batches_tracked``) and every other entry come from
+the last file, the newest when files are given oldest first. It streams the same way: one tensor of one file at
+a time, plus the running sum.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from collections import OrderedDict
@@ -27,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
 from ckptfix.diffing import same_bytes, tensor_diff
-from ckptfix.errors import MergeError
+from ckptfix.errors import AverageError, MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
@@ -66,9 +73,13 @@ class MergeResult:
     reassembled: dict[str, str] = field(default_factory=dict)  # DTensor key -> how it was sharded
     left_out: list[str] = field(default_factory=list)  # entries of the first input not written (model_only)
     notes: list[str] = field(default_factory=list)
+    averaged: list[str] = field(default_factory=list)  # average: the keys averaged (the rest from the last input)
+    weights: list[float] = field(default_factory=list)  # average: each input's weight, normalised to sum 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "averaged": self.averaged,
+            "weights": self.weights,
             "reassembled": self.reassembled,
             "left_out": self.left_out,
             "notes": self.notes,
@@ -90,6 +101,8 @@ def merge(
     atol: float = 0.0,
     to: str = "single",
     buffer_keys: Iterable[str] = (),
+    average: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> Any:
     """Merge per-rank state dicts or full checkpoints (any layout, mixed) into one, in layout ``to``.
 
@@ -98,9 +111,15 @@ def merge(
     ``buffers`` too when floating. Warnings (duplicate ranks, a lone input, differing step counts) are issued
     with :mod:`warnings`.
 
+    ``average=True`` averages checkpoints of one model instead (``weights``, one per input, implies it; they are
+    divided by their sum): floating tensors are the weighted mean (float64, stored in their dtype), the rest
+    comes from the last input. Different keys, shapes or dtypes raise :class:`~ckptfix.errors.AverageError`.
+
     >>> merged = ckptfix.merge([torch.load(f"rank{r}.pt") for r in range(4)])
+    >>> soup = ckptfix.merge([ckptfix.load(f) for f in ("step1000.pt", "step2000.pt")], weights=[0.3, 0.7])
     """
-    result = plan_merge(states, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys)
+    result = plan_merge(states, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys, average=average,
+                        weights=weights)  # fmt: skip
     if result.diverged:
         first = result.diverged[0]
         raise MergeError(
@@ -122,6 +141,8 @@ def plan_merge(
     to: str = "single",
     buffer_keys: Iterable[str] = (),
     model_only: bool = False,
+    average: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> MergeResult:
     """Merge like :func:`merge`, but return divergences and warnings as data instead of raising/warning.
 
@@ -129,11 +150,13 @@ def plan_merge(
     Raises :class:`MergeError` for inputs that cannot be merged at all (different keys, shapes, dtypes).
     ``model_only`` leaves out the first input's other entries (a lone model entry becomes the state dict itself).
     """
+    keys = set(buffer_keys)
     _check_options(len(objs), buffers=buffers, to=to)
+    scale = _weights(len(objs), average=average, weights=weights, buffers=buffers, atol=atol, buffer_keys=keys)
     labels = list(names) if names is not None else [f"rank{i}" for i in range(len(objs))]
     inputs = [in_memory(obj, source=label) for obj, label in zip(objs, labels, strict=True)]
-    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys),
-                     model_only=model_only)  # fmt: skip
+    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=keys, model_only=model_only,
+                     weights=scale)  # fmt: skip
     return _in_memory(merger)
 
 
@@ -158,6 +181,8 @@ def merge_files(
     unsafe: bool = False,
     model_only: bool = False,
     overwrite: bool = False,
+    average: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> MergeResult:
     """Merge per-rank files (or folders) into ``out`` key by key; nothing is written when parameters diverge.
 
@@ -172,17 +197,23 @@ def merge_files(
     allowlist, see :mod:`ckptfix.formats.opaque`) is copied as its pickle records into a ``.pt`` output (said in
     ``notes``), refused if it can run code or the output is ``.safetensors``; ``model_only`` leaves all of them out.
 
+    ``average=True`` (or ``weights``) averages checkpoints of one model as :func:`merge` does, streamed the same
+    way (one tensor of one file at a time, and the float64 sum); the other entries come from the last file.
+
     >>> result = ckptfix.merging.merge_files(["rank0.pt", "rank1.pt"], "merged.pt")
+    >>> result = ckptfix.merging.merge_files(["step1000.pt", "step2000.pt"], "soup.pt", weights=[0.3, 0.7])
     """
     from ckptfix.formats.shards import RankFilesError, ShardedCheckpointError, refuse_flat_params
 
     to = _check_options(len(paths), buffers=buffers, to=to)
+    keys = set(buffer_keys)
+    scale = _weights(len(paths), average=average, weights=weights, buffers=buffers, atol=atol, buffer_keys=keys)
     fmt = output_format(out)
     check_output(out, inputs=tuple(paths), overwrite=overwrite)
     labels = [os.fspath(p) for p in paths]
     allowed = tuple(allow_globals)
-    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": set(buffer_keys),
-                               "model_only": model_only}  # fmt: skip
+    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": keys,
+                               "model_only": model_only, "weights": scale}  # fmt: skip
     with contextlib.ExitStack() as stack:
         inputs: list[Opened] = []
         sharded: list[str] = []
@@ -199,6 +230,11 @@ def merge_files(
                 f"{sharded[0]}: holds DTensor shards (an FSDP2 rank file) but {inputs[0].source} holds full "
                 f"tensors; merge every rank file of one FSDP2 run together, or per-rank DDP files together"
             )
+        if sharded and scale is not None:
+            raise AverageError(
+                f"{sharded[0]}: holds DTensor shards (an FSDP2 rank file); average full checkpoints: reassemble "
+                f"each run's rank files with `ckptfix merge` first, then average the results"
+            )
         if sharded:
             stack.close()
             return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options)
@@ -208,8 +244,9 @@ def merge_files(
         merger = _Merger(inputs, labels, **options)
         try:
             tree = merger.assemble(merger.template)
-            tree = opaque.carry(tree, out_fmt=fmt, source=labels[0], notes=merger.result.notes)
-            writer = streamed_writer(tree, out, fmt=fmt, base=inputs[0])
+            # the input the other entries come from: the first, or the last when averaging
+            tree = opaque.carry(tree, out_fmt=fmt, source=merger.labels[0], notes=merger.result.notes)
+            writer = streamed_writer(tree, out, fmt=fmt, base=merger.inputs[0])
         except CannotStream:  # real tensors, records of folders, entries only ckptfix.save writes: in memory
             loaded = [_loaded(i, allow_globals=allowed, unsafe=unsafe, model_only=model_only) for i in inputs]
             left_out = merger.finish().left_out  # what the description holds beyond the model (the load has less)
@@ -217,7 +254,7 @@ def merge_files(
             if not result.diverged:
                 result.left_out = left_out
             if result.obj is not None:
-                opaque.refuse_left(result.obj, source=labels[0])  # torch writes only values it built
+                opaque.refuse_left(result.obj, source=merger.labels[0])  # torch writes only values it built
                 write(result.obj, out, fmt=fmt)
                 result.obj = None
             return result
@@ -372,6 +409,39 @@ def _check_options(count: int, *, buffers: str, to: str) -> str:
     return str(layout)
 
 
+def _weights(
+    count: int,
+    *,
+    average: bool,
+    weights: Sequence[float] | None,
+    buffers: str,
+    atol: float,
+    buffer_keys: set[str],
+) -> list[float] | None:
+    """Each input's weight when averaging (``weights`` implies it; 1.0 each without), None when merging ranks. The
+    mean divides by their sum: ``3,7`` means ``0.3,0.7``, and a plain average is sum/N exactly as timm computes it.
+    A negative weight is allowed (extrapolation) as long as the sum is positive: a sum of zero or less has no mean."""
+    if weights is None and not average:
+        return None
+    if buffers != "pooled" or atol != 0.0 or buffer_keys:
+        option = "buffers" if buffers != "pooled" else "atol" if atol != 0.0 else "buffer_keys"
+        raise AverageError(
+            f"{option} applies to merging ranks, not to averaging (every floating tensor is averaged, other tensors "
+            f"come from the last input); leave it out"
+        )
+    if weights is None:
+        return [1.0] * count
+    given = [float(w) for w in weights]
+    if len(given) != count:
+        raise AverageError(f"weights: {len(given)} weight(s) for {count} input(s); give one weight per input, in order")
+    if bad := [w for w in given if not math.isfinite(w)]:
+        raise AverageError(f"weights: {bad[0]} is not a finite number; give one finite weight per input")
+    total = math.fsum(given)
+    if not total > 0.0:
+        raise AverageError(f"weights: they sum to {total:g}; their sum must be positive (they are divided by it)")
+    return given
+
+
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:
     """Each model entry of the first input, from every input (a bare state dict matches a lone entry)."""
     found = [model_entries(obj) for obj in objs]
@@ -403,6 +473,11 @@ def _floating(value: Any) -> bool:
     return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat"))
 
 
+def _averaged(value: Any) -> bool:
+    """Whether averaging computes ``value``'s mean: floating and complex tensors."""
+    return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat", "complex"))
+
+
 @dataclass
 class _Entry:
     """One model entry to merge: each rank's state in the single layout, and what the output looks like."""
@@ -429,11 +504,18 @@ class _Merger:
         to: str,
         buffer_keys: set[str],
         model_only: bool = False,
+        weights: list[float] | None = None,
     ) -> None:
+        # averaging: the inputs last first, so that the last one is the base every "first input" rule reads (the
+        # template, integer buffers, the other entries); ``weights`` follow them, the sum still runs in file order
+        self.weights = weights[::-1] if weights is not None else None
+        self.weight_sum = math.fsum(weights) if weights is not None else 1.0
+        if weights is not None:
+            inputs, labels = inputs[::-1], labels[::-1]
         self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
         self.model_only = model_only
-        self.twins_warn = True
-        self.result = MergeResult()
+        self.twins_warn = weights is None  # a checkpoint given twice is simply weighted twice
+        self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []])
         if len(inputs) == 1:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
@@ -449,8 +531,20 @@ class _Merger:
             found, maps = layouts.conversion_maps(list(state.keys()), to="single", source=label)
             self.result.layouts_from.append(found.name)
             singles.append(apply_maps(state, maps, source=label))
-        _check_same_structure(singles, where)
+        _check_same_structure(singles, where, average=self.weights is not None)
         first = singles[0]
+        if self.weights is not None:  # every floating tensor computed: the weighted mean
+            computed = {k for k, v in first.items() if _averaged(v)}
+            if fp8 := [k for k in computed if spec(first[k]).dtype.startswith("float8")]:
+                # a float8 value means something only with its scale, stored under another key: a mean of the
+                # raw values of checkpoints with different scales would be wrong, and silently so
+                raise AverageError(
+                    f"{where[0]}: '{fp8[0]}' is torch.{spec(first[fp8[0]]).dtype}, whose values need their scales; "
+                    f"average the checkpoints before quantising, or dequantise them first"
+                )
+            template = OrderedDict((k, Placeholder(*_spec_args(v)) if k in computed else v) for k, v in first.items())
+            _, maps = layouts.conversion_maps(list(first.keys()), to=to, source=where[0])
+            return _Entry(name, where, singles, maps, [], set(), template)
         prefixes = sorted(_bn_prefixes(first.keys()))
         for prefix in prefixes:
             if not (_floating(first[prefix + _MEAN]) and _floating(first[prefix + _VAR])):
@@ -509,6 +603,14 @@ class _Merger:
         return self.inputs[rank].tensor(value) if is_tensor(value) else value
 
     def _run_entry(self, index: int, e: _Entry, put: Callable[[int, str, Any], None]) -> None:
+        if self.weights is not None:
+            for key, value in e.states[0].items():
+                if _averaged(value):
+                    put(index, key, self._weighted_mean(e, key, self.weights, total=self.weight_sum))
+                    self.result.averaged.append(key)
+                else:  # integer and bool tensors (num_batches_tracked), and non-tensors: the last input's
+                    put(index, key, self._read(e, 0, key))
+            return
         ranks = range(len(e.states))
         # pairs of ranks identical so far: the same file twice, or buffers that were synced after all
         twins = {(i, j) for j in ranks for i in range(j)}
@@ -571,6 +673,18 @@ class _Merger:
         self.result.diverged.append(Divergence(key, worst, bad))
         return first
 
+    def _weighted_mean(self, e: _Entry, key: str, weights: list[float], *, total: float) -> torch.Tensor:
+        """sum(w_i * x_i) / sum(w_i) over the inputs in file order, in float64 (complex128), stored in the key's
+        dtype. One input's tensor is read at a time and dropped before the next: memory holds it and the sum."""
+        import torch
+
+        found = spec(e.states[0][key])
+        wide = torch.complex128 if found.dtype.startswith("complex") else torch.float64
+        acc = torch.zeros(found.shape, dtype=wide)
+        for rank in reversed(range(len(e.states))):  # the inputs are held last first
+            acc += self._read(e, rank, key).to(wide) * weights[rank]
+        return (acc / total).to(getattr(torch, found.dtype))
+
     def _mean(self, e: _Entry, key: str) -> torch.Tensor:
         import torch
 
@@ -616,28 +730,30 @@ def _spec_args(value: Any) -> tuple[str, tuple[int, ...]]:
     return found.dtype, found.shape
 
 
-def _check_same_structure(states: list[dict[str, Any]], where: list[str]) -> None:
+def _check_same_structure(states: list[dict[str, Any]], where: list[str], *, average: bool = False) -> None:
     first = states[0]
+    error = AverageError if average else MergeError
+    same = "checkpoints of one model" if average else "per-rank files of one run"
     for state, label in zip(states[1:], where[1:], strict=True):
         only_first = [k for k in first if k not in state]
         only_here = [k for k in state if k not in first]
         if only_first or only_here:
             detail = f"'{only_first[0]}' only in {where[0]}" if only_first else f"'{only_here[0]}' only in {label}"
-            raise MergeError(
+            raise error(
                 f"{label}: keys differ from {where[0]} ({len(only_first)} only there, "
-                f"{len(only_here)} only here; {detail}); per-rank files of one run hold the same keys"
+                f"{len(only_here)} only here; {detail}); {same} hold the same keys"
             )
         for key, value in first.items():
             other = state[key]
             if is_tensor(value) != is_tensor(other):
-                raise MergeError(f"{label}: '{key}' is a tensor in one file and not in {where[0]}; cannot merge them")
+                raise error(f"{label}: '{key}' is a tensor in one file and not in {where[0]}; cannot merge them")
             if not is_tensor(value):
                 continue
             mine, theirs = spec(value), spec(other)
             if mine != theirs:
-                raise MergeError(
+                raise error(
                     f"{label}: '{key}' is {list(theirs.shape)} torch.{theirs.dtype} but "
-                    f"{list(mine.shape)} torch.{mine.dtype} in {where[0]}; per-rank files of one run hold "
+                    f"{list(mine.shape)} torch.{mine.dtype} in {where[0]}; {same} hold "
                     f"the same shapes and dtypes"
                 )
 
