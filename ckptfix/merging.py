@@ -533,6 +533,8 @@ class _Merger:
             singles.append(apply_maps(state, maps, source=label))
         _check_same_structure(singles, where, average=self.weights is not None)
         first = singles[0]
+        prefixes: list[str] = []
+        stats: set[str] = set()
         if self.weights is not None:  # every floating tensor computed: the weighted mean
             computed = {k for k, v in first.items() if _averaged(v)}
             if fp8 := [k for k in computed if spec(first[k]).dtype.startswith("float8")]:
@@ -542,15 +544,13 @@ class _Merger:
                     f"{where[0]}: '{fp8[0]}' is torch.{spec(first[fp8[0]]).dtype}, whose values need their scales; "
                     f"average the checkpoints before quantising, or dequantise them first"
                 )
-            template = OrderedDict((k, Placeholder(*_spec_args(v)) if k in computed else v) for k, v in first.items())
-            _, maps = layouts.conversion_maps(list(first.keys()), to=to, source=where[0])
-            return _Entry(name, where, singles, maps, [], set(), template)
-        prefixes = sorted(_bn_prefixes(first.keys()))
-        for prefix in prefixes:
-            if not (_floating(first[prefix + _MEAN]) and _floating(first[prefix + _VAR])):
-                raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
-        stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
-        computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
+        else:
+            prefixes = sorted(_bn_prefixes(first.keys()))
+            for prefix in prefixes:
+                if not (_floating(first[prefix + _MEAN]) and _floating(first[prefix + _VAR])):
+                    raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
+            stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
+            computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
         computed |= {k for k, v in first.items() if isinstance(v, DTensorRecord)}  # assembled from every rank
         template: OrderedDict[str, Any] = OrderedDict(
             (k, Placeholder(*_spec_args(v)) if k in computed and is_tensor(v) else v) for k, v in first.items()
