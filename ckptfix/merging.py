@@ -38,7 +38,7 @@ from ckptfix.errors import AverageError, MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
-from ckptfix.formats.shards import DTensorRecord
+from ckptfix.formats.shards import DTensorRecord, ShardedTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import torch
 
 BUFFER_STRATEGIES: tuple[str, ...] = ("pooled", "mean", "rank0")
+_SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord)  # one rank's part of a tensor, assembled from every rank
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
 
@@ -216,28 +217,34 @@ def merge_files(
                                "model_only": model_only, "weights": scale}  # fmt: skip
     with contextlib.ExitStack() as stack:
         inputs: list[Opened] = []
-        sharded: list[str] = []
+        sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
         for path in labels:
             try:
                 inputs.append(stack.enter_context(open_checkpoint(path, allow_globals=allowed, unsafe=unsafe,
                                                                   opaque=True)))  # fmt: skip
             except ShardedCheckpointError as e:
-                if e.kind != "dtensor":
+                if e.kind not in _RANK_FILES:
                     raise
-                sharded.append(path)
+                sharded[path] = e.kind
+        first, kind = next(iter(sharded.items()), ("", ""))
+        what = _RANK_FILES.get(kind, "")
         if sharded and inputs:
             raise RankFilesError(
-                f"{sharded[0]}: holds DTensor shards (an FSDP2 rank file) but {inputs[0].source} holds full "
-                f"tensors; merge every rank file of one FSDP2 run together, or per-rank DDP files together"
+                f"{first}: holds {what} but {inputs[0].source} holds full tensors; merge every rank file of one "
+                f"sharded run together, or per-rank DDP files together"
+            )
+        if odd := next((p for p, k in sharded.items() if k != kind), None):
+            raise RankFilesError(
+                f"{odd}: holds {_RANK_FILES[sharded[odd]]} but {first} holds {what}; these are files of two runs"
             )
         if sharded and scale is not None:
             raise AverageError(
-                f"{sharded[0]}: holds DTensor shards (an FSDP2 rank file); average full checkpoints: reassemble "
-                f"each run's rank files with `ckptfix merge` first, then average the results"
+                f"{first}: holds {what}; average full checkpoints: reassemble each run's rank files with "
+                f"`ckptfix merge` first, then average the results"
             )
         if sharded:
             stack.close()
-            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options)
+            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options, fsdp1=kind != "dtensor")
         for opened in inputs:
             refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
             opaque.require(opened.tree, wanted=None, source=opened.source)
@@ -286,21 +293,40 @@ def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, mod
     return in_memory(obj, source=opened.source)
 
 
-def _merge_dtensor(
-    paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
-) -> MergeResult:
-    """FSDP2 rank files: full tensors reassembled from every rank's shards, one tensor at a time, and written at
-    once; the rest merged as for DDP. Files the streaming writer cannot take are reassembled in memory."""
-    from ckptfix.formats import allowlist
-    from ckptfix.formats.shards import DTENSOR_GLOBALS, check_pieces
+_RANK_FILES = {"dtensor": "DTensor shards (an FSDP2 rank file)",
+               "sharded-tensor": "ShardedTensor shards (an FSDP1 rank file)"}  # fmt: skip
 
-    allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | DTENSOR_GLOBALS
+
+def _merge_dtensor(
+    paths: list[str],
+    out: PathLike,
+    *,
+    fmt: str,
+    allow_globals: tuple[str, ...],
+    options: dict[str, Any],
+    fsdp1: bool = False,
+) -> MergeResult:
+    """FSDP2 rank files (or FSDP1 SHARDED_STATE_DICT ones: ``fsdp1``): full tensors reassembled from every rank's
+    shards, one tensor at a time, and written at once; the rest merged as for DDP. FSDP2 files the streaming
+    writer cannot take are reassembled in memory."""
+    from ckptfix.formats import allowlist
+    from ckptfix.formats.shards import (
+        DTENSOR_GLOBALS,
+        SHARDED_TENSOR_GLOBALS,
+        RankFilesError,
+        check_pieces,
+        check_sharded,
+    )
+
+    extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
+    allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | extra
     with contextlib.ExitStack() as stack:
         ranks: list[_Rank] = []
         for path in paths:
-            ranks.append(_open_rank(path, allowed=allowed))
+            ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1))
             stack.enter_context(ranks[-1])
-        check_pieces([{k: r.piece for k, r in rank.records.items()} for rank in ranks], paths)  # before any write
+        pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
+        (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
         _Ranks(ranks, paths)  # each rank's DTensor records read through it
         merger = _Merger(list(ranks), paths, **options)
         merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
@@ -308,7 +334,11 @@ def _merge_dtensor(
             if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
                 raise CannotStream("a big-endian rank file, whose bytes torch swaps")
             writer = streamed_writer(merger.assemble(merger.template), out, fmt=fmt, base=ranks[0])
-        except CannotStream:
+        except CannotStream as e:
+            if fsdp1:  # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
+                raise RankFilesError(
+                    f"{paths[0]}: these FSDP1 rank files cannot be streamed ({e}); re-save them"
+                ) from e
             stack.close()
             return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
         _stream_merged(merger, writer)
@@ -339,23 +369,23 @@ class _Rank(Opened):
     """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.shards.DTensorRecord` whose value
     is the full tensor, assembled from every rank's piece by the ranks' :class:`_Ranks`."""
 
-    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord
+    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
     ranks: Any = None
 
     def tensor(self, value: Any) -> torch.Tensor:
-        if isinstance(value, DTensorRecord):
+        if isinstance(value, _SHARD_RECORDS):
             return self.ranks.full(value.key)  # type: ignore[no-any-return]
         return super().tensor(value)
 
 
-def _open_rank(path: str, *, allowed: frozenset[str]) -> _Rank:
-    from ckptfix.formats.shards import describe_rank
+def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False) -> _Rank:
+    from ckptfix.formats.shards import describe_fsdp1_rank, describe_rank
     from ckptfix.formats.torchfile import file_identity
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         before = file_identity(fd)
-        z, tree = describe_rank(fd, path, allowed=allowed)
+        z, tree = (describe_fsdp1_rank if fsdp1 else describe_rank)(fd, path, allowed=allowed)
     except BaseException:
         os.close(fd)
         raise
@@ -364,7 +394,7 @@ def _open_rank(path: str, *, allowed: frozenset[str]) -> _Rank:
     while stack:  # the DTensors sit in the (nested) dicts of the checkpoint
         node = stack.pop()
         for value in node.values() if isinstance(node, dict) else ():
-            if isinstance(value, DTensorRecord):
+            if isinstance(value, _SHARD_RECORDS):
                 records[value.key] = value
             elif isinstance(value, dict):
                 stack.append(value)
@@ -383,15 +413,21 @@ class _Ranks:
             rank.ranks = self
 
     def full(self, key: str) -> Any:
-        from ckptfix.formats.shards import assemble
+        from ckptfix.formats.shards import assemble, assemble_sharded
 
         if key != self.key:
             self.key, self.value = None, None  # the previous tensor freed before the next is built
             parts = []
             for rank in self.ranks:
                 piece = rank.records[key].piece
-                parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
-            self.value = assemble(parts, self.paths, key=key)
+                if isinstance(rank.records[key], ShardedTensorRecord):  # FSDP1: any number of shards per rank
+                    local = tuple((o, s, rank.tensor(t)) for o, s, t in piece.local)
+                    parts.append(dataclasses.replace(piece, local=local))
+                else:
+                    parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
+            first = self.ranks[0].records[key]
+            build = assemble_sharded if isinstance(first, ShardedTensorRecord) else assemble
+            self.value = build(parts, self.paths, key=key)
             self.key = key
         return self.value
 
@@ -551,7 +587,7 @@ class _Merger:
                     raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
             stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
             computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
-        computed |= {k for k, v in first.items() if isinstance(v, DTensorRecord)}  # assembled from every rank
+        computed |= {k for k, v in first.items() if isinstance(v, _SHARD_RECORDS)}  # assembled from every rank
         template: OrderedDict[str, Any] = OrderedDict(
             (k, Placeholder(*_spec_args(v)) if k in computed and is_tensor(v) else v) for k, v in first.items()
         )

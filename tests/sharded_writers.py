@@ -64,7 +64,7 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
-def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
+def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
     """FSDP1 (flat parameters) after one training step on rank-dependent data (so BatchNorm statistics differ):
     each rank's flat-parameter slice, its LOCAL_STATE_DICT and SHARDED_STATE_DICT (ShardedTensors), and rank 0's
     FULL_STATE_DICT (the truth). The head is its own FSDP unit, so keys nest under two flat parameters."""
@@ -75,7 +75,7 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
     out = Path(out_dir)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
-        net = SmallNet(width=8)
+        net = SmallNet(width=width)
         net.head = FullyShardedDataParallel(net.head, device_id=torch.device("cpu"))  # type: ignore[assignment]
         model = FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,13 +95,13 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def write_fsdp1(out: Path) -> Path:
+def write_fsdp1(out: Path, *, width: int = 8) -> Path:
     """``flat<R>.pt``, ``local<R>.pt``, ``sharded<R>.pt`` of a 2-rank FSDP1 job and ``full.pt`` (rank 0's
-    FULL_STATE_DICT), in ``out``."""
+    FULL_STATE_DICT), in ``out``. ``width``: SmallNet's, another model for files of two runs."""
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True,
+    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out), width), nprocs=WORLD, join=True,
                        start_method=start_method())  # fmt: skip
     return out
 

@@ -62,7 +62,7 @@ def merge(
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
-    """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP2 run, into OUT.
+    """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP run, into OUT.
 
     Parameters must be equal on every rank (within --atol), else nothing is written and the differing keys
     are listed. BatchNorm running statistics are merged per --buffers; num_batches_tracked is kept, or the
@@ -73,8 +73,10 @@ def merge(
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
-    mesh, Replicate). Entries RANK0 holds that were not loaded (classes outside the allowlist) are copied as their
-    pickle records into a .pt OUT, refused if they can run code or OUT is .safetensors: --model-only leaves them out.
+    mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors); an FSDP1 LOCAL_STATE_DICT
+    (flat parameters) is refused: it does not record the parameters' shapes. Entries RANK0 holds that were not
+    loaded (classes outside the allowlist) are copied as their pickle records into a .pt OUT, refused if they can
+    run code or OUT is .safetensors: --model-only leaves them out.
 
     --average (or --weights) averages checkpoints of one model from different steps or runs instead (checkpoint
     averaging, model soups): every floating tensor is the mean, weighted by --weights (divided by their sum),
@@ -138,8 +140,9 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
     echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
     if result.reassembled:
         ways = sorted(set(result.reassembled.values()))
+        kind = "ShardedTensor" if any(w.startswith("ShardedTensor") for w in ways) else "DTensor"  # FSDP1 or FSDP2
         echo(
-            f"reassembled {len(result.reassembled)} DTensor tensor(s) from every rank's shards ({'; '.join(ways)}): "
+            f"reassembled {len(result.reassembled)} {kind} tensor(s) from every rank's shards ({'; '.join(ways)}): "
             f"full tensors, not averaged"
         )
     if result.bn_modules:
