@@ -291,7 +291,7 @@ def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | No
             f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
             kind="dtensor",
         )
-    if any(n.startswith(_SHARDED_TENSOR) for n in names):
+    if names <= SHARDED_TENSOR_GLOBALS and any(n.startswith(_SHARDED_TENSOR) for n in names):  # nothing else named
         return ShardedCheckpointError(
             f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
             f"part), not full tensors; reassemble a SHARDED_STATE_DICT from every rank's file with `ckptfix merge "
