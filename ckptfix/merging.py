@@ -38,7 +38,7 @@ from ckptfix.errors import AverageError, MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
-from ckptfix.formats.shards import DTensorRecord, ShardedTensorRecord
+from ckptfix.formats.shards import DTensorRecord, RankFilesError, ShardedTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
 
@@ -204,7 +204,7 @@ def merge_files(
     >>> result = ckptfix.merging.merge_files(["rank0.pt", "rank1.pt"], "merged.pt")
     >>> result = ckptfix.merging.merge_files(["step1000.pt", "step2000.pt"], "soup.pt", weights=[0.3, 0.7])
     """
-    from ckptfix.formats.shards import RankFilesError, ShardedCheckpointError, refuse_flat_params
+    from ckptfix.formats.shards import ShardedCheckpointError, refuse_flat_params
 
     to = _check_options(len(paths), buffers=buffers, to=to)
     keys = set(buffer_keys)
@@ -310,13 +310,7 @@ def _merge_dtensor(
     shards, one tensor at a time, and written at once; the rest merged as for DDP. FSDP2 files the streaming
     writer cannot take are reassembled in memory."""
     from ckptfix.formats import allowlist
-    from ckptfix.formats.shards import (
-        DTENSOR_GLOBALS,
-        SHARDED_TENSOR_GLOBALS,
-        RankFilesError,
-        check_pieces,
-        check_sharded,
-    )
+    from ckptfix.formats.shards import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
 
     extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
     allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | extra
@@ -330,6 +324,8 @@ def _merge_dtensor(
         _Ranks(ranks, paths)  # each rank's DTensor records read through it
         merger = _Merger(list(ranks), paths, **options)
         merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
+        if fsdp1 and not options["model_only"]:
+            _refuse_sharded_outside_model(ranks[0], merger.result.entries)
         try:
             if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
                 raise CannotStream("a big-endian rank file, whose bytes torch swaps")
@@ -345,6 +341,19 @@ def _merge_dtensor(
     result = merger.finish()
     result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
     return result
+
+
+def _refuse_sharded_outside_model(rank: _Rank, entries: list[str]) -> None:
+    """FSDP1 ShardedTensors outside the model (optimizer state from ``FSDP.optim_state_dict`` under
+    SHARDED_STATE_DICT) would be copied from the first rank as its shards: refused, ``--model-only`` drops them."""
+    if entries == [""]:
+        return  # the file is the model state dict
+    for key in rank.records:
+        if key.split("\0")[0] not in entries:
+            raise RankFilesError(
+                f"{rank.source}: '{key.replace(chr(0), '.')}' is a ShardedTensor outside the model state dict (FSDP1 "
+                f"optimizer state?), which ckptfix does not reassemble; pass --model-only to write the model alone"
+            )
 
 
 def _merge_dtensor_in_memory(

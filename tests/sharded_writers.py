@@ -66,8 +66,9 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
 
 def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
     """FSDP1 (flat parameters) after one training step on rank-dependent data (so BatchNorm statistics differ):
-    each rank's flat-parameter slice, its LOCAL_STATE_DICT and SHARDED_STATE_DICT (ShardedTensors), and rank 0's
-    FULL_STATE_DICT (the truth). The head is its own FSDP unit, so keys nest under two flat parameters."""
+    each rank's flat-parameter slice, its LOCAL_STATE_DICT and SHARDED_STATE_DICT (ShardedTensors; ``train<R>.pt``
+    with the sharded optimizer state too), and rank 0's FULL_STATE_DICT (the truth). The head is its own FSDP
+    unit, so keys nest under two flat parameters."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
@@ -78,7 +79,7 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
         net = SmallNet(width=width)
         net.head = FullyShardedDataParallel(net.head, device_id=torch.device("cpu"))  # type: ignore[assignment]
         model = FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=False)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(inputs(rank)).square().mean().backward()
         opt.step()
         torch.save({name: p.detach() for name, p in model.named_parameters()}, out / f"flat{rank}.pt")
@@ -86,6 +87,8 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
             torch.save(model.state_dict(), out / f"local{rank}.pt")
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             torch.save(model.state_dict(), out / f"sharded{rank}.pt")
+            optim = FullyShardedDataParallel.optim_state_dict(model, opt)  # ShardedTensor momentum buffers
+            torch.save({"model": model.state_dict(), "optim": optim, "epoch": 1}, out / f"train{rank}.pt")
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
             full = model.state_dict()
         if rank == 0:
