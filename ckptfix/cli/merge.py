@@ -62,7 +62,7 @@ def merge(
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
-    """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP run, into OUT.
+    """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP2 run, into OUT.
 
     Parameters must be equal on every rank (within --atol), else nothing is written and the differing keys
     are listed. BatchNorm running statistics are merged per --buffers; num_batches_tracked is kept, or the
