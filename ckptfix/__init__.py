@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
+    "AverageError": "ckptfix.errors",
     "CkptfixError": "ckptfix.errors",
     "DistributedError": "ckptfix.errors",
     "FormatError": "ckptfix.errors",
@@ -83,6 +84,9 @@ if TYPE_CHECKING:
     )
     from ckptfix.distributed import (
         save_for_ddp as save_for_ddp,
+    )
+    from ckptfix.errors import (
+        AverageError as AverageError,
     )
     from ckptfix.errors import (
         CkptfixError as CkptfixError,

@@ -52,6 +52,13 @@ class MergeError(CkptfixError):
     exit_code = 1
 
 
+class AverageError(MergeError):
+    """Checkpoints that cannot be averaged (different keys, shapes or dtypes) or weights that cannot be used.
+    Bad input (exit 2), unlike ranks whose values disagree."""
+
+    exit_code = 2
+
+
 class DistributedError(CkptfixError):
     """A collective load or save failed on some rank; every rank raises it with the failing rank's message."""
 
@@ -84,6 +91,7 @@ def as_flags(message: str) -> str:
 
 
 __all__ = [
+    "AverageError",
     "CkptfixError",
     "DistributedError",
     "FormatError",

@@ -11,12 +11,19 @@ a few copies of one tensor, not the ranks' checkpoints. Inputs may be folders (p
 folders). FSDP2 rank files (DTensor shards) are not averaged: their full tensors are reassembled from every rank's
 shards (:func:`ckptfix.formats.shards.load_ranks`), and what is left per rank (BatchNorm statistics) is merged as
 for DDP.
+
+``average=True`` (or ``weights``) merges checkpoints of one model from different steps or runs instead (timm's
+``avg_checkpoints.py``, model soups): every floating tensor is the (weighted) mean of the files' values, accumulated
+in float64 and stored in its own dtype; other tensors (``num_batches_tracked``) and every other entry come from
+the last file, the newest when files are given oldest first. It streams the same way: one tensor of one file at
+a time, plus the running sum.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from collections import OrderedDict
@@ -27,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
 from ckptfix.diffing import same_bytes, tensor_diff
-from ckptfix.errors import MergeError
+from ckptfix.errors import AverageError, MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
-from ckptfix.formats.shards import DTensorRecord
+from ckptfix.formats.shards import DTensorRecord, RankFilesError, ShardedTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
 
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
     import torch
 
 BUFFER_STRATEGIES: tuple[str, ...] = ("pooled", "mean", "rank0")
+_SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord)  # one rank's part of a tensor, assembled from every rank
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
 
@@ -66,9 +74,13 @@ class MergeResult:
     reassembled: dict[str, str] = field(default_factory=dict)  # DTensor key -> how it was sharded
     left_out: list[str] = field(default_factory=list)  # entries of the first input not written (model_only)
     notes: list[str] = field(default_factory=list)
+    averaged: list[str] = field(default_factory=list)  # average: the keys averaged (the rest from the last input)
+    weights: list[float] = field(default_factory=list)  # average: each input's weight, normalised to sum 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "averaged": self.averaged,
+            "weights": self.weights,
             "reassembled": self.reassembled,
             "left_out": self.left_out,
             "notes": self.notes,
@@ -90,6 +102,8 @@ def merge(
     atol: float = 0.0,
     to: str = "single",
     buffer_keys: Iterable[str] = (),
+    average: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> Any:
     """Merge per-rank state dicts or full checkpoints (any layout, mixed) into one, in layout ``to``.
 
@@ -98,9 +112,15 @@ def merge(
     ``buffers`` too when floating. Warnings (duplicate ranks, a lone input, differing step counts) are issued
     with :mod:`warnings`.
 
+    ``average=True`` averages checkpoints of one model instead (``weights``, one per input, implies it; they are
+    divided by their sum): floating tensors are the weighted mean (float64, stored in their dtype), the rest
+    comes from the last input. Different keys, shapes or dtypes raise :class:`~ckptfix.errors.AverageError`.
+
     >>> merged = ckptfix.merge([torch.load(f"rank{r}.pt") for r in range(4)])
+    >>> soup = ckptfix.merge([ckptfix.load(f) for f in ("step1000.pt", "step2000.pt")], weights=[0.3, 0.7])
     """
-    result = plan_merge(states, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys)
+    result = plan_merge(states, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys, average=average,
+                        weights=weights)  # fmt: skip
     if result.diverged:
         first = result.diverged[0]
         raise MergeError(
@@ -122,6 +142,8 @@ def plan_merge(
     to: str = "single",
     buffer_keys: Iterable[str] = (),
     model_only: bool = False,
+    average: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> MergeResult:
     """Merge like :func:`merge`, but return divergences and warnings as data instead of raising/warning.
 
@@ -129,11 +151,13 @@ def plan_merge(
     Raises :class:`MergeError` for inputs that cannot be merged at all (different keys, shapes, dtypes).
     ``model_only`` leaves out the first input's other entries (a lone model entry becomes the state dict itself).
     """
+    keys = set(buffer_keys)
     _check_options(len(objs), buffers=buffers, to=to)
+    scale = _weights(len(objs), average=average, weights=weights, buffers=buffers, atol=atol, buffer_keys=keys)
     labels = list(names) if names is not None else [f"rank{i}" for i in range(len(objs))]
     inputs = [in_memory(obj, source=label) for obj, label in zip(objs, labels, strict=True)]
-    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=set(buffer_keys),
-                     model_only=model_only)  # fmt: skip
+    merger = _Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=keys, model_only=model_only,
+                     weights=scale)  # fmt: skip
     return _in_memory(merger)
 
 
@@ -158,6 +182,8 @@ def merge_files(
     unsafe: bool = False,
     model_only: bool = False,
     overwrite: bool = False,
+    average: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> MergeResult:
     """Merge per-rank files (or folders) into ``out`` key by key; nothing is written when parameters diverge.
 
@@ -172,44 +198,62 @@ def merge_files(
     allowlist, see :mod:`ckptfix.formats.opaque`) is copied as its pickle records into a ``.pt`` output (said in
     ``notes``), refused if it can run code or the output is ``.safetensors``; ``model_only`` leaves all of them out.
 
+    ``average=True`` (or ``weights``) averages checkpoints of one model as :func:`merge` does, streamed the same
+    way (one tensor of one file at a time, and the float64 sum); the other entries come from the last file.
+
     >>> result = ckptfix.merging.merge_files(["rank0.pt", "rank1.pt"], "merged.pt")
+    >>> result = ckptfix.merging.merge_files(["step1000.pt", "step2000.pt"], "soup.pt", weights=[0.3, 0.7])
     """
-    from ckptfix.formats.shards import RankFilesError, ShardedCheckpointError, refuse_flat_params
+    from ckptfix.formats.shards import ShardedCheckpointError, refuse_flat_params
 
     to = _check_options(len(paths), buffers=buffers, to=to)
+    keys = set(buffer_keys)
+    scale = _weights(len(paths), average=average, weights=weights, buffers=buffers, atol=atol, buffer_keys=keys)
     fmt = output_format(out)
     check_output(out, inputs=tuple(paths), overwrite=overwrite)
     labels = [os.fspath(p) for p in paths]
     allowed = tuple(allow_globals)
-    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": set(buffer_keys),
-                               "model_only": model_only}  # fmt: skip
+    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": keys,
+                               "model_only": model_only, "weights": scale}  # fmt: skip
     with contextlib.ExitStack() as stack:
         inputs: list[Opened] = []
-        sharded: list[str] = []
+        sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
         for path in labels:
             try:
                 inputs.append(stack.enter_context(open_checkpoint(path, allow_globals=allowed, unsafe=unsafe,
                                                                   opaque=True)))  # fmt: skip
             except ShardedCheckpointError as e:
-                if e.kind != "dtensor":
+                if e.kind not in _RANK_FILES:
                     raise
-                sharded.append(path)
+                sharded[path] = e.kind
+        first, kind = next(iter(sharded.items()), ("", ""))
+        what = _RANK_FILES.get(kind, "")
         if sharded and inputs:
             raise RankFilesError(
-                f"{sharded[0]}: holds DTensor shards (an FSDP2 rank file) but {inputs[0].source} holds full "
-                f"tensors; merge every rank file of one FSDP2 run together, or per-rank DDP files together"
+                f"{first}: holds {what} but {inputs[0].source} holds full tensors; merge every rank file of one "
+                f"sharded run together, or per-rank DDP files together"
+            )
+        if odd := next((p for p, k in sharded.items() if k != kind), None):
+            raise RankFilesError(
+                f"{odd}: holds {_RANK_FILES[sharded[odd]]} but {first} holds {what}; these are files of two runs"
+            )
+        if sharded and scale is not None:
+            raise AverageError(
+                f"{first}: holds {what}; average full checkpoints: reassemble each run's rank files with "
+                f"`ckptfix merge` first, then average the results"
             )
         if sharded:
             stack.close()
-            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options)
+            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options, fsdp1=kind != "dtensor")
         for opened in inputs:
             refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
             opaque.require(opened.tree, wanted=None, source=opened.source)
         merger = _Merger(inputs, labels, **options)
         try:
             tree = merger.assemble(merger.template)
-            tree = opaque.carry(tree, out_fmt=fmt, source=labels[0], notes=merger.result.notes)
-            writer = streamed_writer(tree, out, fmt=fmt, base=inputs[0])
+            # the input the other entries come from: the first, or the last when averaging
+            tree = opaque.carry(tree, out_fmt=fmt, source=merger.labels[0], notes=merger.result.notes)
+            writer = streamed_writer(tree, out, fmt=fmt, base=merger.inputs[0])
         except CannotStream:  # real tensors, records of folders, entries only ckptfix.save writes: in memory
             loaded = [_loaded(i, allow_globals=allowed, unsafe=unsafe, model_only=model_only) for i in inputs]
             left_out = merger.finish().left_out  # what the description holds beyond the model (the load has less)
@@ -217,7 +261,7 @@ def merge_files(
             if not result.diverged:
                 result.left_out = left_out
             if result.obj is not None:
-                opaque.refuse_left(result.obj, source=labels[0])  # torch writes only values it built
+                opaque.refuse_left(result.obj, source=merger.labels[0])  # torch writes only values it built
                 write(result.obj, out, fmt=fmt)
                 result.obj = None
             return result
@@ -249,35 +293,67 @@ def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, mod
     return in_memory(obj, source=opened.source)
 
 
-def _merge_dtensor(
-    paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
-) -> MergeResult:
-    """FSDP2 rank files: full tensors reassembled from every rank's shards, one tensor at a time, and written at
-    once; the rest merged as for DDP. Files the streaming writer cannot take are reassembled in memory."""
-    from ckptfix.formats import allowlist
-    from ckptfix.formats.shards import DTENSOR_GLOBALS, check_pieces
+_RANK_FILES = {"dtensor": "DTensor shards (an FSDP2 rank file)",
+               "sharded-tensor": "ShardedTensor shards (an FSDP1 rank file)"}  # fmt: skip
 
-    allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | DTENSOR_GLOBALS
+
+def _merge_dtensor(
+    paths: list[str],
+    out: PathLike,
+    *,
+    fmt: str,
+    allow_globals: tuple[str, ...],
+    options: dict[str, Any],
+    fsdp1: bool = False,
+) -> MergeResult:
+    """FSDP2 rank files (or FSDP1 SHARDED_STATE_DICT ones: ``fsdp1``): full tensors reassembled from every rank's
+    shards, one tensor at a time, and written at once; the rest merged as for DDP. FSDP2 files the streaming
+    writer cannot take are reassembled in memory."""
+    from ckptfix.formats import allowlist
+    from ckptfix.formats.shards import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
+
+    extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
+    allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | extra
     with contextlib.ExitStack() as stack:
         ranks: list[_Rank] = []
         for path in paths:
-            ranks.append(_open_rank(path, allowed=allowed))
+            ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1))
             stack.enter_context(ranks[-1])
-        check_pieces([{k: r.piece for k, r in rank.records.items()} for rank in ranks], paths)  # before any write
+        pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
+        (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
         _Ranks(ranks, paths)  # each rank's DTensor records read through it
         merger = _Merger(list(ranks), paths, **options)
         merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
+        if fsdp1 and not options["model_only"]:
+            _refuse_sharded_outside_model(ranks[0], merger.result.entries)
         try:
             if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
                 raise CannotStream("a big-endian rank file, whose bytes torch swaps")
             writer = streamed_writer(merger.assemble(merger.template), out, fmt=fmt, base=ranks[0])
-        except CannotStream:
+        except CannotStream as e:
+            if fsdp1:  # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
+                raise RankFilesError(
+                    f"{paths[0]}: these FSDP1 rank files cannot be streamed ({e}); re-save them"
+                ) from e
             stack.close()
             return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
         _stream_merged(merger, writer)
     result = merger.finish()
     result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
     return result
+
+
+def _refuse_sharded_outside_model(rank: _Rank, entries: list[str]) -> None:
+    """FSDP1 ShardedTensors outside the model (optimizer state from ``FSDP.optim_state_dict`` under
+    SHARDED_STATE_DICT) would be copied from the first rank as its shards: refused, ``--model-only`` drops them."""
+    if entries == [""]:
+        return  # the file is the model state dict
+    for key in rank.records:
+        if key.split("\0")[0] not in entries:
+            raise RankFilesError(
+                f"{rank.source}: '{key.replace(chr(0), '.')}' is a ShardedTensor outside the model state dict (FSDP1 "
+                f"optimizer state?), which ckptfix does not reassemble; pass --model-only to write the model alone"
+            )
 
 
 def _merge_dtensor_in_memory(
@@ -302,23 +378,23 @@ class _Rank(Opened):
     """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.shards.DTensorRecord` whose value
     is the full tensor, assembled from every rank's piece by the ranks' :class:`_Ranks`."""
 
-    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord
+    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
     ranks: Any = None
 
     def tensor(self, value: Any) -> torch.Tensor:
-        if isinstance(value, DTensorRecord):
+        if isinstance(value, _SHARD_RECORDS):
             return self.ranks.full(value.key)  # type: ignore[no-any-return]
         return super().tensor(value)
 
 
-def _open_rank(path: str, *, allowed: frozenset[str]) -> _Rank:
-    from ckptfix.formats.shards import describe_rank
+def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False) -> _Rank:
+    from ckptfix.formats.shards import describe_fsdp1_rank, describe_rank
     from ckptfix.formats.torchfile import file_identity
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         before = file_identity(fd)
-        z, tree = describe_rank(fd, path, allowed=allowed)
+        z, tree = (describe_fsdp1_rank if fsdp1 else describe_rank)(fd, path, allowed=allowed)
     except BaseException:
         os.close(fd)
         raise
@@ -327,7 +403,7 @@ def _open_rank(path: str, *, allowed: frozenset[str]) -> _Rank:
     while stack:  # the DTensors sit in the (nested) dicts of the checkpoint
         node = stack.pop()
         for value in node.values() if isinstance(node, dict) else ():
-            if isinstance(value, DTensorRecord):
+            if isinstance(value, _SHARD_RECORDS):
                 records[value.key] = value
             elif isinstance(value, dict):
                 stack.append(value)
@@ -346,15 +422,21 @@ class _Ranks:
             rank.ranks = self
 
     def full(self, key: str) -> Any:
-        from ckptfix.formats.shards import assemble
+        from ckptfix.formats.shards import assemble, assemble_sharded
 
         if key != self.key:
             self.key, self.value = None, None  # the previous tensor freed before the next is built
             parts = []
             for rank in self.ranks:
                 piece = rank.records[key].piece
-                parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
-            self.value = assemble(parts, self.paths, key=key)
+                if isinstance(rank.records[key], ShardedTensorRecord):  # FSDP1: any number of shards per rank
+                    local = tuple((o, s, rank.tensor(t)) for o, s, t in piece.local)
+                    parts.append(dataclasses.replace(piece, local=local))
+                else:
+                    parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
+            first = self.ranks[0].records[key]
+            build = assemble_sharded if isinstance(first, ShardedTensorRecord) else assemble
+            self.value = build(parts, self.paths, key=key)
             self.key = key
         return self.value
 
@@ -370,6 +452,39 @@ def _check_options(count: int, *, buffers: str, to: str) -> str:
     if not count:
         raise MergeError("no inputs to merge; give one checkpoint per rank")
     return str(layout)
+
+
+def _weights(
+    count: int,
+    *,
+    average: bool,
+    weights: Sequence[float] | None,
+    buffers: str,
+    atol: float,
+    buffer_keys: set[str],
+) -> list[float] | None:
+    """Each input's weight when averaging (``weights`` implies it; 1.0 each without), None when merging ranks. The
+    mean divides by their sum: ``3,7`` means ``0.3,0.7``, and a plain average is sum/N exactly as timm computes it.
+    A negative weight is allowed (extrapolation) as long as the sum is positive: a sum of zero or less has no mean."""
+    if weights is None and not average:
+        return None
+    if buffers != "pooled" or atol != 0.0 or buffer_keys:
+        option = "buffers" if buffers != "pooled" else "atol" if atol != 0.0 else "buffer_keys"
+        raise AverageError(
+            f"{option} applies to merging ranks, not to averaging (every floating tensor is averaged, other tensors "
+            f"come from the last input); leave it out"
+        )
+    if weights is None:
+        return [1.0] * count
+    given = [float(w) for w in weights]
+    if len(given) != count:
+        raise AverageError(f"weights: {len(given)} weight(s) for {count} input(s); give one weight per input, in order")
+    if bad := [w for w in given if not math.isfinite(w)]:
+        raise AverageError(f"weights: {bad[0]} is not a finite number; give one finite weight per input")
+    total = math.fsum(given)
+    if not total > 0.0:
+        raise AverageError(f"weights: they sum to {total:g}; their sum must be positive (they are divided by it)")
+    return given
 
 
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:
@@ -403,6 +518,11 @@ def _floating(value: Any) -> bool:
     return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat"))
 
 
+def _averaged(value: Any) -> bool:
+    """Whether averaging computes ``value``'s mean: floating and complex tensors."""
+    return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat", "complex"))
+
+
 @dataclass
 class _Entry:
     """One model entry to merge: each rank's state in the single layout, and what the output looks like."""
@@ -429,11 +549,18 @@ class _Merger:
         to: str,
         buffer_keys: set[str],
         model_only: bool = False,
+        weights: list[float] | None = None,
     ) -> None:
+        # averaging: the inputs last first, so that the last one is the base every "first input" rule reads (the
+        # template, integer buffers, the other entries); ``weights`` follow them, the sum still runs in file order
+        self.weights = weights[::-1] if weights is not None else None
+        self.weight_sum = math.fsum(weights) if weights is not None else 1.0
+        if weights is not None:
+            inputs, labels = inputs[::-1], labels[::-1]
         self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
         self.model_only = model_only
-        self.twins_warn = True
-        self.result = MergeResult()
+        self.twins_warn = weights is None  # a checkpoint given twice is simply weighted twice
+        self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []])
         if len(inputs) == 1:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
@@ -449,15 +576,27 @@ class _Merger:
             found, maps = layouts.conversion_maps(list(state.keys()), to="single", source=label)
             self.result.layouts_from.append(found.name)
             singles.append(apply_maps(state, maps, source=label))
-        _check_same_structure(singles, where)
+        _check_same_structure(singles, where, average=self.weights is not None)
         first = singles[0]
-        prefixes = sorted(_bn_prefixes(first.keys()))
-        for prefix in prefixes:
-            if not (_floating(first[prefix + _MEAN]) and _floating(first[prefix + _VAR])):
-                raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
-        stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
-        computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
-        computed |= {k for k, v in first.items() if isinstance(v, DTensorRecord)}  # assembled from every rank
+        prefixes: list[str] = []
+        stats: set[str] = set()
+        if self.weights is not None:  # every floating tensor computed: the weighted mean
+            computed = {k for k, v in first.items() if _averaged(v)}
+            if fp8 := [k for k in computed if spec(first[k]).dtype.startswith("float8")]:
+                # a float8 value means something only with its scale, stored under another key: a mean of the
+                # raw values of checkpoints with different scales would be wrong, and silently so
+                raise AverageError(
+                    f"{where[0]}: '{fp8[0]}' is torch.{spec(first[fp8[0]]).dtype}, whose values need their scales; "
+                    f"average the checkpoints before quantising, or dequantise them first"
+                )
+        else:
+            prefixes = sorted(_bn_prefixes(first.keys()))
+            for prefix in prefixes:
+                if not (_floating(first[prefix + _MEAN]) and _floating(first[prefix + _VAR])):
+                    raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
+            stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
+            computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
+        computed |= {k for k, v in first.items() if isinstance(v, _SHARD_RECORDS)}  # assembled from every rank
         template: OrderedDict[str, Any] = OrderedDict(
             (k, Placeholder(*_spec_args(v)) if k in computed and is_tensor(v) else v) for k, v in first.items()
         )
@@ -509,6 +648,14 @@ class _Merger:
         return self.inputs[rank].tensor(value) if is_tensor(value) else value
 
     def _run_entry(self, index: int, e: _Entry, put: Callable[[int, str, Any], None]) -> None:
+        if self.weights is not None:
+            for key, value in e.states[0].items():
+                if _averaged(value):
+                    put(index, key, self._weighted_mean(e, key, self.weights, total=self.weight_sum))
+                    self.result.averaged.append(key)
+                else:  # integer and bool tensors (num_batches_tracked), and non-tensors: the last input's
+                    put(index, key, self._read(e, 0, key))
+            return
         ranks = range(len(e.states))
         # pairs of ranks identical so far: the same file twice, or buffers that were synced after all
         twins = {(i, j) for j in ranks for i in range(j)}
@@ -571,6 +718,18 @@ class _Merger:
         self.result.diverged.append(Divergence(key, worst, bad))
         return first
 
+    def _weighted_mean(self, e: _Entry, key: str, weights: list[float], *, total: float) -> torch.Tensor:
+        """sum(w_i * x_i) / sum(w_i) over the inputs in file order, in float64 (complex128), stored in the key's
+        dtype. One input's tensor is read at a time and dropped before the next: memory holds it and the sum."""
+        import torch
+
+        found = spec(e.states[0][key])
+        wide = torch.complex128 if found.dtype.startswith("complex") else torch.float64
+        acc = torch.zeros(found.shape, dtype=wide)
+        for rank in reversed(range(len(e.states))):  # the inputs are held last first
+            acc += self._read(e, rank, key).to(wide) * weights[rank]
+        return (acc / total).to(getattr(torch, found.dtype))
+
     def _mean(self, e: _Entry, key: str) -> torch.Tensor:
         import torch
 
@@ -616,28 +775,30 @@ def _spec_args(value: Any) -> tuple[str, tuple[int, ...]]:
     return found.dtype, found.shape
 
 
-def _check_same_structure(states: list[dict[str, Any]], where: list[str]) -> None:
+def _check_same_structure(states: list[dict[str, Any]], where: list[str], *, average: bool = False) -> None:
     first = states[0]
+    error = AverageError if average else MergeError
+    same = "checkpoints of one model" if average else "per-rank files of one run"
     for state, label in zip(states[1:], where[1:], strict=True):
         only_first = [k for k in first if k not in state]
         only_here = [k for k in state if k not in first]
         if only_first or only_here:
             detail = f"'{only_first[0]}' only in {where[0]}" if only_first else f"'{only_here[0]}' only in {label}"
-            raise MergeError(
+            raise error(
                 f"{label}: keys differ from {where[0]} ({len(only_first)} only there, "
-                f"{len(only_here)} only here; {detail}); per-rank files of one run hold the same keys"
+                f"{len(only_here)} only here; {detail}); {same} hold the same keys"
             )
         for key, value in first.items():
             other = state[key]
             if is_tensor(value) != is_tensor(other):
-                raise MergeError(f"{label}: '{key}' is a tensor in one file and not in {where[0]}; cannot merge them")
+                raise error(f"{label}: '{key}' is a tensor in one file and not in {where[0]}; cannot merge them")
             if not is_tensor(value):
                 continue
             mine, theirs = spec(value), spec(other)
             if mine != theirs:
-                raise MergeError(
+                raise error(
                     f"{label}: '{key}' is {list(theirs.shape)} torch.{theirs.dtype} but "
-                    f"{list(mine.shape)} torch.{mine.dtype} in {where[0]}; per-rank files of one run hold "
+                    f"{list(mine.shape)} torch.{mine.dtype} in {where[0]}; {same} hold "
                     f"the same shapes and dtypes"
                 )
 

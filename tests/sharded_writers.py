@@ -70,8 +70,11 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
-def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
-    """FSDP1 (flat parameters): each rank's flat-parameter slice, and its LOCAL_STATE_DICT (ShardedTensor)."""
+def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
+    """FSDP1 (flat parameters) after one training step on rank-dependent data (so BatchNorm statistics differ):
+    each rank's flat-parameter slice, its LOCAL_STATE_DICT and SHARDED_STATE_DICT (ShardedTensors; ``train<R>.pt``
+    with the sharded optimizer state too), and rank 0's FULL_STATE_DICT (the truth). The head is its own FSDP
+    unit, so keys nest under two flat parameters."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
@@ -79,21 +82,35 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str) -> None:
     out = Path(out_dir)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
-        model = FullyShardedDataParallel(SmallNet(width=8), device_id=torch.device("cpu"), use_orig_params=False)
+        net = SmallNet(width=width)
+        net.head = FullyShardedDataParallel(net.head, device_id=torch.device("cpu"))  # type: ignore[assignment]
+        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(inputs(rank)).square().mean().backward()
+        opt.step()
         torch.save({name: p.detach() for name, p in model.named_parameters()}, out / f"flat{rank}.pt")
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             torch.save(model.state_dict(), out / f"local{rank}.pt")
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            torch.save(model.state_dict(), out / f"sharded{rank}.pt")
+            optim = FullyShardedDataParallel.optim_state_dict(model, opt)  # ShardedTensor momentum buffers
+            torch.save({"model": model.state_dict(), "optim": optim, "epoch": 1}, out / f"train{rank}.pt")
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            full = model.state_dict()
+        if rank == 0:
+            torch.save(full, out / "full.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def write_fsdp1(out: Path) -> Path:
-    """``flat<R>.pt`` and ``local<R>.pt`` of a 2-rank FSDP1 job, in ``out``."""
+def write_fsdp1(out: Path, *, width: int = 8) -> Path:
+    """``flat<R>.pt``, ``local<R>.pt``, ``sharded<R>.pt`` of a 2-rank FSDP1 job and ``full.pt`` (rank 0's
+    FULL_STATE_DICT), in ``out``. ``width``: SmallNet's, another model for files of two runs."""
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True,
+    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out), width), nprocs=WORLD, join=True,
                        start_method=start_method())  # fmt: skip
     return out
 

@@ -16,6 +16,7 @@ import ckptfix
 from ckptfix.errors import MergeError
 from ckptfix.formats.shards import ShardedCheckpointError, load_ranks
 from tests import sharded_writers
+from tests.models import SmallNet
 
 pytestmark = pytest.mark.slow  # one real 2-process FSDP2 run (gloo) serves the module
 
@@ -204,12 +205,74 @@ def test_merge_refuses_rank_files_that_are_not_one_whole_run_in_one_line(run: Pa
 
 
 def test_merge_says_what_fsdp1_rank_files_are_and_what_to_do(fsdp1: Path, tmp_path: Path) -> None:
-    cases = [("flat", "is an FSDP1 flat parameter"), ("local", "holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT")]
-    for stem, message in cases:
+    cases = [
+        ("flat", "'_fsdp_wrapped_module._flat_param' is an FSDP1 flat parameter", "full_state_dict=True"),
+        ("local", "'_flat_param' is an FSDP1 LOCAL_STATE_DICT flat parameter (", "cannot be split offline"),
+    ]
+    for stem, message, advice in cases:
         result = _cli("merge", fsdp1 / f"{stem}0.pt", fsdp1 / f"{stem}1.pt", "-o", tmp_path / "m.pt")
         assert result.exit_code == 2, result.output
-        assert message in result.output and "full_state_dict=True" in result.output
+        assert message in result.output and advice in result.output
         assert result.output.count("\n") == 1 and not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.parametrize("out_name", ["full.pt", "full.safetensors"])
+def test_fsdp1_sharded_state_dicts_merge_into_the_full_state_dict(fsdp1: Path, tmp_path: Path, out_name: str) -> None:
+    ranks = [fsdp1 / f"sharded{r}.pt" for r in range(sharded_writers.WORLD)]
+    before = [p.read_bytes() for p in ranks]
+    full = torch.load(fsdp1 / "full.pt", weights_only=True)  # rank 0's FULL_STATE_DICT in the same job
+    out = tmp_path / out_name
+    result = _cli("merge", *ranks, "-o", out, "--buffers", "rank0")
+    assert result.exit_code == 0, result.output
+    assert "reassembled 10 ShardedTensor tensor(s) from every rank's shards (ShardedTensor, 2 shard(s) over 2 " \
+           "rank(s)): full tensors, not averaged" in result.output  # fmt: skip
+    merged = ckptfix.load(out)
+    assert list(merged) == list(full)  # exactly FULL_STATE_DICT's keys, in its order
+    for key, value in full.items():
+        assert merged[key].dtype == value.dtype and torch.equal(merged[key], value), key
+    assert [p.read_bytes() for p in ranks] == before
+    assert ckptfix.load_into(SmallNet(width=8), out).loads_as_is
+    # by default each rank's BatchNorm statistics are pooled as for DDP: only they differ from rank 0's
+    pooled = tmp_path / f"pooled{out.suffix}"
+    report = json.loads(_cli("merge", *ranks, "-o", pooled, "--json").output)
+    assert report["reassembled"]["head.weight"] == "ShardedTensor, 2 shard(s) over 2 rank(s)"
+    assert report["bn_modules"] == ["features.1", "features.4"]
+    differ = sorted(k for k, v in ckptfix.load(pooled).items() if not torch.equal(v, full[k]))
+    assert differ == [f"features.{i}.running_{s}" for i in (1, 4) for s in ("mean", "var")]
+
+
+def test_fsdp1_rank_files_missing_twice_or_of_two_runs_are_refused(fsdp1: Path, run: Path, tmp_path: Path) -> None:
+    ranks = [fsdp1 / f"sharded{r}.pt" for r in range(sharded_writers.WORLD)]
+    other = sharded_writers.write_fsdp1(tmp_path / "wide", width=12)
+    out = tmp_path / "m.pt"
+    cases = [
+        ((ranks[0],), "'features.0.weight': the shards of rank(s) [1] are missing (1 file(s) for a job of 2 ranks); "
+                      "pass every rank's file exactly once"),
+        ((ranks[1], ranks[1]), f"{ranks[1]}: rank 1 is given twice (also {ranks[1]}); pass every rank's file once"),
+        ((ranks[0], other / "sharded1.pt"), f"{other / 'sharded1.pt'}: 'features.0.weight' is float32 [12, 3, 3, 3] "
+                                            f"in 2 shard(s), but {ranks[0]} has float32 [8, 3, 3, 3]"),
+        ((ranks[0], run / "rank1.pt"), f"{run / 'rank1.pt'}: holds DTensor shards (an FSDP2 rank file) but "
+                                       f"{ranks[0]} holds ShardedTensor shards (an FSDP1 rank file)"),
+        ((ranks[0], fsdp1 / "full.pt"), f"{ranks[0]}: holds ShardedTensor shards (an FSDP1 rank file) but "
+                                        f"{fsdp1 / 'full.pt'} holds full tensors"),
+        ((ranks[0], fsdp1 / "local1.pt"), f"{fsdp1 / 'local1.pt'}: '_flat_param' is an FSDP1 LOCAL_STATE_DICT"),
+        ((*ranks, "--average"), f"{ranks[0]}: holds ShardedTensor shards (an FSDP1 rank file); average full"),
+        ((fsdp1 / "train0.pt", fsdp1 / "train1.pt"), f"{fsdp1 / 'train0.pt'}: 'optim.state."),
+    ]  # fmt: skip
+    for args, message in cases:
+        result = _cli("merge", *args, "-o", out)
+        assert result.exit_code == 2, (args, result.output)
+        error = result.output.splitlines()[-1]
+        assert error.startswith(f"ckptfix: error: {message}"), (args, error)
+        assert "Traceback" not in result.output and not out.exists()
+    shutil.rmtree(other)
+    trained = [fsdp1 / "train0.pt", fsdp1 / "train1.pt"]  # the model entry alone, once the optimizer is left out
+    assert ".momentum_buffer' is a ShardedTensor outside the model state dict (FSDP1 optimizer state?), which " \
+           "ckptfix does not reassemble; pass --model-only" in _cli("merge", *trained, "-o", out).output  # fmt: skip
+    assert _cli("merge", *trained, "-o", out, "--model-only", "--buffers", "rank0").exit_code == 0
+    full = torch.load(fsdp1 / "full.pt", weights_only=True)
+    merged = ckptfix.load(out)
+    assert list(merged) == list(full) and all(torch.equal(merged[k], v) for k, v in full.items())
 
 
 def test_a_two_dimensional_mesh_reassembles_exactly(tmp_path: Path) -> None:
@@ -233,9 +296,10 @@ def test_a_two_dimensional_mesh_reassembles_exactly(tmp_path: Path) -> None:
 def test_inspect_says_fsdp1_flat_parameters_are_no_model(fsdp1: Path) -> None:
     result = _cli("inspect", fsdp1 / "flat0.pt")
     assert result.exit_code == 0, result.output
-    assert "  FSDP1 flat parameters: _fsdp_wrapped_module._flat_param: one rank's 1-D slice" in result.output
+    nested = "_fsdp_wrapped_module.head._fsdp_wrapped_module._flat_param"  # the head is its own FSDP unit
+    assert f"  FSDP1 flat parameters: _fsdp_wrapped_module._flat_param, {nested}: one rank's 1-D slice" in result.output
     summary = json.loads(_cli("inspect", fsdp1 / "flat0.pt", "--json").output)
-    assert summary["models"][""]["fsdp1_flat_params"] == ["_fsdp_wrapped_module._flat_param"]
+    assert summary["models"][""]["fsdp1_flat_params"] == ["_fsdp_wrapped_module._flat_param", nested]
 
 
 def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:

@@ -122,3 +122,62 @@ def test_chunks_that_do_not_tile_are_refused(boxes: list[Any], message: str) -> 
     size = 1000 if len(boxes) > 100 else 4
     with pytest.raises(FormatError, match=message.replace("[", r"\[").replace("]", r"\]")):
         dcp._check_tiling("w", (size,), boxes, source="x/.metadata")
+
+
+def _getattr_pickle(target: bytes) -> bytes:
+    """A protocol-2 pickle of ``getattr(<target>, "__init__")``, as ShardedTensor's nested class is named."""
+    name = b"__init__"
+    return b"\x80\x02c__builtin__\ngetattr\n" + target + b"X" + len(name).to_bytes(4, "little") + name + b"\x86R."
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (b"ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n",
+         "looks up torch.distributed._shard.sharded_tensor.api.ShardedTensor.__init__ with getattr, which is not a "
+         "known class"),
+        (b"K\x01", "calls getattr on something other than a class"),
+    ],
+)  # fmt: skip
+def test_the_sharded_tensor_reader_resolves_getattr_only_to_a_known_nested_class(target: bytes, message: str) -> None:
+    from ckptfix.errors import UnsafeCheckpointError
+    from ckptfix.formats import allowlist, inert
+    from ckptfix.formats.allowlist import ShardedCheckpointError
+
+    names = allowlist.SHARDED_TENSOR_GLOBALS
+    allowed = allowlist.allowed_names([], source="x") | names
+    with pytest.raises(FormatError, match=f"^x: its pickle {message}; refusing it$"):
+        inert.load(_getattr_pickle(target), source="x", allowed=allowed, as_data=names)
+    with pytest.raises((UnsafeCheckpointError, ShardedCheckpointError)):  # any other reader: refused as ever
+        inert.load(_getattr_pickle(target), source="x", allowed=allowlist.allowed_names([], source="x"))
+    # os.system named beside a ShardedTensor: it is said to be dangerous, not explained away as shards
+    dangerous = _getattr_pickle(b"cos\nsystem\n" + target)[:-3] + b"0\x86R."
+    with pytest.raises(UnsafeCheckpointError, match=r"its pickle calls builtins\.getattr, os\.system"):
+        inert.load(dangerous, source="x", allowed=allowlist.allowed_names([], source="x"))
+
+
+def _fsdp1_piece(rank: int, layout: Any, local: Any, shape: tuple[int, ...] = (4, 2)) -> shards.ShardedPiece:
+    return shards.ShardedPiece("float32", shape, rank, 2, tuple(layout), tuple(local))
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ([((0, 0), (2, 2), 0), ((1, 0), (3, 2), 1)], "overlap"),  # rows 1..2 twice, 3 rows past the end
+        ([((0, 0), (2, 2), 0), ((3, 0), (1, 2), 1)], "cover 6 of 8 elements"),  # row 2 in no shard
+    ],
+)
+def test_fsdp1_shards_that_do_not_tile_are_refused_before_anything_is_placed(layout: Any, message: str) -> None:
+    ranks = [{"w": _fsdp1_piece(r, layout, [(o, s, None) for o, s, placed in layout if placed == r])} for r in range(2)]
+    with pytest.raises(shards.RankFilesError, match=message):
+        shards.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
+
+
+def test_fsdp1_local_shards_not_where_the_metadata_places_them_are_refused() -> None:
+    layout = [((0, 0), (2, 2), 0), ((2, 0), (2, 2), 1)]
+    ranks = [{"w": _fsdp1_piece(0, layout, [((0, 0), (2, 2), None)])}, {"w": _fsdp1_piece(1, layout, [])}]
+    with pytest.raises(shards.RankFilesError, match=r"rank1.pt: 'w': rank 1's local shards are not those the metadata"):
+        shards.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
+    parts = [_fsdp1_piece(0, layout, [((0, 0), (2, 2), torch.zeros(2, 3))])]
+    with pytest.raises(shards.RankFilesError, match=r"local shard is torch.float32 \[2, 3\] where its metadata says"):
+        shards.assemble_sharded(parts, ["rank0.pt"], key="w")

@@ -31,6 +31,18 @@ if TYPE_CHECKING:
 @click.option("--model", "model_spec", metavar="MOD:FACTORY", help="Tells buffers from parameters (see below).")
 @click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
 @click.option("--model-only", is_flag=True, help="Write only the merged model state dict; drop RANK0's other entries.")
+@click.option(
+    "--average",
+    is_flag=True,
+    help="Average checkpoints of one model (other steps or runs): floating tensors are the mean, the rest is the "
+    "last file's.",
+)
+@click.option(
+    "--weights",
+    metavar="W1,W2,…",
+    callback=lambda ctx, param, value: _parse_weights(value),
+    help="Weighted average (implies --average): one weight per file, divided by their sum.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the merge report as JSON.")
 @force_option
 @safety_options
@@ -43,6 +55,8 @@ def merge(
     model_spec: str | None,
     kwargs: str | None,
     model_only: bool,
+    average: bool,
+    weights: list[float] | None,
     as_json: bool,
     overwrite: bool,
     allow_globals: tuple[str, ...],
@@ -59,23 +73,34 @@ def merge(
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
-    mesh, Replicate). Entries RANK0 holds that were not loaded (classes outside the allowlist) are copied as their
-    pickle records into a .pt OUT, refused if they can run code or OUT is .safetensors: --model-only leaves them out.
+    mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors); an FSDP1 LOCAL_STATE_DICT
+    (flat parameters) is refused: it does not record the parameters' shapes. Entries RANK0 holds that were not
+    loaded (classes outside the allowlist) are copied as their pickle records into a .pt OUT, refused if they can
+    run code or OUT is .safetensors: --model-only leaves them out.
+
+    --average (or --weights) averages checkpoints of one model from different steps or runs instead (checkpoint
+    averaging, model soups): every floating tensor is the mean, weighted by --weights (divided by their sum),
+    computed in float64 and stored in its dtype; integer tensors (num_batches_tracked) and every other entry come
+    from the last file. Keys, shapes and dtypes must match. Streamed: one tensor of one file at a time.
 
     \b
     Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
     Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o full.safetensors
+    Example: ckptfix merge step8000.pt step9000.pt step10000.pt -o avg.pt --average
+    Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
     from ckptfix.errors import MergeError
     from ckptfix.formats.atomic import check_output
     from ckptfix.merging import merge_files
 
     check_output(out, inputs=inputs, overwrite=overwrite)
+    averaging = average or weights is not None
     for j, later in enumerate(inputs):
         for earlier in inputs[:j]:
             if os.path.realpath(later) == os.path.realpath(earlier):
-                warn(f"{later} is given twice; the same file counts as two ranks")
+                counts = "counts twice in the average" if averaging else "counts as two ranks"
+                warn(f"{later} is given twice; the same file {counts}")
     buffer_keys = _buffer_keys(model_spec, kwargs) if model_spec else []
     result = merge_files(
         inputs,
@@ -88,6 +113,8 @@ def merge(
         unsafe=unsafe_pickle,
         model_only=model_only,
         overwrite=overwrite,
+        average=average,
+        weights=weights,
     )
     for message in result.warnings:
         warn(message)
@@ -98,6 +125,8 @@ def merge(
         for d in result.diverged[:LIST_LIMIT]:
             echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {inputs[0]})")
         section("  and", [d.key for d in result.diverged[LIST_LIMIT:]])
+    elif averaging:
+        _average_summary(result, inputs, out, to=to)
     else:
         _summary(result, inputs, out, to=to, buffers=buffers)
     if result.diverged:
@@ -111,8 +140,9 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
     echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
     if result.reassembled:
         ways = sorted(set(result.reassembled.values()))
+        kind = "ShardedTensor" if any(w.startswith("ShardedTensor") for w in ways) else "DTensor"  # FSDP1 or FSDP2
         echo(
-            f"reassembled {len(result.reassembled)} DTensor tensor(s) from every rank's shards ({'; '.join(ways)}): "
+            f"reassembled {len(result.reassembled)} {kind} tensor(s) from every rank's shards ({'; '.join(ways)}): "
             f"full tensors, not averaged"
         )
     if result.bn_modules:
@@ -128,6 +158,31 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
     for note in result.notes:
         echo(note)
     echo(f"wrote {out} (layout {to})")
+
+
+def _average_summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str) -> None:
+    weights = ", ".join(f"{w:.4g}" for w in result.weights)
+    found = ", ".join(sorted(set(result.layouts_from)))
+    echo(f"averaged {len(inputs)} checkpoint(s) (weights {weights}; layouts: {found})")
+    echo(f"floating tensors averaged: {len(result.averaged)}; other tensors and entries from {inputs[-1]}")
+    if result.kept_from_first:
+        echo(f"taken from {inputs[-1]}: {', '.join(result.kept_from_first)}")
+    if result.left_out:
+        echo(f"left out (--model-only): {', '.join(result.left_out)}")
+    for note in result.notes:
+        echo(note)
+    echo(f"wrote {out} (layout {to})")
+
+
+def _parse_weights(value: str | None) -> list[float] | None:
+    """``0.3,0.7`` as numbers; whether they fit the files (count, finite, positive sum) is the library's check."""
+    if value is None:
+        return None
+    try:
+        return [float(part) for part in value.split(",")]
+    except ValueError:
+        message = f"'{value}' is not a list of numbers; give one weight per file, e.g. 0.3,0.7"
+        raise click.BadParameter(message) from None
 
 
 def _buffer_keys(model_spec: str, kwargs: str | None) -> list[str]:

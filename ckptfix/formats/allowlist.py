@@ -250,13 +250,27 @@ DTENSOR_GLOBALS = frozenset(
      "torch.distributed._mesh_layout._FlatLayout", "torch.device", "torch.serialization._get_layout"}
 )  # fmt: skip
 _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
+# FSDP1's ShardedTensor (SHARDED_STATE_DICT, LOCAL_STATE_DICT), read as records by formats/shards.py. Protocol 2
+# names the nested ProcessGroupState class as getattr(ShardedTensor, "ProcessGroupState"): builtins.getattr is
+# listed for that one lookup, which the inert reader resolves to a name of this set and never calls.
+SHARDED_TENSOR_GLOBALS = frozenset(
+    {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass",
+     _SHARDED_TENSOR + ".api.ShardedTensor", _SHARDED_TENSOR + ".api.ShardedTensor.ProcessGroupState",
+     _SHARDED_TENSOR + ".shard.Shard", _SHARDED_TENSOR + ".metadata.ShardedTensorMetadata",
+     _SHARDED_TENSOR + ".metadata.TensorProperties", _SHARDED_TENSOR + ".metadata.MEM_FORMAT_ENCODING",
+     "torch.distributed._shard.metadata.ShardMetadata",
+     "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+     "torch.distributed.remote_device._remote_device", "builtins.getattr", "torch.device",
+     "torch.serialization._get_layout"}
+)  # fmt: skip
 
 
 class ShardedCheckpointError(FormatError):
     """A file holds one rank's shards, not full tensors: merge every rank's file, or save a full state dict.
 
     ``kind``: ``dtensor`` (FSDP2 / tensor parallel: ``ckptfix merge`` reassembles them), ``sharded-tensor``
-    (FSDP1 local state) or ``flat-param`` (FSDP1 flat parameters).
+    (FSDP1 SHARDED_STATE_DICT: ``ckptfix merge`` reassembles them; or LOCAL_STATE_DICT) or ``flat-param`` (FSDP1
+    flat parameters, which cannot be split offline).
     """
 
     def __init__(self, message: str, *, kind: str) -> None:
@@ -277,11 +291,12 @@ def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | No
             f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
             kind="dtensor",
         )
-    if any(n.startswith(_SHARDED_TENSOR) for n in names):
+    if names <= SHARDED_TENSOR_GLOBALS and any(n.startswith(_SHARDED_TENSOR) for n in names):  # nothing else named
         return ShardedCheckpointError(
             f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
-            f"part), not full tensors, and ckptfix does not reassemble them; save a FULL_STATE_DICT "
-            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))) or use DCP",
+            f"part), not full tensors; reassemble a SHARDED_STATE_DICT from every rank's file with `ckptfix merge "
+            f"rank0.pt … rankN.pt -o full.pt`, or save a FULL_STATE_DICT "
+            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))",
             kind="sharded-tensor",
         )
     return None

@@ -80,6 +80,27 @@ def make_global(module: str, name: str) -> type[Global]:
     return cast("type[Global]", _Frozen(name, (Global,), namespace))
 
 
+def _nested_class(known: dict[str, type[Global]], allowed: frozenset[str]) -> type[Global]:
+    """A stand-in for ``getattr`` that only names a nested class: ``getattr(<stand-in of a.B>, "C")`` is the
+    stand-in of ``a.B.C`` when that name is allowed (protocol 2 pickles ``ShardedTensor.ProcessGroupState`` so).
+    Nothing is looked up or called; any other use is refused."""
+
+    def build(cls: type[Global], args: tuple[Any, ...]) -> Any:
+        outer, attr = args if len(args) == 2 else (None, None)
+        if not (isinstance(outer, type) and issubclass(outer, Global) and type(attr) is str):
+            raise FormatError("its pickle calls getattr on something other than a class; refusing it")
+        full = f"{outer.full}.{attr}"
+        if full not in allowed:
+            raise FormatError(f"its pickle looks up {full} with getattr, which is not a known class; refusing it")
+        if full not in known:
+            known[full] = make_global(outer.full, attr)
+        return known[full]
+
+    return cast("type[Global]", _Frozen("getattr", (Global,), {
+        "module": "builtins", "name": "getattr", "full": "builtins.getattr", "width": None,
+        "build": staticmethod(build)}))  # fmt: skip
+
+
 class StorageRef:
     """A persistent id: the storage ``key``, its class and element count, as the file states them.
 
@@ -437,6 +458,8 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
         full = allowlist.canonical(f"{module}.{name}")
         if full not in self.allowed or full in allowlist.UNSUPPORTED:
             self.refused.append(full)  # keep reading: the refusal lists every global the file needs
+        elif full == "builtins.getattr":  # allowed only by the sharded-tensor reader: a nested class's name
+            return _nested_class(self.globals, self.allowed)
         if full == "collections.OrderedDict":
             return OrderedDict
         if full not in self.globals:

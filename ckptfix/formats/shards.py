@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, MergeError
 from ckptfix.formats import inert
-from ckptfix.formats.allowlist import DTENSOR_GLOBALS, ShardedCheckpointError, explain
+from ckptfix.formats.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, ShardedCheckpointError, explain
 from ckptfix.formats.dtypes import DTYPES, shape_problem
 
 FLAT_PARAM = "_flat_param"
@@ -396,13 +396,219 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
     return out
 
 
+# --- FSDP1: ShardedTensor ---------------------------------------------------------------------------------------
+#
+# A ShardedTensor pickles as ``_rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, (cls, dtype, size,
+# …), (local_shards, ShardedTensorMetadata, ProcessGroupState, sharding_spec, init_rrefs))`` (its __getstate__).
+# The metadata lists every rank's shard (offsets, sizes, placement "rank:R/device") and the full size; each local
+# Shard holds its tensor and its own offsets. That is all reassembly needs: no process group, nothing called.
+
+
+@dataclass(frozen=True)
+class ShardedPiece:
+    """One rank's part of an FSDP1 ShardedTensor: where every rank's shards go, and this rank's own."""
+
+    dtype: str
+    shape: tuple[int, ...]  # the full tensor's
+    rank: int  # this file's global rank (ProcessGroupState)
+    world: int  # the job's world size
+    layout: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # every shard: offsets, sizes, rank
+    local: tuple[tuple[tuple[int, ...], tuple[int, ...], Any], ...]  # this rank's: offsets, sizes, tensor
+
+
+@dataclass(eq=False)
+class ShardedTensorRecord:
+    """One rank's ShardedTensor in a merge: the full tensor's dtype and shape, and the rank's piece."""
+
+    __ckptfix_tensor__: ClassVar[bool] = True
+    dtype: str
+    shape: tuple[int, ...]
+    sharding: str  # "ShardedTensor, 2 shards over 2 ranks"
+    key: str = ""  # its path in the checkpoint, parts joined by NUL
+    piece: ShardedPiece | None = None
+
+
+def sharded_piece(obj: Any, *, key: str, source: str) -> ShardedPiece | None:
+    """The FSDP1 ShardedTensor an inert record stands for, or None when it is not one."""
+    if not (isinstance(obj, inert.Inert) and obj.func.full == "torch._tensor._rebuild_from_type_v2"):
+        return None
+    try:
+        _func, cls, args, state = obj.args
+        if not getattr(cls, "full", "").endswith(".ShardedTensor"):
+            return None
+        local_shards, metadata, group = state[0], _state(state[1]), _state(state[2])
+        dtype = getattr(args[1], "full", "").removeprefix("torch.")
+        shape = _sizes(metadata["size"])
+        rank, world = group["global_rank"], group["global_world_size"]
+        layout = tuple(_shard_box(m) for m in metadata["shards_metadata"])
+        local = []
+        for shard in local_shards:
+            fields = _state(shard)
+            offsets, sizes, placed = _shard_box(fields["metadata"])
+            if placed != rank:
+                raise ValueError(f"a local shard placed on rank {placed} in the file of rank {rank}")
+            local.append((offsets, sizes, fields["tensor"]))
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise FormatError(
+            f"{source}: key '{key}' is a ShardedTensor whose pickle ckptfix does not understand ({type(e).__name__}: "
+            f"{e}); save a full state dict instead"
+        ) from e
+    damaged = f"{source}: key '{key}': its ShardedTensor"
+    if dtype not in DTYPES:
+        raise FormatError(f"{damaged} dtype is {dtype or 'not a dtype'}; the file is damaged or crafted")
+    if problem := shape_problem(shape):
+        raise FormatError(f"{damaged} shape {list(shape)} has {problem}; the file is damaged or crafted")
+    if not (type(world) is int and 1 <= world < _MAX_DIM and type(rank) is int and 0 <= rank < world):
+        raise FormatError(f"{damaged} rank {rank!r} of {world!r} is not a rank of a job; the file is damaged")
+    if tuple(args[2]) != shape or any(len(o) != len(shape) or not 0 <= r < world for o, _, r in layout):
+        raise FormatError(f"{damaged} shards do not match its size {list(shape)}; the file is damaged or crafted")
+    return ShardedPiece(dtype, shape, rank, world, layout, tuple(local))
+
+
+def _sizes(value: Any) -> tuple[int, ...]:
+    """A torch.Size record or a list of sizes, each a plain int in range."""
+    if isinstance(value, inert.Inert) and value.func.full == "torch.Size" and value.args:
+        value = value.args[0]
+    if not isinstance(value, (tuple, list)) or not all(type(n) is int and 0 <= n < _MAX_DIM for n in value):
+        raise TypeError(f"expected sizes, found {value!r}")
+    return tuple(value)
+
+
+def _shard_box(obj: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A ShardMetadata record's offsets, sizes and placement rank."""
+    fields = _state(obj)
+    offsets, sizes = _sizes(fields["shard_offsets"]), _sizes(fields["shard_sizes"])
+    placed = _state(fields["placement"])["_rank"]
+    if len(offsets) != len(sizes) or type(placed) is not int:
+        raise ValueError("a shard's offsets, sizes or placement are malformed")
+    return offsets, sizes, placed
+
+
+def _fsdp1_how(p: ShardedPiece) -> str:
+    return f"ShardedTensor, {len(p.layout)} shard(s) over {p.world} rank(s)"
+
+
+def describe_fsdp1_rank(fd: int, path: str, *, allowed: frozenset[str], verify: bool = False) -> tuple[Any, Any]:
+    """The checked archive of an FSDP1 SHARDED_STATE_DICT rank file, and its checkpoint with each ShardedTensor as
+    a :class:`ShardedTensorRecord` (``piece.local`` holding inert records, read on demand). ``allowed`` must hold
+    :data:`SHARDED_TENSOR_GLOBALS`. A LOCAL_STATE_DICT (flat parameters) is refused: see :func:`_refuse_local`."""
+    from ckptfix.formats.torchzip import read_torch_zip
+
+    z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=SHARDED_TENSOR_GLOBALS)
+    records: dict[str, ShardedTensorRecord] = {}
+    stack: list[tuple[str, Any]] = [("", z.tree)]
+    while stack:  # the ShardedTensors sit in the (nested) dicts of the checkpoint
+        path_so_far, node = stack.pop()
+        for k, v in node.items() if isinstance(node, dict) else ():
+            key = f"{path_so_far}\0{k}" if path_so_far else str(k)
+            found = sharded_piece(v, key=str(k), source=path)
+            if found is None:
+                stack.append((key, v))
+                continue
+            if flat_param_keys({str(k): None}):
+                _refuse_local(path, key.replace("\0", "."), found)
+            node[k] = records[key] = ShardedTensorRecord(found.dtype, found.shape, _fsdp1_how(found), key, found)
+    return z, z.tree
+
+
+def _refuse_local(path: str, name: str, p: ShardedPiece) -> None:
+    raise ShardedCheckpointError(
+        f"{path}: '{name}' is an FSDP1 LOCAL_STATE_DICT flat parameter ({p.shape[0]} elements of many parameters "
+        f"joined); every rank's slice could be joined, but the file does not record which parameters it holds, "
+        f"their order or shapes (FSDP keeps that in the wrapped model), so it cannot be split offline: load it into "
+        f"the same FSDP model and save StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT",
+        kind="flat-param",
+    )
+
+
+def check_sharded(ranks: list[dict[str, ShardedPiece]], paths: Sequence[str]) -> None:
+    """FSDP1 rank files make one job's checkpoint: the same ShardedTensors (dtype, shape, shards) in every file,
+    each rank's file there exactly once, and the shards of each tensor tiling it; else :class:`RankFilesError`."""
+    from ckptfix.formats.dcp import _check_tiling
+
+    if not any(ranks):
+        raise RankFilesError(f"{paths[0]}: holds no ShardedTensor; these are not FSDP1 SHARDED_STATE_DICT files")
+    keys = list(ranks[0])
+    owner: dict[int, str] = {}
+    for path, pieces in zip(paths, ranks, strict=True):
+        if list(pieces) != keys:
+            odd = sorted(set(pieces) ^ set(keys))
+            raise RankFilesError(f"{path}: its sharded keys differ from {paths[0]}'s ({odd[0]!r}…); files of two runs?")
+        first = next(iter(pieces.values()))
+        if any((p.rank, p.world) != (first.rank, first.world) for p in pieces.values()):
+            raise RankFilesError(f"{path}: its ShardedTensors name different ranks; the file is damaged or crafted")
+        if first.world != ranks[0][keys[0]].world:
+            raise RankFilesError(
+                f"{path}: saved by rank {first.rank} of {first.world}, but {paths[0]} by a job of "
+                f"{ranks[0][keys[0]].world} ranks; the files are from different runs"
+            )
+        if first.rank in owner:
+            raise RankFilesError(
+                f"{path}: rank {first.rank} is given twice (also {owner[first.rank]}); pass every rank's file once"
+            )
+        owner[first.rank] = path
+    for key in keys:
+        parts = [r[key] for r in ranks]
+        name, p0 = key.replace("\0", "."), parts[0]
+        for p, path in zip(parts, paths, strict=True):
+            if (p.dtype, p.shape, p.layout) != (p0.dtype, p0.shape, p0.layout):
+                raise RankFilesError(
+                    f"{path}: '{name}' is {p.dtype} {list(p.shape)} in {len(p.layout)} shard(s), but {paths[0]} has "
+                    f"{p0.dtype} {list(p0.shape)} in {len(p0.layout)} shard(s) placed otherwise; the files are from "
+                    f"different runs"
+                )
+        if missing := sorted({r for _, _, r in p0.layout} - set(owner)):
+            raise RankFilesError(
+                f"'{name}': the shards of rank(s) {missing} are missing ({len(paths)} file(s) for a job of "
+                f"{p0.world} ranks); pass every rank's file exactly once"
+            )
+        try:  # the shards cover the tensor once, before any byte of it is written
+            _check_tiling(name, p0.shape, [(o, s) for o, s, _ in p0.layout], source=os.path.dirname(paths[0]) or ".")
+        except FormatError as e:
+            raise RankFilesError(str(e)) from e
+        for p, path in zip(parts, paths, strict=True):
+            mine = sorted((o, s) for o, s, r in p0.layout if r == p.rank)
+            if sorted((o, s) for o, s, _ in p.local) != mine:
+                raise RankFilesError(
+                    f"{path}: '{name}': rank {p.rank}'s local shards are not those the metadata places on it; the "
+                    f"file is damaged"
+                )
+
+
+def assemble_sharded(parts: list[ShardedPiece], paths: Sequence[str], *, key: str) -> Any:
+    """The full tensor ``key`` from every rank's pieces (``local`` tensors real, in the order of ``paths``), after
+    :func:`check_sharded`: each local tensor must have its shard's shape and the tensor's dtype."""
+    import torch
+
+    name, first = key.replace("\0", "."), parts[0]
+    dtype = getattr(torch, first.dtype)
+    out = torch.empty(first.shape, dtype=dtype)
+    for p, path in zip(parts, paths, strict=True):
+        for offsets, sizes, local in p.local:
+            if tuple(local.shape) != sizes or local.dtype != dtype:
+                raise RankFilesError(
+                    f"{path}: '{name}' local shard is {local.dtype} {list(local.shape)} where its metadata says "
+                    f"{first.dtype} {list(sizes)}; the file is damaged"
+                )
+            target = out
+            for dim, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+                target = target.narrow(dim, o, s)
+            target.copy_(local)
+    return out
+
+
 __all__ = [
     "DTENSOR_GLOBALS",
+    "SHARDED_TENSOR_GLOBALS",
     "DTensorRecord",
     "RankFilesError",
     "ShardedCheckpointError",
+    "ShardedTensorRecord",
     "assemble",
+    "assemble_sharded",
     "check_pieces",
+    "check_sharded",
+    "describe_fsdp1_rank",
     "describe_rank",
     "explain",
     "flat_param_keys",
