@@ -141,13 +141,19 @@ def _run(step: Step, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     words = shlex.split(step.text, comments=True) if step.kind == "sh" else []
     if step.kind == "python":
         return _python(step.text, cwd)
+    into = None
+    if len(words) > 3 and words[-2] == ">":  # ckptfix … > FILE: stdout into FILE
+        words, into = words[:-2], words[-1]
     if words and words[0] == "ckptfix" and not SHELL.search(" ".join(words[1:])):
-        return _ckptfix(words[1:], cwd)
+        answer = _ckptfix(words[1:], cwd, into)
+        if answer is not None:
+            return answer
     done = subprocess.run(["bash", "-c", step.text], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     return done.returncode, done.stdout + done.stderr
 
 
-def _ckptfix(args: list[str], cwd: Path) -> tuple[int, str]:
+def _ckptfix(args: list[str], cwd: Path, into: str | None) -> tuple[int, str] | None:
+    """The command in this process; None when it raised (``--debug``): a process then says what a user sees."""
     from click.testing import CliRunner
 
     from ckptfix.cli import cli
@@ -158,6 +164,11 @@ def _ckptfix(args: list[str], cwd: Path) -> tuple[int, str]:
         result = CliRunner().invoke(cli, args, prog_name="ckptfix")
     finally:
         os.chdir(saved)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        return None
+    if into is not None:
+        (cwd / into).write_text(result.stdout)
+        return result.exit_code, result.stderr
     return result.exit_code, result.output
 
 
