@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 250
 # The fewest runnable examples all pages hold together: a parser that silently finds nothing fails here.
-MIN_RUN = 60
+MIN_RUN = 120
 
 FENCE = re.compile(r"^```(\S*)(.*)$")
 SLOW = re.compile(r"#\s*slow:\s*(\S.*)$")
