@@ -8,8 +8,8 @@ How a page marks its examples (the parser below is the whole convention):
 - ```python blocks run as scripts; ```python file=NAME is written to NAME instead, for a later command to run.
 - A trailing ``# slow: <why>`` runs the command in the slow tier only (``-m slow``, as CI does).
 - A trailing ``# exit N`` expects exit code N (default 0). A trailing ``# not run by tests: <why>``, or a fence
-  info string ``no-test <why>`` (```bash no-test the contributor set-up), marks what cannot run here (pip, GPUs, the contributor
-  commands, long benchmarks); the reason is required.
+  info string ``no-test <why>`` (```bash no-test the contributor set-up), marks what cannot run here (pip, GPUs,
+  the contributor commands, long benchmarks); the reason is required.
 
 Each page runs in order in its own temporary folder holding a copy of ``fixtures/`` (so pages name
 ``fixtures/…``, and later commands use earlier outputs), with ``ckptfix``, ``python`` and ``torchrun`` meaning
@@ -65,7 +65,7 @@ def parse(path: Path) -> list[Step]:
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
-        if not m or not m.group(1) and not m.group(2).strip():
+        if not m:
             i += 1
             continue
         lang, info = m.group(1), m.group(2).split()
@@ -180,6 +180,9 @@ def _python(source: str, cwd: Path) -> tuple[int, str]:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             exec(compile(source, "<docs>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        return code, out.getvalue()
     except Exception:
         return 1, out.getvalue() + traceback.format_exc()
     finally:
@@ -199,7 +202,7 @@ def run_page(path: Path, tmp: Path, *, slow: bool = False) -> int:
     env.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     ran = 0
     for step in parse(path):
-        if step.skip or step.slow and not slow:
+        if step.skip or (step.slow and not slow):
             continue
         if step.kind == "file":
             (work / step.name).write_text(step.text)
@@ -210,7 +213,9 @@ def run_page(path: Path, tmp: Path, *, slow: bool = False) -> int:
         shown = {line.strip() for line in printed.splitlines()}
         for expected in step.output:
             if "…" not in expected:
-                assert expected.strip() in shown, f"{where}\nthe page shows {expected.strip()!r}; it printed:\n{printed}"
+                assert expected.strip() in shown, (
+                    f"{where}\nthe page shows {expected.strip()!r}; it printed:\n{printed}"
+                )
         ran += 1
     return ran
 
@@ -282,7 +287,7 @@ def test_parser_reads_the_conventions(tmp_path: Path) -> None:
     page.write_text(
         "```bash\nckptfix a \\\n  b  # exit 2\n# comment\npip install x  # not run by tests: network\n```\n"
         "```console\n$ ckptfix c\nout line\n```\n```bash no-test it would delete everything\nrm -rf /\n```\n"
-        "```python file=s.py\nprint(1)\n```\n```text\n$ not a command\n```\n"
+        "```python file=s.py\nprint(1)\n```\n```\n$ not a command\n```\n```text\n$ nor this\n```\n"
     )
     steps = parse(page)
     assert [(s.kind, s.text.split()[0] if s.kind == "sh" else s.name, s.expect_rc, bool(s.skip)) for s in steps] == [
@@ -294,4 +299,3 @@ def test_parser_reads_the_conventions(tmp_path: Path) -> None:
     ]
     assert steps[2].output == ["out line"]
     assert "b" in steps[0].text.split()
-
