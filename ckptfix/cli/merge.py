@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -92,7 +92,7 @@ def merge(
     for message in result.warnings:
         warn(message)
     if as_json:
-        echo_json({**result.to_dict(), "output": out, "written": not result.diverged})
+        echo_json(merge_json(result, inputs, out, to=to, buffers=buffers, atol=atol))
     elif result.diverged:
         echo(f"{len(result.diverged)} key(s) differ across ranks (atol {atol:g}):")
         for d in result.diverged[:LIST_LIMIT]:
@@ -105,6 +105,22 @@ def merge(
             f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
             f"'{result.diverged[0].key}'); use files of the same step, or --atol if the drift is expected"
         )
+
+
+def merge_json(
+    result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str, atol: float
+) -> dict[str, Any]:
+    """``merge --json``: the facts the text output gives, under stable keys (docs/json.md)."""
+    return {
+        "inputs": list(inputs),
+        "output": out,
+        "written": not result.diverged,
+        "layout": to,
+        "buffers": buffers,  # how differing BatchNorm statistics (and, with --model, other buffers) were combined
+        "atol": atol,
+        "parameters_match": not result.diverged,
+        **result.to_dict(),
+    }
 
 
 def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:

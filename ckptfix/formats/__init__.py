@@ -195,16 +195,19 @@ def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
     write(obj, path, fmt=fmt, shard_size=shard_size)
 
 
-def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None) -> None:
-    """:func:`save` to an output already checked, in format ``fmt``."""
+def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, overwrite: bool = False) -> None:
+    """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
+    set replace the one already there (a file output is replaced whatever it says: its check came before)."""
     if fmt == "dcp":
         from ckptfix.formats.dcp import save_dcp
 
-        save_dcp(obj, os.fspath(path))
+        save_dcp(obj, os.fspath(path), overwrite=overwrite)
     elif shard_size is not None:
         from ckptfix.formats.folder import save_sharded
 
-        save_sharded(obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt))
+        save_sharded(
+            obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt), overwrite=overwrite
+        )
     elif fmt == "safetensors":
         from ckptfix.formats.safetensors import save_safetensors
 
