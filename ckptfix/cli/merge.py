@@ -71,6 +71,10 @@ def merge(
     from ckptfix.formats.atomic import check_output
     from ckptfix.merging import merge_files
 
+    if kwargs is not None and model_spec is None:
+        from ckptfix.errors import UsageError
+
+        raise UsageError("--kwargs are the --model factory's and no --model was given; add --model or drop --kwargs")
     check_output(out, inputs=inputs, overwrite=overwrite)
     for j, later in enumerate(inputs):
         for earlier in inputs[:j]:

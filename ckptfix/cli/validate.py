@@ -68,7 +68,8 @@ def validate(
     )
     others = [e for e in found.entries if e not in ("", report.entry)]
     if as_json:
-        echo_json({**report.to_dict(), "model": model_spec, "other_entries": others, "fix_command": fix,
+        echo_json({**report.to_dict(), "keys": found.keys, "model": model_spec, "model_keys": found.model_keys,
+                   "other_entries": others, "verdict": _verdict(report), "fix_command": fix,
                    "exit_code": code})  # fmt: skip
         click.get_current_context().exit(code)
     where = f"entry '{report.entry}', " if report.entry else ""

@@ -312,7 +312,7 @@ def parse_size(text: str) -> int:
     """``5GB`` (10⁹, as transformers and accelerate count), ``512MiB``, ``1000000`` → bytes."""
     match = _SIZE.match(text)
     if not match or float(match.group(1)) <= 0:
-        raise OutputError(f"shard size {text!r}: not a size; write it like 5GB, 500MB or 2GiB")
+        raise OutputError(f"shard_size={text!r}: not a size; write it like 5GB, 500MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
 
 
