@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +125,11 @@ def merge_json(
         "atol": atol,
         "parameters_match": not result.diverged,
         **result.to_dict(),
+        # a non-tensor value that differs has max |Δ| inf, which JSON cannot hold: spelt "inf", as diff spells it
+        "diverged": [
+            {"key": d.key, "max_abs": d.max_abs if math.isfinite(d.max_abs) else str(d.max_abs), "ranks": d.ranks}
+            for d in result.diverged
+        ],
     }
 
 
