@@ -27,8 +27,10 @@ def progress_bar(total: int, *, enabled: bool = True) -> Iterator[Callable[[int]
     if not enabled or total < THRESHOLD or not sys.stderr.isatty():
         yield None
         return
+    from rich.console import Console
     from rich.progress import Progress
 
-    with Progress(*columns(), transient=True, console=None) as bar:
+    # on stderr, not rich's default console (stdout): stdout holds what the command prints (--json)
+    with Progress(*columns(), transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task("converting", total=total)
         yield lambda n: bar.advance(task, n)
