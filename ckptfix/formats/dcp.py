@@ -457,8 +457,11 @@ def save_dcp(obj: Any, out: str, *, overwrite: bool = False) -> None:
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
             dcp_save_local(obj, checkpoint_id=tmp)  # this process alone, even inside a distributed job
         check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
-        with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
-            os.rename(tmp, out)
+        try:
+            with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
+                os.rename(tmp, out)
+        except OSError as e:
+            raise OutputError(f"{out}: cannot put the new folder in place ({e.strerror or e}); nothing changed") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -398,16 +398,21 @@ def staged(out: PathLike, *, overwrite: bool = False) -> Iterator[str]:
         yield tmp
         old = check_shards_output(out, overwrite=overwrite)  # as it was when the command began
         names = sorted(os.listdir(tmp), key=lambda n: n.endswith(INDEX_SUFFIX))  # the index last
-        with completing(os.fspath(out)), set_aside(old, folder):
-            try:
-                for name in names:
-                    os.rename(os.path.join(tmp, name), os.path.join(folder, name))
-                    moved.append(os.path.join(folder, name))
-            except BaseException:
-                for path in moved:  # before the old set comes back
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                raise
+        try:
+            with completing(os.fspath(out)), set_aside(old, folder):
+                try:
+                    for name in names:
+                        os.rename(os.path.join(tmp, name), os.path.join(folder, name))
+                        moved.append(os.path.join(folder, name))
+                except BaseException:
+                    for path in moved:  # before the old set comes back
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+                    raise
+        except OSError as e:
+            raise OutputError(
+                f"{os.fspath(out)}: cannot put the new shards in place ({e.strerror or e}); nothing changed"
+            ) from e
         fsync_dir(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
