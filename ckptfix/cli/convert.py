@@ -69,7 +69,9 @@ def convert(
     \b
     IN may be a folder: transformers shards (or their *.index.json), an accelerate save_state folder, or a
     torch.distributed.checkpoint (DCP) folder. OUT ending in / (or an empty folder) gets a DCP folder that
-    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards.
+    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards. An existing DCP folder or
+    shard set is replaced only with --force, and only when it holds nothing but a checkpoint: the new one is
+    written beside it and swapped in.
 
     \b
     Layouts: single (conv1.weight), dp/ddp (module.conv1.weight), compiled (_orig_mod.conv1.weight),
