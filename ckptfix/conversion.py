@@ -16,7 +16,7 @@ from typing import Any
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
 from ckptfix.errors import UsageError
 from ckptfix.formats import detect_format, devices, opaque, output_format, write
-from ckptfix.formats.atomic import PathLike, check_apart, check_output
+from ckptfix.formats.atomic import PathLike, check_output, check_output_folder
 from ckptfix.formats.depth import deep
 from ckptfix.formats.safetensors import losses_note
 from ckptfix.layouts import Layout, parse_layout, parse_rename
@@ -108,8 +108,9 @@ def convert_file(
     index file. ``dst`` ending in ``/`` (or an existing empty folder) gets a DCP folder; ``shard_size`` (bytes)
     writes transformers shards of at most that size beside ``dst`` (or in it, when it is a folder).
 
-    An existing ``dst`` file is refused unless ``overwrite=True`` (it is then replaced atomically); an output
-    folder must be new or empty.
+    An existing output is refused unless ``overwrite=True``, then replaced so that a failure leaves it as it was:
+    a file atomically; a DCP folder (only one that holds nothing but a DCP checkpoint) and a shard set (the
+    shards and index of ``dst``'s name, never other files beside them) written beside it, then swapped in.
 
     ``result.method`` says which path ran ("stream" or "torch") and ``result.notes`` why and what was copied.
     ``verify=False`` lets the fast path skip reading a .pt input for its CRCs when the output is a .pt: the
@@ -132,10 +133,14 @@ def convert_file(
     out_fmt = output_format(dst)
     if shard_size is not None and out_fmt == "dcp":
         dst, out_fmt = os.path.join(dst, "model.safetensors"), "safetensors"  # shards in that folder
-    if out_fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
-        check_output(dst, inputs=(src,), overwrite=overwrite)
+    if out_fmt == "dcp":
+        check_output_folder(dst, inputs=(src,), overwrite=overwrite)
+    elif shard_size is not None:
+        from ckptfix.formats.folder import check_shards_output
+
+        check_shards_output(dst, inputs=(src,), overwrite=overwrite)
     else:
-        check_apart(dst, inputs=(src,))
+        check_output(dst, inputs=(src,), overwrite=overwrite)
     in_fmt = detect_format(src)
     allow = tuple(allow_globals)
     notes: list[str] = []
@@ -181,7 +186,7 @@ def convert_file(
         opaque.refuse_left(conversion.obj, source=source)
         if dtype is not None:
             cast_floating(conversion, dtype)
-        write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size)
+        write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size, overwrite=overwrite)
     conversion.method = "torch"
     conversion.notes.extend(notes)
     if in_fmt == "torch-zip" and not unsafe:

@@ -79,12 +79,13 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
                    key=lambda item: order[item[1][0]])  # fmt: skip
     groups = []
     for line, keys, (way, kind) in lines:
-        shapes = {specs[k].shape for k in keys}
+        shapes = list(dict.fromkeys(specs[k].shape for k in keys))  # distinct, in key order
         dtypes = {specs[k].dtype for k in keys}
         group = {
             "keys": line,
             "count": len(keys),
-            "shape": list(next(iter(shapes))) if len(shapes) == 1 else None,
+            "shape": list(shapes[0]) if len(shapes) == 1 else None,
+            "shapes": [list(shape) for shape in shapes],
             "dtype": next(iter(dtypes)) if len(dtypes) == 1 else "mixed",
             "numel": sum(specs[k].numel for k in keys),
         }

@@ -3,6 +3,7 @@ paths, output extensions, exit codes, one size convention."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_convert_and_sanitize_say_what_they_did_as_json(ddp: Path, tmp_path: Pat
     result = CliRunner().invoke(cli, ["convert", str(ddp), str(out), "--model-only", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert set(report) == {"input", "output", "method", "changes", "kept", "dropped", "notes"}
+    assert set(report) == {"input", "output", "method", "dtype", "changes", "kept", "dropped", "notes"}
     assert report["changes"] == [
         {"entry": "model", "layout_from": "ddp", "layout_to": "single", "keys": 16, "renamed": 16}
     ]
@@ -112,6 +113,36 @@ def test_options_that_conflict_are_a_usage_error_naming_both(
     result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.pt"), *flags])
     assert result.exit_code == 2 and message in result.output and result.output.count("\n") == 1, result.output
     assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["merge", "{ddp}", "{ddp}", "-o", "{out}", "--kwargs", "{{}}"],
+         "--kwargs are the --model factory's and no --model was given; add --model or drop --kwargs"),
+        (["train", "--out", "{tmp}", "--nproc-per-node", "2"],
+         "--nproc-per-node is for --mode ddp and this run is --mode single; drop --nproc-per-node or use --mode ddp"),
+        (["train", "--mode", "dp", "--out", "{tmp}", "--rdzv-endpoint", "h:1"],
+         "--rdzv-endpoint is for --mode ddp and this run is --mode dp; drop --rdzv-endpoint or use --mode ddp"),
+    ],
+    ids=["merge-kwargs", "train-nproc", "train-rdzv"],
+)  # fmt: skip
+def test_an_option_without_the_one_it_needs_is_a_usage_error_naming_both(
+    ddp: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    args = [a.format(ddp=ddp, out=tmp_path / "o.pt", tmp=tmp_path / "run") for a in args]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and result.output == f"ckptfix: error: {message}\n", result.output
+    assert os.listdir(tmp_path) == ["ddp.pt"]  # nothing run, nothing written
+
+
+def test_a_bad_shard_size_names_the_flag_in_the_cli_and_the_keyword_in_the_library(ddp: Path, tmp_path: Path) -> None:
+    from ckptfix.formats.folder import parse_size
+
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.safetensors"), "--shard-size", "lots"])
+    assert result.exit_code == 2 and result.output.startswith("ckptfix: error: --shard-size 'lots': not a size")
+    with pytest.raises(ckptfix.OutputError, match=r"^shard_size='lots': not a size"):
+        parse_size("lots")
 
 
 def test_a_partly_wrapped_state_dict_is_said_to_be_one(tmp_path: Path) -> None:

@@ -168,7 +168,7 @@ def test_a_checkpoint_written_as_dcp_loads_in_torch_dcp(tmp_path: Path) -> None:
 def test_dcp_output_needs_a_new_or_empty_folder(tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("mine")
-    with pytest.raises(OutputError, match="exists and is not an empty folder"):
+    with pytest.raises(OutputError, match="exists and is not empty; write to a new or empty folder, or pass overwrite"):
         ckptfix.save({"w": torch.zeros(2)}, tmp_path / "taken")
     assert os.listdir(tmp_path / "taken") == ["notes.txt"]
     (tmp_path / "empty").mkdir()

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     "is a folder).",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: README, CLI).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: docs/json.md).")
 @force_option
 @safety_options
 def convert(
@@ -69,7 +69,9 @@ def convert(
     \b
     IN may be a folder: transformers shards (or their *.index.json), an accelerate save_state folder, or a
     torch.distributed.checkpoint (DCP) folder. OUT ending in / (or an empty folder) gets a DCP folder that
-    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards.
+    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards. An existing DCP folder or
+    shard set is replaced only with --force, and only when it holds nothing but a checkpoint: the new one is
+    written beside it and swapped in.
 
     \b
     Layouts: single (conv1.weight), dp/ddp (module.conv1.weight), compiled (_orig_mod.conv1.weight),
@@ -79,7 +81,7 @@ def convert(
     \b
     Example: ckptfix convert ddp_run.pt model.safetensors --to single --model-only
     """
-    from ckptfix.conversion import convert_file
+    from ckptfix.conversion import convert_file, float_dtype
 
     _refuse_conflicts(click.get_current_context(), keep_layout=keep_layout, no_fast=no_fast, no_verify=no_verify)
     result = convert_file(
@@ -99,8 +101,9 @@ def convert(
         model_only=model_only,
         overwrite=overwrite,
     )
+    dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     if as_json:
-        echo_json(conversion_json(result, src=src, dst=dst))
+        echo_json(conversion_json(result, src=src, dst=dst, dtype=dtype))
         return
     for change in result.changes:
         where = f"'{change.entry}'" if change.entry else "state dict"
@@ -137,12 +140,13 @@ def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, n
                          "CRC); drop one")  # fmt: skip
 
 
-def conversion_json(result: Conversion, *, src: str, dst: str) -> dict[str, Any]:
-    """``convert --json``: the facts the text output gives, under stable keys."""
+def conversion_json(result: Conversion, *, src: str, dst: str, dtype: str | None = None) -> dict[str, Any]:
+    """``convert --json``: the facts the text output gives, under stable keys (docs/json.md)."""
     return {
         "input": src,
         "output": dst,
         "method": result.method,  # "stream": bytes copied, no tensor loaded; "torch": loaded and saved
+        "dtype": dtype,  # what floating-point tensors were cast to (--dtype), None when nothing was cast
         "changes": [dataclasses.asdict(change) for change in result.changes],
         "kept": list(result.kept),
         "dropped": list(result.dropped),

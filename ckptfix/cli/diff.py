@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ckptfix.cli.options import safety_options
-from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, section
+from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, section, verdict
 
 
 @click.command()
@@ -97,7 +97,7 @@ def diff(
         for key, what in report.not_loaded.get(side, {}).items():
             echo(f"{side.upper()}: entry '{key}': {what}{how}")
     tolerance = f" within atol {atol:g}, rtol {rtol:g}" if atol or rtol else ""
-    echo(f"equal{tolerance}" if report.equal else "different")
+    verdict(f"equal{tolerance}" if report.equal else "different", "green" if report.equal else "red")
     click.get_current_context().exit(code)
 
 

@@ -28,6 +28,16 @@ def _format(summary: dict[str, Any]) -> str:
     return f"{_FOLDERS[folder['kind']]} ({len(data)} {what}{'s' * (len(data) != 1)}{index})"
 
 
+SHAPES_SHOWN = 4  # distinct shapes a group line lists before it counts the rest (--json has them all)
+
+
+def _shapes(shapes: list[list[int]]) -> str:
+    """``[16, 8, 3, 3], [32, 16, 3, 3]``: a group's distinct shapes, the first few, then how many more."""
+    shown = ", ".join(str(shape) for shape in shapes[:SHAPES_SHOWN])
+    more = len(shapes) - SHAPES_SHOWN
+    return shown + (f", … {more} more shape{'s' * (more != 1)}" if more > 0 else "")
+
+
 def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
     lines = [
         f"{summary['path']}: {_format(summary)} {summary['kind']}, {human_bytes(summary['file_bytes'])}",
@@ -65,7 +75,7 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         # the column fits the groups up to 100 characters; a wider one gets a line of its own
         width = max((n for g in groups if (n := len(printable(g["keys"]))) <= 100), default=0)
         for group in groups[:max_groups]:
-            shape = f"{group['shape']}" if group["shape"] is not None else "various shapes"
+            shape = _shapes(group["shapes"])
             count = f"{group['count']} × " if group["count"] > 1 else ""
             keys = printable(group["keys"])
             if len(keys) > width:  # a group wider than the column: its details on a line of their own, aligned

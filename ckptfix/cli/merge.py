@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -94,6 +95,10 @@ def merge(
     from ckptfix.formats.atomic import check_output
     from ckptfix.merging import merge_files
 
+    if kwargs is not None and model_spec is None:
+        from ckptfix.errors import UsageError
+
+        raise UsageError("--kwargs are the --model factory's and no --model was given; add --model or drop --kwargs")
     check_output(out, inputs=inputs, overwrite=overwrite)
     averaging = average or weights is not None
     for j, later in enumerate(inputs):
@@ -119,7 +124,7 @@ def merge(
     for message in result.warnings:
         warn(message)
     if as_json:
-        echo_json({**result.to_dict(), "output": out, "written": not result.diverged})
+        echo_json(merge_json(result, inputs, out, to=to, buffers=buffers, atol=atol))
     elif result.diverged:
         echo(f"{len(result.diverged)} key(s) differ across ranks (atol {atol:g}):")
         for d in result.diverged[:LIST_LIMIT]:
@@ -134,6 +139,27 @@ def merge(
             f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
             f"'{result.diverged[0].key}'); use files of the same step, or --atol if the drift is expected"
         )
+
+
+def merge_json(
+    result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str, atol: float
+) -> dict[str, Any]:
+    """``merge --json``: the facts the text output gives, under stable keys (docs/json.md)."""
+    return {
+        "inputs": list(inputs),
+        "output": out,
+        "written": not result.diverged,
+        "layout": to,
+        "buffers": buffers,  # how differing BatchNorm statistics (and, with --model, other buffers) were combined
+        "atol": atol,
+        "parameters_match": not result.diverged,
+        **result.to_dict(),
+        # a non-tensor value that differs has max |Δ| inf, which JSON cannot hold: spelt "inf", as diff spells it
+        "diverged": [
+            {"key": d.key, "max_abs": d.max_abs if math.isfinite(d.max_abs) else str(d.max_abs), "ranks": d.ranks}
+            for d in result.diverged
+        ],
+    }
 
 
 def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:

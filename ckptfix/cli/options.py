@@ -43,7 +43,7 @@ force_option = click.option(
     "--force",
     "overwrite",
     is_flag=True,
-    help="Replace OUT if it exists (atomically: the old file stays whole until the new one is). Default: refuse.",
+    help="Replace OUT if it exists; the old output stays whole until the new one is. Default: refuse.",
 )
 
 

@@ -8,6 +8,7 @@ terminal raw. ``--json`` output needs none of it: JSON escapes control character
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -34,6 +35,18 @@ def printable(text: object) -> str:
 def echo(line: str = "", *, err: bool = False) -> None:
     """Print one line (escaped by :func:`printable`)."""
     click.echo(printable(line), err=err)
+
+
+def verdict(line: str, colour: str) -> None:
+    """Print a command's verdict line with its label (``OK``, ``FAIL``, ``equal``: up to the first ``:``) in
+    ``colour`` on a terminal. click leaves the colour out when stdout is not a terminal (a pipe, a file, a test's
+    runner), and so does this when ``NO_COLOR`` is set (https://no-color.org)."""
+    line = printable(line)
+    if os.environ.get("NO_COLOR"):
+        click.echo(line)
+        return
+    label, colon, rest = line.partition(":")
+    click.echo(click.style(label, fg=colour, bold=True) + colon + rest)
 
 
 def warn(message: str) -> None:

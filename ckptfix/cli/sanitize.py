@@ -11,7 +11,7 @@ from ckptfix.cli.render import echo, echo_json
 @click.command()
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
 @click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: README, CLI).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: docs/json.md).")
 @force_option
 def sanitize(src: str, dst: str, as_json: bool, overwrite: bool) -> None:
     """Write OUT, a copy of torch checkpoint IN that torch.load(weights_only=True) opens, keeping what is data.

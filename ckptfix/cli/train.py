@@ -69,6 +69,15 @@ def train(
     from ckptfix.trainer.config import parse_args
     from ckptfix.trainer.launch import launch_trainer, launcher_args
 
+    if mode != "ddp":  # the launcher's options mean nothing to a run in one process: asking for them is a mistake
+        from ckptfix.errors import UsageError
+
+        for name in ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id"):
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(
+                    f"{flag} is for --mode ddp and this run is --mode {mode}; drop {flag} or use --mode ddp"
+                )
     argv = ["--mode", mode, "--epochs", str(epochs), "--out", out, *ctx.args]
     config = parse_args(argv, raising=True)
     if mode != "ddp":

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from ckptfix.cli.options import model_from_options, safety_options
-from ckptfix.cli.render import by_change, echo, echo_json, lines, section
+from ckptfix.cli.render import by_change, echo, echo_json, lines, section, verdict
 
 if TYPE_CHECKING:
     from ckptfix.compare import KeyReport
@@ -59,7 +59,7 @@ def validate(
             unsafe=unsafe_pickle,
         )
     except ShardedCheckpointError as e:  # one rank's shards: a finding about the file (1), not a failed check (2)
-        echo(str(e))
+        echo(str(e), err=as_json)  # --json: stdout holds a report or nothing (docs/json.md)
         click.get_current_context().exit(1)
     report = found.report
     code = 0 if report.loads_as_is or (any_layout and report.ok) else 1
@@ -68,7 +68,8 @@ def validate(
     )
     others = [e for e in found.entries if e not in ("", report.entry)]
     if as_json:
-        echo_json({**report.to_dict(), "model": model_spec, "other_entries": others, "fix_command": fix,
+        echo_json({**report.to_dict(), "keys": found.keys, "model": model_spec, "model_keys": found.model_keys,
+                   "other_entries": others, "verdict": _verdict(report), "fix_command": fix,
                    "exit_code": code})  # fmt: skip
         click.get_current_context().exit(code)
     where = f"entry '{report.entry}', " if report.entry else ""
@@ -91,7 +92,8 @@ def validate(
     if report.renamed:
         echo(f"likely renamed (checkpoint -> model, same shape, unique suffix match) ({len(report.renamed)}):")
         lines([f"{got} -> {want}" for got, want in report.renamed])
-    echo(_verdict(report))
+    fixable = report.ok or report.fixable_by_convert  # a layout, a prefix or renames: load_into or convert fix it
+    verdict(_verdict(report), "green" if report.loads_as_is else "yellow" if fixable else "red")
     if fix and not report.loads_as_is:
         echo(f"  {fix}")
     click.get_current_context().exit(code)

@@ -177,13 +177,17 @@ def read(
 
 
 @deep
-def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
+def save(obj: Any, path: PathLike, *, shard_size: int | None = None, overwrite: bool = False) -> None:
     """Write ``obj`` atomically in the format OUT's extension names (temp file, fsync, rename).
 
     With ``shard_size`` (bytes) a state dict is written as transformers shards of at most that size beside
     OUT (``model-00001-of-00003.safetensors`` …) with OUT's index (``model.safetensors.index.json``); OUT may
     be a folder (``model.safetensors`` in it). A folder OUT without ``shard_size`` (ending in ``/``, or an
     existing empty folder) gets a torch.distributed.checkpoint (DCP) folder.
+
+    A file OUT is replaced if it exists, as ``torch.save`` replaces it. An existing DCP folder (not empty) or
+    shard set of OUT's name is refused unless ``overwrite=True``, which replaces it only when it holds nothing
+    but a checkpoint's files, and only once the new one is complete.
 
     >>> ckptfix.save({"model": model.state_dict(), "epoch": 3}, "run/last.pt")
     """
@@ -192,19 +196,22 @@ def save(obj: Any, path: PathLike, *, shard_size: int | None = None) -> None:
     fmt = output_format(path)
     if fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
         check_output(path)
-    write(obj, path, fmt=fmt, shard_size=shard_size)
+    write(obj, path, fmt=fmt, shard_size=shard_size, overwrite=overwrite)
 
 
-def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None) -> None:
-    """:func:`save` to an output already checked, in format ``fmt``."""
+def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, overwrite: bool = False) -> None:
+    """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
+    set replace the one already there (a file output is replaced whatever it says: its check came before)."""
     if fmt == "dcp":
         from ckptfix.formats.dcp import save_dcp
 
-        save_dcp(obj, os.fspath(path))
+        save_dcp(obj, os.fspath(path), overwrite=overwrite)
     elif shard_size is not None:
         from ckptfix.formats.folder import save_sharded
 
-        save_sharded(obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt))
+        save_sharded(
+            obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt), overwrite=overwrite
+        )
     elif fmt == "safetensors":
         from ckptfix.formats.safetensors import save_safetensors
 

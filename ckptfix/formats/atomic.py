@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import signal
 import stat
 import threading
@@ -63,6 +64,58 @@ def check_apart(out: PathLike, *, inputs: tuple[PathLike, ...]) -> None:
             raise OutputError(
                 f"{out_s}: is {read}, which the input {src_s} reads; write to a new path (inputs are never modified)"
             )
+
+
+DCP_FILES = re.compile(r"\.metadata|__\d+_\d+\.distcp")  # what torch.distributed.checkpoint writes in its folder
+
+
+def check_output_folder(out: PathLike, *, inputs: tuple[PathLike, ...] = (), overwrite: bool = False) -> None:
+    """Refuse, before any work is done, an OUT folder (a DCP checkpoint) that cannot be written: one that is or
+    holds an input; unless ``overwrite``, one that exists and is not empty; and even with it, one that holds
+    anything but a DCP checkpoint's files (``.metadata``, ``__0_0.distcp`` …): only a checkpoint is replaced."""
+    out_s = os.fspath(out).rstrip(os.sep) or os.sep
+    check_apart(out_s, inputs=inputs)
+    if os.path.lexists(out_s) and not os.path.isdir(out_s):
+        raise OutputError(f"{out_s}: exists and is not a folder; a DCP checkpoint needs a new or empty folder")
+    if not os.path.isdir(out_s) or not (names := sorted(os.listdir(out_s))):
+        return
+    if not overwrite:
+        raise OutputError(
+            f"{out_s}: exists and is not empty; write to a new or empty folder, or pass overwrite=True to replace it"
+        )
+    for name in names:
+        if not (DCP_FILES.fullmatch(name) and stat.S_ISREG(os.lstat(os.path.join(out_s, name)).st_mode)):
+            raise OutputError(
+                f"{os.path.join(out_s, name)}: is not a file of a DCP checkpoint, and overwrite=True replaces only "
+                f"a checkpoint folder; remove it or write to a new folder"
+            )
+
+
+@contextlib.contextmanager
+def set_aside(paths: list[str], folder: str) -> Iterator[None]:
+    """Move ``paths`` (an old output's files or folder) into a temp folder inside ``folder`` for the block, then
+    remove them; when the block raises, put them back: the old output is whole again, as it was."""
+    if not paths:
+        yield
+        return
+    import shutil
+    import tempfile
+
+    aside = tempfile.mkdtemp(prefix=".ckptfix-old.", suffix=".ckptfix-tmp", dir=folder)
+    moved: list[tuple[str, str]] = []
+    try:
+        for i, path in enumerate(paths):
+            moved.append((path, os.path.join(aside, f"{i}.{os.path.basename(path)}")))
+            os.rename(*moved[-1])
+        yield
+    except BaseException:
+        for path, where in reversed(moved):
+            with contextlib.suppress(FileNotFoundError):  # the rename that failed moved nothing
+                os.rename(where, path)
+        with contextlib.suppress(OSError):  # not empty: what could not be put back stays there, never removed
+            os.rmdir(aside)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _within(path: str, folder: str) -> bool:

@@ -429,25 +429,25 @@ def chunk_region(full: Any, c: Chunk) -> Any:
     return region
 
 
-def save_dcp(obj: Any, out: str) -> None:
+def save_dcp(obj: Any, out: str, *, overwrite: bool = False) -> None:
     """Write ``obj`` (a state dict or a full checkpoint) as a DCP folder that ``torch.distributed.checkpoint.load``
     reads, e.g. to resume FSDP from a single-device or DDP checkpoint.
 
     torch's own writer does the writing (from this one process, no process group needed) into a temporary
-    folder beside OUT, which becomes OUT only when complete. OUT must not exist or be empty.
+    folder beside OUT, which becomes OUT only when complete. OUT must not exist or be empty; with ``overwrite``
+    it may be a DCP checkpoint folder (nothing else), which is then replaced: the old folder is renamed aside,
+    the new one renamed in, the old one removed, so a failure leaves the old checkpoint as it was.
     """
-    import contextlib
     import shutil
     import tempfile
     import warnings
 
     from ckptfix.errors import OutputError
-    from ckptfix.formats.atomic import completing
+    from ckptfix.formats.atomic import check_output_folder, completing, set_aside
     from ckptfix.torchcompat import dcp_save_local
 
     out = os.path.abspath(out.rstrip(os.sep) or os.sep)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise OutputError(f"{out}: exists and is not an empty folder; a DCP checkpoint needs a new or empty folder")
+    check_output_folder(out, overwrite=overwrite)
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
@@ -456,10 +456,12 @@ def save_dcp(obj: Any, out: str) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
             dcp_save_local(obj, checkpoint_id=tmp)  # this process alone, even inside a distributed job
-        with completing(out):
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(out)
-            os.rename(tmp, out)
+        check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
+        try:
+            with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
+                os.rename(tmp, out)
+        except OSError as e:
+            raise OutputError(f"{out}: cannot put the new folder in place ({e.strerror or e}); nothing changed") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

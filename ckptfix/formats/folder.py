@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats.atomic import PathLike, completing, fsync_dir
+from ckptfix.formats.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
 from ckptfix.formats.safetensors import stored_identity
 
 INDEX_SUFFIX = ".index.json"
@@ -312,7 +312,7 @@ def parse_size(text: str) -> int:
     """``5GB`` (10⁹, as transformers and accelerate count), ``512MiB``, ``1000000`` → bytes."""
     match = _SIZE.match(text)
     if not match or float(match.group(1)) <= 0:
-        raise OutputError(f"shard size {text!r}: not a size; write it like 5GB, 500MB or 2GiB")
+        raise OutputError(f"shard_size={text!r}: not a size; write it like 5GB, 500MB or 2GiB")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
 
 
@@ -348,23 +348,47 @@ def plan_shards(sizes: Iterable[tuple[str, int, Any]], *, limit: int) -> list[li
     return shards
 
 
-def check_folder_output(out: PathLike, names: Iterable[str]) -> None:
-    """Refuse an OUT folder that would end up mixing these shards with another checkpoint's."""
+def shard_set(out: PathLike) -> list[str]:
+    """The files of OUT's shard set that exist, index first: OUT itself, its index and every
+    ``{stem}-NNNNN-of-MMMMM{ext}`` beside it, whatever their count (a set of 3 shards is replaced by a set of 2)."""
     folder = os.path.dirname(os.path.abspath(os.fspath(out)))
-    clash = [n for n in names if os.path.lexists(os.path.join(folder, n))]
-    if clash:
+    base = os.path.basename(os.fspath(out))
+    stem, dot, ext = base.rpartition(".")
+    numbered = re.compile(re.escape(stem) + r"-\d{5,}-of-\d{5,}" + re.escape(dot + ext))
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = [n for n in names if n in (base, base + INDEX_SUFFIX) or numbered.fullmatch(n)]
+    return [os.path.join(folder, n) for n in sorted(found, key=lambda n: (not n.endswith(INDEX_SUFFIX), n))]
+
+
+def check_shards_output(out: PathLike, *, inputs: tuple[PathLike, ...] = (), overwrite: bool = False) -> list[str]:
+    """Refuse, before any work is done, shards of OUT that cannot be written: OUT's folder is or holds an input;
+    unless ``overwrite``, a shard set of OUT's name is there already (mixing two checkpoints' shards in one folder
+    breaks both); with it, that set holds an input or something other than plain files. Returns the set's files,
+    which the new set replaces; nothing else in the folder (config.json, a tokenizer) is touched."""
+    check_apart(out, inputs=inputs)
+    old = shard_set(out)
+    if old and not overwrite:
         raise OutputError(
-            f"{os.path.join(folder, clash[0])}: already exists; write the shards to a new or empty folder "
-            f"(mixing two checkpoints' shards in one folder breaks both)"
+            f"{old[0]}: already exists; write the shards to a new or empty folder, or pass overwrite=True to "
+            f"replace this checkpoint's shards (mixing two checkpoints' shards in one folder breaks both)"
         )
+    for path in old:
+        check_apart(path, inputs=inputs)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise OutputError(f"{path}: is not a plain file, and overwrite=True replaces only shard files; remove it")
+    return old
 
 
 @contextlib.contextmanager
-def staged(out: PathLike) -> Iterator[str]:
+def staged(out: PathLike, *, overwrite: bool = False) -> Iterator[str]:
     """A temporary folder beside OUT's folder whose files move into OUT's folder when the block succeeds.
 
     Shards appear in OUT's folder only once all of them are written and synced, the index last, so a reader
-    never sees an index naming a shard that is not there yet.
+    never sees an index naming a shard that is not there yet. With ``overwrite``, the shard set already there
+    is set aside first (its index first) and removed once the new set is in; a failure puts it back.
     """
     folder = os.path.dirname(os.path.abspath(os.fspath(out)))
     os.makedirs(folder, exist_ok=True)
@@ -372,17 +396,24 @@ def staged(out: PathLike) -> Iterator[str]:
     moved: list[str] = []
     try:
         yield tmp
+        old = check_shards_output(out, overwrite=overwrite)  # as it was when the command began
         names = sorted(os.listdir(tmp), key=lambda n: n.endswith(INDEX_SUFFIX))  # the index last
-        with completing(os.fspath(out)):
-            for name in names:
-                os.rename(os.path.join(tmp, name), os.path.join(folder, name))
-                moved.append(os.path.join(folder, name))
+        try:
+            with completing(os.fspath(out)), set_aside(old, folder):
+                try:
+                    for name in names:
+                        os.rename(os.path.join(tmp, name), os.path.join(folder, name))
+                        moved.append(os.path.join(folder, name))
+                except BaseException:
+                    for path in moved:  # before the old set comes back
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+                    raise
+        except OSError as e:
+            raise OutputError(
+                f"{os.fspath(out)}: cannot put the new shards in place ({e.strerror or e}); nothing changed"
+            ) from e
         fsync_dir(folder)
-    except BaseException:
-        for path in moved:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -393,11 +424,14 @@ def index_json(weight_map: Mapping[str, str], *, total_size: int) -> bytes:
     return (json.dumps(body, indent=2) + "\n").encode()
 
 
-def save_sharded(state: Mapping[str, Any], out: PathLike, *, limit: int, write: Any) -> list[str]:
+def save_sharded(
+    state: Mapping[str, Any], out: PathLike, *, limit: int, write: Any, overwrite: bool = False
+) -> list[str]:
     """Write a state dict as shards of at most ``limit`` bytes next to OUT, plus the index; the written paths.
 
     ``write(sub_state, path)`` writes one shard file. One shard is written as OUT itself, with no index, as
-    transformers does.
+    transformers does. An existing shard set of OUT's name is refused, or with ``overwrite`` replaced (see
+    :func:`staged`).
     """
     from ckptfix.checkpoint import is_state_dict
 
@@ -408,10 +442,10 @@ def save_sharded(state: Mapping[str, Any], out: PathLike, *, limit: int, write: 
     sizes = [(key, t.numel() * t.element_size(), _storage(t)) for key, t in state.items()]
     groups = plan_shards(sizes, limit=limit)
     names, index_name = shard_names(out, len(groups))
-    check_folder_output(out, [*names, index_name])
+    check_shards_output(out, overwrite=overwrite)
     versions = getattr(state, "_metadata", None)
     weight_map: dict[str, str] = {}
-    with staged(out) as tmp:
+    with staged(out, overwrite=overwrite) as tmp:
         for i, (name, keys) in enumerate(zip(names, groups, strict=True)):
             sub: OrderedDict[str, Any] = OrderedDict((k, state[k]) for k in keys)
             if versions is not None and i == 0:  # module versions once, with the first shard

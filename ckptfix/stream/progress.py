@@ -5,8 +5,20 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 THRESHOLD = 100 << 20
+
+
+def columns() -> tuple[Any, ...]:
+    """What the bar shows: what it does, the bar, bytes done of the total, the speed and the time remaining."""
+    # rich costs ~0.1 s to import: only paid when a bar is actually shown.
+    from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    return (
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -15,12 +27,10 @@ def progress_bar(total: int, *, enabled: bool = True) -> Iterator[Callable[[int]
     if not enabled or total < THRESHOLD or not sys.stderr.isatty():
         yield None
         return
-    # rich costs ~0.1 s to import: only paid when a bar is actually shown.
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+    from rich.console import Console
+    from rich.progress import Progress
 
-    with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        transient=True, console=None,
-    ) as bar:  # fmt: skip
+    # on stderr, not rich's default console (stdout): stdout holds what the command prints (--json)
+    with Progress(*columns(), transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task("converting", total=total)
         yield lambda n: bar.advance(task, n)

@@ -1,0 +1,198 @@
+"""``--force`` (``overwrite=True``) is one rule for files and folders: an existing output is refused (exit 2, naming
+the flag) unless asked, and then replaced only once the new one is whole; a folder output (a DCP folder, a shard
+set) is written beside the old one and swapped in, never onto anything but a checkpoint, never onto an input."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+import ckptfix
+from ckptfix.cli import cli
+from ckptfix.errors import OutputError
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+SINGLE, DDP = FIXTURES / "single.pt", FIXTURES / "ddp_wrapped.pt"
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` (relative) and its SHA-256: what a refusal or a failure must leave as it was."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def refused(result: Result, *words: str) -> str:
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip()
+    assert "\n" not in message and message.startswith("ckptfix: error: ")
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def model(path: Path) -> dict[str, torch.Tensor]:
+    loaded = ckptfix.load(path)
+    return loaded.get("model", loaded)  # type: ignore[no-any-return]
+
+
+# -- DCP folders ------------------------------------------------------------------------------------------------
+
+
+def test_a_dcp_folder_is_replaced_only_with_force(tmp_path: Path) -> None:
+    out = tmp_path / "dcp"
+    assert run("convert", SINGLE, f"{out}/").exit_code == 0
+    before = tree(tmp_path)
+    refused(run("convert", DDP, f"{out}/"), str(out), "exists and is not empty", "--force")
+    assert tree(tmp_path) == before
+    result = run("convert", DDP, f"{out}/", "--force", "--to", "ddp")
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]  # no temp folder, no old folder left beside it
+    assert all(k.startswith("module.") for k in model(out))  # the new checkpoint (the old one was single)
+
+
+def test_force_replaces_only_a_dcp_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / ".metadata").write_bytes(b"x")
+    (out / "notes.txt").write_text("precious")
+    before = tree(tmp_path)
+    refused(run("convert", SINGLE, f"{out}/", "--force"), "notes.txt", "is not a file of a DCP checkpoint", "--force")
+    (out / "notes.txt").unlink()
+    (out / "sub").mkdir()
+    refused(run("convert", SINGLE, f"{out}/", "--force"), "sub", "is not a file of a DCP checkpoint")
+    (out / "sub").rmdir()
+    os.symlink(SINGLE, out / "__0_0.distcp")
+    refused(run("convert", SINGLE, f"{out}/", "--force"), "__0_0.distcp")
+    assert tree(tmp_path) == {**{k: v for k, v in before.items() if "notes" not in k}, "mine/__0_0.distcp": tree(
+        FIXTURES)["single.pt"]}  # fmt: skip
+
+
+def test_force_never_replaces_the_input(tmp_path: Path) -> None:
+    dcp = tmp_path / "dcp"
+    assert run("convert", SINGLE, f"{dcp}/").exit_code == 0
+    before = tree(tmp_path)
+    refused(run("convert", dcp, f"{dcp}/", "--force"), "input")
+    inner = dcp / "__0_0.distcp"
+    refused(run("convert", inner, f"{dcp}/", "--force", "--no-fast"), "input")
+    assert tree(tmp_path) == before
+
+
+def test_a_failed_write_leaves_the_old_dcp_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "dcp"
+    ckptfix.save({"w": torch.zeros(2)}, f"{out}/")
+    before = tree(tmp_path)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("ckptfix.torchcompat.dcp_save_local", broken)
+    with pytest.raises(OSError, match="No space"):
+        ckptfix.save({"w": torch.ones(2)}, f"{out}/", overwrite=True)
+    assert tree(tmp_path) == before
+
+
+def test_a_failed_swap_puts_the_old_dcp_folder_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "dcp"
+    ckptfix.save({"w": torch.zeros(2)}, f"{out}/")
+    before = tree(tmp_path)
+    rename = os.rename
+
+    def failing(src: str, dst: str) -> None:  # the old folder goes aside; the new one cannot come in
+        if os.fspath(dst) == str(out) and ".ckptfix-old." not in os.fspath(src):
+            raise OSError(5, "Input/output error")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OutputError, match=r"cannot put the new folder in place \(Input/output error\); nothing"):
+        ckptfix.save({"w": torch.ones(2)}, f"{out}/", overwrite=True)
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
+    assert torch.equal(ckptfix.load(out)["w"], torch.zeros(2))
+    ckptfix.save({"w": torch.ones(2)}, f"{out}/", overwrite=True)
+    assert torch.equal(ckptfix.load(out)["w"], torch.ones(2)) and sorted(os.listdir(tmp_path)) == ["dcp"]
+
+
+# -- shard sets -----------------------------------------------------------------------------------------------------
+
+
+def test_a_shard_set_is_replaced_only_with_force(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    assert run("convert", SINGLE, f"{folder}/", "--model-only", "--shard-size", "10kB").exit_code == 0
+    (folder / "config.json").write_text("{}")  # what a transformers folder holds beside its shards
+    old = sorted(os.listdir(folder))
+    assert old == ["config.json", *(f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)),
+                   "model.safetensors.index.json"]  # fmt: skip
+    before = tree(tmp_path)
+    # a set of another count would leave the old shards beside the new index: refused as well
+    refused(run("convert", SINGLE, f"{folder}/", "--model-only", "--shard-size", "5kB"), "already exists", "--force")
+    assert tree(tmp_path) == before
+    result = run("convert", SINGLE, f"{folder}/", "--model-only", "--shard-size", "5kB", "--force")
+    assert result.exit_code == 0, result.output
+    new = sorted(os.listdir(folder))
+    assert new == ["config.json", *(f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)),
+                   "model.safetensors.index.json"]  # fmt: skip
+    assert (folder / "config.json").read_text() == "{}"  # never touched
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    expected = model(SINGLE)
+    assert sorted(model(folder)) == sorted(expected)
+    # one shard: written as OUT itself, the old set and its index gone
+    result = run("convert", SINGLE, folder / "model.safetensors", "--model-only", "--shard-size", "1GB", "--force")
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+
+
+def test_force_never_replaces_a_shard_that_is_read(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    ckptfix.save(model(SINGLE), folder / "model.safetensors", shard_size=10_000)
+    before = tree(tmp_path)
+    shard = folder / "model-00001-of-00003.safetensors"
+    refused(run("convert", shard, folder / "model.safetensors", "--shard-size", "5kB", "--force"), str(shard), "input")
+    assert tree(tmp_path) == before
+    with pytest.raises(OutputError, match="input"):
+        ckptfix.convert_file(shard, folder / "model.safetensors", shard_size=5000, overwrite=True)
+    assert tree(tmp_path) == before
+
+
+def test_a_failed_shard_write_leaves_the_old_set(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    ckptfix.save(model(SINGLE), folder / "model.safetensors", shard_size=10_000)
+    before = tree(tmp_path)
+    bad = {**model(SINGLE), "zz": torch.zeros(2, dtype=torch.complex32)}  # safetensors cannot store it: the last
+    with pytest.raises(OutputError):  # shard fails
+        ckptfix.save(bad, folder / "model.safetensors", shard_size=5000, overwrite=True)
+    assert tree(tmp_path) == before
+    with pytest.raises(OutputError, match=r"already exists.*overwrite=True"):
+        ckptfix.save(model(SINGLE), folder / "model.safetensors", shard_size=5000)
+    assert tree(tmp_path) == before
+
+
+def test_a_failed_shard_swap_puts_the_old_set_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "hf"
+    ckptfix.save(model(SINGLE), folder / "model.safetensors", shard_size=10_000)
+    before = tree(tmp_path)
+    rename = os.rename
+    calls: list[str] = []
+
+    def failing(src: str, dst: str) -> None:  # the last new file (the index) cannot come in
+        if os.path.dirname(os.fspath(dst)) == str(folder):
+            calls.append(os.fspath(dst))
+            if len(calls) == 5:  # after the 3 old files went aside, the 4 new ones come in
+                raise OSError(5, "Input/output error")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OutputError, match="cannot put the new shards in place"):
+        ckptfix.save(model(SINGLE), folder / "model.safetensors", shard_size=5000, overwrite=True)
+    monkeypatch.undo()
+    assert tree(tmp_path) == before
