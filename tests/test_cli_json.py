@@ -27,7 +27,7 @@ ALWAYS = {
              "exit_code"},
     "merge": {"inputs", "output", "written", "layout", "buffers", "atol", "parameters_match", "reassembled",
               "left_out", "notes", "entries", "bn_modules", "buffers_merged", "diverged", "warnings",
-              "kept_from_first", "layouts_from"},
+              "kept_from_first", "layouts_from", "averaged", "weights"},
     "validate": {"source", "entry", "ok", "loads_as_is", "layout_from", "layout_to", "missing", "unexpected",
                  "wrong_shape", "wrong_dtype", "bad_metadata", "load_error", "renamed", "rename_rules", "tied",
                  "renamed_prefix", "not_loaded", "keys", "model", "model_keys", "other_entries", "verdict",

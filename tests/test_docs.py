@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shlex
@@ -210,14 +211,25 @@ def run_page(path: Path, tmp: Path, *, slow: bool = False) -> int:
         rc, printed = _run(step, work, env)
         where = f"{step.page}:{step.line}: {step.text.strip()[:200]}"
         assert rc == step.expect_rc, f"{where}\nexit {rc}, not {step.expect_rc}:\n{printed}"
-        shown = {line.strip() for line in printed.splitlines()}
-        for expected in step.output:
-            if "…" not in expected:
-                assert expected.strip() in shown, (
-                    f"{where}\nthe page shows {expected.strip()!r}; it printed:\n{printed}"
-                )
+        _check_output(step.output, printed, where=where)
         ran += 1
     return ran
+
+
+def _check_output(output: list[str], printed: str, *, where: str) -> None:
+    """Shown JSON (a ``--json`` example, written compactly where that reads better) equals what was printed, as
+    data; other shown lines each appear in what was printed, except those that elide with ``…``."""
+    try:
+        want = json.loads("\n".join(output)) if output else None
+    except json.JSONDecodeError:
+        want = None
+    if want is not None:
+        assert json.loads(printed) == want, f"{where}\nthe page's JSON differs from what it printed:\n{printed}"
+        return
+    shown = {line.strip() for line in printed.splitlines()}
+    for expected in output:
+        if "…" not in expected:
+            assert expected.strip() in shown, f"{where}\nthe page shows {expected.strip()!r}; it printed:\n{printed}"
 
 
 def page_id(path: Path) -> str:
