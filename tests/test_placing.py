@@ -116,7 +116,10 @@ def test_a_model_with_load_hooks_is_loaded_by_load_state_dict(tmp_path: Path, pl
     ckptfix.save(make_net().state_dict(), path)
     net = make_net(seed=4)
     seen: list[str] = []
-    net.register_load_state_dict_pre_hook(lambda module, state, prefix, *args: seen.append(prefix))
+    if hasattr(net, "register_load_state_dict_pre_hook"):
+        net.register_load_state_dict_pre_hook(lambda module, state, prefix, *args: seen.append(prefix))
+    else:  # torch 2.4: only the private registration, without the module argument
+        net._register_load_state_dict_pre_hook(lambda state, prefix, *args: seen.append(prefix))
     assert ckptfix.load_into(net, path).ok
     assert placed == [] and seen == [""]
     _states_equal(net, make_net())
