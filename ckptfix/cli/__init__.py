@@ -124,7 +124,11 @@ class _Group(click.Group):
 def _stopped(what: str) -> str:
     # Every temp file has been removed on the way here: each output is complete, or as it was before.
     done = completed_outputs()  # a signal that came after the last rename: say what is there
-    return f"ckptfix: {what} after writing {', '.join(done)} in full" if done else f"ckptfix: {what}; no output was written"
+    return (
+        f"ckptfix: {what} after writing {', '.join(done)} in full"
+        if done
+        else f"ckptfix: {what}; no output was written"
+    )
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
