@@ -123,6 +123,37 @@ def _worker(out: Path, *, stage: int, dtype: str, width: int, layers: int) -> No
     engine.save_checkpoint(str(out))
 
 
+RUNS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+def reference(run: Path) -> dict[str, object]:
+    """DeepSpeed's own consolidation of ``run`` (its ``get_fp32_state_dict_from_zero_checkpoint``), quietly."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(run)))
+
+
+def make_fixtures(out: Path) -> None:
+    """fixtures/deepspeed/: one run per stage and dtype (without DeepSpeed's copied scripts) and, beside each,
+    DeepSpeed's own consolidation of it (``<run>.expected.pt``) for the tests that run without DeepSpeed."""
+    import shutil
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stage, dtype in RUNS:
+        run = out / f"zero{stage}_{dtype}"
+        shutil.rmtree(run, ignore_errors=True)
+        make_run(run, stage=stage, dtype=dtype)
+        for script in run.glob("*.py"):
+            script.unlink()
+        torch.save(reference(run), out / f"zero{stage}_{dtype}.expected.pt")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -132,8 +163,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=0)
     parser.add_argument("--layers", type=int, default=0)
     parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--fixtures", action="store_true", help="make every stage and dtype into OUT (fixtures)")
     args = parser.parse_args()
-    if args.worker:
+    if args.fixtures:
+        make_fixtures(args.out)
+    elif args.worker:
         _worker(args.out, stage=args.stage, dtype=args.dtype, width=args.width, layers=args.layers)
     else:
         make_run(args.out, stage=args.stage, dtype=args.dtype, world=args.world, width=args.width, layers=args.layers)

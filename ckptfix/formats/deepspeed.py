@@ -129,8 +129,7 @@ def is_deepspeed(path: str) -> bool:
         return False
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
-        tag = _read_latest(latest, strict=False)
-        return tag is not None and os.path.isdir(os.path.join(path, tag))
+        return _read_latest(latest, strict=False) is not None  # a tag that is not there is refused, by name
     try:
         names = os.listdir(path)
     except OSError:
