@@ -65,12 +65,14 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
+        from ckptfix.formats.deepspeed import lone_module_note, refuse_placeholders
         from ckptfix.formats.opaque import require
         from ckptfix.formats.shards import refuse_flat_params
 
         require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
         refuse_flat_params(obj, source=source)
-        return convert_checkpoint(
+        refuse_placeholders(obj, source=source)  # a lone ZeRO-3 module file: [0] placeholders, never weights
+        conversion = convert_checkpoint(
             obj,
             to=self.to,
             strip_prefixes=self.strip_prefixes,
@@ -80,6 +82,9 @@ class ConvertOptions:
             entries=self.entries,
             source=source,
         )
+        if note := lone_module_note(obj, source=source):
+            conversion.notes.append(note)
+        return conversion
 
 
 @strict_keywords

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats import allowlist, detect_format, inert, read
 from ckptfix.formats.atomic import PathLike
+from ckptfix.formats.deepspeed import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES, nbytes
 from ckptfix.formats.legacy import check_legacy
 from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
@@ -83,7 +84,7 @@ def spec(value: Any) -> Spec:
     """Dtype and shape of a tensor or of a tensor record of any reader."""
     if isinstance(value, FolderTensor):
         return spec(value.inner)
-    if isinstance(value, DcpTensor):
+    if isinstance(value, (DcpTensor, ZeroTensor)):
         return Spec(value.dtype, tuple(value.shape))
     if isinstance(value, (inert.InertTensor, inert.InertParameter)):
         return Spec(value.dtype, tuple(value.shape))
@@ -118,8 +119,8 @@ def storage_of(value: Any) -> Hashable | None:
         return None
     if isinstance(value, FolderTensor):
         return (value.part, storage_of(value.inner))
-    if isinstance(value, DcpTensor):
-        return ("dcp", value.key)
+    if isinstance(value, (DcpTensor, ZeroTensor)):
+        return ("dcp" if isinstance(value, DcpTensor) else "zero", value.key)  # tied names share the one record
     if isinstance(value, (inert.InertTensor, inert.InertParameter)):
         return ("pt", inert.tensor_of(value).storage.key)
     if isinstance(value, StTensor):
@@ -133,8 +134,8 @@ def identity(value: Any) -> Hashable:
     """Equal for two names of one tensor (tied weights): same storage, offset, shape, strides and dtype."""
     if isinstance(value, FolderTensor):
         return (value.part, identity(value.inner))
-    if isinstance(value, DcpTensor):
-        return ("dcp", value.key)
+    if isinstance(value, (DcpTensor, ZeroTensor)):
+        return ("dcp" if isinstance(value, DcpTensor) else "zero", value.key)
     if isinstance(value, (inert.InertTensor, inert.InertParameter)):
         t = inert.tensor_of(value)
         return ("pt", t.storage.key, t.offset, t.shape, t.stride, t.dtype)
@@ -388,14 +389,20 @@ class OpenedFolder(Opened):
     index: str | None = None
     parts: list[Opened] = field(default_factory=list)  # shards and accelerate folders: one per file
     dcp: Any = None  # DCP: the open data files
+    zero: Any = None  # DeepSpeed: the run (ckptfix.formats.deepspeed.ZeroRun)
+    zero_fds: dict[str, int] = field(default_factory=dict)  # DeepSpeed: each rank file opened once, when first read
+    zero_verified: set[tuple[str, str]] | None = None  # DeepSpeed: (file, record) CRC-checked, when verifying
     allowed: frozenset[str] = frozenset()
     owner: dict[int, int] = field(default_factory=dict)  # id of a record not wrapped (inside objects) -> part
 
     def close(self, *, check: bool = True) -> None:
         with contextlib.ExitStack() as stack:  # every file closed, whichever fails its check
             parts, self.parts, dcp, self.dcp = self.parts, [], self.dcp, None
+            fds, self.zero_fds = self.zero_fds, {}
             for part in parts:
                 stack.callback(part.close, check=check)
+            for fd in fds.values():
+                stack.callback(os.close, fd)
             if dcp is not None:
                 stack.callback(dcp.close)
                 if check:
@@ -408,9 +415,18 @@ class OpenedFolder(Opened):
             from ckptfix.stream.folders import read_dcp_tensor
 
             return read_dcp_tensor(value, self.dcp, allowed=self.allowed)  # type: ignore[no-any-return]
+        if isinstance(value, ZeroTensor):
+            from ckptfix.formats.deepspeed import read_zero_tensor
+
+            return read_zero_tensor(value, self._zero_fd, verified=self.zero_verified)
         if id(value) in self.owner:
             return self.parts[self.owner[id(value)]].tensor(value)
         return value  # type: ignore[no-any-return]
+
+    def _zero_fd(self, path: str) -> int:
+        if path not in self.zero_fds:
+            self.zero_fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return self.zero_fds[path]
 
 
 def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
@@ -418,10 +434,13 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
     """A folder or index file as an :class:`OpenedFolder`, every file checked as it would be on its own and the
     folder's own rules (:mod:`ckptfix.formats.folder`) on top."""
     from ckptfix.formats.dcp import is_dcp
+    from ckptfix.formats.deepspeed import is_deepspeed
     from ckptfix.formats.folder import describe as describe_folder
 
     if is_dcp(source):
         return _open_dcp(source, allow_globals=allow_globals, verify=verify)
+    if is_deepspeed(source):
+        return _open_deepspeed(source, allow_globals=allow_globals, verify=verify)
     folder = describe_folder(source)
     files = folder.files + ([folder.index] if folder.index else [])
     opened = OpenedFolder(source=source, fmt="folder", tree=None, kind="shards" if folder.flat else "accelerate",
@@ -534,6 +553,27 @@ def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> O
                 read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
                                end=span.offset + span.length)  # fmt: skip
             opened.verified.update(data)
+    except BaseException:
+        opened.close(check=False)
+        raise
+    return opened
+
+
+def _open_deepspeed(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
+    """A DeepSpeed ZeRO run as its consolidated state dict of :class:`~ckptfix.formats.deepspeed.ZeroTensor`
+    records: the rank files' pickles read, no tensor byte (``verify`` CRC-checks every record the tensors use)."""
+    from ckptfix.formats.deepspeed import describe_run
+
+    run = describe_run(source, allow_globals=allow_globals)
+    opened = OpenedFolder(source=source, fmt="folder", tree=run.state, kind="deepspeed", zero=run,
+                          files=[f.path for f in run.files], zero_verified=set())  # fmt: skip
+    try:
+        if verify:
+            for path, records in sorted(run.records.items()):
+                verify_records(opened._zero_fd(path), path, records)
+                assert opened.zero_verified is not None  # set above
+                opened.zero_verified.update((path, r.name) for r in records)
+            opened.verified.update(run.records)
     except BaseException:
         opened.close(check=False)
         raise

@@ -6,6 +6,7 @@ no tensor byte is read and torch is not imported, so a 100 GB checkpoint is summ
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -166,6 +167,8 @@ def summarize(
             "files": [os.path.relpath(f, root) for f in folder.files],
             "index": os.path.basename(folder.index) if folder.index else None,
         }
+    if folder is not None and folder.zero is not None:
+        summary["deepspeed"] = deepspeed_summary(folder.zero)
     if ckpt.note is not None:
         summary["loaded_with_torch"] = ckpt.note
     if not ckpt.crc_stored:  # saved with torch's compute_crc32=False: every record's CRC is 0
@@ -177,6 +180,24 @@ def summarize(
         zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)
         summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
     return summary
+
+
+def deepspeed_summary(run: Any) -> dict[str, Any]:
+    """A ZeRO run: stage, ranks, dtypes, what each file holds (from the pickles: no tensor byte read)."""
+    root = run.root
+    unique = {id(t): t for t in run.state.values()}.values()
+    return {
+        "stage": run.stage,
+        "world_size": run.world,
+        "train_dtype": run.train_dtype,
+        "master_dtype": run.master_dtype,
+        "ds_version": run.ds_version,
+        "tag": os.path.relpath(run.tag_dir, root),
+        "parameters": sum(math.prod(t.shape) for t in unique if t.origin != "buffer"),
+        "origins": dict(Counter(t.origin for t in unique)),
+        "files": {os.path.relpath(f.path, root): f.holds for f in run.files},
+        "notes": list(run.notes),
+    }
 
 
 def _summary(obj: Any, *, source: str, fmt: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ _FOLDERS = {
     "shards": "folder",
     "accelerate": "accelerate save_state folder",
     "dcp": "torch.distributed.checkpoint folder",
+    "deepspeed": "DeepSpeed ZeRO run folder",
 }
 
 
@@ -24,6 +25,12 @@ def _format(summary: dict[str, Any]) -> str:
         return str(summary["format"])
     data = [f for f in folder["files"] if f != folder["index"] and f != ".metadata"]
     what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] == "dcp" else "file"
+    if folder["kind"] == "deepspeed":
+        ds = summary["deepspeed"]
+        return (
+            f"{_FOLDERS['deepspeed']}, ZeRO-{ds['stage']} on {ds['world_size']} ranks "
+            f"({len(data)} files in {ds['tag']}/)"
+        )
     index = f" and index {folder['index']}" if folder["index"] else ""
     return f"{_FOLDERS[folder['kind']]} ({len(data)} {what}{'s' * (len(data) != 1)}{index})"
 
@@ -49,6 +56,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
             f"or tensor-parallel run; shapes and sizes below are the full tensors'. Reassemble every rank's file "
             f"with: ckptfix merge rank0.pt … rankN.pt -o full.safetensors"
         )
+    if "deepspeed" in summary:
+        lines += _deepspeed_lines(summary["deepspeed"])
     if "loaded_with_torch" in summary:
         lines.append(f"loaded with torch: {summary['loaded_with_torch']}")
     for name, model in summary["models"].items():
@@ -102,6 +111,17 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         lines.append("verified: every record read (it stores no CRC to check)")
     elif "verified" in summary:
         lines.append("verified: every byte read (this format holds no checksums)")
+    return lines
+
+
+def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:
+    origins = ", ".join(f"{n} {what}" for what, n in ds["origins"].items())
+    lines = [
+        f"DeepSpeed {ds['ds_version'] or '(version unknown)'}: trained in {ds['train_dtype']}, master weights "
+        f"{ds['master_dtype']}; consolidated: {ds['parameters']:,} parameters ({origins} tensors)",
+    ]
+    lines += [f"  {printable(name)}: {holds}" for name, holds in ds["files"].items()]
+    lines += [f"  note: {note}" for note in ds["notes"]]
     return lines
 
 

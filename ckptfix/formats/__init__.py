@@ -159,6 +159,10 @@ def read(
 
         if is_dcp(source):
             return load_dcp(source, allow_globals=allow_globals, mmap=mmap, verify=verify)
+        from ckptfix.formats.deepspeed import is_deepspeed, load_run
+
+        if is_deepspeed(source):  # the consolidated fp32 master weights, each partition's bytes read once
+            return load_run(source, allow_globals=allow_globals, verify=verify)
 
         def shard(file: str) -> Any:
             return read(file, fmt=detect_format(file), unsafe=unsafe, allow_globals=allow_globals, mmap=mmap,

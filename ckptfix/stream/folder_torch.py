@@ -21,6 +21,7 @@ from ckptfix.checkpoint import Conversion
 from ckptfix.formats import inert
 from ckptfix.formats.atomic import atomic_output
 from ckptfix.formats.crc import Check, crc32_combine
+from ckptfix.formats.deepspeed import ZeroTensor, read_zero_tensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import ZipWriter
@@ -55,21 +56,22 @@ def convert_folder_to_torch(
         files.check_unchanged()
     finally:
         files.close()
+    conversion.notes.extend(files.notes)
     conversion.notes.append(
         f"{kind} -> torch: {len(stored)} storages, {copied} copied as byte ranges, {gathered} gathered in memory"
     )
     return conversion
 
 
-def _records(obj: Any) -> tuple[Any, list[DcpTensor | ShardTensor]]:
+def _records(obj: Any) -> tuple[Any, list[DcpTensor | ShardTensor | ZeroTensor]]:
     """``obj`` with each tensor record replaced by the inert tensor torch.save pickles; the storages in order (a
     tensor under two names, tied weights, is one storage, as torch.save writes it)."""
     glob = stand_ins()
     records: dict[int, inert.InertTensor] = {}
-    stored: list[DcpTensor | ShardTensor] = []
+    stored: list[DcpTensor | ShardTensor | ZeroTensor] = []
 
     def convert(value: Any) -> Any:
-        if isinstance(value, (DcpTensor, ShardTensor)):
+        if isinstance(value, (DcpTensor, ShardTensor, ZeroTensor)):
             if id(value) not in records:
                 nbytes = math.prod(value.shape) * DTYPES[value.dtype].itemsize
                 records[id(value)] = tensor_record(value.dtype, value.shape, str(len(stored)), nbytes, glob=glob)
@@ -88,7 +90,7 @@ def _records(obj: Any) -> tuple[Any, list[DcpTensor | ShardTensor]]:
 
 
 def _write(
-    fd: int, tree: Any, stored: list[DcpTensor | ShardTensor], files: _Files, *, allowed: frozenset[str]
+    fd: int, tree: Any, stored: list[DcpTensor | ShardTensor | ZeroTensor], files: _Files, *, allowed: frozenset[str]
 ) -> tuple[int, int]:
     """Lay out the archive (sizes come from the metadata), then parse each tensor's chunk archives while a thread
     copies the ones before it; every record's CRC is filled in once the pieces' CRCs are known."""
@@ -111,8 +113,14 @@ def _write(
     pieces: dict[int, list[Piece]] = {}  # record slot -> its pieces in order
     gathers: list[int] = []  # record slots of gathered storages, in order: their CRCs come from the copy thread
 
-    def work(item: tuple[list[Piece], int] | tuple[DcpTensor, int]) -> int | None:
+    def work(item: tuple[list[Piece], int] | tuple[DcpTensor | ZeroTensor, int]) -> int | None:
         what, at = item
+        if isinstance(what, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
+            from ckptfix.formats.safetensors import tensor_bytes
+
+            sink = _Sink(fd, at)
+            sink.write(tensor_bytes(read_zero_tensor(what, files.fd)))
+            return sink.crc
         if isinstance(what, DcpTensor):
             sink = _Sink(fd, at)
             _gather(sink, what, files)  # type: ignore[arg-type]
@@ -131,6 +139,9 @@ def _write(
             if isinstance(t, DcpTensor):  # its chunk archives parsed (pickle checked) before its bytes are copied
                 for c in t.entry.chunks:
                     _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
+            elif isinstance(t, ZeroTensor):
+                for p in t.pieces:
+                    files.fd(p.path)
             else:
                 files.fd(t.path)  # opened here: the copy thread only reads the table
             parts = _pieces(t, files)
@@ -179,10 +190,12 @@ def _checks(files: _Files, pieces: dict[int, list[Piece]]) -> dict[str, list[Che
     return out
 
 
-def _pieces(t: DcpTensor | ShardTensor, files: _Files) -> list[Piece] | None:
+def _pieces(t: DcpTensor | ShardTensor | ZeroTensor, files: _Files) -> list[Piece] | None:
     """The byte ranges that make up ``t`` in order; None when its chunks must be gathered."""
     if isinstance(t, ShardTensor):
         return [(t.path, t.start, t.nbytes)] if t.nbytes else []
+    if isinstance(t, ZeroTensor):
+        return None if t.cast else [(p.path, p.offset, p.nbytes) for p in t.pieces if p.nbytes]
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
     if entry.nbytes == 0:
         return []

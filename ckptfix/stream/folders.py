@@ -24,6 +24,7 @@ from ckptfix.formats import allowlist, detect_format, inert
 from ckptfix.formats.atomic import atomic_output
 from ckptfix.formats.crc import Check, Verifier
 from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
+from ckptfix.formats.deepspeed import ZeroTensor, describe_run, is_deepspeed, read_zero_tensor
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folder import describe, merge_shards, room_for_files
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
@@ -61,6 +62,7 @@ class _Files:
         self.open: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.located: dict[int, tuple[int, int]] = {}  # id(chunk) -> (fd, offset of its bytes)
         self.checks: dict[str, list[Check]] = {}
+        self.notes: list[str] = []  # what the reader has to say of the folder (a DeepSpeed run's)
 
     def fd(self, path: str) -> int:
         if path not in self.open:
@@ -119,6 +121,9 @@ def convert_folder(
                         if isinstance(t, DcpTensor):
                             for c in t.entry.chunks:
                                 _locate(c, files, entry=t.entry, key=key, allowed=allowed)
+                        elif isinstance(t, ZeroTensor):
+                            for p in t.pieces:
+                                files.fd(p.path)
                         else:
                             files.fd(t.path)  # opened here: the copy thread only reads the table
                         copier.put(t)
@@ -134,6 +139,7 @@ def convert_folder(
     finally:
         files.close()
     copied, gathered = ways.count("copied"), ways.count("gathered")
+    conversion.notes.extend(files.notes)
     conversion.notes.append(
         f"{kind} -> safetensors: {len(stored)} tensors, {copied} copied as byte ranges, {gathered} gathered in memory"
     )
@@ -244,7 +250,12 @@ def open_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, st
     allowed = allowlist.allowed_names(allow_globals, source=src)
     files = _Files()
     try:
-        tree, kind = _dcp_tree(src, files, allowed=allowed) if is_dcp(src) else _shards_tree(src)
+        if is_dcp(src):
+            tree, kind = _dcp_tree(src, files, allowed=allowed)
+        elif is_deepspeed(src):
+            tree, kind = _zero_tree(src, files, allow_globals=allow_globals)
+        else:
+            tree, kind = _shards_tree(src)
     except BaseException:
         files.close()
         raise
@@ -272,6 +283,19 @@ def _dcp_tree(src: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any,
     return nest(flat, d.paths), "dcp"
 
 
+def _zero_tree(src: str, files: _Files, *, allow_globals: tuple[str, ...]) -> tuple[Any, str]:
+    """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records; the CRC of every storage
+    record they are read from (the flat partitions, not the optimizer's moments) is checked as the copy runs."""
+    from ckptfix.formats.ziparchive import stored_crc
+
+    run = describe_run(src, allow_globals=allow_globals)
+    room_for_files(len(run.files), source=src)
+    for path, records in run.records.items():
+        files.checks[path] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in records]
+    files.notes.extend(run.notes)
+    return run.state, f"DeepSpeed ZeRO-{run.stage} ({run.world} ranks)"
+
+
 def _shards_tree(src: str) -> tuple[Any, str]:
     folder = describe(src)
     if not folder.flat:
@@ -292,7 +316,7 @@ def _shards_tree(src: str) -> tuple[Any, str]:
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
-    if not isinstance(t, (DcpTensor, ShardTensor)):
+    if not isinstance(t, (DcpTensor, ShardTensor, ZeroTensor)):
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
@@ -373,10 +397,19 @@ def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> 
     return full if full is not None else torch.empty(entry.shape, dtype=dtype)
 
 
-def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor, files: _Files) -> str:
+def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor | ZeroTensor, files: _Files) -> str:
     if isinstance(t, ShardTensor):
         _copy(files.fd(t.path), t.start, t.nbytes, out)
         return "copied"
+    if isinstance(t, ZeroTensor):
+        if t.cast is None:  # a parameter's slices of each rank's flat partition, copied file to file in order
+            for p in t.pieces:
+                _copy(files.fd(p.path), p.offset, p.nbytes, out)
+            return "copied"
+        from ckptfix.formats.safetensors import tensor_bytes
+
+        out.write(tensor_bytes(read_zero_tensor(t, files.fd)))  # a half-precision buffer, cast as zero_to_fp32 does
+        return "gathered"
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
     if entry.nbytes == 0:
         return "copied"

@@ -1,0 +1,718 @@
+"""DeepSpeed ZeRO checkpoint folders, read without running their pickles and without loading the partitions.
+
+``engine.save_checkpoint(dir)`` writes ``dir/latest`` (the tag) and ``dir/<tag>/`` with:
+
+- the module file, ``mp_rank_00_model_states.pt`` (ZeRO-1/2) or one ``zero_pp_rank_R_mp_rank_00_model_states.pt``
+  per rank (ZeRO-3): the module's state dict in the training dtype (ZeRO-3: parameters are empty ``[0]``
+  placeholders), ``buffer_names``, ``param_shapes`` (one ordered dict per parameter group: the order the flat
+  partitions hold them in), ``frozen_param_shapes``/``frozen_param_fragments`` (parameters outside the optimizer;
+  ZeRO-3: each rank's partition of them), ``shared_params`` (tied names), ``ds_version``;
+- one optimizer file per rank, ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``: under
+  ``optimizer_state_dict`` the ZeRO stage, ``partition_count`` and the rank's fp32 master partition of each group
+  (``single_partition_of_fp32_groups``, ZeRO-1/2; ``fp32_flat_groups``, ZeRO-3), next to the optimizer's own state.
+
+Every file is an ordinary torch zip: its pickle is read inertly (DeepSpeed's own classes, ``ZeroStageEnum``,
+``LossScaler``, ``fragment_address``, stay unbuilt records), and a flat partition is a storage record whose bytes
+are a known range of the file. So each consolidated tensor is a list of byte ranges (:class:`Piece`) computed from
+the shapes alone, exactly as ``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` slices the partitions:
+
+- ZeRO-1/2: group ``g``'s full flat vector is the ranks' partitions one after another; its parameters lie in it in
+  ``param_shapes`` order (plus ``param_alignment_paddings`` where saved).
+- ZeRO-3: each rank holds ``ceil(numel / world)`` elements of every parameter, one after another across its
+  groups; a parameter is its slice of rank 0, then of rank 1, …, cut to its size (the last rank's padding).
+
+Which file is which rank comes from its name (nothing inside says it); what a file is, from what it holds. The
+layout math is pure (:func:`layout_partitioned`, :func:`layout_stage3`), the I/O is :func:`describe_run`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ckptfix.errors import FormatError
+from ckptfix.formats import allowlist, inert
+from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.ziparchive import Record
+
+if TYPE_CHECKING:
+    import torch
+
+LATEST = "latest"
+MAX_LATEST = 4096  # a tag name; anything larger is not DeepSpeed's ``latest`` file
+MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# Files of expert- or pipeline-parallel runs: other layouts, which zero_to_fp32 does not consolidate either.
+_OTHER_STATES = re.compile(r"^(?:.*expp_rank_\d+.*|layer_\d+-model_\d+-model_states)\.pt$")
+_PLACEHOLDER_HINT = "pass the run folder (with its 'latest' file) or the tag folder (global_stepN/)"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[offset, offset + nbytes)`` of ``path``, inside storage record ``record`` (CRC-checked as a whole)."""
+
+    path: str
+    offset: int
+    nbytes: int
+    record: Record
+
+
+@dataclass(eq=False)
+class ZeroTensor:
+    """A consolidated tensor of a ZeRO run: its bytes are ``pieces`` in order (dtype ``stored``), cast to ``dtype``
+    where zero_to_fp32 casts (a half-precision buffer becomes float32)."""
+
+    __ckptfix_tensor__: ClassVar[bool] = True
+    key: str
+    stored: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    origin: str  # "fp32 master", "frozen" (training dtype: no master copy exists) or "buffer"
+    cast: str | None = None
+
+    @property
+    def dtype(self) -> str:
+        return self.cast or self.stored
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class RunFile:
+    """One file of the run and what it holds (for ``inspect``)."""
+
+    path: str
+    role: str  # "module" or "optimizer"
+    rank: int | None
+    holds: str
+
+
+@dataclass
+class ZeroRun:
+    """A checked ZeRO run: the consolidated state dict as records, no tensor byte read."""
+
+    root: str  # the folder passed
+    tag_dir: str  # the folder holding the rank files
+    stage: int
+    world: int
+    train_dtype: str
+    master_dtype: str
+    ds_version: str | None
+    files: list[RunFile]
+    state: OrderedDict[str, ZeroTensor]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def records(self) -> dict[str, list[Record]]:
+        """The storage records the consolidated tensors are read from, per file (each once)."""
+        out: dict[str, dict[str, Record]] = {}
+        for t in self.state.values():
+            for p in t.pieces:
+                out.setdefault(p.path, {})[p.record.name] = p.record
+        return {path: list(recs.values()) for path, recs in out.items()}
+
+
+# -- detection -------------------------------------------------------------------------------------------
+
+
+def is_deepspeed(path: str) -> bool:
+    """A DeepSpeed run folder (a ``latest`` file naming a tag folder) or one tag folder (its rank files)."""
+    if not os.path.isdir(path):
+        return False
+    latest = os.path.join(path, LATEST)
+    if os.path.isfile(latest):
+        return _read_latest(latest, strict=False) is not None  # a tag that is not there is refused, by name
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(OPTIM_FILE.match(n) for n in names) or any(MODEL_FILE.match(n) for n in names)
+
+
+def _read_latest(path: str, *, strict: bool) -> str | None:
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise OSError("not a regular file")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_LATEST + 1)
+    except OSError as e:
+        if strict:
+            raise FormatError(f"{path}: cannot read DeepSpeed's 'latest' file ({e}); pass the tag folder") from e
+        return None
+    tag = raw.decode("utf-8", "replace").strip()
+    if len(raw) > MAX_LATEST or not tag or "\0" in tag or "/" in tag or "\\" in tag or tag in (".", ".."):
+        if strict:
+            raise FormatError(f"{path}: does not name a tag folder (found {raw[:40]!r}); pass the tag folder itself")
+        return None
+    return tag
+
+
+def tag_folder(path: str) -> str:
+    """The folder holding the rank files: ``path/<latest>`` for a run folder, else ``path`` itself."""
+    latest = os.path.join(path, LATEST)
+    if not os.path.isfile(latest):
+        return path
+    tag = _read_latest(latest, strict=True)
+    assert tag is not None  # strict: a bad tag raised
+    tag_dir = os.path.join(path, tag)
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, os.path.realpath(tag_dir)]) != real or not os.path.isdir(tag_dir):
+        raise FormatError(
+            f"{latest}: names tag '{tag}', which is not a folder here; the run is incomplete: pass a tag folder "
+            f"that is there ({', '.join(_tags(path)) or 'none found'})"
+        )
+    return tag_dir
+
+
+def _tags(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)))
+
+
+# -- reading the pickles ---------------------------------------------------------------------------------
+
+
+def _read_pickle(path: str, *, allowed: frozenset[str]) -> tuple[Any, Any]:
+    """The inert tree of a rank file and its archive; DeepSpeed's own classes stay unbuilt records."""
+    from ckptfix.formats.torchzip import read_torch_zip
+
+    refused: list[str] = []
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        z = read_torch_zip(fd, path, allowed=allowed, refused=refused)
+    finally:
+        os.close(fd)
+    # DeepSpeed's classes are data here, never built; anything else outside the allowlist is refused as usual
+    allowlist.refuse([n for n in refused if not n.startswith("deepspeed.")], source=path)
+    if not isinstance(z.tree, dict):
+        raise FormatError(f"{path}: holds a {type(z.tree).__name__}, not a DeepSpeed checkpoint dict")
+    return z.tree, z
+
+
+def _flat(obj: Any, *, path: str, what: str) -> inert.InertTensor:
+    """A flat partition: a plain tensor record, or DeepSpeed's ``_rebuild_from_type_v2`` wrapper (ZeRO-3 keeps
+    ``ds_id`` in the tensor's ``__dict__``) around one."""
+    if isinstance(obj, inert.Inert) and obj.func.full == "torch._tensor._rebuild_from_type_v2" and len(obj.args) == 4:
+        func, cls, args, _state = obj.args
+        if getattr(func, "full", "") in ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3") and (
+            getattr(cls, "full", "") in ("torch.Tensor", "torch.nn.parameter.Parameter")
+        ):
+            obj = inert.tensor(func, args)
+    if isinstance(obj, inert.InertParameter):
+        obj = obj.data
+    if not isinstance(obj, inert.InertTensor) or not obj.is_contiguous():
+        raise FormatError(f"{path}: {what} is not a contiguous tensor; the file is damaged or not a DeepSpeed file")
+    return obj
+
+
+def _piece(t: inert.InertTensor, z: Any, *, path: str, start: int, count: int) -> Piece:
+    """Elements ``[start, start + count)`` of contiguous tensor record ``t`` as a byte range of ``path``."""
+    rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
+    width = DTYPES[t.dtype].itemsize
+    return Piece(path, rec.data_offset + (t.offset + start) * width, count * width, rec)
+
+
+def _size(obj: Any, *, path: str, key: str) -> tuple[int, ...]:
+    if isinstance(obj, inert.Inert) and obj.func.full == "torch.Size" and len(obj.args) == 1:
+        dims = obj.args[0]
+        if isinstance(dims, tuple) and all(type(d) is int and d >= 0 for d in dims):
+            return dims
+    if isinstance(obj, (tuple, list)) and all(type(d) is int and d >= 0 for d in obj):
+        return tuple(obj)
+    raise FormatError(f"{path}: shape of '{key}' is not a torch.Size; the file is damaged or not a DeepSpeed file")
+
+
+def _stage(obj: Any, *, path: str) -> int:
+    value = obj.args[0] if isinstance(obj, inert.Inert) and len(obj.args) == 1 else obj  # ZeroStageEnum(3)
+    if type(value) is not int or value not in (1, 2, 3):
+        raise FormatError(f"{path}: zero_stage is {value!r}, not 1, 2 or 3; not a ZeRO optimizer file ckptfix reads")
+    return value
+
+
+@dataclass
+class _Optim:
+    path: str
+    rank: int
+    stage: int
+    world: int
+    version: Any
+    groups: list[tuple[inert.InertTensor, Any]]  # each group's flat fp32 partition on this rank, and its archive
+    paddings: Any
+
+
+def _optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> _Optim:
+    tree, z = _read_pickle(path, allowed=allowed)
+    osd = tree.get("optimizer_state_dict")
+    if not isinstance(osd, dict) or "zero_stage" not in osd or "partition_count" not in osd:
+        raise FormatError(
+            f"{path}: no optimizer_state_dict with zero_stage and partition_count; not a ZeRO optimizer file"
+        )
+    stage = _stage(osd["zero_stage"], path=path)
+    count = osd["partition_count"]
+    world = max(count) if isinstance(count, list) and count else count  # per group (experts may differ): the max
+    if type(world) is not int or world < 1:
+        raise FormatError(f"{path}: partition_count is {count!r}; the file is damaged")
+    key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    flats = osd.get(key)
+    if not isinstance(flats, list) or not flats:
+        raise FormatError(f"{path}: ZeRO-{stage} optimizer file without its '{key}' (the fp32 master partitions)")
+    groups = [(_flat(t, path=path, what=f"{key}[{i}]"), z) for i, t in enumerate(flats)]
+    return _Optim(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
+                  osd.get("param_alignment_paddings"))  # fmt: skip
+
+
+# -- the layout (pure) -----------------------------------------------------------------------------------
+
+# A run of elements: (rank, group, first element in that rank's partition of the group, count).
+Segment = tuple[int, int, int, int]
+
+
+def layout_partitioned(
+    shapes: list[list[tuple[str, tuple[int, ...]]]],
+    sizes: list[list[int]],
+    *,
+    paddings: list[list[int]] | None = None,
+    source: str,
+) -> dict[str, list[Segment]]:
+    """ZeRO-1/2: where each parameter's elements are. ``shapes[g]``: group ``g``'s parameters in order;
+    ``sizes[r][g]``: rank ``r``'s partition length of group ``g`` (the ranks' partitions, joined, are the group)."""
+    world = len(sizes)
+    out: dict[str, list[Segment]] = {}
+    for g, params in enumerate(shapes):
+        starts = [0]
+        for r in range(world):
+            starts.append(starts[-1] + sizes[r][g])
+        avail = starts[-1]
+        offset = 0
+        pads = paddings[g] if paddings is not None else None
+        if pads is not None and len(pads) != len(params):
+            raise FormatError(f"{source}: group {g} has {len(params)} parameters but {len(pads)} alignment paddings")
+        for i, (name, shape) in enumerate(params):
+            numel = math.prod(shape)
+            if offset + numel > avail:
+                raise FormatError(
+                    f"{source}: parameter '{name}' ends at element {offset + numel} of group {g}, whose partitions "
+                    f"hold {avail}; the rank files are from different runs"
+                )
+            out[name] = _segments(starts, g, offset, numel)
+            offset += numel + (pads[i] if pads is not None else 0)
+        align = 2 * world  # zero_to_fp32's check: both sides padded to 2 * world (two unrelated paddings)
+        if align * math.ceil(offset / align) != align * math.ceil(avail / align):
+            raise FormatError(
+                f"{source}: group {g}'s parameters take {offset} elements but its partitions hold {avail}; the rank "
+                f"files are from different runs, or the shapes do not match the partitions"
+            )
+    return out
+
+
+def _segments(starts: list[int], group: int, offset: int, numel: int) -> list[Segment]:
+    segs: list[Segment] = []
+    end = offset + numel
+    for r in range(len(starts) - 1):
+        lo, hi = max(offset, starts[r]), min(end, starts[r + 1])
+        if lo < hi:
+            segs.append((r, group, lo - starts[r], hi - lo))
+    return segs
+
+
+def layout_stage3(
+    shapes: list[tuple[str, tuple[int, ...]]], sizes: list[list[int]], *, source: str
+) -> dict[str, list[Segment]]:
+    """ZeRO-3: each rank holds ``ceil(numel / world)`` elements of every parameter, in order, across its groups
+    (``sizes[r][g]``); a parameter is its slice of each rank in rank order, cut to its size."""
+    world = len(sizes)
+    bounds = [0]
+    for n in sizes[0]:
+        bounds.append(bounds[-1] + n)
+    if any(s != sizes[0] for s in sizes):
+        raise FormatError(f"{source}: the ranks' fp32 partitions differ in size ({sizes[0]} vs others); the rank "
+                          f"files are from different runs")  # fmt: skip
+    out: dict[str, list[Segment]] = {}
+    offset = 0
+    for name, shape in shapes:
+        numel = math.prod(shape)
+        part = math.ceil(numel / world)
+        segs: list[Segment] = []
+        left = numel
+        for r in range(world):
+            take = min(part, left)
+            left -= take
+            at = offset
+            while take:  # a slice may cross from one group into the next
+                g = next(i for i in range(len(sizes[r])) if bounds[i] <= at < bounds[i + 1])
+                n = min(take, bounds[g + 1] - at)
+                segs.append((r, g, at - bounds[g], n))
+                at, take = at + n, take - n
+        offset += part
+        if offset > bounds[-1]:
+            raise FormatError(
+                f"{source}: parameter '{name}' needs element {offset} of each rank's partitions, which hold "
+                f"{bounds[-1]}; the rank files are from different runs"
+            )
+        out[name] = segs
+    if offset != bounds[-1]:
+        raise FormatError(
+            f"{source}: the parameters take {offset * world} elements but the partitions hold {bounds[-1] * world}; "
+            f"the rank files are from different runs, or the shapes do not match the partitions"
+        )
+    return out
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
+
+def describe_run(path: str, *, allow_globals: Iterable[str] = ()) -> ZeroRun:
+    """Find and check a run's files and lay out its consolidated state dict; no tensor byte is read."""
+    root = os.fspath(path)
+    tag_dir = tag_folder(root)
+    allowed = allowlist.allowed_names(list(allow_globals), source=root)
+    try:
+        names = sorted(os.listdir(tag_dir))
+    except OSError as e:
+        raise FormatError(f"{tag_dir}: cannot list the folder ({e.strerror})") from e
+    models: dict[int | None, str] = {}
+    optims: dict[int, str] = {}
+    for name in names:
+        full = os.path.join(tag_dir, name)
+        if m := MODEL_FILE.match(name):
+            _mp_rank(m.group(2), full)
+            models[int(m.group(1)) if m.group(1) is not None else None] = full
+        elif m := OPTIM_FILE.match(name):
+            _mp_rank(m.group(2), full)
+            rank = int(m.group(1))
+            if rank in optims:
+                raise FormatError(f"{full}: rank {rank} has two optimizer files here ({os.path.basename(optims[rank])}"
+                                  f" too: fp32 and bf16 runs mixed); keep one run's files")  # fmt: skip
+            optims[rank] = full
+        elif _OTHER_STATES.match(name):
+            raise FormatError(
+                f"{full}: an expert- or pipeline-parallel DeepSpeed file, which ckptfix does not consolidate; "
+                f"convert the run with DeepSpeed's ds_to_universal.py"
+            )
+    if not optims:
+        module = next(iter(models.values()), None)
+        hint = f"; {os.path.basename(module)} alone holds the training-dtype module" if module else ""
+        raise FormatError(
+            f"{tag_dir}: no ZeRO optimizer files (*_optim_states.pt), so no fp32 master weights to consolidate "
+            f"(saved without the optimizer, or not a DeepSpeed ZeRO run){hint}"
+        )
+    first = _optim_file(optims[min(optims)], min(optims), allowed=allowed)
+    stage, world = first.stage, first.world
+    missing = [r for r in range(world) if r not in optims]
+    if missing:
+        name = os.path.basename(optims[min(optims)]).replace(f"rank_{min(optims)}_", f"rank_{missing[0]}_", 1)
+        raise FormatError(
+            f"{os.path.join(tag_dir, name)}: missing ({len(missing)} of {world} ranks' optimizer files missing); "
+            f"every rank's file is needed: copy the whole tag folder"
+        )
+    extra = [r for r in optims if r >= world]
+    if extra:
+        raise FormatError(
+            f"{optims[extra[0]]}: rank {extra[0]} of a run of {world} ranks ({os.path.basename(first.path)} says "
+            f"partition_count {world}); the folder mixes two runs: keep one run's files"
+        )
+    ranks = [first] + [_optim_file(optims[r], r, allowed=allowed) for r in range(world) if r != first.rank]
+    ranks.sort(key=lambda o: o.rank)
+    for o in ranks:
+        _same(o.path, "ZeRO stage", o.stage, stage, first.path)
+        _same(o.path, "partition_count", o.world, world, first.path)
+        _same(o.path, "ds_version", o.version, first.version, first.path)
+        _same(o.path, "number of parameter groups", len(o.groups), len(first.groups), first.path)
+        _same(o.path, "fp32 master dtype", [t.dtype for t, _ in o.groups], [t.dtype for t, _ in first.groups],
+              first.path)  # fmt: skip
+    wanted: list[int | None] = [None] if stage <= 2 else list(range(world))
+    for r in wanted:
+        if r not in models:
+            name = "mp_rank_00_model_states.pt" if r is None else f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+            raise FormatError(
+                f"{os.path.join(tag_dir, name)}: missing (ZeRO-{stage} run of {world} ranks: the module file"
+                f"{'s' if r is not None else ''} {'are' if r is not None else 'is'} needed); copy the whole tag folder"
+            )
+    stray = [r for r in models if r not in wanted]
+    if stray:
+        raise FormatError(
+            f"{models[stray[0]]}: a module file of a ZeRO-{1 if stray[0] is None else 3} run beside ZeRO-{stage} "
+            f"optimizer files; the folder mixes two runs: keep one run's files"
+        )
+    module_trees = {r: _read_pickle(models[r], allowed=allowed) for r in wanted}
+    main_path = models[wanted[0]]
+    main, main_zip = module_trees[wanted[0]]
+    for key in ("module", "buffer_names", "param_shapes"):
+        if key not in main:
+            raise FormatError(f"{main_path}: no '{key}'; not a DeepSpeed module file")
+    module = main["module"]
+    if not isinstance(module, dict) or not isinstance(main["param_shapes"], list):
+        raise FormatError(f"{main_path}: 'module' or 'param_shapes' is not what DeepSpeed writes; the file is damaged")
+    for r, (tree, _) in module_trees.items():
+        path = models[r]
+        _same(path, "ds_version", tree.get("ds_version"), first.version, first.path)
+        if "dp_world_size" in tree:
+            _same(path, "data-parallel world size", tree["dp_world_size"], world, first.path)
+    groups = [[(str(k), _size(v, path=main_path, key=str(k))) for k, v in g.items()] for g in main["param_shapes"]]
+    if len(groups) != len(first.groups):
+        raise FormatError(f"{main_path}: {len(groups)} parameter groups but {first.path} holds {len(first.groups)}; "
+                          f"the folder mixes two runs")  # fmt: skip
+    sizes = [[t.numel() for t, _ in o.groups] for o in ranks]
+    if stage <= 2:
+        paddings = first.paddings if isinstance(first.paddings, list) else None
+        layout = layout_partitioned(groups, sizes, paddings=paddings, source=tag_dir)
+    else:
+        layout = layout_stage3([p for g in groups for p in g], sizes, source=tag_dir)
+    master = first.groups[0][0].dtype
+    state: OrderedDict[str, ZeroTensor] = OrderedDict()
+    # zero_to_fp32's order: buffers, frozen parameters, trainable parameters, tied names
+    buffer_names = [str(n) for n in main["buffer_names"] if n in module]
+    for name in buffer_names:
+        value = module[name]
+        if not isinstance(value, (inert.InertTensor, inert.InertParameter)):
+            raise FormatError(f"{main_path}: buffer '{name}' is not a tensor; the file is damaged")
+        t = inert.tensor_of(value)
+        if not t.is_contiguous():
+            raise FormatError(f"{main_path}: buffer '{name}' is not contiguous; the file is damaged")
+        cast = "float32" if _floating(t.dtype) and t.dtype != "float32" else None  # zero_to_fp32: v.float()
+        state[name] = ZeroTensor(name, t.dtype, t.shape, (_piece(t, main_zip, path=main_path, start=0,
+                                 count=t.numel()),), "buffer", cast)  # fmt: skip
+    frozen = main.get("frozen_param_shapes") or {}
+    fragments = {r: tree.get("frozen_param_fragments") or {} for r, (tree, _) in module_trees.items()}
+    for name, raw in frozen.items():
+        shape = _size(raw, path=main_path, key=str(name))
+        state[str(name)] = _frozen(str(name), shape, module_trees, fragments, models, stage=stage, world=world)
+    train_dtype = _train_dtype(module, groups, state, fallback=master)
+    shapes = dict(p for g in groups for p in g)
+    for name, segs in layout.items():
+        shape = shapes[name]
+        pieces = tuple(_piece(ranks[r].groups[g][0], ranks[r].groups[g][1], path=ranks[r].path, start=s, count=n)
+                       for r, g, s, n in segs)  # fmt: skip
+        state[name] = ZeroTensor(name, master, shape, pieces, "fp32 master")
+    for alias, target in (main.get("shared_params") or {}).items():
+        if target in state:
+            state[str(alias)] = state[target]  # one tensor under two names, as zero_to_fp32 returns it
+    for zt in state.values():  # the layout checked above; this is the last word on sizes
+        if sum(p.nbytes for p in zt.pieces) != math.prod(zt.shape) * DTYPES[zt.stored].itemsize:
+            raise FormatError(f"{tag_dir}: '{zt.key}' gets {sum(p.nbytes for p in zt.pieces)} bytes for shape "
+                              f"{list(zt.shape)}; the rank files are from different runs")  # fmt: skip
+    ordered: OrderedDict[str, ZeroTensor] = OrderedDict((k, state[k]) for k in module if k in state)
+    ordered.update((k, v) for k, v in state.items() if k not in ordered)  # the module's order, as model.state_dict()
+    files = _run_files(models, ranks, stage=stage, train_dtype=train_dtype, master=master, module=module,
+                       buffers=len(buffer_names), frozen=len(frozen))  # fmt: skip
+    run = ZeroRun(root=root, tag_dir=tag_dir, stage=stage, world=world, train_dtype=train_dtype, master_dtype=master,
+                  ds_version=first.version if isinstance(first.version, str) else None, files=files,
+                  state=ordered)  # fmt: skip
+    if stage == 1 and (left := [k for k in module if k not in ordered and not _is_placeholder(module[k])]):
+        run.notes.append(
+            f"{len(left)} key(s) of the module file ({', '.join(left[:3])}{', …' * (len(left) > 3)}) left out, as "
+            f"zero_to_fp32 leaves them: ZeRO-1 saves frozen parameters only in the module file, in the training dtype"
+        )
+    run.notes.append("optimizer state (Adam moments, step) not carried: the fp32 master weights only")
+    return run
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))  # torch's is_floating_point: float8 variants included
+
+
+def _is_placeholder(value: Any) -> bool:
+    return isinstance(value, (inert.InertTensor, inert.InertParameter)) and inert.tensor_of(value).numel() == 0
+
+
+def _frozen(name: str, shape: tuple[int, ...], trees: Mapping[int | None, tuple[Any, Any]],
+            fragments: Mapping[int | None, Any], models: Mapping[int | None, str], *, stage: int,
+            world: int) -> ZeroTensor:  # fmt: skip
+    """A frozen parameter: rank 0's whole tensor (ZeRO-2), or each rank's partition in order, cut (ZeRO-3)."""
+    numel = math.prod(shape)
+    pieces: list[Piece] = []
+    left = numel
+    dtype = None
+    for r in [None] if stage <= 2 else range(world):
+        frag = fragments[r].get(name)
+        if frag is None:
+            raise FormatError(f"{models[r]}: frozen parameter '{name}' has no fragment; the file is damaged")
+        t = inert.tensor_of(frag) if isinstance(frag, (inert.InertTensor, inert.InertParameter)) else None
+        if t is None or not t.is_contiguous():
+            raise FormatError(f"{models[r]}: frozen parameter '{name}' is not a contiguous tensor; the file is damaged")
+        if dtype is not None and t.dtype != dtype:
+            raise FormatError(f"{models[r]}: frozen parameter '{name}' is {t.dtype} here, {dtype} on rank 0; the "
+                              f"folder mixes two runs")  # fmt: skip
+        dtype = t.dtype
+        take = min(t.numel(), left)
+        if take:
+            pieces.append(_piece(t, trees[r][1], path=models[r], start=0, count=take))
+        left -= take
+    if left or dtype is None:
+        raise FormatError(f"{models[None if stage <= 2 else 0]}: frozen parameter '{name}' of shape {list(shape)} "
+                          f"has {numel - left} elements saved; the rank files are from different runs")  # fmt: skip
+    return ZeroTensor(name, dtype, shape, tuple(pieces), "frozen")
+
+
+def _train_dtype(module: Mapping[str, Any], groups: list[list[tuple[str, tuple[int, ...]]]],
+                 state: Mapping[str, ZeroTensor], *, fallback: str) -> str:  # fmt: skip
+    """The dtype the module trained in: its trainable parameters' records (ZeRO-3 placeholders keep it)."""
+    for g in groups:
+        for name, _ in g:
+            value = module.get(name)
+            if isinstance(value, (inert.InertTensor, inert.InertParameter)):
+                return inert.tensor_of(value).dtype
+    return fallback
+
+
+def _run_files(models: Mapping[int | None, str], ranks: list[_Optim], *, stage: int, train_dtype: str, master: str,
+               module: Mapping[str, Any], buffers: int, frozen: int) -> list[RunFile]:  # fmt: skip
+    files: list[RunFile] = []
+    for r, path in sorted(models.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        if stage <= 2:
+            holds = (f"module state dict in {train_dtype} ({len(module)} keys), shapes, {buffers} buffers"
+                     f"{f', {frozen} frozen parameters' if frozen else ''}")  # fmt: skip
+        else:
+            holds = (f"rank {r}'s module file: [0] placeholders for parameters, {buffers} buffers"
+                     f"{f', its partition of {frozen} frozen parameters' if frozen else ''}")  # fmt: skip
+        files.append(RunFile(path, "module", r, holds))
+    for o in ranks:
+        n = sum(t.numel() for t, _ in o.groups)
+        files.append(RunFile(o.path, "optimizer", o.rank, f"rank {o.rank}'s {master} master partition ({len(o.groups)} "
+                             f"group{'s' * (len(o.groups) != 1)}, {n:,} elements) and optimizer state"))  # fmt: skip
+    return files
+
+
+def _mp_rank(text: str, path: str) -> None:
+    if int(text) != 0:
+        raise FormatError(
+            f"{path}: model-parallel rank {int(text)} (tensor- or pipeline-parallel run), which ckptfix does not "
+            f"consolidate; convert the run with DeepSpeed's ds_to_universal.py"
+        )
+
+
+def _same(path: str, what: str, value: Any, expected: Any, first: str) -> None:
+    if value != expected:
+        raise FormatError(
+            f"{path}: {what} {value!r}, but {os.path.basename(first)} says {expected!r}; the folder mixes two runs: "
+            f"keep one run's files"
+        )
+
+
+# -- reading bytes ----------------------------------------------------------------------------------------
+
+
+def read_zero_tensor(t: ZeroTensor, fd_of: Any, *, verified: set[tuple[str, str]] | None = None) -> torch.Tensor:
+    """The consolidated tensor in memory of its own: its pieces read and joined, cast where zero_to_fp32 casts.
+    ``fd_of(path)`` gives an open file; with ``verified``, each storage record touched is CRC-checked once."""
+    import torch
+
+    from ckptfix.formats.ziparchive import verify_records
+
+    data = bytearray(sum(p.nbytes for p in t.pieces))
+    at = 0
+    for p in t.pieces:
+        fd = fd_of(p.path)
+        if verified is not None and (p.path, p.record.name) not in verified:
+            verify_records(fd, p.path, [p.record])
+            verified.add((p.path, p.record.name))
+        view = memoryview(data)[at : at + p.nbytes]
+        done = 0
+        while done < p.nbytes:
+            n = os.preadv(fd, [view[done:]], p.offset + done)
+            if n == 0:
+                raise FormatError(f"{p.path}: ends inside '{t.key}'; it is truncated: copy the run folder again")
+            done += n
+        at += p.nbytes
+    stored = getattr(torch, t.stored)
+    out = torch.frombuffer(data, dtype=torch.uint8).view(stored) if data else torch.empty(0, dtype=stored)
+    out = out.reshape(t.shape)
+    return out.to(getattr(torch, t.cast)) if t.cast else out
+
+
+def load_run(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> OrderedDict[str, Any]:
+    """The consolidated fp32 state dict of a ZeRO run, in memory (tied names share one tensor)."""
+    run = describe_run(path, allow_globals=allow_globals)
+    fds: dict[str, int] = {}
+
+    def fd_of(p: str) -> int:
+        if p not in fds:
+            fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return fds[p]
+
+    out: OrderedDict[str, Any] = OrderedDict()
+    done: dict[int, Any] = {}
+    verified: set[tuple[str, str]] | None = set() if verify else None
+    try:
+        for key, t in run.state.items():
+            if id(t) not in done:
+                done[id(t)] = read_zero_tensor(t, fd_of, verified=verified)
+            out[key] = done[id(t)]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
+# -- lone rank files --------------------------------------------------------------------------------------
+
+
+def module_file_kind(obj: Any) -> int | None:
+    """For a DeepSpeed module file (``*_model_states.pt``) read on its own: 3 when its parameters are ZeRO-3's
+    empty placeholders, 1 (ZeRO-1/2: real weights in the training dtype); None for any other checkpoint."""
+    if not isinstance(obj, Mapping) or not all(k in obj for k in ("module", "param_shapes", "buffer_names")):
+        return None
+    module, shapes = obj["module"], obj["param_shapes"]
+    if not isinstance(module, Mapping) or not isinstance(shapes, list):
+        return None
+    for group in shapes:
+        if not isinstance(group, Mapping):
+            return None
+        for name in group:
+            value = module.get(name)
+            if value is not None and _numel(value) == 0:
+                return 3
+    return 1
+
+
+def _numel(value: Any) -> int | None:
+    shape = getattr(value, "shape", None)
+    return math.prod(shape) if shape is not None else None
+
+
+def refuse_placeholders(obj: Any, *, source: str) -> None:
+    """A lone ZeRO-3 module file holds ``[0]`` placeholders, never weights: refuse it, naming the folder to pass."""
+    if module_file_kind(obj) == 3:
+        folder = os.path.dirname(os.path.abspath(source))
+        run = os.path.dirname(folder)
+        hint = run if os.path.isfile(os.path.join(run, LATEST)) else folder
+        raise FormatError(
+            f"{source}: one rank's module file of a DeepSpeed ZeRO-3 run: its parameters are empty [0] placeholders "
+            f"(the weights are partitioned across the *_optim_states.pt files); pass the folder instead: {hint}"
+        )
+
+
+def lone_module_note(obj: Any, *, source: str) -> str | None:
+    """What to say when a ZeRO-1/2 module file is converted on its own: its weights are the training dtype's."""
+    if module_file_kind(obj) != 1:
+        return None
+    folder = os.path.dirname(os.path.abspath(source))
+    return (
+        f"{os.path.basename(source)} is DeepSpeed's module file: its weights are the training dtype's, not the fp32 "
+        f"master weights; for those pass the folder {folder}"
+    )
+
+
+__all__ = [
+    "Piece",
+    "RunFile",
+    "ZeroRun",
+    "ZeroTensor",
+    "describe_run",
+    "is_deepspeed",
+    "layout_partitioned",
+    "layout_stage3",
+    "load_run",
+    "lone_module_note",
+    "module_file_kind",
+    "read_zero_tensor",
+    "refuse_placeholders",
+    "tag_folder",
+]

@@ -1,0 +1,177 @@
+"""Real DeepSpeed ZeRO checkpoints for the tests: a small model trained for one step on 2 gloo ranks (CPU), then
+``engine.save_checkpoint``. ``python -m tests.deepspeed_runs OUT --stage 3 --dtype bf16`` makes one run folder.
+
+The model has what the consolidation must get right: a frozen layer (not in the optimizer: ZeRO-2/3 save it
+apart), a weight tied to another (saved once, named in ``shared_params``), two parameter groups, odd sizes (every
+partition padded), and buffers (BatchNorm statistics in fp32 runs; CPU ``batch_norm`` has no bf16 kernel beside
+fp32 statistics, so bf16 runs use LayerNorm and a buffer of their own). Each rank is a process of its own
+(``subprocess``), joined through a TCP store on a free port of 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_run(out: Path, *, stage: int, dtype: str = "fp32", world: int = 2, width: int = 0, layers: int = 0,
+             timeout: float = 600.0) -> Path:  # fmt: skip
+    """Train and save one run into ``out`` (``out/latest``, ``out/global_step1/…``); returns ``out``.
+
+    ``width`` and ``layers`` > 0 make a wide model of ``layers`` square ``Linear(width, width)`` instead (the
+    benchmark's), no frozen or tied weights."""
+    port = _free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")  # fmt: skip
+    procs = []
+    for rank in range(world):
+        cmd = [sys.executable, "-m", "tests.deepspeed_runs", str(out), "--stage", str(stage), "--dtype", dtype,
+               "--worker", "--width", str(width), "--layers", str(layers)]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"deepspeed run failed (stage {stage}, {dtype}):\n" + "\n".join(o[-4000:] for o in outputs))
+    return out
+
+
+def _worker(out: Path, *, stage: int, dtype: str, width: int, layers: int) -> None:
+    import deepspeed
+    import torch
+    from torch import nn
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    bf16 = dtype == "bf16"
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(17, 7)
+            self.body = nn.Linear(7, 9)
+            self.norm: nn.Module = nn.LayerNorm(9) if bf16 else nn.BatchNorm1d(9)
+            self.frozen = nn.Linear(9, 7)
+            self.frozen.requires_grad_(False)
+            self.head = nn.Linear(7, 17, bias=False)
+            self.head.weight = self.embed.weight  # tied: one parameter under two names
+            self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.frozen(self.norm(self.body(self.embed(ids)))))  # type: ignore[no-any-return]
+
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers(x)  # type: ignore[no-any-return]
+
+    model: nn.Module = Wide() if width else Net()
+    if width:
+        groups = [{"params": list(model.parameters())}]
+    else:
+        decay = [model.embed.weight, model.body.weight]
+        rest = [p for n, p in model.named_parameters() if p.requires_grad and n not in ("embed.weight", "body.weight")]
+        groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=0.05)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if width:
+        x = torch.randn(2, width, dtype=torch.bfloat16 if bf16 else torch.float32)
+        loss = engine(x).float().square().mean()
+    else:
+        ids = torch.randint(0, 17, (2, 5)) if not isinstance(model.norm, nn.BatchNorm1d) else torch.randint(0, 17, (2,))
+        loss = engine(ids).float().square().mean()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(str(out))
+
+
+RUNS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+def reference(run: Path) -> dict[str, object]:
+    """DeepSpeed's own consolidation of ``run`` (its ``get_fp32_state_dict_from_zero_checkpoint``), quietly."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(run)))
+
+
+def make_fixtures(out: Path) -> None:
+    """fixtures/deepspeed/: one run per stage and dtype (without DeepSpeed's copied scripts) and, beside each,
+    DeepSpeed's own consolidation of it (``<run>.expected.pt``) for the tests that run without DeepSpeed."""
+    import shutil
+
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stage, dtype in RUNS:
+        run = out / f"zero{stage}_{dtype}"
+        shutil.rmtree(run, ignore_errors=True)
+        make_run(run, stage=stage, dtype=dtype)
+        for script in run.glob("*.py"):
+            script.unlink()
+        torch.save(reference(run), out / f"zero{stage}_{dtype}.expected.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--width", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=0)
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--fixtures", action="store_true", help="make every stage and dtype into OUT (fixtures)")
+    args = parser.parse_args()
+    if args.fixtures:
+        make_fixtures(args.out)
+    elif args.worker:
+        _worker(args.out, stage=args.stage, dtype=args.dtype, width=args.width, layers=args.layers)
+    else:
+        make_run(args.out, stage=args.stage, dtype=args.dtype, world=args.world, width=args.width, layers=args.layers)
+
+
+if __name__ == "__main__":
+    main()
