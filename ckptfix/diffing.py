@@ -14,6 +14,7 @@ from ckptfix.formats import inert, opaque
 from ckptfix.formats.atomic import PathLike
 from ckptfix.formats.depth import deep
 from ckptfix.formats.opaque import OpaqueEntry
+from ckptfix.formats.raw import RawTensor, as_tensor
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def _diff_entry(
             continue
         if sx.dtype != sy.dtype:
             out.dtype[key] = (sx.dtype, sy.dtype)
-        found = tensor_diff(a.tensor(x), b.tensor(y), atol=atol, rtol=rtol)
+        found = tensor_diff(a.raw(x), b.raw(y), atol=atol, rtol=rtol)
         if found is not None:
             out.values.append(ValueDiff(key, *found))
     return out
@@ -320,14 +321,17 @@ def _diff_entry(
 _CHUNK = 1 << 20  # elements per step of the |Δ| computation: its float64 temporaries stay a few MB
 
 
-def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+def same_bytes(x: Any, y: Any) -> bool:
     """True when two tensors of one dtype and shape hold the same bytes (NaNs included), without converting them.
 
     ``memcmp`` on CPU: ``torch.equal`` compares values (NaN never equals itself) and on bytes is several times
-    slower than the memory itself.
+    slower than the memory itself. Two :class:`~ckptfix.formats.raw.RawTensor` are compared without torch.
     """
+    if isinstance(x, RawTensor) and isinstance(y, RawTensor):
+        return x.same_bytes(y)
     import torch
 
+    x, y = as_tensor(x), as_tensor(y)
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
     if x.device.type != "cpu" or y.device.type != "cpu":
@@ -359,16 +363,18 @@ def _memcmp(a: int, b: int, n: int) -> int:
 _MEMCMP: Any = None
 
 
-def tensor_diff(x: torch.Tensor, y: torch.Tensor, *, atol: float, rtol: float) -> tuple[float, float] | None:
+def tensor_diff(x: Any, y: Any, *, atol: float, rtol: float) -> tuple[float, float] | None:
     """``(max |Δ|, max |Δ|/|y|)`` when same-shaped ``x`` and ``y`` differ beyond tolerance, else None.
 
     NaNs and infinities in the same places count as equal; a nonzero difference where ``y`` is 0 has relative
-    difference inf. Equal bytes are recognised first; the difference itself is computed in chunks.
+    difference inf. Equal bytes are recognised first (two :class:`~ckptfix.formats.raw.RawTensor` without torch);
+    the difference itself is computed, with torch, in chunks.
     """
-    import torch
-
     if x.numel() == 0 or same_bytes(x, y):
         return None
+    import torch
+
+    x, y = as_tensor(x), as_tensor(y)
     wide = torch.complex128 if (x.is_complex() or y.is_complex()) else torch.float64
     flat_x, flat_y = x.reshape(-1), y.reshape(-1)
     within, worst, worst_rel = True, 0.0, 0.0
@@ -461,7 +467,7 @@ class _Sides:
             if sx != sy:
                 out.append(OtherDiff(here, _short(x), _short(y)))
                 return
-            found = tensor_diff(self.a.tensor(x), self.b.tensor(y), atol=self.atol, rtol=self.rtol)
+            found = tensor_diff(self.a.raw(x), self.b.raw(y), atol=self.atol, rtol=self.rtol)
             if found is not None:
                 out.append(OtherDiff(here, f"{_short(x)}", f"values differ (max |Δ| {found[0]:.3g})"))
             return

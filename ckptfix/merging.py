@@ -38,6 +38,7 @@ from ckptfix.errors import AverageError, MergeError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
+from ckptfix.formats.raw import as_tensor
 from ckptfix.formats.shards import DTensorRecord, RankFilesError, ShardedTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
@@ -645,7 +646,7 @@ class _Merger:
 
     def _read(self, e: _Entry, rank: int, key: str) -> Any:
         value = e.states[rank][key]
-        return self.inputs[rank].tensor(value) if is_tensor(value) else value
+        return self.inputs[rank].raw(value) if is_tensor(value) else value  # bytes, unless torch must read it
 
     def _run_entry(self, index: int, e: _Entry, put: Callable[[int, str, Any], None]) -> None:
         if self.weights is not None:
@@ -714,7 +715,7 @@ class _Merger:
             return first  # bit-identical to rank 0, as the issue promises for parameters
         if key in self.buffer_keys and _floating(first):
             self.result.buffers_merged.append(key)
-            return first if self.buffers == "rank0" else self._mean(e, key).to(first.dtype)
+            return first if self.buffers == "rank0" else self._mean(e, key).to(as_tensor(first).dtype)
         self.result.diverged.append(Divergence(key, worst, bad))
         return first
 
@@ -727,15 +728,15 @@ class _Merger:
         wide = torch.complex128 if found.dtype.startswith("complex") else torch.float64
         acc = torch.zeros(found.shape, dtype=wide)
         for rank in reversed(range(len(e.states))):  # the inputs are held last first
-            acc += self._read(e, rank, key).to(wide) * weights[rank]
+            acc += as_tensor(self._read(e, rank, key)).to(wide) * weights[rank]
         return (acc / total).to(getattr(torch, found.dtype))
 
     def _mean(self, e: _Entry, key: str) -> torch.Tensor:
         import torch
 
-        total: torch.Tensor = self._read(e, 0, key).to(torch.float64)
+        total: torch.Tensor = as_tensor(self._read(e, 0, key)).to(torch.float64)
         for rank in range(1, len(e.states)):
-            total = total + self._read(e, rank, key).to(torch.float64)
+            total = total + as_tensor(self._read(e, rank, key)).to(torch.float64)
         return total / len(e.states)
 
     def _stat(
@@ -746,13 +747,14 @@ class _Merger:
         stats: dict[str, Any],
         counts_differ: list[tuple[str, list[int]]],
     ) -> Any:
-        import torch
-
         if key.endswith(_COUNT):
             if all(_same(v, column[0]) for v in column[1:]):
                 return column[0]
+            import torch
+
+            column = [as_tensor(v) for v in column]
             counts_differ.append((key, [int(v.item()) for v in column]))
-            return torch.stack(list(column)).max(dim=0).values
+            return torch.stack(column).max(dim=0).values
         if key not in stats:
             prefix = key[: -len(_MEAN)] if key.endswith(_MEAN) else key[: -len(_VAR)]
             means = [self._read(e, r, prefix + _MEAN) for r in range(len(e.states))]
@@ -806,13 +808,15 @@ def _check_same_structure(states: list[dict[str, Any]], where: list[str], *, ave
 def _merge_stats(
     means: Sequence[torch.Tensor], variances: Sequence[torch.Tensor], *, buffers: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Running mean and variance of the union of equally sized shards, computed in float64."""
-    import torch
-
+    """Running mean and variance of the union of equally sized shards, computed in float64 (with torch, imported
+    only here: statistics equal on every rank are rank 0's bytes)."""
     if buffers == "rank0" or (
         all(same_bytes(m, means[0]) for m in means) and all(same_bytes(v, variances[0]) for v in variances)
     ):
         return means[0], variances[0]
+    import torch
+
+    means, variances = [as_tensor(m) for m in means], [as_tensor(v) for v in variances]
     stacked = torch.stack([m.to(torch.float64) for m in means])
     mean = stacked.mean(dim=0)
     var = torch.stack([v.to(torch.float64) for v in variances]).mean(dim=0)

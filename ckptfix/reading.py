@@ -29,6 +29,7 @@ from ckptfix.formats.dtypes import DTYPES, nbytes
 from ckptfix.formats.legacy import check_legacy
 from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.opaque import read as opaque_read
+from ckptfix.formats.raw import RawTensor
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import TorchZip
@@ -190,6 +191,29 @@ class Opened:
         if isinstance(value, StTensor):
             return self._st_tensor(value)
         return value  # type: ignore[no-any-return]
+
+    def raw(self, value: Any) -> Any:
+        """The tensor ``value`` stands for as a :class:`~ckptfix.formats.raw.RawTensor`, its bytes read without
+        torch, where the record's bytes are its values as they are (a plain contiguous tensor record); else as
+        :meth:`tensor` gives it (a strided view, a record only torch reads, a real tensor)."""
+        found = self._raw(value)
+        return found if found is not None else self.tensor(value)
+
+    def _raw(self, value: Any) -> RawTensor | None:
+        if isinstance(value, (inert.InertTensor, inert.InertParameter)):
+            t = inert.tensor_of(value)
+            if not (t.plain and t.is_contiguous() and t.dtype in DTYPES and DTYPES[t.dtype].per_item == 1):
+                return None
+            if t.numel() == 0:
+                return RawTensor(t.dtype, t.shape, bytearray(), self.source)
+            width = DTYPES[t.dtype].itemsize
+            data = self.record_bytes(self.record(t), t.offset * width, t.numel() * width)
+            return RawTensor(t.dtype, t.shape, data, self.source)
+        if isinstance(value, StTensor):
+            assert self.fd is not None  # records exist only while the file is open
+            data = _pread(self.fd, value.start, value.end - value.start, source=self.source)
+            return RawTensor(value.dtype, tuple(value.shape), data, self.source)
+        return None
 
     def record(self, value: Any) -> Record:
         """The zip record holding a tensor record's storage."""
@@ -427,6 +451,13 @@ class OpenedFolder(Opened):
         if path not in self.zero_fds:
             self.zero_fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return self.zero_fds[path]
+
+    def raw(self, value: Any) -> Any:
+        if isinstance(value, FolderTensor):
+            return self.parts[value.part].raw(value.inner)
+        if id(value) in self.owner:
+            return self.parts[self.owner[id(value)]].raw(value)
+        return self.tensor(value)  # a DCP chunk (its reader uses torch), a real tensor
 
 
 def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,

@@ -224,7 +224,7 @@ class _TorchZip(StreamedWriter):
                 continue
             value = self.values.get(key)
             if isinstance(value, (FolderTensor, DcpTensor)):  # a folder's other entries: read one tensor at a time
-                self._record(key, tensor_bytes(self.opened.tensor(value)))
+                self._record(key, tensor_bytes(self.opened.raw(value)))
             else:
                 self._copy(key)
         for name, data in TAIL:

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import ckptfix
-from ckptfix.cli import cli
+from ckptfix.cli import _COMMANDS, cli
 from tests.models import make_net
 
 
@@ -55,6 +55,7 @@ _NOT_FOR_CONVERT = {"torch", "ckptfix.merging", "ckptfix.diffing", "ckptfix.read
                     "ckptfix.writing", "ckptfix.formats.folder", "ckptfix.trainer", "tempfile"}  # fmt: skip
 _COMMAND_MODULES = {f"ckptfix.cli.{name}" for name in ("convert", "inspect", "diff", "merge", "validate", "sanitize",
                                                        "train")}  # fmt: skip
+_HELPED = ("diff", "inspect", "merge", "sanitize", "validate")  # train's --help imports its trainer's options
 
 
 @pytest.mark.parametrize(
@@ -62,11 +63,12 @@ _COMMAND_MODULES = {f"ckptfix.cli.{name}" for name in ("convert", "inspect", "di
     [
         (["--help"], set()),
         (["convert", "--help"], {"ckptfix.cli.convert"}),
+        *(([name, "--help"], {f"ckptfix.cli.{name}"}) for name in _HELPED),
         (["convert", "in.pt", "out.pt"], {"ckptfix.cli.convert"}),
         (["convert", "in.pt", "out.pt", "--no-verify"], {"ckptfix.cli.convert"}),
         (["convert", "in.pt", "out.safetensors"], {"ckptfix.cli.convert"}),
     ],
-    ids=["help", "convert-help", "pt-pt", "pt-pt-no-verify", "pt-st"],
+    ids=["help", "convert-help", *(f"{n}-help" for n in _HELPED), "pt-pt", "pt-pt-no-verify", "pt-st"],
 )
 def test_start_up_imports_only_what_the_command_runs(tmp_path: Path, args: list[str], allowed: set[str]) -> None:
     torch.save({"module.w": torch.ones(2)}, tmp_path / "in.pt")
@@ -87,6 +89,67 @@ def _click_imports() -> frozenset[str]:
     code = "import sys, click; print('\\n'.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return frozenset(out.split())
+
+
+# Start-up of the commands that need no tensor arithmetic: no torch (its import is seconds and 200 MB). The files
+# are named by the test below; the last line on stderr is what an exit hook saw.
+_TORCH_PROBE = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print(f'torch imported: {\"torch\" in sys.modules}', file=sys.stderr))\n"
+    "from ckptfix.cli import main\n"
+    "sys.argv[0] = 'ckptfix'\n"
+    "main()\n"
+)
+_NO_TENSOR_ARITHMETIC = {
+    **{f"{' '.join(args)}": (args, 0) for args in (["--help"], ["--version"], *([c, "--help"] for c in _COMMANDS))},
+    "diff same file": (["diff", "a.pt", "a.pt"], 0),
+    "diff equal, other layout": (["diff", "a.pt", "single.pt"], 0),
+    "diff equal, safetensors": (["diff", "a.pt", "w.safetensors", "--entry", "model"], 0),
+    "diff keys, shapes and entries differ": (["diff", "a.pt", "changed.pt"], 1),
+    "diff --json keys differ": (["diff", "a.pt", "changed.pt", "--json"], 1),
+    "merge identical ranks": (["merge", "a.pt", "single.pt", "-o", "out.pt"], 0),
+    "merge identical ranks to safetensors": (["merge", "a.pt", "a.pt", "-o", "out.safetensors", "--model-only"], 0),
+}
+# Where values differ, |Δ| and the mean of BatchNorm statistics are computed with torch.
+_TENSOR_ARITHMETIC = {
+    "diff values differ": (["diff", "a.pt", "values.pt"], 1),
+    "merge averages statistics": (["merge", "a.pt", "values.pt", "-o", "out.pt"], 0),
+}
+
+
+@pytest.fixture(scope="module")
+def probe_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("startup")
+    single = make_net().state_dict()
+    ddp = {f"module.{k}": v for k, v in single.items()}
+    optimizer = {"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    torch.save({"model": ddp, "optimizer": optimizer, "epoch": 1}, folder / "a.pt")
+    torch.save({"model": single, "optimizer": optimizer, "epoch": 1}, folder / "single.pt")
+    ckptfix.save(single, folder / "w.safetensors")
+    changed = {k: v for k, v in list(single.items())[1:]}  # one key fewer, one more, one shape changed
+    changed["extra.weight"] = torch.zeros(2)
+    changed["head.bias"] = torch.zeros(changed["head.bias"].numel() + 1)
+    torch.save({"model": changed, "optimizer": {**optimizer, "param_groups": []}, "epoch": 2}, folder / "changed.pt")
+    values = {k: v + 1 if k.endswith("running_mean") else v for k, v in single.items()}
+    torch.save({"model": values, "optimizer": optimizer, "epoch": 1}, folder / "values.pt")
+    return folder
+
+
+@pytest.mark.parametrize("case", [*_NO_TENSOR_ARITHMETIC, *_TENSOR_ARITHMETIC])
+def test_torch_is_imported_only_for_tensor_arithmetic(probe_files: Path, case: str, tmp_path: Path) -> None:
+    args, code = {**_NO_TENSOR_ARITHMETIC, **_TENSOR_ARITHMETIC}[case]
+    where = {a: tmp_path if a.startswith("out.") else probe_files for a in args if a.endswith((".pt", ".safetensors"))}
+    args = [str(where[a] / a) if a in where else a for a in args]
+    proc = subprocess.run([sys.executable, "-c", _TORCH_PROBE, *args], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines()[-1] == f"torch imported: {case in _TENSOR_ARITHMETIC}", proc.stderr
+
+
+def test_merge_help_lists_the_buffer_strategies_of_the_merge() -> None:
+    from ckptfix import merging
+    from ckptfix.cli import merge
+
+    assert merge.BUFFER_STRATEGIES == merging.BUFFER_STRATEGIES
 
 
 def test_a_misspelled_command_is_named_with_the_one_meant() -> None:

@@ -11,10 +11,12 @@ import click
 from ckptfix.cli.options import force_option, model_from_options, safety_options, to_option
 from ckptfix.cli.render import LIST_LIMIT, echo, echo_json, section, warn
 from ckptfix.keytree import group_keys
-from ckptfix.merging import BUFFER_STRATEGIES
 
 if TYPE_CHECKING:
     from ckptfix.merging import MergeResult
+
+# ckptfix.merging's BUFFER_STRATEGIES, spelled out so that --help does not import the merge (tests/test_cli.py)
+BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
 
 
 @click.command()

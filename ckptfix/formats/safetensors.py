@@ -27,6 +27,7 @@ from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
+from ckptfix.formats.raw import RawTensor
 
 MAX_HEADER = 100 * 1024 * 1024
 _span = operator.itemgetter(0, 1)  # (begin, end) of a (begin, end, name) triple
@@ -315,8 +316,10 @@ def tensor_bytes(t: Any) -> memoryview:
 
     A conjugate or negative view's storage holds the values before its bit is applied; only torch.save records
     the bit, so it is resolved here (a copy, for those tensors alone). Going through numpy would need numpy,
-    which a plain ``pip install ckptfix`` does not bring.
+    which a plain ``pip install ckptfix`` does not bring. A :class:`~ckptfix.formats.raw.RawTensor` is its bytes.
     """
+    if isinstance(t, RawTensor):
+        return memoryview(t.data).cast("B")
     import ctypes
 
     flat = t.detach().resolve_conj().resolve_neg().contiguous()
