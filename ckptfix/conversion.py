@@ -226,6 +226,32 @@ def _torch_path_reason(
 def _note_losses(conversion: Conversion, out_fmt: str) -> None:
     if out_fmt == "safetensors" and (lost := safetensors_losses(conversion.obj)):
         conversion.notes.append(lost)
+    if out_fmt == "dcp" and (named := _non_string_keys(conversion.obj)):
+        count, first = named
+        conversion.notes.append(
+            f"{DCP_STRING_KEYS}: {count} non-string key(s) become strings (e.g. '{first}'), as torch's DCP writer "
+            f"stores every key; write a .pt to keep them"
+        )
+
+
+DCP_STRING_KEYS = "DCP keeps keys as strings"  # said whatever the verbosity: a value read back differs
+
+
+def _non_string_keys(obj: Any, path: str = "") -> tuple[int, str] | None:
+    """How many dict keys under ``obj`` are not strings (an optimizer's ``state`` is keyed by int), and the first."""
+    count, first = 0, ""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            where = f"{path}.{key}" if path else str(key)
+            if not isinstance(key, str):
+                count, first = count + 1, first or where
+            if found := _non_string_keys(value, where):
+                count, first = count + found[0], first or found[1]
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            if found := _non_string_keys(value, f"{path}.{i}" if path else str(i)):
+                count, first = count + found[0], first or found[1]
+    return (count, first) if count else None
 
 
 def safetensors_losses(obj: Any) -> str | None:

@@ -232,8 +232,7 @@ def conversion_maps(
     Returns the detected layout and the maps to apply in order. ``found``: ``detect(keys)``, when the caller
     already has it.
     """
-    if to is not None and to not in LAYOUTS:
-        raise LayoutError(f"unknown layout '{to}': choose one of {', '.join(TARGETS)}")
+    to = parse_layout(to)  # a UsageError (a ValueError) names the layouts; DDP is ddp
     if found is None:
         found = detect(keys, source=source)
     return found, ([] if to is None else maps_to(found, LAYOUTS[to]))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
 from ckptfix.diffing import same_bytes, tensor_diff
-from ckptfix.errors import AverageError, MergeError
+from ckptfix.errors import AverageError, MergeError, UsageError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
@@ -448,10 +448,10 @@ class _Diverged(Exception):  # noqa: N818 - a signal, not an error
 
 def _check_options(count: int, *, buffers: str, to: str) -> str:
     if buffers not in BUFFER_STRATEGIES:
-        raise MergeError(f"unknown buffer strategy '{buffers}': choose one of {', '.join(BUFFER_STRATEGIES)}")
+        raise UsageError(f"buffers={buffers!r}: unknown buffer strategy; choose one of {', '.join(BUFFER_STRATEGIES)}")
     layout = layouts.parse_layout(to)  # a UsageError (exit 2) names the layouts; DDP is ddp
     if not count:
-        raise MergeError("no inputs to merge; give one checkpoint per rank")
+        raise UsageError("no inputs to merge; give one checkpoint per rank")
     return str(layout)
 
 

@@ -36,10 +36,11 @@ def test_unsafe_file_exit_2_and_allow_global(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
 
 
-def test_debug_shows_traceback(tmp_path: Path) -> None:
+def test_debug_shows_traceback_and_keeps_the_exit_code(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["--debug", "inspect", str(tmp_path / "nope.pt")])
-    assert result.exit_code != 0
-    assert isinstance(result.exception, ckptfix.FormatError)
+    assert result.exit_code == 2  # as without --debug: scripts branch on it
+    assert "Traceback (most recent call last)" in result.stderr and "FormatError" in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1].startswith("ckptfix: error: ")
 
 
 def test_python_m_and_help_do_not_import_torch() -> None:

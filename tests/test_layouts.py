@@ -7,7 +7,7 @@ import torch
 
 from ckptfix import layouts
 from ckptfix.checkpoint import convert, convert_checkpoint
-from ckptfix.errors import LayoutError
+from ckptfix.errors import LayoutError, UsageError
 from tests.models import PREFIX, WRAPPERS, make_net
 
 
@@ -76,5 +76,6 @@ def test_inner_wrappers_are_removed() -> None:
 
 
 def test_unknown_target_lists_choices() -> None:
-    with pytest.raises(LayoutError, match="choose one of single, dp, ddp"):
+    with pytest.raises(UsageError, match="to='fsdp': unknown layout; choose one of single, dp, ddp"):
         convert({"a": torch.zeros(1)}, to="fsdp")
+    assert issubclass(UsageError, ValueError)

@@ -153,5 +153,5 @@ def test_inputs_that_cannot_be_merged() -> None:
         ckptfix.merge([a, {"v": torch.ones(2)}])
     with pytest.raises(MergeError, match=r"rank1: 'w' is \[3\]"):
         ckptfix.merge([a, {"w": torch.ones(3)}])
-    with pytest.raises(MergeError, match="unknown buffer strategy 'median'"):
+    with pytest.raises(ckptfix.UsageError, match="buffers='median': unknown buffer strategy; choose one of pooled"):
         ckptfix.merge([a, a], buffers="median")

@@ -12,6 +12,7 @@ import importlib
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 import click
@@ -96,8 +97,8 @@ class _Group(click.Group):
             with deep_enough():  # every command walks trees as deep as the readers accept
                 return super().invoke(ctx)
         except CkptfixError as e:
-            if debug:
-                raise
+            if debug:  # the traceback, then the same line and exit code as without --debug
+                traceback.print_exc()
             _error(f"ckptfix: error: {as_flags(str(e))}")
             ctx.exit(e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
@@ -116,7 +117,7 @@ class _Group(click.Group):
             ctx.exit(BROKEN_PIPE)
         except Exception as e:
             if debug:
-                raise
+                traceback.print_exc()
             _error(f"ckptfix: internal error: {type(e).__name__}: {e} (rerun with --debug and report it)")
             ctx.exit(INTERNAL_ERROR)
 

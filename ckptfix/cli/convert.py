@@ -118,10 +118,11 @@ def convert(
     if verbose:
         click.echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
     else:  # entries copied unbuilt are said whatever the verbosity: the output holds what the input held
+        from ckptfix.conversion import DCP_STRING_KEYS
         from ckptfix.formats.opaque import KEPT
 
-        for note in result.notes:
-            if note.startswith(KEPT):
+        for note in result.notes:  # and keys a DCP folder turns into strings: a value read back differs
+            if note.startswith((KEPT, DCP_STRING_KEYS)):
                 click.echo(f"ckptfix: {note}", err=True)
     click.echo(f"wrote {dst}")
 
