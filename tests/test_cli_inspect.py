@@ -206,3 +206,14 @@ def test_verify_reads_every_record(tmp_path: Path) -> None:
     st = tmp_path / "w.safetensors"
     ckptfix.save({"w": torch.ones(3)}, st)
     assert "verified: every byte read" in run("inspect", str(st), "--verify").output
+
+
+def test_inspect_says_it_read_no_tensor_bytes_unless_asked(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
+    plain = CliRunner().invoke(cli, ["inspect", str(tmp_path / "w.pt")])
+    assert plain.output.rstrip().endswith(
+        "tensor bytes not read: --verify, `ckptfix validate` or `ckptfix convert` check them"
+    )
+    checked = CliRunner().invoke(cli, ["inspect", str(tmp_path / "w.pt"), "--verify"])
+    assert "tensor bytes not read" not in checked.output
+    assert checked.output.rstrip().endswith("verified: every record read, every CRC matches")

@@ -111,6 +111,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         lines.append("verified: every record read (it stores no CRC to check)")
     elif "verified" in summary:
         lines.append("verified: every byte read (this format holds no checksums)")
+    else:  # a flipped byte or a bad CRC passes a look at the headers: say so
+        lines.append("tensor bytes not read: --verify, `ckptfix validate` or `ckptfix convert` check them")
     return lines
 
 
