@@ -179,13 +179,7 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
     if result.buffers_merged:
         echo(f"other buffers ({buffers}): {'; '.join(group_keys(result.buffers_merged))}")
     echo("parameters: equal on every rank")
-    if result.kept_from_first:
-        echo(f"taken from {inputs[0]}: {', '.join(result.kept_from_first)}")
-    if result.left_out:
-        echo(f"left out (--model-only): {', '.join(result.left_out)}")
-    for note in result.notes:
-        echo(note)
-    echo(f"wrote {out} (layout {to})")
+    _tail(result, out, to=to, source=inputs[0])
 
 
 def _average_summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str) -> None:
@@ -193,8 +187,13 @@ def _average_summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, 
     found = ", ".join(sorted(set(result.layouts_from)))
     echo(f"averaged {len(inputs)} checkpoint(s) (weights {weights}; layouts: {found})")
     echo(f"floating tensors averaged: {len(result.averaged)}; other tensors and entries from {inputs[-1]}")
+    _tail(result, out, to=to, source=inputs[-1])
+
+
+def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
+    """What came from ``source`` besides the model, what was left out, notes, and the output."""
     if result.kept_from_first:
-        echo(f"taken from {inputs[-1]}: {', '.join(result.kept_from_first)}")
+        echo(f"taken from {source}: {', '.join(result.kept_from_first)}")
     if result.left_out:
         echo(f"left out (--model-only): {', '.join(result.left_out)}")
     for note in result.notes:

@@ -206,9 +206,15 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
         )
         files[name]["allow_globals"] = ["argparse.Namespace"]
 
+    return _write_manifest(out, command=COMMAND, platform=platform_info(), files=files)
+
+
+def _write_manifest(out: Path, *, command: str, platform: dict[str, str], files: dict[str, Any]) -> dict[str, Any]:
+    from ckptfix.formats.atomic import atomic_output
+
     manifest = {
-        "command": COMMAND,
-        "platform": platform_info(),
+        "command": command,
+        "platform": platform,
         "model": "ckptfix.trainer.model:build_model",
         "probe_input": "ckptfix.trainer.model:probe_input",
         "files": dict(sorted(files.items())),
@@ -293,16 +299,8 @@ def generate_cuda(out_dir: str | os.PathLike[str], *, source: str | os.PathLike[
             probe=reference_probe(on_cpu[entry] if entry else on_cpu, _CUDA_PREFIX[layout]),
         )
         files[name]["locations"] = storage_locations(out / name)
-    manifest = {
-        "command": f"{COMMAND} --cuda",
-        "platform": {**platform_info(), "gpu": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda)},
-        "model": "ckptfix.trainer.model:build_model",
-        "probe_input": "ckptfix.trainer.model:probe_input",
-        "files": dict(sorted(files.items())),
-    }
-    with atomic_output(out / MANIFEST) as f:
-        f.write((json.dumps(manifest, indent=1) + "\n").encode())
-    return manifest
+    gpu = {"gpu": torch.cuda.get_device_name(0), "cuda": str(torch.version.cuda)}
+    return _write_manifest(out, command=f"{COMMAND} --cuda", platform={**platform_info(), **gpu}, files=files)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
