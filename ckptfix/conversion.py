@@ -106,6 +106,7 @@ def convert_file(
     verify: bool = True,
     shard_size: int | None = None,
     overwrite: bool = False,
+    optimizer: bool = False,
 ) -> Conversion:
     """Convert checkpoint ``src`` into ``dst`` (format from its extension); returns what changed.
 
@@ -122,6 +123,9 @@ def convert_file(
     output keeps the input's CRCs, so a corrupt record is still refused when the output is loaded. Every other
     conversion checks them (a .safetensors output has no CRCs; the torch path writes new ones).
 
+    ``optimizer=True`` (a DeepSpeed ZeRO run into a ``.pt`` file only) writes ``{"model": the fp32 state dict,
+    "optimizer": the full torch optimizer state dict}``: each rank's moments consolidated as the weights are.
+
     >>> ckptfix.convert_file("ddp.pt", "model.safetensors", to="single")
     """
     options = ConvertOptions(
@@ -136,6 +140,8 @@ def convert_file(
     dtype = options.dtype  # the canonical name (bf16 is bfloat16)
     source = os.fspath(src)
     out_fmt = output_format(dst)
+    if optimizer:
+        _check_optimizer(source, dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
     if shard_size is not None and out_fmt == "dcp":
         dst, out_fmt = os.path.join(dst, "model.safetensors"), "safetensors"  # shards in that folder
     if out_fmt == "dcp":
@@ -161,9 +167,13 @@ def convert_file(
 
         stream_folder = convert_folder_to_torch if out_fmt == "torch" else convert_folder
         try:
-            streamed = stream_folder(
-                source, os.fspath(dst), transform=lambda tree: options.apply(tree, source=source), allow_globals=allow
-            )
+            transform = lambda tree: options.apply(tree, source=source)  # noqa: E731
+            if optimizer:  # only a .pt output gets here
+                streamed = convert_folder_to_torch(
+                    source, os.fspath(dst), transform=transform, allow_globals=allow, optimizer=True
+                )
+            else:
+                streamed = stream_folder(source, os.fspath(dst), transform=transform, allow_globals=allow)
             streamed.method = "stream"
             return streamed
         except Fallback as e:
@@ -187,6 +197,10 @@ def convert_file(
             notes.append(f"fast path not taken: {e}")
     with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
         obj = opaque.read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
+        if optimizer:
+            from ckptfix.formats.deepspeed import load_optimizer
+
+            obj = {"model": obj, "optimizer": load_optimizer(source, allow_globals=allow)}
         conversion = options.apply(obj, source=source)
         opaque.refuse_left(conversion.obj, source=source)
         if dtype is not None:
@@ -202,6 +216,23 @@ def convert_file(
             conversion.notes.append(f"{NO_CRC} in the input")
     _note_losses(conversion, out_fmt)
     return conversion
+
+
+def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:
+    """``optimizer=True``: a DeepSpeed ZeRO run into one ``.pt`` file, nothing else (a usage error naming both)."""
+    from ckptfix.formats.deepspeed import is_deepspeed
+
+    if model_only:
+        raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
+                         "alone); drop one")  # fmt: skip
+    if out_fmt != "torch" or shard_size is not None:
+        what = {"safetensors": "a .safetensors file (tensors only)", "dcp": "a DCP folder"}.get(out_fmt, "shards")
+        what = "transformers shards" if shard_size is not None else what
+        raise UsageError(f"optimizer=True writes one .pt file ({{model, optimizer}}), but {os.fspath(dst)} asks for "
+                         f"{what}; write a .pt, or drop optimizer=True")  # fmt: skip
+    if not is_deepspeed(source):
+        raise UsageError(f"optimizer=True applies to a DeepSpeed ZeRO run folder, and {source} is not one; drop "
+                         f"optimizer=True (a .pt input keeps its optimizer entry as it is)")  # fmt: skip
 
 
 def _torch_path_reason(

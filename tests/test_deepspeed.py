@@ -231,3 +231,153 @@ def test_fresh_run_matches_deepspeed(stage: int, dtype: str, tmp_path: Path) -> 
     want = reference(run)
     assert_same(ckptfix.load(out), want)
     assert_same(ckptfix.load(run), want)
+
+
+# -- the optimizer state (convert --optimizer) --------------------------------------------------------------
+
+
+def optimizer_truth(name: str) -> dict[str, Any]:
+    """The consolidated optimizer state computed here from the raw rank files, apart from ckptfix's layout code:
+    each rank's flat moments joined (ZeRO-1/2) or sliced per parameter (ZeRO-3), padding cut, split by shapes."""
+    import math
+
+    tag = FIXTURES / name / "global_step1"
+    optim = sorted(tag.glob("*optim_states.pt"), key=lambda p: int(p.name.split("rank_")[1].split("_")[0]))
+    ranks = [torch.load(p, weights_only=False)["optimizer_state_dict"] for p in optim]
+    module = next(tag.glob("*model_states.pt"))
+    shapes = torch.load(module, weights_only=False)["param_shapes"]
+    stage3 = "fp32_flat_groups" in ranks[0]
+    base = [r["optimizer_state_dict" if stage3 else "base_optimizer_state"] for r in ranks]
+    world = len(ranks)
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    if stage3:
+        flat = {k: [torch.cat([b["state"][g][k] for g in range(len(shapes))]) for b in base]
+                for k in ("exp_avg", "exp_avg_sq")}  # fmt: skip
+        offset = 0
+    for pg in base[0]["param_groups"]:
+        ids = []
+        for g in pg["params"]:
+            if not stage3:
+                full = {k: torch.cat([b["state"][g][k] for b in base]) for k in ("exp_avg", "exp_avg_sq")}
+                offset = 0
+            for shape in shapes[g].values():
+                numel = math.prod(shape)
+                entry: dict[str, Any] = {"step": base[0]["state"][g]["step"]}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if stage3:
+                        part = math.ceil(numel / world)
+                        entry[k] = torch.cat([f[offset : offset + part] for f in flat[k]])[:numel].reshape(shape)
+                    else:
+                        entry[k] = full[k][offset : offset + numel].reshape(shape)
+                offset += math.ceil(numel / world) if stage3 else numel
+                state[index] = entry
+                ids.append(index)
+                index += 1
+        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def assert_same_optimizer(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert set(got) == {"state", "param_groups"}
+    assert got["param_groups"] == want["param_groups"]
+    assert set(got["state"]) == set(want["state"])
+    for i, s in want["state"].items():
+        assert set(got["state"][i]) == set(s), i
+        for k, t in s.items():
+            assert got["state"][i][k].dtype == t.dtype and torch.equal(got["state"][i][k], t), (i, k)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_convert_optimizer_consolidates_the_moments(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    result = ckptfix.convert_file(FIXTURES / name, out, optimizer=True)
+    assert result.method == "stream"
+    back = torch.load(out, weights_only=True)
+    assert set(back) == {"model", "optimizer"}
+    assert_same(back["model"], expected(name))
+    assert_same_optimizer(back["optimizer"], optimizer_truth(name))
+    steps = [s["step"] for s in back["optimizer"]["state"].values()]  # one tensor each: AdamW adds to it in place
+    assert len({t.untyped_storage().data_ptr() for t in steps}) == len(steps)
+    slow = tmp_path / "slow.pt"  # the torch path writes the same
+    result = run_cli("convert", str(FIXTURES / name), str(slow), "--optimizer", "--no-fast")
+    assert result.exit_code == 0, result.output
+    again = torch.load(slow, weights_only=True)
+    assert_same(again["model"], back["model"])
+    assert_same_optimizer(again["optimizer"], back["optimizer"])
+
+
+@pytest.mark.parametrize("name", ["zero2_fp32", "zero3_bf16"])
+def test_optimizer_loads_into_torch_adamw(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "full.pt"
+    assert run_cli("convert", str(FIXTURES / name), str(out), "--optimizer").exit_code == 0
+    back = torch.load(out, weights_only=True)
+    model = Net(bf16="bf16" in name)  # the groups tests/deepspeed_runs.py trains with
+    model.frozen.requires_grad_(False)
+    decay = [model.embed.weight, model.body.weight]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and n not in ("embed.weight", "body.weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=0.05)
+    model.load_state_dict(back["model"], strict=False)
+    opt.load_state_dict(back["optimizer"])
+    assert opt.state_dict()["param_groups"] == back["optimizer"]["param_groups"]
+    assert torch.equal(opt.state[model.body.weight]["exp_avg"], back["optimizer"]["state"][1]["exp_avg"])
+    loss = sum((p.float() ** 2).sum() for p in model.parameters() if p.requires_grad)
+    loss.backward()  # type: ignore[union-attr]
+    opt.step()
+    assert all(float(s["step"]) == 2.0 for s in opt.state.values())
+
+
+def test_optimizer_usage_errors(tmp_path: Path) -> None:
+    run = str(FIXTURES / "zero1_fp32")
+    cases = [
+        ([run, str(tmp_path / "out.safetensors"), "--optimizer"], (".safetensors", "--optimizer")),
+        ([run, str(tmp_path / "out.pt"), "--optimizer", "--model-only"], ("--model-only", "--optimizer")),
+        ([str(FIXTURES / "zero1_fp32.expected.pt"), str(tmp_path / "out.pt"), "--optimizer"],
+         ("--optimizer", "DeepSpeed ZeRO run")),
+    ]  # fmt: skip
+    for args, words in cases:
+        result = run_cli("convert", *args)
+        assert result.exit_code == 2, result.output
+        assert len(result.output.strip().splitlines()) == 1 and all(w in result.output for w in words), result.output
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_optimizer_moments_reproduce_the_saved_step(name: str) -> None:
+    """A check apart from any layout: the fixtures trained one AdamW step from the seed-0 model, so the consolidated
+    moments, applied to the initial weights, give the saved fp32 master weights, element for element."""
+    from ckptfix.formats.deepspeed import load_optimizer
+
+    torch.manual_seed(0)  # as tests/deepspeed_runs.py builds the model
+    model = Net(bf16="bf16" in name)
+    if "bf16" in name:  # DeepSpeed's fp32 master copy of the bf16 module
+        model = model.to(torch.bfloat16).float()
+    saved, opt = ckptfix.load(FIXTURES / name), load_optimizer(str(FIXTURES / name))
+    params = dict(model.named_parameters())
+    decay = ["embed.weight", "body.weight"]
+    names = decay + [n for n in params if n not in decay and not n.startswith("frozen.")]
+    assert len(names) == len(opt["state"])
+    for i, key in enumerate(names):
+        s = opt["state"][i]
+        assert float(s["step"]) == 1.0
+        update = (s["exp_avg"] / 0.1) / ((s["exp_avg_sq"] / 0.001).sqrt() + 1e-8)  # bias-corrected, step 1
+        start = params[key].detach() * (1 - 0.05 * (0.01 if key in decay else 0.0))
+        torch.testing.assert_close(start - 0.05 * update, saved[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_damaged_moment_refused_only_with_optimizer(tmp_path: Path) -> None:
+    run = copy_run("zero2_fp32", tmp_path)
+    plan = describe_run(str(run), optimizer=True)
+    assert plan.optimizer is not None
+    piece = plan.optimizer["state"][1]["exp_avg_sq"].pieces[-1]
+    with open(piece.path, "r+b") as f:  # damage a moment's bytes: the weights' records stay intact
+        f.seek(piece.offset)
+        flipped = bytes(b ^ 0xFF for b in f.read(piece.nbytes))
+        f.seek(piece.offset)
+        f.write(flipped)
+    for fast in ([], ["--no-fast"]):
+        bad = run_cli("convert", str(run), str(tmp_path / "full.pt"), "--optimizer", *fast)
+        assert bad.exit_code == 2 and "CRC" in bad.output, bad.output
+        assert not (tmp_path / "full.pt").exists()
+    assert run_cli("convert", str(run), str(tmp_path / "model.pt")).exit_code == 0  # the moments are not read

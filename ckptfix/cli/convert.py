@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 @click.option("--rename", multiple=True, metavar="REGEX=REPL", help="Rename keys with re.sub (repeatable).")
 @click.option("--entry", "entries", multiple=True, metavar="NAME", help="Model entry to convert (default: detected).")
 @click.option("--model-only", is_flag=True, help="Keep only the model state dict, drop optimizer, epoch, …")
+@click.option(
+    "--optimizer",
+    is_flag=True,
+    help="DeepSpeed ZeRO run into a .pt file: write {model, optimizer}, the optimizer's state (Adam moments, step) "
+    "consolidated into a full torch optimizer state dict (off by default: it can be several times the model).",
+)
 @click.option("--dtype", metavar="DTYPE", help="Cast floating-point tensors (float16, bfloat16, float32, float64).")
 @click.option("--no-fast", is_flag=True, help="Always load and save through torch (the reference path).")
 @click.option(
@@ -54,6 +60,7 @@ def convert(
     rename: tuple[str, ...],
     entries: tuple[str, ...],
     model_only: bool,
+    optimizer: bool,
     dtype: str | None,
     no_fast: bool,
     no_verify: bool,
@@ -100,6 +107,7 @@ def convert(
         entries=list(entries) if entries else None,
         model_only=model_only,
         overwrite=overwrite,
+        optimizer=optimizer,
     )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     if as_json:

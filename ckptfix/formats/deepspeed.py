@@ -23,6 +23,12 @@ the shapes alone, exactly as ``zero_to_fp32.get_fp32_state_dict_from_zero_checkp
 
 Which file is which rank comes from its name (nothing inside says it); what a file is, from what it holds. The
 layout math is pure (:func:`layout_partitioned`, :func:`layout_stage3`), the I/O is :func:`describe_run`.
+
+The optimizer state (``describe_run(..., optimizer=True)``, :func:`load_optimizer`) is laid out the same way: each
+flat group's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``; under ``base_optimizer_state`` for ZeRO-1/2,
+``optimizer_state_dict`` for ZeRO-3, keyed by flat group) is partitioned exactly as its fp32 master partition
+(ZeRO-1/2 save the moments with the last rank's padding, the master without it: the same leading elements), so
+each parameter's moment is the byte ranges of its weight, read from the moment's record instead.
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ class ZeroTensor:
     stored: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    origin: str  # "fp32 master", "frozen" (training dtype: no master copy exists) or "buffer"
+    origin: str  # "fp32 master", "frozen" (training dtype: no master copy exists), "buffer" or "optimizer state"
     cast: str | None = None
 
     @property
@@ -109,12 +115,14 @@ class ZeroRun:
     files: list[RunFile]
     state: OrderedDict[str, ZeroTensor]
     notes: list[str] = field(default_factory=list)
+    # with ``optimizer=True``: a torch ``optimizer.state_dict()`` of :class:`ZeroTensor` records (moments, steps)
+    optimizer: dict[str, Any] | None = None
 
     @property
     def records(self) -> dict[str, list[Record]]:
         """The storage records the consolidated tensors are read from, per file (each once)."""
         out: dict[str, dict[str, Record]] = {}
-        for t in self.state.values():
+        for t in [*self.state.values(), *optimizer_tensors(self.optimizer)]:
             for p in t.pieces:
                 out.setdefault(p.path, {})[p.record.name] = p.record
         return {path: list(recs.values()) for path, recs in out.items()}
@@ -245,6 +253,7 @@ class _Optim:
     version: Any
     groups: list[tuple[inert.InertTensor, Any]]  # each group's flat fp32 partition on this rank, and its archive
     paddings: Any
+    base: Any = None  # the wrapped optimizer's own state_dict (moments per flat group), as saved
 
 
 def _optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> _Optim:
@@ -264,8 +273,9 @@ def _optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> _Optim:
     if not isinstance(flats, list) or not flats:
         raise FormatError(f"{path}: ZeRO-{stage} optimizer file without its '{key}' (the fp32 master partitions)")
     groups = [(_flat(t, path=path, what=f"{key}[{i}]"), z) for i, t in enumerate(flats)]
+    base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
     return _Optim(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
-                  osd.get("param_alignment_paddings"))  # fmt: skip
+                  osd.get("param_alignment_paddings"), base)  # fmt: skip
 
 
 # -- the layout (pure) -----------------------------------------------------------------------------------
@@ -368,8 +378,9 @@ def layout_stage3(
 # -- the run ----------------------------------------------------------------------------------------------
 
 
-def describe_run(path: str, *, allow_globals: Iterable[str] = ()) -> ZeroRun:
-    """Find and check a run's files and lay out its consolidated state dict; no tensor byte is read."""
+def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: bool = False) -> ZeroRun:
+    """Find and check a run's files and lay out its consolidated state dict; no tensor byte is read.
+    ``optimizer=True`` lays out the optimizer's state too (:attr:`ZeroRun.optimizer`)."""
     root = os.fspath(path)
     tag_dir = tag_folder(root)
     allowed = allowlist.allowed_names(list(allow_globals), source=root)
@@ -510,8 +521,112 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = ()) -> ZeroRun:
             f"{len(left)} key(s) of the module file ({', '.join(left[:3])}{', …' * (len(left) > 3)}) left out, as "
             f"zero_to_fp32 leaves them: ZeRO-1 saves frozen parameters only in the module file, in the training dtype"
         )
-    run.notes.append("optimizer state (Adam moments, step) not carried: the fp32 master weights only")
+    if optimizer:
+        run.optimizer = _optimizer_state(ranks, groups, layout, stage=stage, source=tag_dir)
+    else:
+        run.notes.append("optimizer state (Adam moments, step) not carried: the fp32 master weights only (--optimizer "
+                         "carries it)")  # fmt: skip
     return run
+
+
+def optimizer_tensors(opt: Mapping[str, Any] | None) -> list[ZeroTensor]:
+    """The :class:`ZeroTensor` records of a laid-out optimizer state dict, in order."""
+    if not opt:
+        return []
+    return [v for s in opt["state"].values() for v in s.values() if isinstance(v, ZeroTensor)]
+
+
+def _optimizer_state(ranks: list[_Optim], groups: list[list[tuple[str, tuple[int, ...]]]],
+                     layout: Mapping[str, list[Segment]], *, stage: int, source: str) -> dict[str, Any]:  # fmt: skip
+    """The full torch ``optimizer.state_dict()`` of the consolidated model: each flat group's per-element state
+    (Adam's ``exp_avg``, ``exp_avg_sq``) cut exactly as its fp32 master partition is (``layout``), its scalar state
+    (``step``) given to each of its parameters, and the saved param groups' hyperparameters with parameter indices
+    numbered in param-group order, as ``torch.optim.Optimizer.state_dict()`` numbers them."""
+    first = ranks[0]
+    bases = []
+    for o in ranks:
+        base = o.base
+        if not isinstance(base, dict) or not isinstance(base.get("state"), dict) or not isinstance(
+                base.get("param_groups"), list):  # fmt: skip
+            hint = " (an elastic checkpoint: its moments are saved unpartitioned)" if isinstance(base, list) else ""
+            raise FormatError(f"{o.path}: no optimizer state dict in the ZeRO-{stage} optimizer file{hint}; its "
+                              f"optimizer state cannot be consolidated: convert without --optimizer")  # fmt: skip
+        bases.append(base)
+    saved_groups = bases[0]["param_groups"]
+    order: list[int] = []  # the flat groups, in the saved param groups' order
+    for pg in saved_groups:
+        flat_ids = pg.get("params") if isinstance(pg, dict) else None
+        if not isinstance(flat_ids, list) or not all(type(i) is int for i in flat_ids):
+            raise FormatError(f"{first.path}: a saved param group without its parameter indices; the file is damaged")
+        order.extend(flat_ids)
+    if sorted(order) != list(range(len(groups))) or len(first.groups) != len(groups):
+        raise FormatError(f"{first.path}: the saved param groups hold flat groups {order}, but the run has "
+                          f"{len(groups)}; the file is damaged")  # fmt: skip
+    state: dict[int, dict[str, Any]] = {}
+    param_groups: list[dict[str, Any]] = []
+    index = 0
+    for pg in saved_groups:
+        hyper = {str(k): v for k, v in pg.items() if k != "params"}
+        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(hyper)):
+            raise FormatError(f"{first.path}: a param group's hyperparameters hold tensors or objects, which ckptfix "
+                              f"does not carry; convert without --optimizer")  # fmt: skip
+        ids: list[int] = []
+        for k in pg["params"]:
+            per_rank = [_group_state(o, b, k, source=source) for o, b in zip(ranks, bases, strict=True)]
+            for name, shape in groups[k]:
+                entry: dict[str, Any] = {}
+                for key, value in per_rank[0].items():
+                    if isinstance(value, inert.InertTensor) and value.shape == ():  # Adam's step: one per parameter
+                        piece = _piece(value, first.groups[k][1], path=first.path, start=0, count=1)
+                        entry[key] = ZeroTensor(f"{name}.{key}", value.dtype, (), (piece,), "optimizer state")
+                    elif isinstance(value, inert.InertTensor):
+                        entry[key] = ZeroTensor(f"{name}.{key}", value.dtype, shape, tuple(
+                            _moment_piece(ranks, per_rank, key, r, g, s, n, group=k) for r, g, s, n in layout[name]
+                        ), "optimizer state")  # fmt: skip
+                    else:
+                        entry[key] = value
+                state[index] = entry
+                ids.append(index)
+                index += 1
+        param_groups.append({**hyper, "params": ids})
+    for zt in optimizer_tensors({"state": state}):
+        if sum(p.nbytes for p in zt.pieces) != math.prod(zt.shape) * DTYPES[zt.stored].itemsize:
+            raise FormatError(f"{source}: optimizer state '{zt.key}' gets {sum(p.nbytes for p in zt.pieces)} bytes "
+                              f"for shape {list(zt.shape)}; the rank files are from different runs")  # fmt: skip
+    return {"state": state, "param_groups": param_groups}
+
+
+def _group_state(o: _Optim, base: Mapping[str, Any], k: int, *, source: str) -> dict[str, Any]:
+    """Rank ``o``'s optimizer state of flat group ``k``: per-element tensors checked to match its fp32 partition."""
+    raw = base["state"].get(k, {})
+    if not isinstance(raw, dict):
+        raise FormatError(f"{o.path}: the optimizer state of group {k} is not a dict; the file is damaged")
+    flat = o.groups[k][0]
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, (inert.Inert, inert.InertTensor)):
+            t = _flat(value, path=o.path, what=f"optimizer state '{key}' of group {k}")
+            # the fp32 partition is saved without the last rank's padding, the moments with it (at the end)
+            if t.shape != () and (len(t.shape) != 1 or t.numel() < flat.numel()):
+                raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} has shape {list(t.shape)}, but "
+                                  f"the fp32 partition has {list(flat.shape)}; the file is damaged")  # fmt: skip
+            value = t
+        elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert.walk(value)):
+            raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} holds objects ckptfix does not carry")
+        out[str(key)] = value
+    return out
+
+
+def _moment_piece(ranks: list[_Optim], per_rank: list[dict[str, Any]], key: str, r: int, g: int, start: int,
+                  count: int, *, group: int) -> Piece:  # fmt: skip
+    """A segment of the layout, read from rank ``r``'s per-element state ``key`` instead of its fp32 partition
+    (ZeRO-3: a parameter's slice may cross into the next flat group ``g``)."""
+    state = per_rank[r] if g == group else _group_state(ranks[r], ranks[r].base, g, source=ranks[r].path)
+    t = state.get(key)
+    if not isinstance(t, inert.InertTensor) or t.shape == ():
+        raise FormatError(f"{ranks[r].path}: no optimizer state '{key}' for group {g}, which rank 0 has; the rank "
+                          f"files are from different runs")  # fmt: skip
+    return _piece(t, ranks[r].groups[g][1], path=ranks[r].path, start=start, count=count)
 
 
 def _floating(dtype: str) -> bool:
@@ -627,6 +742,28 @@ def read_zero_tensor(t: ZeroTensor, fd_of: Any, *, verified: set[tuple[str, str]
     return out.to(getattr(torch, t.cast)) if t.cast else out
 
 
+def load_optimizer(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> dict[str, Any]:
+    """The consolidated optimizer state dict of a ZeRO run, in memory: what ``torch.optim.Optimizer.state_dict()``
+    returns for the plain model with the same param groups."""
+    run = describe_run(path, allow_globals=allow_globals, optimizer=True)
+    assert run.optimizer is not None  # optimizer=True
+    fds: dict[str, int] = {}
+
+    def fd_of(p: str) -> int:
+        if p not in fds:
+            fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return fds[p]
+
+    verified: set[tuple[str, str]] | None = set() if verify else None
+    try:
+        state = {i: {k: read_zero_tensor(v, fd_of, verified=verified) if isinstance(v, ZeroTensor) else v
+                     for k, v in s.items()} for i, s in run.optimizer["state"].items()}  # fmt: skip
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {"state": state, "param_groups": [dict(g) for g in run.optimizer["param_groups"]]}
+
+
 def load_run(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> OrderedDict[str, Any]:
     """The consolidated fp32 state dict of a ZeRO run, in memory (tied names share one tensor)."""
     run = describe_run(path, allow_globals=allow_globals)
@@ -709,9 +846,11 @@ __all__ = [
     "is_deepspeed",
     "layout_partitioned",
     "layout_stage3",
+    "load_optimizer",
     "load_run",
     "lone_module_note",
     "module_file_kind",
+    "optimizer_tensors",
     "read_zero_tensor",
     "refuse_placeholders",
     "tag_folder",

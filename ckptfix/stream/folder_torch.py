@@ -44,10 +44,16 @@ Piece = tuple[str, int, int]
 
 
 def convert_folder_to_torch(
-    src: str, dst: str, *, transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...] = ()
+    src: str,
+    dst: str,
+    *,
+    transform: Callable[[Any], Conversion],
+    allow_globals: tuple[str, ...] = (),
+    optimizer: bool = False,
 ) -> Conversion:
-    """Write the checkpoint of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``.pt`` ``dst``."""
-    tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
+    """Write the checkpoint of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``.pt`` ``dst``;
+    ``optimizer`` (a DeepSpeed run): ``{"model": …, "optimizer": …}``."""
+    tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals, optimizer=optimizer)
     try:
         conversion = transform(tree)
         new_tree, stored = _records(conversion.obj)

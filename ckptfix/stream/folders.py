@@ -244,16 +244,19 @@ def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, 
     return tree, kind
 
 
-def open_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, str, _Files, frozenset[str]]:
+def open_tree(
+    src: str, *, allow_globals: tuple[str, ...] = (), optimizer: bool = False
+) -> tuple[Any, str, _Files, frozenset[str]]:
     """:func:`folder_tree` with the data files left open for :func:`read_dcp_tensor`, and the allowlist to read
-    them with; the caller closes them (``files.close()``)."""
+    them with; the caller closes them (``files.close()``). ``optimizer`` (a DeepSpeed run only): the tree is
+    ``{"model": state dict, "optimizer": the consolidated optimizer state dict}``."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
     files = _Files()
     try:
         if is_dcp(src):
             tree, kind = _dcp_tree(src, files, allowed=allowed)
         elif is_deepspeed(src):
-            tree, kind = _zero_tree(src, files, allow_globals=allow_globals)
+            tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
         else:
             tree, kind = _shards_tree(src)
     except BaseException:
@@ -283,17 +286,19 @@ def _dcp_tree(src: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any,
     return nest(flat, d.paths), "dcp"
 
 
-def _zero_tree(src: str, files: _Files, *, allow_globals: tuple[str, ...]) -> tuple[Any, str]:
-    """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records; the CRC of every storage
-    record they are read from (the flat partitions, not the optimizer's moments) is checked as the copy runs."""
+def _zero_tree(src: str, files: _Files, *, allow_globals: tuple[str, ...], optimizer: bool = False) -> tuple[Any, str]:
+    """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records (with ``optimizer``, beside
+    its consolidated optimizer state dict); the CRC of every storage record they are read from (the flat
+    partitions; the moments too with ``optimizer``) is checked as the copy runs."""
     from ckptfix.formats.ziparchive import stored_crc
 
-    run = describe_run(src, allow_globals=allow_globals)
+    run = describe_run(src, allow_globals=allow_globals, optimizer=optimizer)
     room_for_files(len(run.files), source=src)
     for path, records in run.records.items():
         files.checks[path] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in records]
     files.notes.extend(run.notes)
-    return run.state, f"DeepSpeed ZeRO-{run.stage} ({run.world} ranks)"
+    kind = f"DeepSpeed ZeRO-{run.stage} ({run.world} ranks)"
+    return ({"model": run.state, "optimizer": run.optimizer} if optimizer else run.state), kind
 
 
 def _shards_tree(src: str) -> tuple[Any, str]:
