@@ -42,6 +42,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from measure import measured  # bench/measure.py, beside this script
+
 PY = sys.executable
 _SCRIPT = Path(PY).parent / "ckptfix"
 CKPTFIX = [str(_SCRIPT)] if _SCRIPT.exists() else [PY, "-m", "ckptfix"]
@@ -103,14 +105,7 @@ def _used(folder: Path) -> int:
 def _run(argv: list[str], out: Path) -> tuple[float, int]:
     if out.exists():
         out.unlink()
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(argv)} failed: {err}")
-    return wall, usage.ru_maxrss * 1024
+    return measured(argv, env=ENV)
 
 
 def _measure(

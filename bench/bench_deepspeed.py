@@ -25,8 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from measure import measured  # bench/measure.py, beside this script
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,14 +37,7 @@ ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | 
 
 
 def _run(argv: list[str]) -> tuple[float, int]:
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(argv)} failed: {err[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
+    return measured(argv, env=ENV)
 
 
 def _du(path: Path) -> int:
