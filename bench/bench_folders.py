@@ -23,8 +23,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from measure import measured  # bench/measure.py, beside this script
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,14 +83,7 @@ def _write(folder: Path, size_mb: int) -> None:
 
 
 def _run(argv: list[str]) -> tuple[float, int]:
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=ENV)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(argv)}\n{err}")
-    return wall, usage.ru_maxrss * 1024
+    return measured(argv, env=ENV, cwd=ROOT)
 
 
 def _du(path: Path) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 
-def measured(argv: list[str], *, env: dict[str, str]) -> tuple[float, int]:
+def measured(argv: list[str], *, env: dict[str, str], cwd: Path | None = None) -> tuple[float, int]:
     """Run ``argv``; its wall time in seconds and peak RSS in bytes. A failure ends the benchmark, saying why."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     err = proc.stderr.read().decode() if proc.stderr else ""
