@@ -11,7 +11,7 @@ import operator
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -175,6 +175,20 @@ class Conversion:
     dropped: list[str] = field(default_factory=list)
     method: str = "memory"  # "stream" (no tensor loaded), "torch" (load and save) or "memory" (no file)
     notes: list[str] = field(default_factory=list)
+
+
+def replace_model_tensors(conversion: Conversion, replace: Callable[[str, Any], Any | None]) -> None:
+    """Put ``replace(key, value)`` in place of each value of the converted model entries where it returns one
+    (None keeps the value). It is called once per object: tied names (one tensor under two keys) stay one."""
+    done: dict[int, tuple[Any, Any]] = {}  # the old value kept alive, so that its id is not reused meanwhile
+    obj = conversion.obj
+    for change in conversion.changes:
+        state = obj if change.entry == "" or change.entry not in obj else obj[change.entry]
+        for key, value in list(state.items()):
+            if id(value) not in done:
+                done[id(value)] = (value, replace(key, value))
+            if (new := done[id(value)][1]) is not None:
+                state[key] = new
 
 
 def convert_checkpoint(

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries
+from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries, replace_model_tensors
 from ckptfix.errors import UsageError
 from ckptfix.formats import detect_format, devices, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output, check_output_folder
@@ -165,15 +165,15 @@ def convert_file(
         from ckptfix.stream.folder_torch import convert_folder_to_torch
         from ckptfix.stream.folders import convert_folder
 
-        stream_folder = convert_folder_to_torch if out_fmt == "torch" else convert_folder
         try:
             transform = lambda tree: options.apply(tree, source=source)  # noqa: E731
-            if optimizer:  # only a .pt output gets here
+            if out_fmt == "torch":  # optimizer=True only gets here
                 streamed = convert_folder_to_torch(
-                    source, os.fspath(dst), transform=transform, allow_globals=allow, optimizer=True
+                    source, os.fspath(dst), transform=transform, allow_globals=allow, optimizer=optimizer, dtype=dtype
                 )
             else:
-                streamed = stream_folder(source, os.fspath(dst), transform=transform, allow_globals=allow)
+                streamed = convert_folder(source, os.fspath(dst), transform=transform, allow_globals=allow,
+                                          dtype=dtype, shard_size=shard_size, overwrite=overwrite)  # fmt: skip
             streamed.method = "stream"
             return streamed
         except Fallback as e:
@@ -241,11 +241,11 @@ def _torch_path_reason(
     """Why the fast path is not even tried, for ``-v`` (None: it is tried)."""
     if out_fmt == "dcp":
         return "torch's DCP writer writes the folder"
-    if sharded:
+    if sharded and (in_fmt != "folder" or out_fmt != "safetensors"):  # a folder streams into .safetensors shards
         return "shards are written one by one from the loaded checkpoint"
     if not fast:
         return "the torch path was asked for"
-    if dtype is not None:
+    if dtype is not None and in_fmt != "folder":  # a folder's tensors are cast a block at a time as they stream
         return f"casting to {dtype} needs torch"
     if unsafe:
         return "the unsafe option runs the file's pickle, which only torch.load does"
@@ -306,17 +306,20 @@ def safetensors_losses(obj: Any) -> str | None:
 
 
 def cast_floating(conversion: Conversion, dtype: str) -> None:
-    """Cast floating-point tensors of the converted model entries to ``dtype`` (integer buffers stay)."""
+    """Cast floating-point tensors of the converted model entries to ``dtype`` (integer buffers stay); a tensor
+    under two names (tied weights) is cast once and stays one tensor."""
     import torch
 
     target = getattr(torch, dtype)
-    obj = conversion.obj
-    for change in conversion.changes:
-        state = obj if change.entry == "" or change.entry not in obj else obj[change.entry]
-        for key, t in list(state.items()):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                state[key] = t.to(target)
-                devices.inherit(state[key], t)
+
+    def cast(key: str, t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return None
+        new = t.to(target)
+        devices.inherit(new, t)
+        return new
+
+    replace_model_tensors(conversion, cast)
 
 
 __all__ = ["ConvertOptions", "convert_file"]

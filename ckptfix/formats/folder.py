@@ -425,13 +425,22 @@ def index_json(weight_map: Mapping[str, str], *, total_size: int) -> bytes:
 
 
 def save_sharded(
-    state: Mapping[str, Any], out: PathLike, *, limit: int, write: Any, overwrite: bool = False
+    state: Mapping[str, Any],
+    out: PathLike,
+    *,
+    limit: int,
+    write: Any,
+    overwrite: bool = False,
+    size: Callable[[Any], tuple[int, Any]] | None = None,
+    before_commit: Callable[[], Any] | None = None,
 ) -> list[str]:
     """Write a state dict as shards of at most ``limit`` bytes next to OUT, plus the index; the written paths.
 
     ``write(sub_state, path)`` writes one shard file. One shard is written as OUT itself, with no index, as
     transformers does. An existing shard set of OUT's name is refused, or with ``overwrite`` replaced (see
-    :func:`staged`).
+    :func:`staged`). ``size(value)`` gives a value's bytes and what makes two values one stored tensor (a torch
+    tensor's by default; the streaming path passes its records'); ``before_commit()`` runs once every file is
+    written, before the set is put in place (an exception there leaves nothing behind).
     """
     from ckptfix.checkpoint import is_state_dict
 
@@ -439,7 +448,8 @@ def save_sharded(
         raise OutputError(
             f"{os.fspath(out)}: shards hold one state dict; this checkpoint has other entries: add model_only=True"
         )
-    sizes = [(key, t.numel() * t.element_size(), _storage(t)) for key, t in state.items()]
+    size = size or _tensor_size
+    sizes = [(key, *size(t)) for key, t in state.items()]
     groups = plan_shards(sizes, limit=limit)
     names, index_name = shard_names(out, len(groups))
     check_shards_output(out, overwrite=overwrite)
@@ -457,8 +467,14 @@ def save_sharded(
             with open(os.path.join(tmp, index_name), "wb") as f:
                 f.write(index_json(weight_map, total_size=total))
                 os.fsync(f.fileno())
+        if before_commit is not None:
+            before_commit()
     folder = os.path.dirname(os.path.abspath(os.fspath(out)))
     return [os.path.join(folder, n) for n in names] + ([os.path.join(folder, index_name)] if len(names) > 1 else [])
+
+
+def _tensor_size(t: Any) -> tuple[int, Any]:
+    return t.numel() * t.element_size(), _storage(t)
 
 
 def _storage(t: Any) -> Any:

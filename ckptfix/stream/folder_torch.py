@@ -25,6 +25,7 @@ from ckptfix.formats.deepspeed import ZeroTensor, read_zero_tensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.ziparchive import ZipWriter
+from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.copy import Copier, Job
 from ckptfix.stream.folders import (
     DcpTensor,
@@ -33,14 +34,16 @@ from ckptfix.stream.folders import (
     VerifyInTurn,
     _Files,
     _gather,
-    _locate,
-    _rows,
+    byte_ranges,
     open_tree,
+    prepare,
+    write_cast_record,
 )
 
 _PREFIX = "archive/"
 # A piece of an output storage: (source file, offset, length) of the bytes copied into it.
 Piece = tuple[str, int, int]
+Stored = DcpTensor | ShardTensor | ZeroTensor | CastTensor
 
 
 def convert_folder_to_torch(
@@ -50,12 +53,15 @@ def convert_folder_to_torch(
     transform: Callable[[Any], Conversion],
     allow_globals: tuple[str, ...] = (),
     optimizer: bool = False,
+    dtype: str | None = None,
 ) -> Conversion:
     """Write the checkpoint of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``.pt`` ``dst``;
-    ``optimizer`` (a DeepSpeed run): ``{"model": …, "optimizer": …}``."""
+    ``optimizer`` (a DeepSpeed run): ``{"model": …, "optimizer": …}``; ``dtype`` casts the floating-point
+    tensors of the model entries as they are written."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals, optimizer=optimizer)
     try:
         conversion = transform(tree)
+        cast = cast_records(conversion, dtype) if dtype is not None else 0
         new_tree, stored = _records(conversion.obj)
         with atomic_output(dst) as out:
             copied, gathered = _write(out.fileno(), new_tree, stored, files, allowed=allowed)
@@ -63,21 +69,23 @@ def convert_folder_to_torch(
     finally:
         files.close()
     conversion.notes.extend(files.notes)
+    said = f", {cast} cast to {dtype} a block at a time" if dtype is not None else ""
     conversion.notes.append(
-        f"{kind} -> torch: {len(stored)} storages, {copied} copied as byte ranges, {gathered} gathered in memory"
+        f"{kind} -> torch: {len(stored)} storages, {copied} copied as byte ranges, {gathered - cast} gathered in "
+        f"memory{said}"
     )
     return conversion
 
 
-def _records(obj: Any) -> tuple[Any, list[DcpTensor | ShardTensor | ZeroTensor]]:
+def _records(obj: Any) -> tuple[Any, list[Stored]]:
     """``obj`` with each tensor record replaced by the inert tensor torch.save pickles; the storages in order (a
     tensor under two names, tied weights, is one storage, as torch.save writes it)."""
     glob = stand_ins()
     records: dict[int, inert.InertTensor] = {}
-    stored: list[DcpTensor | ShardTensor | ZeroTensor] = []
+    stored: list[Stored] = []
 
     def convert(value: Any) -> Any:
-        if isinstance(value, (DcpTensor, ShardTensor, ZeroTensor)):
+        if isinstance(value, (DcpTensor, ShardTensor, ZeroTensor, CastTensor)):
             if id(value) not in records:
                 nbytes = math.prod(value.shape) * DTYPES[value.dtype].itemsize
                 records[id(value)] = tensor_record(value.dtype, value.shape, str(len(stored)), nbytes, glob=glob)
@@ -95,9 +103,7 @@ def _records(obj: Any) -> tuple[Any, list[DcpTensor | ShardTensor | ZeroTensor]]
     return convert(obj), stored
 
 
-def _write(
-    fd: int, tree: Any, stored: list[DcpTensor | ShardTensor | ZeroTensor], files: _Files, *, allowed: frozenset[str]
-) -> tuple[int, int]:
+def _write(fd: int, tree: Any, stored: list[Stored], files: _Files, *, allowed: frozenset[str]) -> tuple[int, int]:
     """Lay out the archive (sizes come from the metadata), then parse each tensor's chunk archives while a thread
     copies the ones before it; every record's CRC is filled in once the pieces' CRCs are known."""
     writer = ZipWriter(fd)
@@ -119,8 +125,12 @@ def _write(
     pieces: dict[int, list[Piece]] = {}  # record slot -> its pieces in order
     gathers: list[int] = []  # record slots of gathered storages, in order: their CRCs come from the copy thread
 
-    def work(item: tuple[list[Piece], int] | tuple[DcpTensor | ZeroTensor, int]) -> int | None:
+    def work(item: tuple[list[Piece], int] | tuple[DcpTensor | ZeroTensor | CastTensor, int]) -> int | None:
         what, at = item
+        if isinstance(what, CastTensor):  # --dtype: cast a block at a time on its way out
+            sink = _Sink(fd, at)
+            write_cast_record(sink.write, what, files)
+            return sink.crc
         if isinstance(what, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
             from ckptfix.formats.safetensors import tensor_bytes
 
@@ -142,14 +152,7 @@ def _write(
     verifier: VerifyInTurn | None = None
     try:
         for slot, at, t in zip(slots, places, stored, strict=True):
-            if isinstance(t, DcpTensor):  # its chunk archives parsed (pickle checked) before its bytes are copied
-                for c in t.entry.chunks:
-                    _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
-            elif isinstance(t, ZeroTensor):
-                for p in t.pieces:
-                    files.fd(p.path)
-            else:
-                files.fd(t.path)  # opened here: the copy thread only reads the table
+            prepare(t, files, allowed=allowed)  # a DCP tensor's chunk archives parsed (pickle checked) first
             parts = _pieces(t, files)
             if parts is None:
                 gathers.append(slot)
@@ -196,22 +199,11 @@ def _checks(files: _Files, pieces: dict[int, list[Piece]]) -> dict[str, list[Che
     return out
 
 
-def _pieces(t: DcpTensor | ShardTensor | ZeroTensor, files: _Files) -> list[Piece] | None:
-    """The byte ranges that make up ``t`` in order; None when its chunks must be gathered."""
-    if isinstance(t, ShardTensor):
-        return [(t.path, t.start, t.nbytes)] if t.nbytes else []
-    if isinstance(t, ZeroTensor):
-        return None if t.cast else [(p.path, p.offset, p.nbytes) for p in t.pieces if p.nbytes]
-    entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
-    if entry.nbytes == 0:
-        return []
-    if not all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
+def _pieces(t: Stored, files: _Files) -> list[Piece] | None:
+    """The byte ranges that make up ``t`` in order; None when it is written from memory (cast, gathered)."""
+    if isinstance(t, CastTensor) or (isinstance(t, ZeroTensor) and t.cast is not None):
         return None
-    out = []
-    for c in entry.chunks:
-        _, at = files.located[id(c)]
-        out.append((c.span.path, at, math.prod(c.sizes) * item))
-    return out
+    return byte_ranges(t, files)
 
 
 class _Sink:

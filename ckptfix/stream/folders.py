@@ -30,6 +30,7 @@ from ckptfix.formats.folder import describe, merge_shards, room_for_files
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
+from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.st import tree_from_header
@@ -93,57 +94,119 @@ class ShardTensor:
 
 
 def convert_folder(
-    src: str, dst: str, *, transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...] = ()
+    src: str,
+    dst: str,
+    *,
+    transform: Callable[[Any], Conversion],
+    allow_globals: tuple[str, ...] = (),
+    dtype: str | None = None,
+    shard_size: int | None = None,
+    overwrite: bool = False,
 ) -> Conversion:
-    """Write the one state dict of folder ``src`` (DCP, or safetensors shards) after ``transform`` as ``dst``."""
+    """Write the one state dict of folder ``src`` (DCP, safetensors shards, a DeepSpeed run) after ``transform``
+    as ``dst``; ``dtype`` casts its floating-point tensors as they are written; ``shard_size`` (bytes) writes
+    transformers shards of at most that size beside ``dst`` with their index instead (an existing shard set of
+    that name replaced only with ``overwrite``, as :func:`ckptfix.formats.folder.save_sharded` does)."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
         conversion = transform(tree)
-        state, meta = split_checkpoint(conversion.obj, out=dst)
-        aliases: dict[str, str] = {}
-        first: dict[int, str] = {}
-        stored = []
-        for key, t in state.items():
-            if id(t) in first:  # tied: one tensor under two names, stored once as save_safetensors does
-                aliases[key] = first[id(t)]
-            else:
-                first[id(t)] = key
-                stored.append(_stored(dst, key, t))
+        cast = cast_records(conversion, dtype) if dtype is not None else 0
         verifier = VerifyInTurn(files, files.checks)
         try:
-            with atomic_output(dst) as out:
-                out.write(encode_header(state, meta, stored, aliases, out=dst))
-                out.flush()
-                copier = InOrder(lambda t: _write_tensor(out, t, files))
-                try:
-                    for key, *_ in stored:  # each tensor's chunk archives parsed (pickle checked) before its bytes
-                        t = state[key]
-                        if isinstance(t, DcpTensor):
-                            for c in t.entry.chunks:
-                                _locate(c, files, entry=t.entry, key=key, allowed=allowed)
-                        elif isinstance(t, ZeroTensor):
-                            for p in t.pieces:
-                                files.fd(p.path)
-                        else:
-                            files.fd(t.path)  # opened here: the copy thread only reads the table
-                        copier.put(t)
-                    verifier.start()  # every record's CRC while the last bytes are copied: the input read once more
-                    ways = copier.finish()
-                finally:
-                    copier.cancel()
-                os.fsync(out.fileno())  # the disk catches up while the CRCs finish (the final fsync is then free)
-                verifier.join()  # a bad CRC raises here, and the output is discarded
+            if shard_size is None:
+                ways, written = _write_file(dst, conversion.obj, files, allowed=allowed, verifier=verifier), 1
+            else:
+                ways, written = _write_shards(dst, conversion.obj, files, allowed=allowed, verifier=verifier,
+                                              limit=shard_size, overwrite=overwrite)  # fmt: skip
         finally:
             verifier.cancel()
         files.check_unchanged()
     finally:
         files.close()
-    copied, gathered = ways.count("copied"), ways.count("gathered")
     conversion.notes.extend(files.notes)
+    what = "safetensors" if shard_size is None else f"{written} safetensors shard{'s' * (written != 1)}"
+    said = f", {cast} cast to {dtype} a block at a time" if dtype is not None else ""
     conversion.notes.append(
-        f"{kind} -> safetensors: {len(stored)} tensors, {copied} copied as byte ranges, {gathered} gathered in memory"
+        f"{kind} -> {what}: {len(ways)} tensors, {ways.count('copied')} copied as byte ranges, "
+        f"{ways.count('gathered')} gathered in memory{said}"
     )
     return conversion
+
+
+def _write_file(
+    dst: str, obj: Any, files: _Files, *, allowed: frozenset[str], verifier: VerifyInTurn | None
+) -> list[str]:
+    """Write ``obj`` (one state dict, or a checkpoint with one model entry) as the .safetensors file ``dst``; how
+    each stored tensor was written. ``verifier`` (the CRCs of every input record) is started once the last
+    tensor is queued and joined before ``dst`` is put in place."""
+    state, meta = split_checkpoint(obj, out=dst)
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    stored = []
+    for key, t in state.items():
+        if id(t) in first:  # tied: one tensor under two names, stored once as save_safetensors does
+            aliases[key] = first[id(t)]
+        else:
+            first[id(t)] = key
+            stored.append(_stored(dst, key, t))
+    with atomic_output(dst) as out:
+        out.write(encode_header(state, meta, stored, aliases, out=dst))
+        out.flush()
+        copier = InOrder(lambda t: _write_tensor(out, t, files))
+        try:
+            for key, *_ in stored:  # each tensor's chunk archives parsed (pickle checked) before its bytes
+                prepare(state[key], files, allowed=allowed)
+                copier.put(state[key])
+            if verifier is not None:
+                verifier.start()  # every record's CRC while the last bytes are copied: the input read once more
+            ways: list[str] = copier.finish()
+        finally:
+            copier.cancel()
+        os.fsync(out.fileno())  # the disk catches up while the CRCs finish (the final fsync is then free)
+        if verifier is not None:
+            verifier.join()  # a bad CRC raises here, and the output is discarded
+    return ways
+
+
+def _write_shards(
+    dst: str, obj: Any, files: _Files, *, allowed: frozenset[str], verifier: VerifyInTurn, limit: int, overwrite: bool
+) -> tuple[list[str], int]:
+    """Write ``obj`` as transformers shards of ``dst`` through the in-memory writer's own planning, staging and
+    index (each shard a :func:`_write_file`); how each stored tensor was written, and how many shards."""
+    from ckptfix.formats.folder import save_sharded
+
+    ways: list[str] = []
+    verifier.start()  # the CRCs read beside the copies; every one checked before the set is put in place
+
+    def write(sub: Any, path: str) -> None:
+        ways.extend(_write_file(path, sub, files, allowed=allowed, verifier=None))
+
+    written = save_sharded(obj, dst, limit=limit, write=write, overwrite=overwrite, size=_record_size,
+                           before_commit=verifier.join)  # fmt: skip
+    return ways, sum(not p.endswith(".index.json") for p in written)
+
+
+def _record_size(t: Any) -> tuple[int, Any]:
+    """A record's bytes and what makes two of them one stored tensor (itself; nothing when it is empty)."""
+    nbytes = getattr(t, "nbytes", 0) if is_tensor(t) else 0
+    if isinstance(t, DcpTensor):
+        nbytes = t.entry.nbytes
+    return nbytes, (t if nbytes else None)
+
+
+def prepare(t: Any, files: _Files, *, allowed: frozenset[str]) -> None:
+    """Before ``t``'s bytes are queued: its data files opened (the copy thread only reads the table) and a DCP
+    tensor's chunk archives parsed, their pickles checked and their records' CRCs queued."""
+    if isinstance(t, CastTensor):
+        prepare(t.source, files, allowed=allowed)
+    elif isinstance(t, DcpTensor):
+        for c in t.entry.chunks:
+            _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
+    elif isinstance(t, ZeroTensor):
+        for p in t.pieces:
+            files.fd(p.path)
+    elif isinstance(t, ShardTensor):
+        files.fd(t.path)
 
 
 class VerifyInTurn:
@@ -321,7 +384,7 @@ def _shards_tree(src: str) -> tuple[Any, str]:
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
-    if not isinstance(t, (DcpTensor, ShardTensor, ZeroTensor)):
+    if not isinstance(t, (DcpTensor, ShardTensor, ZeroTensor, CastTensor)):
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
@@ -329,7 +392,7 @@ def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]
             f"{out}: key '{key}': not supported yet: dtype {t.dtype} in .safetensors (it has no code for it); "
             f"write a .pt file"
         )
-    return key, t.dtype, t.shape, t.entry.nbytes if isinstance(t, DcpTensor) else t.nbytes
+    return key, t.dtype, t.shape, _record_size(t)[0]
 
 
 def _rows(entry: TensorEntry, c: Chunk) -> bool:
@@ -402,29 +465,45 @@ def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> 
     return full if full is not None else torch.empty(entry.shape, dtype=dtype)
 
 
-def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor | ZeroTensor, files: _Files) -> str:
-    if isinstance(t, ShardTensor):
-        _copy(files.fd(t.path), t.start, t.nbytes, out)
-        return "copied"
-    if isinstance(t, ZeroTensor):
-        if t.cast is None:  # a parameter's slices of each rank's flat partition, copied file to file in order
-            for p in t.pieces:
-                _copy(files.fd(p.path), p.offset, p.nbytes, out)
-            return "copied"
+def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor | ZeroTensor | CastTensor, files: _Files) -> str:
+    if isinstance(t, CastTensor):
+        write_cast_record(out.write, t, files)
+        return "cast"
+    if isinstance(t, ZeroTensor) and t.cast is not None:
         from ckptfix.formats.safetensors import tensor_bytes
 
         out.write(tensor_bytes(read_zero_tensor(t, files.fd)))  # a half-precision buffer, cast as zero_to_fp32 does
         return "gathered"
+    pieces = byte_ranges(t, files)
+    if pieces is None:
+        _gather(out, t, files)  # type: ignore[arg-type]  # only a DCP tensor of blocks has no byte ranges
+        return "gathered"
+    for path, at, n in pieces:  # whole tensors, DeepSpeed partitions' slices, DCP row chunks: file to file
+        _copy(files.fd(path), at, n, out)
+    return "copied"
+
+
+def byte_ranges(t: DcpTensor | ShardTensor | ZeroTensor, files: _Files) -> list[tuple[str, int, int]] | None:
+    """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
+    buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered."""
+    if isinstance(t, ShardTensor):
+        return [(t.path, t.start, t.nbytes)] if t.nbytes else []
+    if isinstance(t, ZeroTensor):
+        return [(p.path, p.offset, p.nbytes) for p in t.pieces if p.nbytes]
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
     if entry.nbytes == 0:
-        return "copied"
-    if all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
-        for c in entry.chunks:
-            fd, at = files.located[id(c)]
-            _copy(fd, at, math.prod(c.sizes) * item, out)
-        return "copied"
-    _gather(out, t, files)
-    return "gathered"
+        return []
+    if not all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
+        return None
+    return [(c.span.path, files.located[id(c)][1], math.prod(c.sizes) * item) for c in entry.chunks]
+
+
+def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor, files: _Files) -> None:
+    """``t``'s bytes, cast a block at a time from its source's byte ranges (a DCP tensor of blocks gathered)."""
+    src = t.source
+    zero = isinstance(src, ZeroTensor)
+    write_cast(write, t, stored=src.stored if zero else src.dtype, via=src.cast if zero else None,
+               pieces=byte_ranges(src, files), fd_of=files.fd, whole=lambda: _gathered(src, files))  # fmt: skip
 
 
 def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
@@ -448,13 +527,18 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
 
 
 def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
-    import torch
-
     from ckptfix.formats.safetensors import tensor_bytes
+
+    out.write(tensor_bytes(_gathered(t, files)))
+
+
+def _gathered(t: DcpTensor, files: _Files) -> Any:
+    """The full tensor of DCP chunks that are blocks: the bounded buffer, one tensor, never the whole folder."""
+    import torch
 
     entry = t.entry
     dtype = getattr(torch, entry.dtype)
-    full = torch.empty(entry.shape, dtype=dtype)  # the bounded buffer: one tensor, never the whole folder
+    full = torch.empty(entry.shape, dtype=dtype)
     for c in entry.chunks:
         fd, at = files.located[id(c)]
         buf = bytearray(math.prod(c.sizes) * DTYPES[entry.dtype].itemsize)
@@ -462,7 +546,18 @@ def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
             continue
         os.preadv(fd, [buf], at)
         chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
-    out.write(tensor_bytes(full))
+    return full
 
 
-__all__ = ["DcpTensor", "ShardTensor", "chunking", "convert_folder", "folder_tree", "open_tree", "read_dcp_tensor"]
+__all__ = [
+    "DcpTensor",
+    "ShardTensor",
+    "byte_ranges",
+    "chunking",
+    "convert_folder",
+    "folder_tree",
+    "open_tree",
+    "prepare",
+    "read_dcp_tensor",
+    "write_cast_record",
+]

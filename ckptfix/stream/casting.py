@@ -1,0 +1,110 @@
+"""``--dtype`` on the streaming path: each floating-point tensor cast as it is written, a block at a time.
+
+The rule of which tensors are cast is the torch path's (:func:`ckptfix.conversion.cast_floating`): the
+floating-point tensors of the converted model entries, integer buffers kept, a tensor already of the dtype
+copied as it is, a tensor under two names cast once. A cast is elementwise, so casting a block of a tensor's
+bytes gives the bytes the whole tensor would: memory holds one block (or, for a tensor that must be gathered
+first, that one tensor), never the model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ckptfix.checkpoint import Conversion, is_tensor, replace_model_tensors
+from ckptfix.errors import FormatError
+from ckptfix.formats.dtypes import DTYPES
+
+_BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB out (float16 to float32)
+
+
+@dataclass(eq=False)
+class CastTensor:
+    """Tensor record ``source`` (its bytes in ``stored``, read through ``via`` first where the reader casts, as
+    a DeepSpeed half-precision buffer becomes float32) written as ``dtype``."""
+
+    __ckptfix_tensor__: ClassVar[bool] = True
+    key: str
+    source: Any
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def is_floating(dtype: str) -> bool:
+    """True for the dtypes ``torch.Tensor.is_floating_point`` says are (float8 included)."""
+    import torch
+
+    return bool(getattr(torch, dtype).is_floating_point)
+
+
+def cast_records(conversion: Conversion, dtype: str) -> int:
+    """Put a :class:`CastTensor` in place of each floating-point tensor record of the converted model entries
+    whose dtype is not ``dtype``; returns how many tensors are cast."""
+    count = 0
+
+    def cast(key: str, t: Any) -> CastTensor | None:
+        nonlocal count
+        kind = getattr(t, "dtype", None)
+        if not is_tensor(t) or not isinstance(kind, str) or kind == dtype or not is_floating(kind):
+            return None
+        count += 1
+        return CastTensor(key, t, dtype)
+
+    replace_model_tensors(conversion, cast)
+    return count
+
+
+def write_cast(
+    write: Callable[[bytes | memoryview], Any],
+    t: CastTensor,
+    *,
+    stored: str,
+    via: str | None,
+    pieces: Iterable[tuple[str, int, int]] | None,
+    fd_of: Callable[[str], int],
+    whole: Callable[[], Any],
+) -> None:
+    """Write ``t``'s cast bytes with ``write``: read from ``pieces`` ((path, offset, length) of its bytes in
+    ``stored``, in order) a block at a time, or, when None, from ``whole()`` (the source tensor gathered)."""
+    import torch
+
+    from ckptfix.formats.safetensors import tensor_bytes
+
+    target = getattr(torch, t.dtype)
+    if pieces is None:
+        write(tensor_bytes(whole().to(target)))
+        return
+    item = DTYPES[stored].itemsize
+    step = max(_BLOCK // item, 1) * item
+    for path, offset, length in pieces:
+        for at in range(0, length, step):
+            block = _read(fd_of(path), offset + at, min(step, length - at), path=path, key=t.key)
+            values = torch.frombuffer(block, dtype=getattr(torch, stored))
+            if via is not None:
+                values = values.to(getattr(torch, via))
+            write(tensor_bytes(values.to(target)))
+
+
+def _read(fd: int, offset: int, n: int, *, path: str, key: str) -> bytearray:
+    data = bytearray(n)
+    view, done = memoryview(data), 0
+    while done < n:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise FormatError(f"{path}: ends inside '{key}'; it was truncated while reading: copy it again")
+        done += got
+    return data
+
+
+__all__ = ["CastTensor", "cast_records", "is_floating", "write_cast"]
