@@ -160,14 +160,14 @@ def convert_file(
     )
     if why_not is not None:
         notes.append(f"fast path not taken: {why_not}")
-    elif in_fmt == "folder":
+    elif in_fmt == "folder" or (in_fmt == "safetensors" and (dtype is not None or shard_size is not None)):
         from ckptfix.stream import Fallback
         from ckptfix.stream.folder_torch import convert_folder_to_torch
         from ckptfix.stream.folders import convert_folder
 
         try:
             transform = lambda tree: options.apply(tree, source=source)  # noqa: E731
-            if out_fmt == "torch":  # optimizer=True only gets here
+            if out_fmt == "torch":  # optimizer=True, or a cast into one .pt
                 streamed = convert_folder_to_torch(
                     source, os.fspath(dst), transform=transform, allow_globals=allow, optimizer=optimizer, dtype=dtype
                 )
@@ -241,11 +241,12 @@ def _torch_path_reason(
     """Why the fast path is not even tried, for ``-v`` (None: it is tried)."""
     if out_fmt == "dcp":
         return "torch's DCP writer writes the folder"
-    if sharded and (in_fmt != "folder" or out_fmt != "safetensors"):  # a folder streams into .safetensors shards
+    streams = in_fmt in ("folder", "safetensors")  # their tensors are byte ranges: cast or sharded as they stream
+    if sharded and (not streams or out_fmt != "safetensors"):
         return "shards are written one by one from the loaded checkpoint"
     if not fast:
         return "the torch path was asked for"
-    if dtype is not None and in_fmt != "folder":  # a folder's tensors are cast a block at a time as they stream
+    if dtype is not None and not streams:
         return f"casting to {dtype} needs torch"
     if unsafe:
         return "the unsafe option runs the file's pickle, which only torch.load does"

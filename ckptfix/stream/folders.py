@@ -33,7 +33,7 @@ from ckptfix.formats.torchzip import read_torch_zip
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.st import tree_from_header
+from ckptfix.stream.st import StTensor, tree_from_header
 
 _COPY = 1 << 26
 
@@ -103,10 +103,11 @@ def convert_folder(
     shard_size: int | None = None,
     overwrite: bool = False,
 ) -> Conversion:
-    """Write the one state dict of folder ``src`` (DCP, safetensors shards, a DeepSpeed run) after ``transform``
-    as ``dst``; ``dtype`` casts its floating-point tensors as they are written; ``shard_size`` (bytes) writes
-    transformers shards of at most that size beside ``dst`` with their index instead (an existing shard set of
-    that name replaced only with ``overwrite``, as :func:`ckptfix.formats.folder.save_sharded` does)."""
+    """Write the one state dict of folder ``src`` (DCP, safetensors shards, a DeepSpeed run; or one .safetensors
+    file) after ``transform`` as ``dst``. ``dtype`` casts its floating-point tensors as they are written;
+    ``shard_size`` (bytes) writes transformers shards of at most that size beside ``dst`` with their index
+    instead (an existing shard set of that name replaced only with ``overwrite``, as
+    :func:`ckptfix.formats.folder.save_sharded` does)."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
         conversion = transform(tree)
@@ -320,6 +321,8 @@ def open_tree(
             tree, kind = _dcp_tree(src, files, allowed=allowed)
         elif is_deepspeed(src):
             tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
+        elif not os.path.isdir(src) and detect_format(src) == "safetensors":
+            tree, kind = _file_tree(src), "safetensors"  # one file: cast or sharded a tensor at a time
         else:
             tree, kind = _shards_tree(src)
     except BaseException:
@@ -381,6 +384,26 @@ def _shards_tree(src: str) -> tuple[Any, str]:
 
     shards = ((path, tree_from_header(read_header(path), source=path)) for path in folder.files)
     return merge_shards(folder, shards, record=record), "shards"
+
+
+def _file_tree(src: str) -> Any:
+    """The checkpoint of one .safetensors file (its ``ckptfix`` metadata's entry and extras), with a
+    :class:`ShardTensor` for each tensor (one record for a tensor stored once under two names)."""
+    records: dict[int, ShardTensor] = {}
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, StTensor):
+            if id(value) not in records:
+                records[id(value)] = ShardTensor(value.dtype, value.shape, src, value.start, value.end - value.start)
+            return records[id(value)]
+        if isinstance(value, dict):
+            new = type(value)((k, convert(v)) for k, v in value.items())
+            for name, attr in getattr(value, "__dict__", {}).items():  # an OrderedDict's _metadata
+                setattr(new, name, attr)
+            return new
+        return value  # the metadata's extras: plain values
+
+    return convert(tree_from_header(read_header(src), source=src))
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
