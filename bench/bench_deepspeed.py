@@ -10,6 +10,9 @@ accelerator, 2 gloo ranks, ZeRO-3, bf16, AdamW) and saved by ``engine.save_check
 of placeholders and an optimizer file with the fp32 master partition and Adam's two moments (12 bytes a
 parameter), so the folder is 3× the consolidated model. Needs ``pip install ckptfix[deepspeed]``.
 
+Then ``--shard-size 500MB`` and ``--dtype bf16`` conversions (streamed), each beside the torch path that
+loads the whole model (``--no-fast``, what they took before they streamed); ``--plain`` leaves those rows out.
+
 Each method runs in its own process (peak RSS from wait4, wall time with start-up); the methods take turns within
 each round; the median is reported. ckptfix and ``cp`` + ``sync`` make their output durable; ``zero_to_fp32.py``
 does not, so it is timed as it is and then with a ``sync``.
@@ -55,20 +58,32 @@ def make(folder: Path, *, width: int, layers: int) -> Path:
     return run
 
 
-def methods(run: Path, out: Path) -> list[tuple[str, list[str], Path]]:
+def methods(run: Path, out: Path, *, options: bool) -> list[tuple[str, list[str], Path]]:
     script = run / "zero_to_fp32.py"  # DeepSpeed's own, copied beside the checkpoint by save_checkpoint
     z2f = [PY, str(script), str(run), str(out / "z2f"), "--safe_serialization", "--max_shard_size", "100GB"]
-    return [
+    rows = [
         ("`cp -r` + `sync`", ["sh", "-c", f"cp -r {run} {out / 'copy'} && sync"], out / "copy"),
         ("`ckptfix convert run/ model.safetensors`", [*CKPTFIX, "convert", str(run), str(out / "m.safetensors")],
          out / "m.safetensors"),
         ("`zero_to_fp32.py --safe_serialization`", z2f, out / "z2f"),
         ("… + `sync`", ["sh", "-c", " ".join(z2f) + " && sync"], out / "z2f"),
     ]  # fmt: skip
+    if not options:
+        return rows
+    # --shard-size and --dtype stream as the plain conversion does; --no-fast is the torch path they took before
+    shards = [*CKPTFIX, "convert", str(run), f"{out / 'shards'}/", "--shard-size", "500MB"]
+    half = [*CKPTFIX, "convert", str(run), str(out / "bf16.safetensors"), "--dtype", "bf16"]
+    return [
+        *rows,
+        ("`ckptfix convert run/ shards/ --shard-size 500MB`", shards, out / "shards"),
+        ("… `--shard-size 500MB --no-fast` (the torch path)", [*shards, "--no-fast"], out / "shards"),
+        ("`ckptfix convert run/ model.safetensors --dtype bf16`", half, out / "bf16.safetensors"),
+        ("… `--dtype bf16 --no-fast` (the torch path)", [*half, "--no-fast"], out / "bf16.safetensors"),
+    ]
 
 
-def table(run: Path, out: Path, repeat: int) -> str:
-    todo = methods(run, out)
+def table(run: Path, out: Path, repeat: int, *, options: bool = True) -> str:
+    todo = methods(run, out, options=options)
     for _, argv, dst in todo:  # warm-up: the folder, Python, torch and DeepSpeed in the page cache
         shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
         _run(argv)
@@ -91,7 +106,7 @@ def table(run: Path, out: Path, repeat: int) -> str:
         "| method | wall s | × `cp -r` + `sync` | peak RSS MB |",
         "|---|---:|---:|---:|",
     ]
-    for name in times:
+    for name, *_ in todo:
         med = statistics.median(times[name])
         lines.append(f"| {name} | {med:.2f} | {med / base:.2f} | {rss[name] >> 20} |")
     return "\n".join(lines)
@@ -104,6 +119,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--inputs", type=Path, help="a folder --make wrote before")
     parser.add_argument("--make", type=Path, help="only make the run folder here")
+    parser.add_argument("--plain", action="store_true", help="leave out the --shard-size and --dtype rows")
     args = parser.parse_args()
     if args.make:
         print(make(args.make, width=args.width, layers=args.layers))
@@ -113,7 +129,7 @@ def main() -> None:
         run = make(folder, width=args.width, layers=args.layers)
         out = Path(tmp) / "out"
         out.mkdir()
-        print(table(run, out, args.repeat))
+        print(table(run, out, args.repeat, options=not args.plain))
 
 
 if __name__ == "__main__":
