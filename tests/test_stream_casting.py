@@ -294,3 +294,17 @@ def test_transformers_loads_the_streamed_shards(tmp_path: Path) -> None:
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out, torch_dtype=torch.bfloat16).eval()
     want = model.to(torch.bfloat16).state_dict()
     assert all(torch.equal(loaded.state_dict()[k], t) for k, t in want.items())
+
+
+@pytest.mark.parametrize("options", CASES)
+def test_a_corrupt_dcp_chunk_is_refused_and_nothing_is_written(
+    single: Path, options: dict[str, Any], tmp_path: Path
+) -> None:
+    from tests import sharded_writers
+
+    sharded_writers.corrupt_chunk(single, "model.features.3.weight")  # read by a later shard than the first
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    with pytest.raises(FormatError, match="CRC"):
+        ckptfix.convert_file(single, out, model_only=True, entries=["model"], **options)
+    assert list(out.parent.iterdir()) == []

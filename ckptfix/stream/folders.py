@@ -174,16 +174,22 @@ def _write_shards(
 ) -> tuple[list[str], int]:
     """Write ``obj`` as transformers shards of ``dst`` through the in-memory writer's own planning, staging and
     index (each shard a :func:`_write_file`); how each stored tensor was written, and how many shards."""
-    from ckptfix.formats.folder import save_sharded
+    from ckptfix.formats.folder import plan_shards, save_sharded
 
     ways: list[str] = []
-    verifier.start()  # the CRCs read beside the copies; every one checked before the set is put in place
+    # the CRCs are read while the last shard is copied: a DCP folder's checks are known once its chunks are parsed
+    sizes = [(key, *_record_size(t)) for key, t in obj.items()] if isinstance(obj, dict) else []
+    last = len(plan_shards(sizes, limit=limit))
+
+    count = 0
 
     def write(sub: Any, path: str) -> None:
-        ways.extend(_write_file(path, sub, files, allowed=allowed, verifier=None))
+        nonlocal count
+        count += 1
+        ways.extend(_write_file(path, sub, files, allowed=allowed, verifier=verifier if count == last else None))
 
     written = save_sharded(obj, dst, limit=limit, write=write, overwrite=overwrite, size=_record_size,
-                           before_commit=verifier.join)  # fmt: skip
+                           before_commit=verifier.check)  # fmt: skip
     return ways, sum(not p.endswith(".index.json") for p in written)
 
 
@@ -226,6 +232,12 @@ class VerifyInTurn:
 
     def start(self) -> None:
         self.thread.start()
+
+    def check(self) -> dict[str, list[int]]:
+        """:meth:`join`, started first if it was not (every check read by now)."""
+        if self.thread.ident is None:
+            self.start()
+        return self.join()
 
     def _run(self) -> None:
         for path in sorted(self.checks):
