@@ -251,9 +251,9 @@ def test_each_cast_tensor_is_read_once_a_block_at_a_time(tmp_path: Path, monkeyp
     reads: list[tuple[int, int, int]] = []
     read = casting._read
 
-    def counted(fd: int, offset: int, n: int, **kw: Any) -> bytearray:
-        reads.append((fd, offset, n))
-        return read(fd, offset, n, **kw)
+    def counted(fd: int, offset: int, view: memoryview, **kw: Any) -> None:
+        reads.append((fd, offset, len(view)))
+        read(fd, offset, view, **kw)
 
     monkeypatch.setattr(casting, "_read", counted)
     result = ckptfix.convert_file(FIXTURES / "zero3_fp32", tmp_path / "m.safetensors", dtype="bf16", shard_size=200)

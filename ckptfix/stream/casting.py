@@ -42,10 +42,12 @@ class CastTensor:
 
 
 def is_floating(dtype: str) -> bool:
-    """True for the dtypes ``torch.Tensor.is_floating_point`` says are (float8 included)."""
+    """True for the dtypes ``torch.Tensor.is_floating_point`` says are (float8 included); False for a name this
+    torch does not have (no tensor of it can be loaded to cast on the torch path either)."""
     import torch
 
-    return bool(getattr(torch, dtype).is_floating_point)
+    found = getattr(torch, dtype, None)
+    return isinstance(found, torch.dtype) and found.is_floating_point
 
 
 def cast_records(conversion: Conversion, dtype: str) -> int:
@@ -85,26 +87,31 @@ def write_cast(
     if pieces is None:
         write(tensor_bytes(whole().to(target)))
         return
-    item = DTYPES[stored].itemsize
-    step = max(_BLOCK // item, 1) * item
+    pieces = list(pieces)
+    item, total = DTYPES[stored].itemsize, sum(length for _, _, length in pieces)
+    if not total:
+        return
+    step = min(max(_BLOCK // item, 1), total // item) * item
+    # one input and one output buffer for the whole tensor, reused block after block (no allocation per block)
+    block = bytearray(step)
+    values = torch.frombuffer(block, dtype=getattr(torch, stored))
+    out = torch.empty(step // item, dtype=target)
     for path, offset, length in pieces:
         for at in range(0, length, step):
-            block = _read(fd_of(path), offset + at, min(step, length - at), path=path, key=t.key)
-            values = torch.frombuffer(block, dtype=getattr(torch, stored))
-            if via is not None:
-                values = values.to(getattr(torch, via))
-            write(tensor_bytes(values.to(target)))
+            n = min(step, length - at) // item
+            _read(fd_of(path), offset + at, memoryview(block)[: n * item], path=path, key=t.key)
+            cast = out[:n]
+            cast.copy_(values[:n] if via is None else values[:n].to(getattr(torch, via)))  # as Tensor.to converts
+            write(tensor_bytes(cast))
 
 
-def _read(fd: int, offset: int, n: int, *, path: str, key: str) -> bytearray:
-    data = bytearray(n)
-    view, done = memoryview(data), 0
+def _read(fd: int, offset: int, view: memoryview, *, path: str, key: str) -> None:
+    done, n = 0, len(view)
     while done < n:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:
             raise FormatError(f"{path}: ends inside '{key}'; it was truncated while reading: copy it again")
         done += got
-    return data
 
 
 __all__ = ["CastTensor", "cast_records", "is_floating", "write_cast"]
