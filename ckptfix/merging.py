@@ -490,13 +490,15 @@ def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False) -> _R
         raise
     records = {}
     stack = [tree]
-    while stack:  # the DTensors sit in the (nested) dicts of the checkpoint
+    while stack:  # the DTensors sit in the (nested) dicts of the checkpoint, taken in its order (the model first)
         node = stack.pop()
+        inner = []
         for value in node.values() if isinstance(node, dict) else ():
             if isinstance(value, _SHARD_RECORDS):
                 records[value.key] = value
             elif isinstance(value, dict):
-                stack.append(value)
+                inner.append(value)
+        stack.extend(reversed(inner))
     return _Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records)
 
 
