@@ -344,25 +344,35 @@ def _merge_dtensor(
         full = _Ranks(ranks, paths)  # each rank's DTensor records read through it
         optim = _Optimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"]) if fsdp1 else None
         if optim is not None and optim.alone:
-            return optim.write_alone(full, out, fmt=fmt)
+            try:
+                return optim.write_alone(full, out, fmt=fmt)
+            except CannotStream as e:
+                raise _unstreamable(paths[0], e) from e
         merger = _Merger(list(ranks), paths, **options)
         merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
         try:
-            if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
-                raise CannotStream("a big-endian rank file, whose bytes torch swaps")
+            _check_little_endian(ranks)
             tree = merger.assemble(merger.template)
             writer = streamed_writer(optim.output(tree) if optim else tree, out, fmt=fmt, base=ranks[0])
         except CannotStream as e:
-            if fsdp1:  # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
-                raise RankFilesError(
-                    f"{paths[0]}: these FSDP1 rank files cannot be streamed ({e}); re-save them"
-                ) from e
+            if fsdp1:
+                raise _unstreamable(paths[0], e) from e
             stack.close()
             return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
         _stream_merged(merger, writer, then=optim.filler(full) if optim else None)
     result = merger.finish()
     result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
     return optim.report(result) if optim else result
+
+
+def _check_little_endian(ranks: list[_Rank]) -> None:
+    if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
+        raise CannotStream("a big-endian rank file, whose bytes torch swaps")
+
+
+def _unstreamable(path: str, e: CannotStream) -> RankFilesError:
+    # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
+    return RankFilesError(f"{path}: these FSDP1 rank files cannot be streamed ({e}); re-save them")
 
 
 @dataclass
@@ -420,30 +430,26 @@ class _Optimizer:
 
     def write_alone(self, full: _Ranks, out: PathLike, *, fmt: str) -> MergeResult:
         """Rank files holding the optimizer state alone: the consolidated optimizer state dict into ``out``."""
+        _check_little_endian(self.ranks)
         writer = streamed_writer(self.output(self.ranks[0].tree), out, fmt=fmt, base=self.ranks[0])
         with writer:
             self.filler(full)(writer)
-        records = self.ranks[0].records.values()
-        return self.report(MergeResult(reassembled={r.key.replace("\0", "."): r.sharding for r in records}))
+        return self.report(MergeResult())
 
     def report(self, result: MergeResult) -> MergeResult:
         """``result`` saying what became of the entries: their note, and only what was written as reassembled."""
         from ckptfix.sharded_optim import consolidated_note, in_entries, left_out_note
 
+        records = self.ranks[0].records.values()
+        written = [r for r in records if self.consolidate or not in_entries(r.key, self.entries)]
+        result.reassembled = {r.key.replace("\0", "."): r.sharding for r in written}
         if self.model_only:  # left out with the other entries, as --model-only says
-            result.reassembled = {k: v for k, v in result.reassembled.items() if not _dotted_in(k, self.entries)}
             return result
         result.kept_from_first = [k for k in result.kept_from_first if k not in self.entries]
         for entry in self.entries:
-            count = sum(in_entries(key, [entry]) for key in self.ranks[0].records)
+            count = sum(in_entries(r.key, [entry]) for r in records)
             result.notes.append((consolidated_note if self.consolidate else left_out_note)(entry, count))
-        if not self.consolidate:
-            result.reassembled = {k: v for k, v in result.reassembled.items() if not _dotted_in(k, self.entries)}
         return result
-
-
-def _dotted_in(dotted: str, entries: list[str]) -> bool:
-    return any(dotted.startswith(f"{entry}.") for entry in entries)
 
 
 def _merge_dtensor_in_memory(

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from ckptfix.errors import UsageError
+from ckptfix.formats.shards import RankFilesError
 from ckptfix.merging import merge_files
 from tests import sharded_writers
 from tests.models import SmallNet
 
-pytestmark = pytest.mark.slow  # one real 2-process FSDP1 run (gloo) serves the module
+slow = pytest.mark.slow  # one real 2-process FSDP1 run (gloo) serves the tests of real files
 
 NOTE_SGD = (
     "consolidated 'optim': FSDP1 sharded optimizer state, 10 ShardedTensor(s) reassembled, step and param_groups "
@@ -68,6 +69,7 @@ def assert_same(got: Any, expected: Any, path: str = "") -> None:
         assert got == expected, (path, got, expected)
 
 
+@slow
 @pytest.mark.parametrize(("stem", "which", "buffers"), [("train", "sgd", "momentum_buffer"),
                                                         ("adamw", "adamw", "exp_avg_sq")])  # fmt: skip
 def test_optimizer_consolidates_the_sharded_optimizer_state_exactly(
@@ -91,6 +93,7 @@ def test_optimizer_consolidates_the_sharded_optimizer_state_exactly(
     assert [p.read_bytes() for p in ranks] == before  # inputs untouched
 
 
+@slow
 def test_the_json_report_lists_the_optimizer_tensors_and_the_note(fsdp1: Path, tmp_path: Path) -> None:
     report = json.loads(_cli("merge", *_pair(fsdp1, "train"), "-o", tmp_path / "m.pt", "--optimizer", "--json").output)
     assert report["notes"] == [NOTE_SGD]
@@ -99,6 +102,7 @@ def test_the_json_report_lists_the_optimizer_tensors_and_the_note(fsdp1: Path, t
     assert optim == sorted(f"optim.state.{name}.momentum_buffer" for name, _ in SmallNet(width=8).named_parameters())
 
 
+@slow
 def test_without_optimizer_the_sharded_optimizer_state_is_left_out_with_a_note(fsdp1: Path, tmp_path: Path) -> None:
     ranks = _pair(fsdp1, "train")
     out = tmp_path / "m.pt"
@@ -116,6 +120,7 @@ def test_without_optimizer_the_sharded_optimizer_state_is_left_out_with_a_note(f
     assert only["left_out"] == ["optim", "epoch"] and only["notes"] == [] and len(only["reassembled"]) == 10
 
 
+@slow
 def test_the_optimizer_state_saved_alone_merges_with_optimizer_only(
     fsdp1: Path, truth: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -144,6 +149,7 @@ def test_the_optimizer_state_saved_alone_merges_with_optimizer_only(
     assert_same(torch.load(tmp_path / "lib.pt", weights_only=True), truth["adamw"])
 
 
+@slow
 def test_bad_uses_of_optimizer_are_refused_in_one_line(fsdp1: Path, tmp_path: Path) -> None:
     adamw = _pair(fsdp1, "adamw")
     out = tmp_path / "m.pt"
@@ -179,6 +185,7 @@ def test_bad_uses_of_optimizer_are_refused_in_one_line(fsdp1: Path, tmp_path: Pa
         merge_files(adamw, out, optimizer=True, model_only=True)
 
 
+@slow
 def test_the_consolidated_optimizer_state_resumes_fsdp1_and_a_plain_model(
     fsdp1: Path, truth: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -219,3 +226,58 @@ def _sharing(optim: dict[str, Any]) -> list[int]:
         ptr = state["step"].untyped_storage().data_ptr()
         counts[ptr] = counts.get(ptr, 0) + 1
     return list(counts.values())
+
+
+# -- the pure transforms, on hand-made trees ------------------------------------------------------------------------
+
+
+def _record(key: str) -> Any:
+    from ckptfix.formats.shards import ShardedTensorRecord
+
+    return ShardedTensorRecord("float32", (4,), "ShardedTensor, 2 shard(s) over 2 rank(s)", key)
+
+
+def test_consolidated_swaps_each_sharded_tensor_for_a_placeholder_and_leaves_the_input() -> None:
+    from collections import OrderedDict
+
+    from ckptfix.sharded_optim import consolidated, outside_entries, without
+    from ckptfix.writing import Placeholder
+
+    model = OrderedDict(w=_record("model\0w"))
+    optim = {"state": {"w": {"exp_avg": _record("optim\0state\0w\0exp_avg"), "step": 3}},
+             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]}  # fmt: skip
+    tree = {"model": model, "optim": optim, "epoch": 1}
+    keys = ["model\0w", "optim\0state\0w\0exp_avg"]
+    assert outside_entries(tree, keys, ["model"]) == ["optim"]
+    assert outside_entries(model, ["w"], [""]) == [] and outside_entries(optim, keys[1:], []) == [""]
+    out, placeholders = consolidated(tree, ["optim"])
+    assert list(placeholders) == [keys[1]] and isinstance(placeholders[keys[1]], Placeholder)
+    assert out["optim"]["state"]["w"] == {"exp_avg": placeholders[keys[1]], "step": 3}
+    assert out["optim"]["param_groups"] == optim["param_groups"] and out["model"] is model and out["epoch"] == 1
+    assert tree["optim"]["state"]["w"]["exp_avg"].key == keys[1]  # the input is unchanged
+    alone, found = consolidated(optim, [""])
+    assert list(found) == [keys[1]] and alone["state"]["w"]["exp_avg"] is found[keys[1]]
+    assert list(without(tree, ["optim"])) == ["model", "epoch"] and list(tree) == ["model", "optim", "epoch"]
+
+
+def test_what_differs_beside_the_shards_is_named_by_its_key() -> None:
+    from ckptfix.sharded_optim import check_beside_shards
+
+    def optim(lr: float, step: int, *, extra: bool = False) -> dict[str, Any]:
+        state = {"exp_avg": _record("o\0state\0w\0exp_avg"), "step": torch.tensor(float(step))}
+        group = {"lr": lr, "params": ["w"], **({"x": 1} if extra else {})}
+        return {"o": {"state": {"w": state}, "param_groups": [group]}}
+
+    def check(*trees: Any) -> None:
+        check_beside_shards(trees, [lambda t: t] * len(trees), ["r0.pt", "r1.pt"], entries=["o"])
+
+    check(optim(0.1, 1), optim(0.1, 1))
+    cases = [
+        (optim(0.2, 1), "r1.pt: 'o.param_groups.0.lr' is 0.2, but 0.1 in r0.pt; the optimizer state beside"),
+        (optim(0.1, 2), "r1.pt: 'o.state.w.step' holds other values than in r0.pt;"),
+        (optim(0.1, 1, extra=True), "r1.pt: 'o.param_groups.0.x' is here but not in r0.pt;"),
+    ]
+    for other, message in cases:
+        with pytest.raises(RankFilesError) as found:
+            check(optim(0.1, 1), other)
+        assert str(found.value).startswith(message), str(found.value)
