@@ -186,11 +186,13 @@ def alone_message(path: str) -> str:
 
 
 __all__ = [
+    "alone_message",
     "check_beside_shards",
     "consolidated",
     "consolidated_note",
     "in_entries",
     "left_out_note",
+    "no_optimizer_message",
     "outside_entries",
     "without",
 ]
