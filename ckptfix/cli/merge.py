@@ -35,6 +35,13 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
 @click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
 @click.option("--model-only", is_flag=True, help="Write only the merged model state dict; drop RANK0's other entries.")
 @click.option(
+    "--optimizer",
+    is_flag=True,
+    help="FSDP1 SHARDED_STATE_DICT rank files into a .pt: consolidate their sharded optimizer state "
+    "(FSDP.optim_state_dict) into the full one, keyed by parameter name (off by default: it can be several times "
+    "the model, and is left out with a note).",
+)
+@click.option(
     "--average",
     is_flag=True,
     help="Average checkpoints of one model (other steps or runs): floating tensors are the mean, the rest is the "
@@ -58,6 +65,7 @@ def merge(
     model_spec: str | None,
     kwargs: str | None,
     model_only: bool,
+    optimizer: bool,
     average: bool,
     weights: list[float] | None,
     as_json: bool,
@@ -77,7 +85,9 @@ def merge(
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
     mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors); an FSDP1 LOCAL_STATE_DICT
-    (flat parameters) is refused: it does not record the parameters' shapes. Entries RANK0 holds that were not
+    (flat parameters) is refused: it does not record the parameters' shapes. FSDP1 sharded optimizer state
+    (FSDP.optim_state_dict under SHARDED_STATE_DICT) is left out, said in a note, unless --optimizer consolidates
+    it (a .pt OUT; rank files holding the optimizer state alone too). Entries RANK0 holds that were not
     loaded (classes outside the allowlist) are copied as their pickle records into a .pt OUT, refused if they can
     run code or OUT is .safetensors: --model-only leaves them out.
 
@@ -90,10 +100,11 @@ def merge(
     Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
     Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o full.safetensors
+    Example: ckptfix merge fsdp1_rank0.pt fsdp1_rank1.pt -o full.pt --optimizer
     Example: ckptfix merge step8000.pt step9000.pt step10000.pt -o avg.pt --average
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
-    from ckptfix.errors import MergeError
+    from ckptfix.errors import MergeError, as_flags
     from ckptfix.formats.atomic import check_output
     from ckptfix.merging import merge_files
 
@@ -120,11 +131,13 @@ def merge(
         unsafe=unsafe_pickle,
         model_only=model_only,
         overwrite=overwrite,
+        optimizer=optimizer,
         average=average,
         weights=weights,
     )
     for message in result.warnings:
         warn(message)
+    result.notes = [as_flags(note) for note in result.notes]  # the library's optimizer=True is --optimizer here
     if as_json:
         echo_json(merge_json(result, inputs, out, to=to, buffers=buffers, atol=atol))
     elif result.diverged:
@@ -165,7 +178,8 @@ def merge_json(
 
 
 def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:
-    echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
+    found = f" (layouts: {', '.join(sorted(set(result.layouts_from)))})" if result.layouts_from else ""
+    echo(f"merged {len(inputs)} rank file(s){found}")
     if result.reassembled:
         ways = sorted(set(result.reassembled.values()))
         kind = "ShardedTensor" if any(w.startswith("ShardedTensor") for w in ways) else "DTensor"  # FSDP1 or FSDP2
@@ -178,7 +192,8 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
         echo(f"BatchNorm statistics ({buffers}): {len(result.bn_modules)} module(s): {'; '.join(groups)}")
     if result.buffers_merged:
         echo(f"other buffers ({buffers}): {'; '.join(group_keys(result.buffers_merged))}")
-    echo("parameters: equal on every rank")
+    if result.entries:  # else the files hold optimizer state alone (merge --optimizer)
+        echo("parameters: equal on every rank")
     _tail(result, out, to=to, source=inputs[0])
 
 
@@ -198,7 +213,7 @@ def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
         echo(f"left out (--model-only): {', '.join(result.left_out)}")
     for note in result.notes:
         echo(note)
-    echo(f"wrote {out} (layout {to})")
+    echo(f"wrote {out}" + (f" (layout {to})" if result.entries else ""))
 
 
 def _parse_weights(value: str | None) -> list[float] | None:
