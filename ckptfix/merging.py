@@ -38,6 +38,7 @@ from ckptfix.errors import AverageError, MergeError, UsageError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
+from ckptfix.formats.flatparams import FlatSliceRecord
 from ckptfix.formats.raw import as_tensor
 from ckptfix.formats.shards import DTensorRecord, RankFilesError, ShardedTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 BUFFER_STRATEGIES: tuple[str, ...] = ("pooled", "mean", "rank0")
-_SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord)  # one rank's part of a tensor, assembled from every rank
+# one rank's part of a tensor, assembled from every rank (FlatSliceRecord: a parameter of an FSDP1 flat parameter)
+_SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord, FlatSliceRecord)
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
 
@@ -186,6 +188,7 @@ def merge_files(
     average: bool = False,
     weights: Sequence[float] | None = None,
     optimizer: bool = False,
+    model: Any = None,
 ) -> MergeResult:
     """Merge per-rank files (or folders) into ``out`` key by key; nothing is written when parameters diverge.
 
@@ -199,6 +202,8 @@ def merge_files(
     there. The other entries come from the first input; one that was not loaded (it needs globals outside the
     allowlist, see :mod:`ckptfix.formats.opaque`) is copied as its pickle records into a ``.pt`` output (said in
     ``notes``), refused if it can run code or the output is ``.safetensors``; ``model_only`` leaves all of them out.
+    FSDP1 LOCAL_STATE_DICT rank files (flat parameters) need ``model``, the model that was wrapped (unwrapped, on
+    any device): it says which parameters each flat parameter joins, and the merge writes FULL_STATE_DICT's keys.
 
     FSDP1 SHARDED_STATE_DICT rank files holding the sharded optimizer state too (``FSDP.optim_state_dict``) leave
     it out, said in ``notes``; ``optimizer=True`` (a ``.pt`` output only) consolidates it instead: each ShardedTensor
@@ -259,7 +264,7 @@ def merge_files(
         if sharded:
             stack.close()
             return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options, fsdp1=kind != "dtensor",
-                                  optimizer=optimizer)  # fmt: skip
+                                  optimizer=optimizer, model=model)  # fmt: skip
         for opened in inputs:
             refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
             opaque.require(opened.tree, wanted=None, source=opened.source)
@@ -324,11 +329,13 @@ def _merge_dtensor(
     options: dict[str, Any],
     fsdp1: bool = False,
     optimizer: bool = False,
+    model: Any = None,
 ) -> MergeResult:
     """FSDP2 rank files (or FSDP1 SHARDED_STATE_DICT ones: ``fsdp1``): full tensors reassembled from every rank's
     shards, one tensor at a time, and written at once; the rest merged as for DDP. FSDP2 files the streaming
     writer cannot take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated
-    (``optimizer``)."""
+    (``optimizer``). FSDP1 LOCAL_STATE_DICT flat parameters are split by ``model``: one joined flat parameter is
+    held at a time, each parameter cut from it."""
     from ckptfix.formats import allowlist
     from ckptfix.formats.shards import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
 
@@ -337,7 +344,7 @@ def _merge_dtensor(
     with contextlib.ExitStack() as stack:
         ranks: list[_Rank] = []
         for path in paths:
-            ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1))
+            ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1, model=model))
             stack.enter_context(ranks[-1])
         pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
         (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
@@ -361,7 +368,8 @@ def _merge_dtensor(
             return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
         _stream_merged(merger, writer, then=optim.filler(full) if optim else None)
     result = merger.finish()
-    result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
+    found = ranks[0].split or ranks[0].records  # LOCAL_STATE_DICT: the parameters cut from flat parameters
+    result.reassembled = {r.key.replace("\0", "."): r.sharding for r in found.values()}
     return optim.report(result) if optim else result
 
 
@@ -475,37 +483,47 @@ class _Rank(Opened):
     is the full tensor, assembled from every rank's piece by the ranks' :class:`_Ranks`."""
 
     records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
+    split: dict[str, FlatSliceRecord] = field(default_factory=dict)  # FSDP1 LOCAL_STATE_DICT: each parameter
     ranks: Any = None
 
     def tensor(self, value: Any) -> torch.Tensor:
+        if isinstance(value, FlatSliceRecord):  # a copy: the joined flat parameter is freed when the next is built
+            flat = self.ranks.full(value.flat.key)
+            return flat.narrow(0, value.offset, math.prod(value.shape)).view(value.shape).clone()  # type: ignore[no-any-return]
         if isinstance(value, _SHARD_RECORDS):
             return self.ranks.full(value.key)  # type: ignore[no-any-return]
         return super().tensor(value)
 
 
-def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False) -> _Rank:
+def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None) -> _Rank:
     from ckptfix.formats.shards import describe_fsdp1_rank, describe_rank
     from ckptfix.formats.torchfile import file_identity
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         before = file_identity(fd)
-        z, tree = (describe_fsdp1_rank if fsdp1 else describe_rank)(fd, path, allowed=allowed)
+        if fsdp1:
+            z, tree = describe_fsdp1_rank(fd, path, allowed=allowed, model=model)
+        else:
+            z, tree = describe_rank(fd, path, allowed=allowed)
     except BaseException:
         os.close(fd)
         raise
-    records = {}
+    records: dict[str, Any] = {}
+    split: dict[str, FlatSliceRecord] = {}
     stack = [tree]
     while stack:  # the DTensors sit in the (nested) dicts of the checkpoint, taken in its order (the model first)
         node = stack.pop()
         inner = []
         for value in node.values() if isinstance(node, dict) else ():
-            if isinstance(value, _SHARD_RECORDS):
+            if isinstance(value, FlatSliceRecord):  # its flat parameter is what the ranks' files must agree on
+                records[value.flat.key], split[value.key] = value.flat, value
+            elif isinstance(value, _SHARD_RECORDS):
                 records[value.key] = value
             elif isinstance(value, dict):
                 inner.append(value)
         stack.extend(reversed(inner))
-    return _Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records)
+    return _Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records, split=split)
 
 
 class _Ranks:

@@ -1,7 +1,7 @@
 """The one test model, the few variants that particular checks need, its real wrapped forms, and a 2-rank DDP run.
 
 Factories for ``--model``: ``tests.models:SmallNet``, ``…:small_net``, ``…:wrong_head``, ``…:RenamedNet``,
-``…:Refusing``, ``…:ScaledHead``.
+``…:Refusing``, ``…:ScaledHead``, ``…:TiedNet``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,20 @@ class ScaledHead(nn.Module):
         self.head = nn.Linear(2, 2)
         self.module = nn.Module()
         self.module.register_buffer("scale", torch.ones(2))
+
+
+class TiedNet(SmallNet):
+    """SmallNet with two linear layers sharing one weight (``tied.weight`` is ``mid.weight``) before the head, as
+    language models tie their embedding and output weights."""
+
+    def __init__(self, width: int = 4, seed: int = 0) -> None:
+        super().__init__(width=width, seed=seed)
+        self.mid = nn.Linear(width, width)
+        self.tied = nn.Linear(width, width)
+        self.tied.weight = self.mid.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tied(self.mid(self.features(x)).relu()))  # type: ignore[no-any-return]
 
 
 # --- the real wrappers ------------------------------------------------------------------------------------------

@@ -31,7 +31,12 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
     help="BatchNorm statistics: pooled (mean of means; mean of variances plus variance of means), mean, rank0.",
 )
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Allowed |Δ| between ranks' parameters.")
-@click.option("--model", "model_spec", metavar="MOD:FACTORY", help="Tells buffers from parameters (see below).")
+@click.option(
+    "--model",
+    "model_spec",
+    metavar="MOD:FACTORY",
+    help="The model that was trained: tells buffers from parameters, and splits FSDP1 flat parameters (see below).",
+)
 @click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
 @click.option("--model-only", is_flag=True, help="Write only the merged model state dict; drop RANK0's other entries.")
 @click.option(
@@ -84,8 +89,9 @@ def merge(
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
-    mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors); an FSDP1 LOCAL_STATE_DICT
-    (flat parameters) is refused: it does not record the parameters' shapes. FSDP1 sharded optimizer state
+    mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors). FSDP1 LOCAL_STATE_DICT rank
+    files (flat parameters) need --model, the model that was wrapped: it says which parameters each flat parameter
+    joins (the file does not), and OUT holds FULL_STATE_DICT's keys. FSDP1 sharded optimizer state
     (FSDP.optim_state_dict under SHARDED_STATE_DICT) is left out, said in a note, unless --optimizer consolidates
     it (a .pt OUT; rank files holding the optimizer state alone too). Entries RANK0 holds that were not
     loaded (classes outside the allowlist) are copied as their pickle records into a .pt OUT, refused if they can
@@ -101,6 +107,7 @@ def merge(
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
     Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o full.safetensors
     Example: ckptfix merge fsdp1_rank0.pt fsdp1_rank1.pt -o full.pt --optimizer
+    Example: ckptfix merge local0.pt local1.pt -o full.pt --model mypkg.models:build_model
     Example: ckptfix merge step8000.pt step9000.pt step10000.pt -o avg.pt --average
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
@@ -119,7 +126,8 @@ def merge(
             if os.path.realpath(later) == os.path.realpath(earlier):
                 counts = "counts twice in the average" if averaging else "counts as two ranks"
                 warn(f"{later} is given twice; the same file {counts}")
-    buffer_keys = _buffer_keys(model_spec, kwargs) if model_spec else []
+    model = model_from_options(model_spec, kwargs) if model_spec else None
+    buffer_keys = _buffer_keys(model) if model is not None else []
     result = merge_files(
         inputs,
         out,
@@ -134,6 +142,7 @@ def merge(
         optimizer=optimizer,
         average=average,
         weights=weights,
+        model=model,
     )
     for message in result.warnings:
         warn(message)
@@ -227,12 +236,11 @@ def _parse_weights(value: str | None) -> list[float] | None:
         raise click.BadParameter(message) from None
 
 
-def _buffer_keys(model_spec: str, kwargs: str | None) -> list[str]:
+def _buffer_keys(model: Any) -> list[str]:
     """Names of the model's buffers in the single layout."""
     from ckptfix import layouts
     from ckptfix.checkpoint import apply_maps
 
-    model = model_from_options(model_spec, kwargs)
     # The layout is read from every key: buffers alone may all sit under a submodule that is named `module`.
     _, maps = layouts.conversion_maps(list(model.state_dict()), to="single", source="model")
     return list(apply_maps(dict(model.named_buffers()), maps, source="model"))
