@@ -174,7 +174,7 @@ def split_state(state: Mapping[str, Any], model: Any, *, path: str, source: str)
     flats = {k: v for k, v in state.items() if isinstance(v, ShardedTensorRecord) and _is_flat(k)}
     found = plan(model, [k.removesuffix(FLAT_PARAM).removesuffix(".") for k in flats], source=source)
     starts: dict[str, tuple[ShardedTensorRecord, int]] = {}
-    for key, flat in flats.items():
+    for key, flat in sorted(flats.items(), key=lambda kv: len(kv[0].split("."))):  # the outermost unit first
         unit = found.units[key.removesuffix(FLAT_PARAM).removesuffix(".")]
         for (param, _), offset in zip(unit.params, split_layout(unit, flat, name=key, source=source), strict=True):
             starts[param] = (flat, offset)
