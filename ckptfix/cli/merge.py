@@ -126,7 +126,7 @@ def merge(
             if os.path.realpath(later) == os.path.realpath(earlier):
                 counts = "counts twice in the average" if averaging else "counts as two ranks"
                 warn(f"{later} is given twice; the same file {counts}")
-    model = model_from_options(model_spec, kwargs) if model_spec else None
+    model = _model(model_spec, kwargs) if model_spec else None
     buffer_keys = _buffer_keys(model) if model is not None else []
     result = merge_files(
         inputs,
@@ -234,6 +234,14 @@ def _parse_weights(value: str | None) -> list[float] | None:
     except ValueError:
         message = f"'{value}' is not a list of numbers; give one weight per file, e.g. 0.3,0.7"
         raise click.BadParameter(message) from None
+
+
+def _model(model_spec: str, kwargs: str | None) -> Any:
+    """The --model factory's model, on the meta device when the factory allows (as validate builds it): the merge
+    reads its names and shapes only, so a large model costs no memory."""
+    from ckptfix.loading import _build
+
+    return _build(lambda device: model_from_options(model_spec, kwargs, device=device))
 
 
 def _buffer_keys(model: Any) -> list[str]:
