@@ -128,6 +128,16 @@ def test_a_wrong_split_of_the_same_size_is_refused(jobs: Jobs, tmp_path: Path) -
         f"puts 130 of its 130 there; pass the model that was wrapped"
     )
     assert not (tmp_path / "m.pt").exists()
+    across = SmallNet(width=5)  # the head's weight also used outside its FSDP unit: not a split ckptfix can know
+    across.extra = nn.Linear(5, 3)
+    across.extra.weight = across.head.weight
+    with pytest.raises(RankFilesError) as caught:
+        merge_files(ranks, tmp_path / "m.pt", model=across)
+    assert str(caught.value) == (
+        f"{ranks[0]}: the model's parameter 'extra.weight' is also 'head.weight' of the nested FSDP unit 'head': a "
+        f"parameter shared across units, which ckptfix does not split; save FULL_STATE_DICT or SHARDED_STATE_DICT "
+        f"instead"
+    )
 
 
 def test_a_missing_rank_or_another_model_is_refused(jobs: Jobs, tmp_path: Path) -> None:

@@ -74,8 +74,9 @@ def plan(model: Any, prefixes: Iterable[str], *, source: str) -> Plan:
                 other = claimed[id(p)][0]
                 if not (key + ".").startswith(other + "."):
                     raise RankFilesError(
-                        f"{source}: the model's parameter '{key}' is also '{claimed[id(p)][1]}' of another FSDP unit "
-                        f"('{other}'), which FSDP1 does not flatten twice; this is not the model that was wrapped"
+                        f"{source}: the model's parameter '{key}' is also '{claimed[id(p)][1]}' of the nested FSDP "
+                        f"unit '{other}': a parameter shared across units, which ckptfix does not split; save "
+                        f"FULL_STATE_DICT or SHARDED_STATE_DICT instead"
                     )
                 continue
             if id(p) not in claimed:
