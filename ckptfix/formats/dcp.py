@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -421,6 +421,15 @@ def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
     return out if out is not None else torch.empty(entry.shape, dtype=dtype)
 
 
+def serial_writer(path: str) -> Any:
+    """torch's ``FileSystemWriter`` for ``path`` that writes one tensor at a time, in plan order: one file, one
+    thread, and no copy-ahead (``per_thread_copy_ahead=0``), which makes it take torch's serial loader even where
+    a GPU is present (the copy-ahead loader would sort the tensors by size and hold several at once)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    return FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
+
+
 def chunk_region(full: Any, c: Chunk) -> Any:
     """The view of the full tensor ``full`` that chunk ``c`` fills."""
     region = full
@@ -429,7 +438,9 @@ def chunk_region(full: Any, c: Chunk) -> Any:
     return region
 
 
-def save_dcp(obj: Any, out: str, *, overwrite: bool = False) -> None:
+def save_dcp(
+    obj: Any, out: str, *, overwrite: bool = False, planner: Any = None, written: Callable[[], None] | None = None
+) -> None:
     """Write ``obj`` (a state dict or a full checkpoint) as a DCP folder that ``torch.distributed.checkpoint.load``
     reads, e.g. to resume FSDP from a single-device or DDP checkpoint.
 
@@ -455,7 +466,9 @@ def save_dcp(obj: Any, out: str, *, overwrite: bool = False) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
-            dcp_save_local(obj, checkpoint_id=tmp)  # this process alone, even inside a distributed job
+            dcp_save_local(obj, storage_writer=serial_writer(tmp), planner=planner)  # this process alone
+        if written is not None:
+            written()
         check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
         try:
             with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
