@@ -448,6 +448,10 @@ def save_dcp(
     folder beside OUT, which becomes OUT only when complete. OUT must not exist or be empty; with ``overwrite``
     it may be a DCP checkpoint folder (nothing else), which is then replaced: the old folder is renamed aside,
     the new one renamed in, the old one removed, so a failure leaves the old checkpoint as it was.
+
+    ``planner`` (a ``SavePlanner``; torch's default without one) is handed to ``dcp.save``; ``written()`` runs once
+    the folder is written, before it is put in place (what it raises leaves nothing behind). The writer takes one
+    tensor at a time, in plan order, on every machine (:func:`serial_writer`).
     """
     import shutil
     import tempfile

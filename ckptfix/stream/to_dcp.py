@@ -79,9 +79,7 @@ def convert_to_dcp(
     conversion.notes.extend(files.notes)
     if z is not None and not z.archive.crc_stored:
         conversion.notes.append(f"{NO_CRC} in the input")
-    conversion.notes.append(
-        f"{kind} -> dcp: {planner.count} tensors, each read when torch's DCP writer asked for it"  # type: ignore[attr-defined]
-    )
+    conversion.notes.append(f"{kind} -> dcp: {planner.count} tensors, each read when torch's DCP writer asked for it")
     return conversion
 
 
@@ -248,7 +246,7 @@ def streaming_planner(records: dict[int, Any], read: Callable[[Any], Any]) -> An
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    class StreamingPlanner(DefaultSavePlanner):  # type: ignore[misc]
+    class StreamingPlanner(DefaultSavePlanner):
         def __init__(self) -> None:
             super().__init__()
             self.held: Any = None
