@@ -186,9 +186,9 @@ def test_one_tensor_is_held_at_a_time(tmp_path: Path, monkeypatch: pytest.Monkey
     read = to_dcp._Reader.read
     held: list[torch.Tensor] = []
 
-    def reading(self: Any, record: Any) -> Any:
+    def reading(self: Any, record: Any, *, key: str) -> Any:
         assert all(t.untyped_storage().nbytes() == 0 for t in held), "two tensors held at once"
-        held.append(read(self, record))
+        held.append(read(self, record, key=key))
         return held[-1]
 
     monkeypatch.setattr(to_dcp._Reader, "read", reading)
@@ -225,3 +225,30 @@ def test_an_existing_folder_is_refused_and_replaced_with_force(tmp_path: Path) -
     assert done.exit_code == 0, done.output
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary or old folder beside it
     assert_same(dict(ckptfix.load(out)), torch.load(FIXTURES / "deepspeed" / "zero1_fp32.expected.pt"))
+
+
+def test_an_input_truncated_while_written_is_one_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "in.safetensors"
+    shutil.copy(FIXTURES / "ddp_wrapped.safetensors", src)
+    read = to_dcp._Reader.read
+    calls: list[Any] = []
+    keys: list[str] = []
+
+    def truncating(self: Any, record: Any, *, key: str) -> Any:
+        calls.append(record)
+        keys.append(key)
+        if len(calls) == 3:  # another process cuts the file short while the folder is written
+            os.truncate(src, record.start + 1)
+        return read(self, record, key=key)
+
+    monkeypatch.setattr(to_dcp._Reader, "read", truncating)
+    done = run("convert", src, f"{tmp_path / 'out'}/")
+    assert done.exit_code == 2, done.output
+    key = next(k for k, r in zip(keys, calls, strict=True) if r is calls[2])
+    assert (
+        done.stderr.strip()
+        == f"ckptfix: error: {src}: ends inside tensor '{key}'; it was truncated while reading: copy it again"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]

@@ -421,6 +421,14 @@ def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
     return out if out is not None else torch.empty(entry.shape, dtype=dtype)
 
 
+def _first_failure(e: Any) -> BaseException:
+    """The exception a ``CheckpointException`` of this one process wraps (itself when it wraps none)."""
+    for failure in e.failures.values():
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            return failure[0]
+    return e  # type: ignore[no-any-return]
+
+
 def serial_writer(path: str) -> Any:
     """torch's ``FileSystemWriter`` for ``path`` that writes one tensor at a time, in plan order: one file, one
     thread, and no copy-ahead (``per_thread_copy_ahead=0``), which makes it take torch's serial loader even where
@@ -457,6 +465,8 @@ def save_dcp(
     import tempfile
     import warnings
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from ckptfix.errors import OutputError
     from ckptfix.formats.atomic import check_output_folder, completing, set_aside
     from ckptfix.torchcompat import dcp_save_local
@@ -470,7 +480,10 @@ def save_dcp(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
-            dcp_save_local(obj, storage_writer=serial_writer(tmp), planner=planner)  # this process alone
+            try:
+                dcp_save_local(obj, storage_writer=serial_writer(tmp), planner=planner)  # this process alone
+            except CheckpointException as e:  # DCP wraps whatever its writer raised (a read error, a signal)
+                raise _first_failure(e) from e
         if written is not None:
             written()
         check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint

@@ -176,20 +176,23 @@ class _Reader:
         elif isinstance(record, ShardTensor):
             self.files.fd(record.path)
 
-    def read(self, record: Any) -> Any:
+    def read(self, record: Any, *, key: str) -> Any:
+        """The tensor of ``record`` (planned as ``key``) in memory of its own."""
         import torch
 
         if isinstance(record, ZeroTensor):
             out = self._runs([(self.files.fd(p.path), p.offset, p.nbytes) for p in record.pieces],
-                             record.stored, record.shape)  # fmt: skip
+                             record.stored, record.shape, key=key)  # fmt: skip
             return out.to(getattr(torch, record.cast)) if record.cast else out  # as zero_to_fp32 casts
         if isinstance(record, DcpTensor):
-            return self._dcp(record)
+            return self._dcp(record, key=key)
         if isinstance(record, ShardTensor):
-            return self._runs([(self.files.fd(record.path), record.start, record.nbytes)], record.dtype, record.shape)
+            return self._runs(
+                [(self.files.fd(record.path), record.start, record.nbytes)], record.dtype, record.shape, key=key
+            )
         if isinstance(record, StTensor):
             return self._runs([(self.files.fd(self.source), record.start, record.end - record.start)],
-                              record.dtype, record.shape)  # fmt: skip
+                              record.dtype, record.shape, key=key)  # fmt: skip
         t = inert.tensor_of(record)
         assert self.z is not None  # a .pt record comes from a .pt input
         rec = self.z.archive.by_name[f"{self.z.archive.prefix}data/{t.storage.key}"]
@@ -197,21 +200,23 @@ class _Reader:
         n = item
         for d in t.shape:
             n *= d
-        return self._runs([(self.files.fd(self.source), rec.data_offset + t.offset * item, n)], t.dtype, t.shape)
+        return self._runs(
+            [(self.files.fd(self.source), rec.data_offset + t.offset * item, n)], t.dtype, t.shape, key=key
+        )
 
-    def _dcp(self, t: DcpTensor) -> Any:
+    def _dcp(self, t: DcpTensor, *, key: str) -> Any:
         import torch
 
         entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
         runs = [(*self.files.located[id(c)], _numel(c.sizes) * item) for c in entry.chunks]
         if all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: the row ranges are the tensor in order
-            return self._runs(runs, entry.dtype, entry.shape)
+            return self._runs(runs, entry.dtype, entry.shape, key=key)
         full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))  # the one tensor, gathered from blocks
         for c, run in zip(entry.chunks, runs, strict=True):
-            chunk_region(full, c).copy_(self._runs([run], entry.dtype, c.sizes))
+            chunk_region(full, c).copy_(self._runs([run], entry.dtype, c.sizes, key=key))
         return full
 
-    def _runs(self, runs: list[Run], dtype: str, shape: tuple[int, ...]) -> Any:
+    def _runs(self, runs: list[Run], dtype: str, shape: tuple[int, ...], *, key: str) -> Any:
         """The bytes of ``runs``, in order, as a tensor of ``dtype`` and ``shape``."""
         import torch
 
@@ -225,8 +230,9 @@ class _Reader:
                 assert view is not None  # total > 0
                 got = os.preadv(fd, [view[at + done : at + length]], offset + done)
                 if got <= 0:
-                    raise FormatError(f"{self.source}: a data file ends inside a tensor; it was truncated while "
-                                      f"reading: copy it again")  # fmt: skip
+                    path = next((p for p, (f, _) in self.files.open.items() if f == fd), self.source)
+                    raise FormatError(f"{path}: ends inside tensor '{key}'; it was truncated while reading: copy it "
+                                      f"again")  # fmt: skip
                 done += got
             at += length
         return raw.view(getattr(torch, dtype)).reshape(shape)
@@ -239,9 +245,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def streaming_planner(records: dict[int, Any], read: Callable[[Any], Any]) -> Any:
+def streaming_planner(records: dict[int, Any], read: Callable[..., Any]) -> Any:
     """A ``DefaultSavePlanner`` (plan, metadata and pickled values as torch's) whose tensors are read when the writer
-    asks for them: ``read(record)`` for the record of the meta tensor planned. The tensor read before is freed
+    asks for them: ``read(record, key=fqn)`` for the record of the meta tensor planned. The tensor read before is freed
     then (the serial loader has written it); ``count`` says how many were read."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -257,7 +263,7 @@ def streaming_planner(records: dict[int, Any], read: Callable[[Any], Any]) -> An
                 return super().resolve_data(write_item)  # a value: pickled by torch as it is
             record = records[id(self.lookup_object(write_item.index))]
             self.release()
-            self.held = read(record)
+            self.held = read(record, key=write_item.index.fqn)
             self.count += 1
             return self.held
 
