@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -252,3 +254,27 @@ def test_an_input_truncated_while_written_is_one_line_and_leaves_nothing(
         == f"ckptfix: error: {src}: ends inside tensor '{key}'; it was truncated while reading: copy it again"
     )
     assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]
+
+
+def _peak_rss(code: str) -> int:
+    """Peak RSS in bytes of a fresh Python running ``code`` with this checkout importable: its VmHWM, which starts
+    at exec (wait4's maxrss would count the forked test process)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    tail = "; print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
+    done = subprocess.run([sys.executable, "-c", code + tail], env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1]) << 10
+
+
+@pytest.mark.slow
+def test_peak_memory_is_a_tensor_or_two_above_importing_torch_never_the_model(tmp_path: Path) -> None:
+    """12 tensors of 8 MiB: the streamed conversion stays within 40 MiB of what importing torch's DCP takes (a
+    tensor, torch.save's copy of it, and slack); the in-memory one holds the 96 MiB model."""
+    from safetensors.torch import save_file
+
+    save_file({f"layer{i}.weight": torch.full((1024, 2048), float(i)) for i in range(12)}, tmp_path / "m.safetensors")
+    floor = _peak_rss("import torch, torch.distributed.checkpoint, ckptfix.conversion")
+    convert = "import ckptfix; ckptfix.convert_file({!r}, {!r}, fast={})"
+    streamed = _peak_rss(convert.format(str(tmp_path / "m.safetensors"), f"{tmp_path / 's'}/", True))
+    loaded = _peak_rss(convert.format(str(tmp_path / "m.safetensors"), f"{tmp_path / 'l'}/", False))
+    assert streamed - floor < 40 << 20 and loaded - floor > 80 << 20, (floor >> 20, streamed >> 20, loaded >> 20)
+    assert_same_folder(tmp_path / "s", tmp_path / "l")

@@ -29,6 +29,7 @@ from ckptfix.formats.crc import Check
 from ckptfix.formats.dcp import chunk_region, save_dcp
 from ckptfix.formats.deepspeed import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.linux import libc
 from ckptfix.formats.opaque import carry, describe
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchzip import TorchZip
@@ -40,6 +41,7 @@ from ckptfix.stream.st import StTensor, tree_from_header
 _RECORDS = (DcpTensor, ShardTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 # (file descriptor, offset, length) of a run of a tensor's bytes, in order
 Run = tuple[int, int, int]
+_TRIM = 1 << 20  # a tensor at least this large freed: the C heap trimmed
 
 
 def convert_to_dcp(
@@ -269,9 +271,16 @@ def streaming_planner(records: dict[int, Any], read: Callable[..., Any]) -> Any:
 
         def release(self) -> None:
             # the writer keeps (torch 2.7 on) a view of each tensor it wrote: freeing the storage frees the bytes
-            if self.held is not None:
-                self.held.untyped_storage().resize_(0)
-                self.held = None
+            if self.held is None:
+                return
+            storage, self.held = self.held.untyped_storage(), None
+            size = storage.nbytes()
+            storage.resize_(0)
+            if size >= _TRIM and (trim := libc("malloc_trim")) is not None:
+                # glibc raises its mmap threshold to the largest block freed, so tensors of that size come from
+                # the heap after the first, and freed holes amid it stay resident: the RSS would grow by a
+                # tensor per tensor. Trimming gives the free pages back (a heap walk: large tensors only).
+                trim(0)
 
     return StreamingPlanner()
 
