@@ -169,6 +169,7 @@ def convert_file(
                 source,
                 os.fspath(dst),
                 in_fmt=in_fmt,
+                dtype=dtype,
                 transform=lambda tree: options.apply(tree, source=source),
                 allow_globals=allow,
                 overwrite=overwrite,

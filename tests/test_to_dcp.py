@@ -278,3 +278,15 @@ def test_peak_memory_is_a_tensor_or_two_above_importing_torch_never_the_model(tm
     loaded = _peak_rss(convert.format(str(tmp_path / "m.safetensors"), f"{tmp_path / 'l'}/", False))
     assert streamed - floor < 40 << 20 and loaded - floor > 80 << 20, (floor >> 20, streamed >> 20, loaded >> 20)
     assert_same_folder(tmp_path / "s", tmp_path / "l")
+
+
+def test_a_cast_into_a_dcp_folder_goes_the_torch_way(tmp_path: Path) -> None:
+    done = ckptfix.convert_file(FIXTURES / "deepspeed" / "zero2_fp32", f"{tmp_path / 'out'}/", dtype="bf16")
+    assert done.method == "torch"
+    want = torch.load(FIXTURES / "deepspeed" / "zero2_fp32.expected.pt", weights_only=True)
+    assert_same(dict(ckptfix.load(tmp_path / "out")), {k: t.to(torch.bfloat16) if t.is_floating_point() else t
+                                                      for k, t in want.items()})  # fmt: skip
+    with pytest.raises(to_dcp.Fallback, match="casting to bfloat16 into a DCP folder needs torch"):
+        to_dcp.convert_to_dcp(str(FIXTURES / "single.pt"), str(tmp_path / "x"), in_fmt="torch-zip",
+                              transform=lambda tree: tree, dtype="bfloat16")  # fmt: skip
+    assert sorted(os.listdir(tmp_path)) == ["out"]

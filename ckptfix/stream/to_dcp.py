@@ -52,9 +52,13 @@ def convert_to_dcp(
     transform: Callable[[Any], Conversion],
     allow_globals: tuple[str, ...] = (),
     overwrite: bool = False,
+    dtype: str | None = None,
 ) -> Conversion:
     """Write checkpoint ``src`` (a folder, ``.pt`` or ``.safetensors``) after ``transform`` as DCP folder ``dst``,
-    one tensor in memory at a time. Raises :class:`Fallback` before anything is written where it does not apply."""
+    one tensor in memory at a time. Raises :class:`Fallback` before anything is written where it does not apply
+    (``dtype``: a cast is the torch path's here)."""
+    if dtype is not None:
+        raise Fallback(f"casting to {dtype} into a DCP folder needs torch")
     allowed = allowlist.allowed_names(allow_globals, source=src)
     tree, kind, files, z = _open(src, in_fmt=in_fmt, allow_globals=allow_globals, allowed=allowed)
     try:
