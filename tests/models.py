@@ -232,10 +232,13 @@ def _ddp_worker(rank: int, store_path: str, out_dir: str) -> None:
 def start_method() -> str:
     """fork: the children need no fresh torch import, most of a spawn's cost on a busy machine. A forked child
     would inherit an initialised default group (the session gloo_world fixture) or a CUDA context it cannot use
-    (an earlier test ran on the GPU), so spawn then."""
+    (an earlier test ran on the GPU), so spawn then; and wherever a GPU is: ``torch.cuda.is_available()``, which
+    torch's DCP writer calls on every save, starts the CUDA driver without ``is_initialized()`` saying so, and a
+    forked child's first CUDA call (an optimizer step checks for graph capture) then fails."""
     import torch.distributed as dist
 
-    return "spawn" if dist.is_initialized() or torch.cuda.is_initialized() else "fork"
+    busy = dist.is_initialized() or torch.cuda.is_initialized() or torch.cuda.is_available()
+    return "spawn" if busy else "fork"
 
 
 def ddp_rank_files(out: Path) -> list[Path]:
