@@ -1,5 +1,6 @@
 """Benchmark: a DeepSpeed ZeRO-3 bf16 run folder into one .safetensors file: `ckptfix convert` against DeepSpeed's
-own `zero_to_fp32.py` (the script it copies beside every checkpoint) and `cp -r` + `sync` of the folder, in one run.
+own `zero_to_fp32.py` (the script it copies beside every checkpoint) and `cp -r` + `sync` of the folder, in one run;
+and into a DCP folder, streamed and (``--no-fast``) loaded whole into memory first.
 
     python bench/bench_deepspeed.py                      # ~2 GB run folder, 3 rounds, warm cache
     python bench/bench_deepspeed.py --layers 4 --repeat 1  # small, a smoke test
@@ -65,6 +66,10 @@ def methods(run: Path, out: Path, *, options: bool) -> list[tuple[str, list[str]
         ("`cp -r` + `sync`", ["sh", "-c", f"cp -r {run} {out / 'copy'} && sync"], out / "copy"),
         ("`ckptfix convert run/ model.safetensors`", [*CKPTFIX, "convert", str(run), str(out / "m.safetensors")],
          out / "m.safetensors"),
+        ("`ckptfix convert run/ out/` (DCP folder, streamed)", [*CKPTFIX, "convert", str(run), f"{out / 'dcp'}/"],
+         out / "dcp"),
+        ("… `--no-fast` (DCP folder, loaded in memory: before)",
+         [*CKPTFIX, "convert", "--no-fast", str(run), f"{out / 'dcp-mem'}/"], out / "dcp-mem"),
         ("`zero_to_fp32.py --safe_serialization`", z2f, out / "z2f"),
         ("… + `sync`", ["sh", "-c", " ".join(z2f) + " && sync"], out / "z2f"),
     ]  # fmt: skip

@@ -160,6 +160,25 @@ def convert_file(
     )
     if why_not is not None:
         notes.append(f"fast path not taken: {why_not}")
+    elif out_fmt == "dcp":
+        from ckptfix.stream import Fallback
+        from ckptfix.stream.to_dcp import convert_to_dcp
+
+        try:
+            streamed = convert_to_dcp(
+                source,
+                os.fspath(dst),
+                in_fmt=in_fmt,
+                dtype=dtype,
+                transform=lambda tree: options.apply(tree, source=source),
+                allow_globals=allow,
+                overwrite=overwrite,
+            )
+            streamed.method = "stream"
+            _note_losses(streamed, out_fmt)
+            return streamed
+        except Fallback as e:
+            notes.append(f"fast path not taken: {e}")
     elif in_fmt == "folder" or (in_fmt == "safetensors" and (dtype is not None or shard_size is not None)):
         from ckptfix.stream import Fallback
         from ckptfix.stream.folder_torch import convert_folder_to_torch
@@ -239,8 +258,6 @@ def _torch_path_reason(
     *, fast: bool, dtype: str | None, unsafe: bool, in_fmt: str, out_fmt: str, sharded: bool
 ) -> str | None:
     """Why the fast path is not even tried, for ``-v`` (None: it is tried)."""
-    if out_fmt == "dcp":
-        return "torch's DCP writer writes the folder"
     streams = in_fmt in ("folder", "safetensors")  # their tensors are byte ranges: cast or sharded as they stream
     if sharded and (not streams or out_fmt != "safetensors"):
         return "shards are written one by one from the loaded checkpoint"

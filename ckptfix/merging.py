@@ -38,6 +38,7 @@ from ckptfix.errors import AverageError, MergeError, UsageError
 from ckptfix.formats import detect_format, opaque, output_format, write
 from ckptfix.formats.atomic import PathLike, check_output
 from ckptfix.formats.depth import deep
+from ckptfix.formats.flatparams import FlatSliceRecord
 from ckptfix.formats.raw import as_tensor
 from ckptfix.formats.shards import DTensorRecord, RankFilesError, ShardedTensorRecord
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 BUFFER_STRATEGIES: tuple[str, ...] = ("pooled", "mean", "rank0")
-_SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord)  # one rank's part of a tensor, assembled from every rank
+# one rank's part of a tensor, assembled from every rank (FlatSliceRecord: a parameter of an FSDP1 flat parameter)
+_SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord, FlatSliceRecord)
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
 
 
@@ -185,6 +187,8 @@ def merge_files(
     overwrite: bool = False,
     average: bool = False,
     weights: Sequence[float] | None = None,
+    optimizer: bool = False,
+    model: Any = None,
 ) -> MergeResult:
     """Merge per-rank files (or folders) into ``out`` key by key; nothing is written when parameters diverge.
 
@@ -198,6 +202,14 @@ def merge_files(
     there. The other entries come from the first input; one that was not loaded (it needs globals outside the
     allowlist, see :mod:`ckptfix.formats.opaque`) is copied as its pickle records into a ``.pt`` output (said in
     ``notes``), refused if it can run code or the output is ``.safetensors``; ``model_only`` leaves all of them out.
+    FSDP1 LOCAL_STATE_DICT rank files (flat parameters) need ``model``, the model that was wrapped (unwrapped, on
+    any device): it says which parameters each flat parameter joins, and the merge writes FULL_STATE_DICT's keys.
+
+    FSDP1 SHARDED_STATE_DICT rank files holding the sharded optimizer state too (``FSDP.optim_state_dict``) leave
+    it out, said in ``notes``; ``optimizer=True`` (a ``.pt`` output only) consolidates it instead: each ShardedTensor
+    reassembled as the model's are, ``step`` and ``param_groups`` checked equal on every rank and written once,
+    keyed by parameter name as ``FSDP.optim_state_dict`` gives it under FULL_STATE_DICT. Rank files holding the
+    optimizer state alone merge only with ``optimizer=True``.
 
     ``average=True`` (or ``weights``) averages checkpoints of one model as :func:`merge` does, streamed the same
     way (one tensor of one file at a time, and the float64 sum); the other entries come from the last file.
@@ -211,6 +223,8 @@ def merge_files(
     keys = set(buffer_keys)
     scale = _weights(len(paths), average=average, weights=weights, buffers=buffers, atol=atol, buffer_keys=keys)
     fmt = output_format(out)
+    if optimizer:
+        _check_optimizer(out, fmt=fmt, model_only=model_only)
     check_output(out, inputs=tuple(paths), overwrite=overwrite)
     labels = [os.fspath(p) for p in paths]
     allowed = tuple(allow_globals)
@@ -243,9 +257,14 @@ def merge_files(
                 f"{first}: holds {what}; average full checkpoints: reassemble each run's rank files with "
                 f"`ckptfix merge` first, then average the results"
             )
+        if optimizer and kind != "sharded-tensor":
+            from ckptfix.sharded_optim import no_optimizer_message
+
+            raise UsageError(no_optimizer_message(first or labels[0]))
         if sharded:
             stack.close()
-            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options, fsdp1=kind != "dtensor")
+            return _merge_dtensor(labels, out, fmt=fmt, allow_globals=allowed, options=options, fsdp1=kind != "dtensor",
+                                  optimizer=optimizer, model=model)  # fmt: skip
         for opened in inputs:
             refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
             opaque.require(opened.tree, wanted=None, source=opened.source)
@@ -270,8 +289,9 @@ def merge_files(
     return merger.finish()
 
 
-def _stream_merged(merger: _Merger, writer: Any) -> None:
-    """Run the merge into ``writer``, tensor by tensor; a merge that diverged writes nothing (the temp file goes)."""
+def _stream_merged(merger: _Merger, writer: Any, *, then: Callable[[Any], None] | None = None) -> None:
+    """Run the merge into ``writer``, tensor by tensor, then ``then(writer)`` (tensors outside the model); a merge
+    that diverged writes nothing (the temp file goes)."""
     with contextlib.suppress(_Diverged), writer:
 
         def put(entry: int, key: str, value: Any) -> None:
@@ -282,6 +302,8 @@ def _stream_merged(merger: _Merger, writer: Any) -> None:
         merger.run(put)
         if merger.result.diverged:
             raise _Diverged  # the temp file is removed, as for any error: nothing is written
+        if then is not None:
+            then(writer)
 
 
 def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, model_only: bool) -> Opened:
@@ -306,10 +328,14 @@ def _merge_dtensor(
     allow_globals: tuple[str, ...],
     options: dict[str, Any],
     fsdp1: bool = False,
+    optimizer: bool = False,
+    model: Any = None,
 ) -> MergeResult:
     """FSDP2 rank files (or FSDP1 SHARDED_STATE_DICT ones: ``fsdp1``): full tensors reassembled from every rank's
     shards, one tensor at a time, and written at once; the rest merged as for DDP. FSDP2 files the streaming
-    writer cannot take are reassembled in memory."""
+    writer cannot take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated
+    (``optimizer``). FSDP1 LOCAL_STATE_DICT flat parameters are split by ``model``: one joined flat parameter is
+    held at a time, each parameter cut from it."""
     from ckptfix.formats import allowlist
     from ckptfix.formats.shards import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
 
@@ -318,43 +344,120 @@ def _merge_dtensor(
     with contextlib.ExitStack() as stack:
         ranks: list[_Rank] = []
         for path in paths:
-            ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1))
+            ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1, model=model))
             stack.enter_context(ranks[-1])
         pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
         (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
-        _Ranks(ranks, paths)  # each rank's DTensor records read through it
+        full = _Ranks(ranks, paths)  # each rank's DTensor records read through it
+        optim = _Optimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"]) if fsdp1 else None
+        if optim is not None and optim.alone:
+            try:
+                return optim.write_alone(full, out, fmt=fmt)
+            except CannotStream as e:
+                raise _unstreamable(paths[0], e) from e
         merger = _Merger(list(ranks), paths, **options)
         merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
-        if fsdp1 and not options["model_only"]:
-            _refuse_sharded_outside_model(ranks[0], merger.result.entries)
         try:
-            if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
-                raise CannotStream("a big-endian rank file, whose bytes torch swaps")
-            writer = streamed_writer(merger.assemble(merger.template), out, fmt=fmt, base=ranks[0])
+            _check_little_endian(ranks)
+            tree = merger.assemble(merger.template)
+            writer = streamed_writer(optim.output(tree) if optim else tree, out, fmt=fmt, base=ranks[0])
         except CannotStream as e:
-            if fsdp1:  # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
-                raise RankFilesError(
-                    f"{paths[0]}: these FSDP1 rank files cannot be streamed ({e}); re-save them"
-                ) from e
+            if fsdp1:
+                raise _unstreamable(paths[0], e) from e
             stack.close()
             return _merge_dtensor_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
-        _stream_merged(merger, writer)
+        _stream_merged(merger, writer, then=optim.filler(full) if optim else None)
     result = merger.finish()
-    result.reassembled = {r.key.replace("\0", "."): r.sharding for r in ranks[0].records.values()}
-    return result
+    found = ranks[0].split or ranks[0].records  # LOCAL_STATE_DICT: the parameters cut from flat parameters
+    result.reassembled = {r.key.replace("\0", "."): r.sharding for r in found.values()}
+    return optim.report(result) if optim else result
 
 
-def _refuse_sharded_outside_model(rank: _Rank, entries: list[str]) -> None:
-    """FSDP1 ShardedTensors outside the model (optimizer state from ``FSDP.optim_state_dict`` under
-    SHARDED_STATE_DICT) would be copied from the first rank as its shards: refused, ``--model-only`` drops them."""
-    if entries == [""]:
-        return  # the file is the model state dict
-    for key in rank.records:
-        if key.split("\0")[0] not in entries:
-            raise RankFilesError(
-                f"{rank.source}: '{key.replace(chr(0), '.')}' is a ShardedTensor outside the model state dict (FSDP1 "
-                f"optimizer state?), which ckptfix does not reassemble; pass --model-only to write the model alone"
-            )
+def _check_little_endian(ranks: list[_Rank]) -> None:
+    if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
+        raise CannotStream("a big-endian rank file, whose bytes torch swaps")
+
+
+def _unstreamable(path: str, e: CannotStream) -> RankFilesError:
+    # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
+    return RankFilesError(f"{path}: these FSDP1 rank files cannot be streamed ({e}); re-save them")
+
+
+@dataclass
+class _Optimizer:
+    """FSDP1 sharded optimizer state in rank files (ShardedTensors outside the model state dict): ``entries`` of
+    the checkpoint (``[""]``: the file is the optimizer state dict alone), consolidated or left out."""
+
+    ranks: list[_Rank]
+    entries: list[str]
+    consolidate: bool
+    model_only: bool
+    placeholders: dict[str, Placeholder] = field(default_factory=dict)  # ShardedTensor key -> its full tensor
+
+    @classmethod
+    def of(cls, ranks: list[_Rank], paths: list[str], *, wanted: bool, model_only: bool) -> _Optimizer | None:
+        """The sharded optimizer state of FSDP1 rank files, checked across ranks when ``wanted`` (before any
+        write); None when there is none (a usage error when ``wanted``)."""
+        from ckptfix.sharded_optim import alone_message, check_beside_shards, no_optimizer_message, outside_entries
+
+        tree = ranks[0].tree
+        entries = outside_entries(tree, list(ranks[0].records), model_entries(tree))
+        if not entries:
+            if wanted:
+                raise UsageError(no_optimizer_message(paths[0]))
+            return None
+        if entries == [""] and not wanted:
+            raise UsageError(alone_message(paths[0]))
+        if wanted:
+            check_beside_shards([r.tree for r in ranks], [r.raw for r in ranks], paths, entries=entries)
+        return cls(ranks, entries, consolidate=wanted, model_only=model_only)
+
+    @property
+    def alone(self) -> bool:
+        return self.entries == [""]
+
+    def output(self, tree: Any) -> Any:
+        """The merged checkpoint to write: the entries consolidated (placeholders to fill) or left out."""
+        from ckptfix.sharded_optim import consolidated, without
+
+        if self.model_only:
+            return tree  # the model alone: the entries are left out with the rest
+        if not self.consolidate:
+            return without(tree, self.entries)
+        tree, self.placeholders = consolidated(tree, self.entries)
+        return tree
+
+    def filler(self, full: _Ranks) -> Callable[[Any], None]:
+        """What hands the writer each consolidated tensor, reassembled one at a time from every rank."""
+
+        def fill(writer: Any) -> None:
+            for key, placeholder in self.placeholders.items():
+                writer.put(placeholder, full.full(key))
+
+        return fill
+
+    def write_alone(self, full: _Ranks, out: PathLike, *, fmt: str) -> MergeResult:
+        """Rank files holding the optimizer state alone: the consolidated optimizer state dict into ``out``."""
+        _check_little_endian(self.ranks)
+        writer = streamed_writer(self.output(self.ranks[0].tree), out, fmt=fmt, base=self.ranks[0])
+        with writer:
+            self.filler(full)(writer)
+        return self.report(MergeResult())
+
+    def report(self, result: MergeResult) -> MergeResult:
+        """``result`` saying what became of the entries: their note, and only what was written as reassembled."""
+        from ckptfix.sharded_optim import consolidated_note, in_entries, left_out_note
+
+        records = self.ranks[0].records.values()
+        written = [r for r in records if self.consolidate or not in_entries(r.key, self.entries)]
+        result.reassembled = {r.key.replace("\0", "."): r.sharding for r in written}
+        if self.model_only:  # left out with the other entries, as --model-only says
+            return result
+        result.kept_from_first = [k for k in result.kept_from_first if k not in self.entries]
+        for entry in self.entries:
+            count = sum(in_entries(r.key, [entry]) for r in records)
+            result.notes.append((consolidated_note if self.consolidate else left_out_note)(entry, count))
+        return result
 
 
 def _merge_dtensor_in_memory(
@@ -380,35 +483,47 @@ class _Rank(Opened):
     is the full tensor, assembled from every rank's piece by the ranks' :class:`_Ranks`."""
 
     records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
+    split: dict[str, FlatSliceRecord] = field(default_factory=dict)  # FSDP1 LOCAL_STATE_DICT: each parameter
     ranks: Any = None
 
     def tensor(self, value: Any) -> torch.Tensor:
+        if isinstance(value, FlatSliceRecord):  # a copy: the joined flat parameter is freed when the next is built
+            flat = self.ranks.full(value.flat.key)
+            return flat.narrow(0, value.offset, math.prod(value.shape)).view(value.shape).clone()  # type: ignore[no-any-return]
         if isinstance(value, _SHARD_RECORDS):
             return self.ranks.full(value.key)  # type: ignore[no-any-return]
         return super().tensor(value)
 
 
-def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False) -> _Rank:
+def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None) -> _Rank:
     from ckptfix.formats.shards import describe_fsdp1_rank, describe_rank
     from ckptfix.formats.torchfile import file_identity
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         before = file_identity(fd)
-        z, tree = (describe_fsdp1_rank if fsdp1 else describe_rank)(fd, path, allowed=allowed)
+        if fsdp1:
+            z, tree = describe_fsdp1_rank(fd, path, allowed=allowed, model=model)
+        else:
+            z, tree = describe_rank(fd, path, allowed=allowed)
     except BaseException:
         os.close(fd)
         raise
-    records = {}
+    records: dict[str, Any] = {}
+    split: dict[str, FlatSliceRecord] = {}
     stack = [tree]
-    while stack:  # the DTensors sit in the (nested) dicts of the checkpoint
+    while stack:  # the DTensors sit in the (nested) dicts of the checkpoint, taken in its order (the model first)
         node = stack.pop()
+        inner = []
         for value in node.values() if isinstance(node, dict) else ():
-            if isinstance(value, _SHARD_RECORDS):
+            if isinstance(value, FlatSliceRecord):  # its flat parameter is what the ranks' files must agree on
+                records[value.flat.key], split[value.key] = value.flat, value
+            elif isinstance(value, _SHARD_RECORDS):
                 records[value.key] = value
             elif isinstance(value, dict):
-                stack.append(value)
-    return _Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records)
+                inner.append(value)
+        stack.extend(reversed(inner))
+    return _Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records, split=split)
 
 
 class _Ranks:
@@ -444,6 +559,17 @@ class _Ranks:
 
 class _Diverged(Exception):  # noqa: N818 - a signal, not an error
     """Raised inside the output's block so that nothing is written."""
+
+
+def _check_optimizer(out: PathLike, *, fmt: str, model_only: bool) -> None:
+    """``optimizer=True``: the optimizer state with the model, into one ``.pt`` file (a usage error otherwise)."""
+    if model_only:
+        raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
+                         "alone); drop one")  # fmt: skip
+    if fmt != "torch":
+        raise UsageError(f"optimizer=True writes the optimizer state into one .pt file, but {os.fspath(out)} asks for "
+                         f"{'a .safetensors file (tensors only)' if fmt == 'safetensors' else fmt}; write a .pt, or "
+                         f"drop optimizer=True")  # fmt: skip
 
 
 def _check_options(count: int, *, buffers: str, to: str) -> str:

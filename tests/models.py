@@ -1,7 +1,7 @@
 """The one test model, the few variants that particular checks need, its real wrapped forms, and a 2-rank DDP run.
 
 Factories for ``--model``: ``tests.models:SmallNet``, ``…:small_net``, ``…:wrong_head``, ``…:RenamedNet``,
-``…:Refusing``, ``…:ScaledHead``.
+``…:Refusing``, ``…:ScaledHead``, ``…:TiedNet``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,20 @@ class ScaledHead(nn.Module):
         self.head = nn.Linear(2, 2)
         self.module = nn.Module()
         self.module.register_buffer("scale", torch.ones(2))
+
+
+class TiedNet(SmallNet):
+    """SmallNet with two linear layers sharing one weight (``tied.weight`` is ``mid.weight``) before the head, as
+    language models tie their embedding and output weights."""
+
+    def __init__(self, width: int = 4, seed: int = 0) -> None:
+        super().__init__(width=width, seed=seed)
+        self.mid = nn.Linear(width, width)
+        self.tied = nn.Linear(width, width)
+        self.tied.weight = self.mid.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tied(self.mid(self.features(x)).relu()))  # type: ignore[no-any-return]
 
 
 # --- the real wrappers ------------------------------------------------------------------------------------------
@@ -218,10 +232,13 @@ def _ddp_worker(rank: int, store_path: str, out_dir: str) -> None:
 def start_method() -> str:
     """fork: the children need no fresh torch import, most of a spawn's cost on a busy machine. A forked child
     would inherit an initialised default group (the session gloo_world fixture) or a CUDA context it cannot use
-    (an earlier test ran on the GPU), so spawn then."""
+    (an earlier test ran on the GPU), so spawn then; and wherever a GPU is: ``torch.cuda.is_available()``, which
+    torch's DCP writer calls on every save, starts the CUDA driver without ``is_initialized()`` saying so, and a
+    forked child's first CUDA call (an optimizer step checks for graph capture) then fails."""
     import torch.distributed as dist
 
-    return "spawn" if dist.is_initialized() or torch.cuda.is_initialized() else "fork"
+    busy = dist.is_initialized() or torch.cuda.is_initialized() or torch.cuda.is_available()
+    return "spawn" if busy else "fork"
 
 
 def ddp_rank_files(out: Path) -> list[Path]:

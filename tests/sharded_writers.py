@@ -8,12 +8,14 @@ Each run leaves in its folder: ``dcp/`` (``dcp.save`` of the model and optimizer
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from tests.models import SmallNet, inputs, start_method
+from tests.models import SmallNet, TiedNet, inputs, start_method
 
 # FSDP2 (fully_shard) on the CPU with gloo: torch 2.6 and older fail inside it (no fully_shard export before 2.6, a
 # CPU stream without record_event in 2.6); the rank-file tests that need a real run skip there.
@@ -70,25 +72,36 @@ def _worker(rank: int, store_path: str, out_dir: str, mode: str) -> None:
         dist.destroy_process_group()
 
 
-def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
+def _fsdp1_worker(rank: int, store_path: str, out_dir: str, world: int, width: int, orig: bool, tied: bool,
+                  mixed: bool) -> None:  # fmt: skip
     """FSDP1 (flat parameters) after one training step on rank-dependent data (so BatchNorm statistics differ):
     each rank's flat-parameter slice, its LOCAL_STATE_DICT and SHARDED_STATE_DICT (ShardedTensors; ``train<R>.pt``
     with the sharded optimizer state too), and rank 0's FULL_STATE_DICT (the truth). The head is its own FSDP
-    unit, so keys nest under two flat parameters."""
+    unit, so keys nest under two flat parameters. A second model trained with AdamW writes its files too
+    (:func:`_fsdp1_adamw`); ``full_optim.pt`` holds both optimizers' state under FULL_STATE_DICT. Other jobs (for
+    LOCAL_STATE_DICT, without the AdamW model): ``orig``: ``use_orig_params=True`` (FSDP pads the flat parameter
+    so that each parameter starts 16 bytes in, and to a multiple of the world size); ``tied``: :class:`TiedNet`;
+    ``mixed``: ``MixedPrecision(param_dtype=torch.bfloat16)`` (the alignment is then 16 bytes of bfloat16) and no
+    training step (CPU BatchNorm has no bfloat16 kernel)."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, StateDictType
 
     torch.set_num_threads(1)
     out = Path(out_dir)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     try:
-        net = SmallNet(width=width)
-        net.head = FullyShardedDataParallel(net.head, device_id=torch.device("cpu"))  # type: ignore[assignment]
-        model = FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=False)
+        net = TiedNet(width=width) if tied else SmallNet(width=width)
+        how: dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": orig}
+        if mixed:
+            how["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
+        net.head = FullyShardedDataParallel(net.head, **how)  # type: ignore[assignment]
+        model = FullyShardedDataParallel(net, **how)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model(inputs(rank)).square().mean().backward()
-        opt.step()
-        torch.save({name: p.detach() for name, p in model.named_parameters()}, out / f"flat{rank}.pt")
+        if not mixed:
+            model(inputs(rank)).square().mean().backward()
+            opt.step()
+        if not orig:  # with the original parameters, named_parameters() holds no flat parameter
+            torch.save({name: p.detach() for name, p in model.named_parameters()}, out / f"flat{rank}.pt")
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
             torch.save(model.state_dict(), out / f"local{rank}.pt")
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
@@ -97,22 +110,105 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, width: int) -> None:
             torch.save({"model": model.state_dict(), "optim": optim, "epoch": 1}, out / f"train{rank}.pt")
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
             full = model.state_dict()
+            full_optim = FullyShardedDataParallel.optim_state_dict(model, opt)  # FQN keys, full tensors
+        plain = not (orig or tied or mixed) and world == WORLD
+        adamw = _fsdp1_adamw(rank, out, width) if plain else {}  # the optimizer's files: of the plain job only
         if rank == 0:
             torch.save(full, out / "full.pt")
+            torch.save({"sgd": full_optim, **adamw}, out / "full_optim.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def write_fsdp1(out: Path, *, width: int = 8) -> Path:
-    """``flat<R>.pt``, ``local<R>.pt``, ``sharded<R>.pt`` of a 2-rank FSDP1 job and ``full.pt`` (rank 0's
-    FULL_STATE_DICT), in ``out``. ``width``: SmallNet's, another model for files of two runs."""
+def _fsdp1_model(width: int, *, seed: int = 0) -> torch.nn.Module:
+    """SmallNet under FSDP1 on the CPU, its head its own FSDP unit (in a process group)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    net = SmallNet(width=width, seed=seed)
+    net.head = FullyShardedDataParallel(net.head, device_id=torch.device("cpu"))  # type: ignore[assignment]
+    return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=False)
+
+
+def _fsdp1_adamw(rank: int, out: Path, width: int) -> dict[str, Any]:
+    """FSDP1 with AdamW (``exp_avg``, ``exp_avg_sq``, ``step``), two steps: ``adamw<R>.pt`` ({"model", "optim",
+    "epoch"} after the first, SHARDED_STATE_DICT), ``adamw_optim<R>.pt`` (the optimizer state alone), then
+    ``adamw_lr<R>.pt`` (the learning rate changed) and ``adamw_step2<R>.pt`` (after the second step): files whose
+    state beside the shards differs. Returns the FULL_STATE_DICT model and optimizer state after the first step."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    model = _fsdp1_model(width)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    def save(name: str, *, alone: str | None = None) -> None:
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            optim = FullyShardedDataParallel.optim_state_dict(model, opt)  # ShardedTensor moments
+            torch.save({"model": model.state_dict(), "optim": optim, "epoch": 1}, out / f"{name}{rank}.pt")
+            if alone is not None:
+                torch.save(optim, out / f"{alone}{rank}.pt")
+
+    model(inputs(rank)).square().mean().backward()
+    opt.step()
+    save("adamw", alone="adamw_optim")
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        # copied: the state dict's buffers are the module's own, which the second step below changes
+        truth = copy.deepcopy({"adamw_model": model.state_dict(),
+                               "adamw": FullyShardedDataParallel.optim_state_dict(model, opt)})  # fmt: skip
+    opt.param_groups[0]["lr"] = 0.02
+    save("adamw_lr")
+    model(inputs(rank + 2)).square().mean().backward()
+    opt.step()
+    save("adamw_step2")
+    return truth
+
+
+def write_fsdp1(
+    out: Path, *, width: int = 8, world: int = WORLD, orig: bool = False, tied: bool = False, mixed: bool = False
+) -> Path:
+    """``flat<R>.pt``, ``local<R>.pt``, ``sharded<R>.pt``, ``train<R>.pt`` and the AdamW files of a 2-rank FSDP1
+    job, ``full.pt`` (rank 0's FULL_STATE_DICT) and ``full_optim.pt`` (the optimizers' under FULL_STATE_DICT), in
+    ``out``. ``width``: SmallNet's, another model for files of two runs. Other jobs, without the AdamW files and
+    ``flat<R>.pt`` with ``orig``: ``world`` ranks; ``orig``: ``use_orig_params=True``; ``tied``:
+    :class:`~tests.models.TiedNet` (a shared weight); ``mixed``: bfloat16 MixedPrecision, untrained."""
     import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out), width), nprocs=WORLD, join=True,
-                       start_method=start_method())  # fmt: skip
+    args = (str(out / "store"), str(out), world, width, orig, tied, mixed)
+    mp.start_processes(_fsdp1_worker, args=args, nprocs=world, join=True, start_method=start_method())
     return out
+
+
+def _fsdp1_resume_worker(rank: int, store_path: str, merged: str, out_path: str) -> None:
+    """A fresh 2-rank FSDP1 job resuming from a merged ``{"model", "optim"}`` as FSDP documents it: the full model
+    state dict loaded under FULL_STATE_DICT, the optimizer's through ``FSDP.optim_state_dict_to_load``; rank 0
+    saves the optimizer state it then holds (under FULL_STATE_DICT)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        model = _fsdp1_model(8, seed=99)  # other weights, another learning rate: all must come from the file
+        opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+        state = torch.load(merged, weights_only=True)
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, opt, state["optim"]))
+            back = FullyShardedDataParallel.optim_state_dict(model, opt)
+        if rank == 0:
+            torch.save(back, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def resume_fsdp1(merged: Path, out: Path) -> dict[str, Any]:
+    """Resume a 2-rank FSDP1 job (AdamW) from ``merged``; the optimizer state it holds afterwards."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_fsdp1_resume_worker, args=(str(out.parent / "fsdp1-resume-store"), str(merged), str(out)),
+                       nprocs=WORLD, join=True, start_method=start_method())  # fmt: skip
+    return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
 
 
 def _resume_worker(rank: int, store_path: str, ckpt_dir: str, out_path: str) -> None:

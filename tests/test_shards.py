@@ -207,13 +207,38 @@ def test_merge_refuses_rank_files_that_are_not_one_whole_run_in_one_line(run: Pa
 def test_merge_says_what_fsdp1_rank_files_are_and_what_to_do(fsdp1: Path, tmp_path: Path) -> None:
     cases = [
         ("flat", "'_fsdp_wrapped_module._flat_param' is an FSDP1 flat parameter", "full_state_dict=True"),
-        ("local", "'_flat_param' is an FSDP1 LOCAL_STATE_DICT flat parameter (", "cannot be split offline"),
-    ]
+        ("local", "'_flat_param' is an FSDP1 LOCAL_STATE_DICT flat parameter (840 elements of many parameters joined)",
+         "pass the model that was wrapped to split it (ckptfix merge --model MOD:FACTORY, with --kwargs JSON"),
+    ]  # fmt: skip
     for stem, message, advice in cases:
         result = _cli("merge", fsdp1 / f"{stem}0.pt", fsdp1 / f"{stem}1.pt", "-o", tmp_path / "m.pt")
         assert result.exit_code == 2, result.output
         assert message in result.output and advice in result.output
         assert result.output.count("\n") == 1 and not (tmp_path / "m.pt").exists()
+
+
+def test_fsdp1_local_state_dicts_merge_with_the_model_into_the_full_state_dict(fsdp1: Path, tmp_path: Path) -> None:
+    ranks = [fsdp1 / f"local{r}.pt" for r in range(sharded_writers.WORLD)]
+    full = torch.load(fsdp1 / "full.pt", weights_only=True)  # rank 0's FULL_STATE_DICT in the same job
+    out = tmp_path / "full.pt"
+    model = ("--model", "tests.models:SmallNet", "--kwargs", '{"width": 8}')
+    result = _cli("merge", *ranks, "-o", out, "--buffers", "rank0", *model)
+    assert result.exit_code == 0, result.output
+    merged = ckptfix.load(out)
+    assert list(merged) == list(full) and all(torch.equal(merged[k], v) for k, v in full.items())
+    # by default each rank's BatchNorm statistics are pooled, as for SHARDED_STATE_DICT files
+    pooled = json.loads(_cli("merge", *ranks, "-o", tmp_path / "pooled.pt", "--json", *model).output)
+    assert pooled["bn_modules"] == ["features.1", "features.4"]
+    assert pooled["reassembled"]["features.0.weight"] == "ShardedTensor, 2 shard(s) over 2 rank(s), split from " \
+                                                         "'_flat_param'"  # fmt: skip
+    wide = _cli("merge", *ranks, "-o", tmp_path / "m.pt", *model[:-1], '{"width": 12}')
+    have, need = (sum(p.numel() for p in SmallNet(width=w).features.parameters()) for w in (8, 12))  # the root unit
+    assert wide.exit_code == 2 and wide.output == (
+        f"ckptfix: error: {ranks[0]}: '_flat_param' holds {have} elements, but the 8 parameter(s) of the model's root "
+        f"module need {need} ({need} with use_orig_params=True padding); pass the model that was wrapped, built with "
+        f"the same arguments\n"
+    )
+    assert not (tmp_path / "m.pt").exists()
 
 
 @pytest.mark.parametrize("out_name", ["full.pt", "full.safetensors"])
@@ -245,6 +270,7 @@ def test_fsdp1_rank_files_missing_twice_or_of_two_runs_are_refused(fsdp1: Path, 
     ranks = [fsdp1 / f"sharded{r}.pt" for r in range(sharded_writers.WORLD)]
     other = sharded_writers.write_fsdp1(tmp_path / "wide", width=12)
     out = tmp_path / "m.pt"
+    model = ("--model", "tests.models:SmallNet", "--kwargs", '{"width": 8}')  # LOCAL_STATE_DICT files split by it
     cases = [
         ((ranks[0],), "'features.0.weight': the shards of rank(s) [1] are missing (1 file(s) for a job of 2 ranks); "
                       "pass every rank's file exactly once"),
@@ -256,8 +282,12 @@ def test_fsdp1_rank_files_missing_twice_or_of_two_runs_are_refused(fsdp1: Path, 
         ((ranks[0], fsdp1 / "full.pt"), f"{ranks[0]}: holds ShardedTensor shards (an FSDP1 rank file) but "
                                         f"{fsdp1 / 'full.pt'} holds full tensors"),
         ((ranks[0], fsdp1 / "local1.pt"), f"{fsdp1 / 'local1.pt'}: '_flat_param' is an FSDP1 LOCAL_STATE_DICT"),
+        ((ranks[0], fsdp1 / "local1.pt", *model), f"{fsdp1 / 'local1.pt'}: its sharded keys differ from {ranks[0]}'s "
+                                                  f"('_flat_param'…); files of two runs?"),
+        ((fsdp1 / "local1.pt", fsdp1 / "local1.pt", *model), f"{fsdp1 / 'local1.pt'}: rank 1 is given twice (also "
+                                                             f"{fsdp1 / 'local1.pt'}); pass every rank's file once"),
+        ((fsdp1 / "local0.pt", other / "local1.pt", *model), f"{other / 'local1.pt'}: '_flat_param' holds "),
         ((*ranks, "--average"), f"{ranks[0]}: holds ShardedTensor shards (an FSDP1 rank file); average full"),
-        ((fsdp1 / "train0.pt", fsdp1 / "train1.pt"), f"{fsdp1 / 'train0.pt'}: 'optim.state."),
     ]  # fmt: skip
     for args, message in cases:
         result = _cli("merge", *args, "-o", out)
@@ -266,9 +296,7 @@ def test_fsdp1_rank_files_missing_twice_or_of_two_runs_are_refused(fsdp1: Path, 
         assert error.startswith(f"ckptfix: error: {message}"), (args, error)
         assert "Traceback" not in result.output and not out.exists()
     shutil.rmtree(other)
-    trained = [fsdp1 / "train0.pt", fsdp1 / "train1.pt"]  # the model entry alone, once the optimizer is left out
-    assert ".momentum_buffer' is a ShardedTensor outside the model state dict (FSDP1 optimizer state?), which " \
-           "ckptfix does not reassemble; pass --model-only" in _cli("merge", *trained, "-o", out).output  # fmt: skip
+    trained = [fsdp1 / "train0.pt", fsdp1 / "train1.pt"]  # the model entry alone: the optimizer left out with the rest
     assert _cli("merge", *trained, "-o", out, "--model-only", "--buffers", "rank0").exit_code == 0
     full = torch.load(fsdp1 / "full.pt", weights_only=True)
     merged = ckptfix.load(out)

@@ -114,6 +114,23 @@ def test_a_signal_after_the_rename_says_the_output_was_written(tmp_path: Path, s
     assert _temp_files(tmp_path) == []
 
 
+def test_a_sigterm_after_the_command_returned_says_the_output_was_written(tmp_path: Path) -> None:
+    # A fast machine finishes the command before a scheduler's SIGTERM lands: the process is on its way out, and
+    # the line must still say the output is there, complete (it used to exit 143 saying nothing).
+    src, out = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save({"w": torch.arange(4.0)}, src)
+    late = (
+        "import os, sys, signal, ckptfix.cli as c; invoke = c._Group.invoke; "
+        "c._Group.invoke = lambda self, ctx: (invoke(self, ctx), os.kill(os.getpid(), signal.SIGTERM))[0]; "
+        "sys.argv[0] = 'ckptfix'; c.main()"
+    )
+    done = subprocess.run([sys.executable, "-c", late, "convert", str(src), str(out)], capture_output=True,
+                          text=True, timeout=120, preexec_fn=_default_signals)  # fmt: skip
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"ckptfix: terminated by SIGTERM after writing {out} in full"
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(4.0))
+
+
 def test_sigterm_during_merge_removes_the_temp_file(ranks: list[Path], tmp_path: Path) -> None:
     _check("merge", signal.SIGTERM, ranks, tmp_path)
 

@@ -152,7 +152,8 @@ def main() -> None:
         signal.signal(sig, raise_terminated)
     try:
         cli.main(prog_name="ckptfix")
-    except Terminated as e:  # arrived outside a command (while parsing, or exiting)
+    except Terminated as e:  # arrived outside a command: while parsing, or exiting after the outputs are in place
+        _error(_stopped(str(e)))
         sys.exit(128 + e.signum)
     finally:
         # Output to a pipe stays buffered until here; a reader that has gone shows up only at this flush.

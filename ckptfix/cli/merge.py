@@ -31,9 +31,21 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
     help="BatchNorm statistics: pooled (mean of means; mean of variances plus variance of means), mean, rank0.",
 )
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Allowed |Δ| between ranks' parameters.")
-@click.option("--model", "model_spec", metavar="MOD:FACTORY", help="Tells buffers from parameters (see below).")
+@click.option(
+    "--model",
+    "model_spec",
+    metavar="MOD:FACTORY",
+    help="The model that was trained: tells buffers from parameters, and splits FSDP1 flat parameters (see below).",
+)
 @click.option("--kwargs", metavar="JSON", help="Keyword arguments for the --model factory, as a JSON object.")
 @click.option("--model-only", is_flag=True, help="Write only the merged model state dict; drop RANK0's other entries.")
+@click.option(
+    "--optimizer",
+    is_flag=True,
+    help="FSDP1 SHARDED_STATE_DICT rank files into a .pt: consolidate their sharded optimizer state "
+    "(FSDP.optim_state_dict) into the full one, keyed by parameter name (off by default: it can be several times "
+    "the model, and is left out with a note).",
+)
 @click.option(
     "--average",
     is_flag=True,
@@ -58,6 +70,7 @@ def merge(
     model_spec: str | None,
     kwargs: str | None,
     model_only: bool,
+    optimizer: bool,
     average: bool,
     weights: list[float] | None,
     as_json: bool,
@@ -76,8 +89,11 @@ def merge(
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
-    mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors); an FSDP1 LOCAL_STATE_DICT
-    (flat parameters) is refused: it does not record the parameters' shapes. Entries RANK0 holds that were not
+    mesh, Replicate), and so are FSDP1 SHARDED_STATE_DICT rank files (ShardedTensors). FSDP1 LOCAL_STATE_DICT rank
+    files (flat parameters) need --model, the model that was wrapped: it says which parameters each flat parameter
+    joins (the file does not), and OUT holds FULL_STATE_DICT's keys. FSDP1 sharded optimizer state
+    (FSDP.optim_state_dict under SHARDED_STATE_DICT) is left out, said in a note, unless --optimizer consolidates
+    it (a .pt OUT; rank files holding the optimizer state alone too). Entries RANK0 holds that were not
     loaded (classes outside the allowlist) are copied as their pickle records into a .pt OUT, refused if they can
     run code or OUT is .safetensors: --model-only leaves them out.
 
@@ -90,10 +106,12 @@ def merge(
     Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
     Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o full.safetensors
+    Example: ckptfix merge fsdp1_rank0.pt fsdp1_rank1.pt -o full.pt --optimizer
+    Example: ckptfix merge local0.pt local1.pt -o full.pt --model mypkg.models:build_model
     Example: ckptfix merge step8000.pt step9000.pt step10000.pt -o avg.pt --average
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
-    from ckptfix.errors import MergeError
+    from ckptfix.errors import MergeError, as_flags
     from ckptfix.formats.atomic import check_output
     from ckptfix.merging import merge_files
 
@@ -108,7 +126,8 @@ def merge(
             if os.path.realpath(later) == os.path.realpath(earlier):
                 counts = "counts twice in the average" if averaging else "counts as two ranks"
                 warn(f"{later} is given twice; the same file {counts}")
-    buffer_keys = _buffer_keys(model_spec, kwargs) if model_spec else []
+    model = _model(model_spec, kwargs) if model_spec else None
+    buffer_keys = _buffer_keys(model) if model is not None else []
     result = merge_files(
         inputs,
         out,
@@ -120,11 +139,14 @@ def merge(
         unsafe=unsafe_pickle,
         model_only=model_only,
         overwrite=overwrite,
+        optimizer=optimizer,
         average=average,
         weights=weights,
+        model=model,
     )
     for message in result.warnings:
         warn(message)
+    result.notes = [as_flags(note) for note in result.notes]  # the library's optimizer=True is --optimizer here
     if as_json:
         echo_json(merge_json(result, inputs, out, to=to, buffers=buffers, atol=atol))
     elif result.diverged:
@@ -165,7 +187,8 @@ def merge_json(
 
 
 def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:
-    echo(f"merged {len(inputs)} rank file(s) (layouts: {', '.join(sorted(set(result.layouts_from)))})")
+    found = f" (layouts: {', '.join(sorted(set(result.layouts_from)))})" if result.layouts_from else ""
+    echo(f"merged {len(inputs)} rank file(s){found}")
     if result.reassembled:
         ways = sorted(set(result.reassembled.values()))
         kind = "ShardedTensor" if any(w.startswith("ShardedTensor") for w in ways) else "DTensor"  # FSDP1 or FSDP2
@@ -178,7 +201,8 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
         echo(f"BatchNorm statistics ({buffers}): {len(result.bn_modules)} module(s): {'; '.join(groups)}")
     if result.buffers_merged:
         echo(f"other buffers ({buffers}): {'; '.join(group_keys(result.buffers_merged))}")
-    echo("parameters: equal on every rank")
+    if result.entries:  # else the files hold optimizer state alone (merge --optimizer)
+        echo("parameters: equal on every rank")
     _tail(result, out, to=to, source=inputs[0])
 
 
@@ -198,7 +222,7 @@ def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
         echo(f"left out (--model-only): {', '.join(result.left_out)}")
     for note in result.notes:
         echo(note)
-    echo(f"wrote {out} (layout {to})")
+    echo(f"wrote {out}" + (f" (layout {to})" if result.entries else ""))
 
 
 def _parse_weights(value: str | None) -> list[float] | None:
@@ -212,12 +236,19 @@ def _parse_weights(value: str | None) -> list[float] | None:
         raise click.BadParameter(message) from None
 
 
-def _buffer_keys(model_spec: str, kwargs: str | None) -> list[str]:
+def _model(model_spec: str, kwargs: str | None) -> Any:
+    """The --model factory's model, on the meta device when the factory allows (as validate builds it): the merge
+    reads its names and shapes only, so a large model costs no memory."""
+    from ckptfix.loading import _build
+
+    return _build(lambda device: model_from_options(model_spec, kwargs, device=device))
+
+
+def _buffer_keys(model: Any) -> list[str]:
     """Names of the model's buffers in the single layout."""
     from ckptfix import layouts
     from ckptfix.checkpoint import apply_maps
 
-    model = model_from_options(model_spec, kwargs)
     # The layout is read from every key: buffers alone may all sit under a submodule that is named `module`.
     _, maps = layouts.conversion_maps(list(model.state_dict()), to="single", source="model")
     return list(apply_maps(dict(model.named_buffers()), maps, source="model"))

@@ -270,7 +270,7 @@ class ShardedCheckpointError(FormatError):
 
     ``kind``: ``dtensor`` (FSDP2 / tensor parallel: ``ckptfix merge`` reassembles them), ``sharded-tensor``
     (FSDP1 SHARDED_STATE_DICT: ``ckptfix merge`` reassembles them; or LOCAL_STATE_DICT) or ``flat-param`` (FSDP1
-    flat parameters, which cannot be split offline).
+    flat parameters: only a LOCAL_STATE_DICT's are split, by ``ckptfix merge`` given the model that was wrapped).
     """
 
     def __init__(self, message: str, *, kind: str) -> None:

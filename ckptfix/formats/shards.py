@@ -488,14 +488,18 @@ def _fsdp1_how(p: ShardedPiece) -> str:
     return f"ShardedTensor, {len(p.layout)} shard(s) over {p.world} rank(s)"
 
 
-def describe_fsdp1_rank(fd: int, path: str, *, allowed: frozenset[str], verify: bool = False) -> tuple[Any, Any]:
+def describe_fsdp1_rank(
+    fd: int, path: str, *, allowed: frozenset[str], verify: bool = False, model: Any = None
+) -> tuple[Any, Any]:
     """The checked archive of an FSDP1 SHARDED_STATE_DICT rank file, and its checkpoint with each ShardedTensor as
     a :class:`ShardedTensorRecord` (``piece.local`` holding inert records, read on demand). ``allowed`` must hold
-    :data:`SHARDED_TENSOR_GLOBALS`. A LOCAL_STATE_DICT (flat parameters) is refused: see :func:`_refuse_local`."""
+    :data:`SHARDED_TENSOR_GLOBALS`. A LOCAL_STATE_DICT (flat parameters) is split by ``model``, the model that was
+    wrapped, into one :class:`~ckptfix.formats.flatparams.FlatSliceRecord` per parameter; without it, refused."""
     from ckptfix.formats.torchzip import read_torch_zip
 
     z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=SHARDED_TENSOR_GLOBALS)
     records: dict[str, ShardedTensorRecord] = {}
+    flat_in: dict[str, Any] = {}  # the state dicts holding flat parameters, by path (parts joined by NUL)
     stack: list[tuple[str, Any]] = [("", z.tree)]
     while stack:  # the ShardedTensors sit in the (nested) dicts of the checkpoint
         path_so_far, node = stack.pop()
@@ -506,17 +510,30 @@ def describe_fsdp1_rank(fd: int, path: str, *, allowed: frozenset[str], verify: 
                 stack.append((key, v))
                 continue
             if flat_param_keys({str(k): None}):
-                _refuse_local(path, key.replace("\0", "."), found)
+                if model is None:
+                    _refuse_local(path, key.replace("\0", "."), found)
+                flat_in[path_so_far] = node
             node[k] = records[key] = ShardedTensorRecord(found.dtype, found.shape, _fsdp1_how(found), key, found)
-    return z, z.tree
+    return z, _split_local(z.tree, flat_in, model, source=path)
+
+
+def _split_local(tree: Any, flat_in: dict[str, Any], model: Any, *, source: str) -> Any:
+    """``tree`` with each state dict holding flat parameters split into the full state dict's keys."""
+    from ckptfix.formats.flatparams import split_state
+
+    for where in sorted(flat_in, key=len, reverse=True):  # the checkpoint itself, when it is one, last
+        split = split_state(flat_in[where], model, path=where, source=source)
+        if not where:
+            return split
+        _owner(tree, where)[where.split("\0")[-1]] = split
+    return tree
 
 
 def _refuse_local(path: str, name: str, p: ShardedPiece) -> None:
     raise ShardedCheckpointError(
         f"{path}: '{name}' is an FSDP1 LOCAL_STATE_DICT flat parameter ({p.shape[0]} elements of many parameters "
-        f"joined); every rank's slice could be joined, but the file does not record which parameters it holds, "
-        f"their order or shapes (FSDP keeps that in the wrapped model), so it cannot be split offline: load it into "
-        f"the same FSDP model and save StateDictType.SHARDED_STATE_DICT or FULL_STATE_DICT",
+        f"joined), and the file does not record which parameters it joins: pass the model that was wrapped to "
+        f"split it (ckptfix merge --model MOD:FACTORY, with --kwargs JSON for its arguments)",
         kind="flat-param",
     )
 
