@@ -179,7 +179,7 @@ def convert_file(
             return streamed
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
-    elif in_fmt == "folder" or (in_fmt == "safetensors" and (dtype is not None or shard_size is not None)):
+    elif in_fmt == "folder" or (in_fmt in ("safetensors", "torch-zip") and (dtype, shard_size) != (None, None)):
         from ckptfix.stream import Fallback
         from ckptfix.stream.folder_torch import convert_folder_to_torch
         from ckptfix.stream.folders import convert_folder
@@ -258,7 +258,8 @@ def _torch_path_reason(
     *, fast: bool, dtype: str | None, unsafe: bool, in_fmt: str, out_fmt: str, sharded: bool
 ) -> str | None:
     """Why the fast path is not even tried, for ``-v`` (None: it is tried)."""
-    streams = in_fmt in ("folder", "safetensors")  # their tensors are byte ranges: cast or sharded as they stream
+    # their tensors are byte ranges: cast or sharded as they stream (a .pt into .safetensors only)
+    streams = in_fmt in ("folder", "safetensors") or (in_fmt == "torch-zip" and out_fmt == "safetensors")
     if sharded and (not streams or out_fmt != "safetensors"):
         return "shards are written one by one from the loaded checkpoint"
     if not fast:

@@ -131,10 +131,10 @@ def _state() -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.fixture(params=["shards", "dcp", "safetensors"])
+@pytest.fixture(params=["shards", "dcp", "safetensors", "pt"])
 def source(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, dict[str, Any], str]:
-    """A folder of transformers shards, a DCP folder (torch's writer; its model entry picked) or one file; the
-    options that pick its model, and the kind the notes name."""
+    """A folder of transformers shards, a DCP folder (torch's writer; its model entry picked), one .safetensors
+    file or one torch.save file; the options that pick its model, and the kind the notes name."""
     from ckptfix.torchcompat import dcp_save_local
 
     kind = request.param
@@ -143,6 +143,9 @@ def source(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, dict[s
         dcp_save_local({"model": SmallNet().state_dict(), "step": 3}, checkpoint_id=str(inputs))
         return inputs, {"model_only": True, "entries": ["model"]}, kind
     inputs.mkdir()
+    if kind == "pt":
+        torch.save(_state(), inputs / "model.pt")
+        return inputs / "model.pt", {}, kind
     ckptfix.save(_state(), inputs / "model.safetensors", shard_size=200 if kind == "shards" else None)
     return (inputs if kind == "shards" else inputs / "model.safetensors"), {}, kind
 
@@ -206,8 +209,10 @@ def test_refusals_are_the_torch_paths(tmp_path: Path) -> None:
         (["RUN", "model.pt", "--dtype", "bf16"], "path: stream; "),
         (["RUN", "model.pt", "--shard-size", "300B"],
          "path: torch; fast path not taken: shards are written one by one from the loaded checkpoint"),
-        (["PT", "model.safetensors", "--dtype", "bf16", "--model-only"],
-         "path: torch; fast path not taken: casting to bfloat16 needs torch"),
+        (["PT", "model.safetensors", "--dtype", "bf16", "--model-only"], "path: stream; "),
+        (["PT", "model.pt", "--dtype", "bf16"], "path: torch; fast path not taken: casting to bfloat16 needs torch"),
+        (["PT", "model.pt", "--shard-size", "300B", "--model-only"],
+         "path: torch; fast path not taken: shards are written one by one from the loaded checkpoint"),
         (["RUN", "model.safetensors", "--dtype", "bf16", "--no-fast"],
          "path: torch; fast path not taken: the torch path was asked for"),
     ],
@@ -307,4 +312,50 @@ def test_a_corrupt_dcp_chunk_is_refused_and_nothing_is_written(
     out.parent.mkdir()
     with pytest.raises(FormatError, match="CRC"):
         ckptfix.convert_file(single, out, model_only=True, entries=["model"], **options)
+    assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16", "fp32"])
+def test_a_pt_of_parameters_says_what_safetensors_drops_as_the_torch_path_says_it(
+    dtype: str | None, tmp_path: Path
+) -> None:
+    """A cast Parameter is a plain tensor on the torch path (its requires_grad kept); one of the dtype stays one."""
+    torch.manual_seed(0)
+    params = dict(SmallNet().named_parameters())
+    params["view"] = params[next(iter(params))].detach()[1:]  # a slice of a larger storage
+    torch.save(params, tmp_path / "params.pt")
+    options = {"shard_size": 300} if dtype is None else {"dtype": dtype}
+    (tmp_path / "out").mkdir()
+    result, _ = both(tmp_path / "params.pt", tmp_path / "out", **options)
+    reference = ckptfix.convert_file(tmp_path / "params.pt", tmp_path / "ref.safetensors", fast=False, **options)
+    lost = [n for n in reference.notes if n.startswith(".safetensors keeps values only")]
+    assert len(lost) == 1 and [n for n in result.notes if n.startswith(".safetensors keeps")] == lost
+
+
+def test_a_pt_the_stream_does_not_copy_goes_the_torch_way(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(4, 6)
+    torch.save({"t": weight.t(), "w": weight}, tmp_path / "view.pt")  # a transposed view: not a byte range
+    done = ckptfix.convert_file(tmp_path / "view.pt", tmp_path / "out.safetensors", dtype="bf16")
+    assert done.method == "torch"
+    assert "fast path not taken: a tensor is a non-contiguous view, which the torch path makes contiguous" in done.notes
+    back = ckptfix.load(tmp_path / "out.safetensors")
+    assert torch.equal(back["t"], weight.t().to(torch.bfloat16)) and torch.equal(back["w"], weight.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("options", CASES)
+def test_a_corrupt_pt_record_is_refused_and_nothing_is_written(options: dict[str, Any], tmp_path: Path) -> None:
+    from ckptfix.formats.ziparchive import read_archive
+
+    torch.save(_state(), tmp_path / "model.pt")
+    with open(tmp_path / "model.pt", "r+b") as f:
+        record = [r for r in read_archive(f.fileno(), "x").records if "/data/" in r.name][-1]
+        f.seek(record.data_offset + record.size // 2)
+        byte = f.read(1)
+        f.seek(record.data_offset + record.size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    with pytest.raises(FormatError, match="CRC"):
+        ckptfix.convert_file(tmp_path / "model.pt", out, **options)
     assert list(out.parent.iterdir()) == []

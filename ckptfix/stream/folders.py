@@ -27,13 +27,14 @@ from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, 
 from ckptfix.formats.deepspeed import ZeroTensor, describe_run, is_deepspeed, read_zero_tensor
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folder import describe, merge_shards, room_for_files
+from ckptfix.formats.opaque import carry
 from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
 from ckptfix.formats.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip import read_torch_zip
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.st import StTensor, tree_from_header
+from ckptfix.stream.st import tree_from_header
 
 _COPY = 1 << 26
 
@@ -64,6 +65,8 @@ class _Files:
         self.located: dict[int, tuple[int, int]] = {}  # id(chunk) -> (fd, offset of its bytes)
         self.checks: dict[str, list[Check]] = {}
         self.notes: list[str] = []  # what the reader has to say of the folder (a DeepSpeed run's)
+        # what a .safetensors output of the converted tree does not keep, where the input can say (a .pt's)
+        self.losses: Callable[[Any], str | None] | None = None
 
     def fd(self, path: str) -> int:
         if path not in self.open:
@@ -111,6 +114,8 @@ def convert_folder(
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
         conversion = transform(tree)
+        # a .pt's entry of refused globals, kept opaque, is refused here as ckptfix.load refuses it
+        conversion.obj = carry(conversion.obj, out_fmt="safetensors", source=src, notes=conversion.notes)
         cast = cast_records(conversion, dtype) if dtype is not None else 0
         verifier = VerifyInTurn(files, files.checks)
         try:
@@ -125,6 +130,8 @@ def convert_folder(
     finally:
         files.close()
     conversion.notes.extend(files.notes)
+    if files.losses is not None and (lost := files.losses(conversion.obj)):
+        conversion.notes.append(lost)
     what = "safetensors" if shard_size is None else f"{written} safetensors shard{'s' * (written != 1)}"
     said = f", {cast} cast to {dtype} a block at a time" if dtype is not None else ""
     conversion.notes.append(
@@ -333,8 +340,10 @@ def open_tree(
             tree, kind = _dcp_tree(src, files, allowed=allowed)
         elif is_deepspeed(src):
             tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
-        elif not os.path.isdir(src) and detect_format(src) == "safetensors":
-            tree, kind = _file_tree(src), "safetensors"  # one file: cast or sharded a tensor at a time
+        elif not os.path.isdir(src) and (fmt := detect_format(src)) in ("safetensors", "torch-zip"):
+            from ckptfix.stream.single import file_tree  # one file: cast or sharded a tensor at a time
+
+            tree, kind = file_tree(src, fmt, files, allowed=allowed)
         else:
             tree, kind = _shards_tree(src)
     except BaseException:
@@ -396,26 +405,6 @@ def _shards_tree(src: str) -> tuple[Any, str]:
 
     shards = ((path, tree_from_header(read_header(path), source=path)) for path in folder.files)
     return merge_shards(folder, shards, record=record), "shards"
-
-
-def _file_tree(src: str) -> Any:
-    """The checkpoint of one .safetensors file (its ``ckptfix`` metadata's entry and extras), with a
-    :class:`ShardTensor` for each tensor (one record for a tensor stored once under two names)."""
-    records: dict[int, ShardTensor] = {}
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, StTensor):
-            if id(value) not in records:
-                records[id(value)] = ShardTensor(value.dtype, value.shape, src, value.start, value.end - value.start)
-            return records[id(value)]
-        if isinstance(value, dict):
-            new = type(value)((k, convert(v)) for k, v in value.items())
-            for name, attr in getattr(value, "__dict__", {}).items():  # an OrderedDict's _metadata
-                setattr(new, name, attr)
-            return new
-        return value  # the metadata's extras: plain values
-
-    return convert(tree_from_header(read_header(src), source=src))
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
