@@ -814,15 +814,47 @@ def _numel(value: Any) -> int | None:
     return math.prod(shape) if shape is not None else None
 
 
-def refuse_placeholders(obj: Any, *, source: str) -> None:
-    """A lone ZeRO-3 module file holds ``[0]`` placeholders, never weights: refuse it, naming the folder to pass."""
+def placeholder_keys(obj: Any) -> list[str]:
+    """The module keys of a lone ZeRO-3 module file that are ``[0]`` placeholders (none for any other file)."""
+    if module_file_kind(obj) != 3:
+        return []
+    module = obj["module"]
+    names = {name for group in obj["param_shapes"] for name in group}
+    for also in ("frozen_param_shapes", "shared_params"):  # ZeRO-3 empties frozen and tied parameters too
+        names.update(obj[also] if isinstance(obj.get(also), Mapping) else ())
+    return [name for name in module if name in names and _numel(module[name]) == 0]
+
+
+def folder_to_pass(source: str) -> str | None:
+    """The folder that holds the run a lone module file ``source`` belongs to: the run folder when its ``latest``
+    names this file's tag, else the tag folder; None where no optimizer file lies beside it (a copy taken out)."""
+    folder = os.path.dirname(os.path.abspath(source))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    if not any(OPTIM_FILE.match(n) for n in names):
+        return None
+    run = os.path.dirname(folder)
+    latest = os.path.join(run, LATEST)
+    if os.path.isfile(latest) and _read_latest(latest, strict=False) == os.path.basename(folder):
+        return run
+    return folder  # the run's latest names another tag: the folder this file's step is in
+
+
+CONVERT_THE_RUN = "its folder holds the whole model, consolidated by: ckptfix convert {folder} model.safetensors"
+
+
+def refuse_placeholders(obj: Any, *, source: str, instead: str = "pass the folder instead: {folder}") -> None:
+    """A lone ZeRO-3 module file holds ``[0]`` placeholders, never weights: refuse it, naming the folder to pass.
+
+    ``instead`` is what to do, ``{folder}`` standing for the run's folder (``CONVERT_THE_RUN`` where the command
+    takes no folder, or joining rank files is not the way)."""
     if module_file_kind(obj) == 3:
-        folder = os.path.dirname(os.path.abspath(source))
-        run = os.path.dirname(folder)
-        hint = run if os.path.isfile(os.path.join(run, LATEST)) else folder
+        folder = folder_to_pass(source) or "<the run's global_stepN/ folder, with every rank's files>"
         raise FormatError(
             f"{source}: one rank's module file of a DeepSpeed ZeRO-3 run: its parameters are empty [0] placeholders "
-            f"(the weights are partitioned across the *_optim_states.pt files); pass the folder instead: {hint}"
+            f"(the weights are partitioned across the *_optim_states.pt files); {instead.format(folder=folder)}"
         )
 
 
@@ -837,20 +869,41 @@ def lone_module_note(obj: Any, *, source: str) -> str | None:
     )
 
 
+def lone_module_summary(obj: Any, *, source: str) -> dict[str, Any] | None:
+    """For ``inspect`` of a DeepSpeed module file on its own: what its tensors are and which folder to pass."""
+    kind = module_file_kind(obj)
+    if kind is None:
+        return None
+    folder = folder_to_pass(source)
+    if kind == 1:
+        return {"stage": "1/2", "placeholders": [], "folder": folder, "note": lone_module_note(obj, source=source)}
+    keys = placeholder_keys(obj)
+    where = f"inspect or convert the folder: {folder}" if folder else "pass the run's tag folder, every rank's files"
+    note = (
+        f"one rank's module file of a DeepSpeed ZeRO-3 run: its {len(keys)} parameter(s) shown as [0] are "
+        f"placeholders, not weights (the weights are partitioned across the *_optim_states.pt files); {where}"
+    )
+    return {"stage": 3, "placeholders": keys, "folder": folder, "note": note}
+
+
 __all__ = [
+    "CONVERT_THE_RUN",
     "Piece",
     "RunFile",
     "ZeroRun",
     "ZeroTensor",
     "describe_run",
+    "folder_to_pass",
     "is_deepspeed",
     "layout_partitioned",
     "layout_stage3",
     "load_optimizer",
     "load_run",
     "lone_module_note",
+    "lone_module_summary",
     "module_file_kind",
     "optimizer_tensors",
+    "placeholder_keys",
     "read_zero_tensor",
     "refuse_placeholders",
     "tag_folder",
