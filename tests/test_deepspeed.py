@@ -163,6 +163,14 @@ def test_mixed_runs_refused(tmp_path: Path) -> None:
                 bf / "global_step1")  # fmt: skip
     result = run_cli("inspect", str(bf))
     assert result.exit_code == 2 and "two optimizer files" in result.output
+    for stage in (2, 3):  # an fp16 run's rank file, named as an fp32 run's and of the same sizes, in an fp32 run
+        fp = copy_run(f"zero{stage}_fp32", tmp_path / str(stage))
+        name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        shutil.copy(FIXTURES / f"zero{stage}_fp16" / "global_step1" / name, fp / "global_step1" / name)
+        result = run_cli("convert", str(fp), str(tmp_path / "out.safetensors"))
+        assert result.exit_code == 2 and "dynamic_loss_scale True, but" in result.output, result.output
+        assert "mixes two runs" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_latest_naming_a_missing_tag_refused(tmp_path: Path) -> None:
@@ -572,4 +580,19 @@ def test_lone_module_file_names_the_folder_it_belongs_to(tmp_path: Path) -> None
     shutil.copy(lone, alone)
     result = run_cli("diff", str(alone), str(FIXTURES / "zero3_fp16"))
     assert_refused(result, folder="<the run's global_stepN/ folder, with every rank's files>")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_lone_optimizer_file_names_the_folder(tmp_path: Path) -> None:
+    lone = FIXTURES / "zero2_fp16" / "global_step1" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    model = ["--model", "tests.test_deepspeed:Net", "--kwargs", '{"half": true}']
+    for args in (["convert", str(lone), str(tmp_path / "out.pt")], ["validate", str(lone), *model],
+                 ["merge", str(lone), str(lone.with_name("zero_pp_rank_0_mp_rank_00_optim_states.pt")),
+                  "-o", str(tmp_path / "out.pt")]):  # fmt: skip
+        result = run_cli(*args)
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines()[-1] == (
+            f"ckptfix: error: {lone}: one rank's optimizer file of a DeepSpeed ZeRO run: flat partitions of the fp32 "
+            f"master weights and optimizer state, no state dict; pass the folder instead: {FIXTURES / 'zero2_fp16'}"
+        )
     assert not (tmp_path / "out.pt").exists()
