@@ -76,14 +76,12 @@ FP16_PATCH = (
 )
 
 
-def _report_fp16_supported() -> bool:
-    """FP16_PATCH, for this process only; returns what DeepSpeed's own check said before."""
+def _report_fp16_supported() -> None:
+    """FP16_PATCH, for this process only (the MANIFEST records what DeepSpeed's own check says on the machine)."""
     from deepspeed.accelerator import get_accelerator
 
-    accelerator = get_accelerator()
-    said = bool(accelerator.is_fp16_supported())  # it returns None, not False, where oneDNN has no fp16
-    accelerator.is_fp16_supported = lambda: True  # supported_dtypes() asks it too
-    return said
+    # the instance's, not the class's: supported_dtypes() and engine._do_sanity_check() ask it through self
+    get_accelerator().is_fp16_supported = lambda: True
 
 
 def _worker(out: Path, *, stage: int, dtype: str, width: int, layers: int) -> None:
