@@ -58,6 +58,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         )
     if "deepspeed" in summary:
         lines += _deepspeed_lines(summary["deepspeed"])
+    if "deepspeed_module_file" in summary:
+        lines.append(f"DeepSpeed: {summary['deepspeed_module_file']['note']}")
     if "loaded_with_torch" in summary:
         lines.append(f"loaded with torch: {summary['loaded_with_torch']}")
     for name, model in summary["models"].items():
