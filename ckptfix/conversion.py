@@ -65,13 +65,15 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
-        from ckptfix.formats.deepspeed import lone_module_note, refuse_placeholders
+        from ckptfix.formats.deepspeed import lone_module_note, refuse_optimizer_partition, refuse_placeholders
         from ckptfix.formats.opaque import require
         from ckptfix.formats.shards import refuse_flat_params
 
         require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
         refuse_flat_params(obj, source=source)
         refuse_placeholders(obj, source=source)  # a lone ZeRO-3 module file: [0] placeholders, never weights
+        if self.entries is None:  # an entry named explicitly is taken as asked
+            refuse_optimizer_partition(obj, source=source)
         conversion = convert_checkpoint(
             obj,
             to=self.to,

@@ -692,6 +692,11 @@ class _Merger:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
             )
+        from ckptfix.formats.deepspeed import CONVERT_THE_RUN, refuse_optimizer_partition, refuse_placeholders
+
+        for opened in inputs:  # lone ZeRO rank files: [0] placeholders, flat slices; the run's folder is the whole
+            refuse_placeholders(opened.tree, source=opened.source, instead=CONVERT_THE_RUN)
+            refuse_optimizer_partition(opened.tree, source=opened.source)
         pairs = _entry_pairs([i.tree for i in inputs], labels)
         self.result.entries = list(pairs)
         self.entries = [self._entry(name, states, to=to) for name, states in pairs.items()]

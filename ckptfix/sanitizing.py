@@ -98,6 +98,7 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
     >>> [str(d) for d in result.dropped]   # ["message_hub['log_scalars']['train/loss']: mmengine... (...)"]
     """
     from ckptfix.formats import output_format
+    from ckptfix.formats.deepspeed import CONVERT_THE_RUN, refuse_placeholders
 
     source = os.fspath(src)
     fmt = detect_format(src)
@@ -111,6 +112,8 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
         fd = f.fileno()
         before = file_identity(fd)
         z = read_torch_zip(fd, source, allowed=allowlist.TORCH_DEFAULT, verify=True, refused=[])
+        # a lone ZeRO-3 module file loads with weights_only as it is: a copy would only pass its placeholders on
+        refuse_placeholders(z.tree, source=source, instead=CONVERT_THE_RUN)
         budget = _TEXT_NODES_BASE + _TEXT_NODES_PER_BYTE * os.fstat(fd).st_size
         try:
             tree = _Cleaner(result, budget=budget).clean(z.tree, "")

@@ -137,7 +137,10 @@ def summarize(
     ``chunking``: key -> how the tensor is split across the data files. One rank's file of an FSDP2 or
     tensor-parallel run (DTensor shards) has ``dtensor`` (this rank's place on the mesh); its models show the full
     tensors' shapes, and ``sharding``: key -> ``Shard(0) on mesh [2]`` (or ``not sharded``: the rank's own).
+    A DeepSpeed run folder has ``deepspeed``; one DeepSpeed module file on its own has ``deepspeed_module_file``
+    (a ZeRO-3 one's ``placeholders``: the keys whose ``[0]`` tensors are no weights, and the ``folder`` to pass).
     """
+    from ckptfix.formats.deepspeed import lone_module_summary
     from ckptfix.formats.shards import ShardedCheckpointError, rank_tree
 
     source = os.fspath(path)
@@ -169,6 +172,8 @@ def summarize(
         }
     if folder is not None and folder.zero is not None:
         summary["deepspeed"] = deepspeed_summary(folder.zero)
+    if folder is None and (lone := lone_module_summary(ckpt.tree, source=source)) is not None:
+        summary["deepspeed_module_file"] = lone  # its [0] tensors shown, and said to be placeholders
     if ckpt.note is not None:
         summary["loaded_with_torch"] = ckpt.note
     if not ckpt.crc_stored:  # saved with torch's compute_crc32=False: every record's CRC is 0

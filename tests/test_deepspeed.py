@@ -1,9 +1,10 @@
 """DeepSpeed ZeRO run folders: consolidated as DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint`` does.
 
-The fast tier reads real runs saved by DeepSpeed (fixtures/deepspeed/: ZeRO-1/2/3 × fp32/bf16 on 2 gloo ranks, a
-frozen layer, a tied weight, two parameter groups; made by ``python -m tests.deepspeed_runs fixtures/deepspeed
---fixtures``) and compares with DeepSpeed's consolidation saved beside each (``*.expected.pt``), and with DeepSpeed
-itself where it is installed. The slow tier trains fresh runs and compares with DeepSpeed live.
+The fast tier reads real runs saved by DeepSpeed (fixtures/deepspeed/: ZeRO-1/2/3 × fp32/bf16/fp16 on 2 gloo
+ranks, a frozen layer, a tied weight, two parameter groups; made by ``python -m tests.deepspeed_runs
+fixtures/deepspeed --fixtures``, recorded in its MANIFEST.json) and compares with DeepSpeed's consolidation saved
+beside each (``*.expected.pt``), and with DeepSpeed itself where it is installed. The slow tier trains fresh runs
+and compares with DeepSpeed live.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from tests.deepspeed_runs import RUNS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"
 NAMES = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
+TRAIN_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def half(name: str) -> bool:
+    """A mixed-precision run (LayerNorm, no BatchNorm: tests/deepspeed_runs.py)."""
+    return not name.endswith("_fp32")
 
 
 def run_cli(*args: str) -> Any:
@@ -156,6 +163,14 @@ def test_mixed_runs_refused(tmp_path: Path) -> None:
                 bf / "global_step1")  # fmt: skip
     result = run_cli("inspect", str(bf))
     assert result.exit_code == 2 and "two optimizer files" in result.output
+    for stage in (2, 3):  # an fp16 run's rank file, named as an fp32 run's and of the same sizes, in an fp32 run
+        fp = copy_run(f"zero{stage}_fp32", tmp_path / str(stage))
+        name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        shutil.copy(FIXTURES / f"zero{stage}_fp16" / "global_step1" / name, fp / "global_step1" / name)
+        result = run_cli("convert", str(fp), str(tmp_path / "out.safetensors"))
+        assert result.exit_code == 2 and "dynamic_loss_scale True, but" in result.output, result.output
+        assert "mixes two runs" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_latest_naming_a_missing_tag_refused(tmp_path: Path) -> None:
@@ -168,11 +183,11 @@ def test_latest_naming_a_missing_tag_refused(tmp_path: Path) -> None:
 class Net(nn.Module):
     """The fixtures' model (tests/deepspeed_runs.py)."""
 
-    def __init__(self, bf16: bool) -> None:
+    def __init__(self, half: bool) -> None:
         super().__init__()
         self.embed = nn.Embedding(17, 7)
         self.body = nn.Linear(7, 9)
-        self.norm: nn.Module = nn.LayerNorm(9) if bf16 else nn.BatchNorm1d(9)
+        self.norm: nn.Module = nn.LayerNorm(9) if half else nn.BatchNorm1d(9)
         self.frozen = nn.Linear(9, 7)
         self.head = nn.Linear(7, 17, bias=False)
         self.head.weight = self.embed.weight
@@ -180,19 +195,19 @@ class Net(nn.Module):
 
 
 def test_load_into_and_check() -> None:
-    model = Net(bf16=False)
+    model = Net(half=False)
     report = ckptfix.load_into(model, FIXTURES / "zero2_fp32")
     assert not report.missing and not report.unexpected
     want = expected("zero2_fp32")
     assert torch.equal(model.body.weight.detach(), want["body.weight"])
     assert torch.equal(model.norm.running_mean, want["norm.running_mean"])  # type: ignore[arg-type]
-    assert ckptfix.check(FIXTURES / "zero3_fp32", Net(bf16=False)).missing == []
+    assert ckptfix.check(FIXTURES / "zero3_fp32", Net(half=False)).missing == []
 
 
 def test_load_for_ddp(gloo_world: None) -> None:
     from ckptfix.distributed import load_for_ddp
 
-    model = Net(bf16=False)
+    model = Net(half=False)
     load_for_ddp(model, FIXTURES / "zero3_fp32")
     assert torch.equal(model.frozen.weight.detach(), expected("zero3_fp32")["frozen.weight"])
 
@@ -334,12 +349,12 @@ def test_convert_optimizer_consolidates_the_moments(name: str, tmp_path: Path) -
     assert_same_optimizer(again["optimizer"], back["optimizer"])
 
 
-@pytest.mark.parametrize("name", ["zero2_fp32", "zero3_bf16"])
+@pytest.mark.parametrize("name", NAMES)
 def test_optimizer_loads_into_torch_adamw(name: str, tmp_path: Path) -> None:
     out = tmp_path / "full.pt"
     assert run_cli("convert", str(FIXTURES / name), str(out), "--optimizer").exit_code == 0
     back = torch.load(out, weights_only=True)
-    model = Net(bf16="bf16" in name)  # the groups tests/deepspeed_runs.py trains with
+    model = Net(half=half(name))  # the groups tests/deepspeed_runs.py trains with
     model.frozen.requires_grad_(False)
     decay = [model.embed.weight, model.body.weight]
     rest = [p for n, p in model.named_parameters() if p.requires_grad and n not in ("embed.weight", "body.weight")]
@@ -376,9 +391,9 @@ def test_optimizer_moments_reproduce_the_saved_step(name: str) -> None:
     from ckptfix.formats.deepspeed import load_optimizer
 
     torch.manual_seed(0)  # as tests/deepspeed_runs.py builds the model
-    model = Net(bf16="bf16" in name)
-    if "bf16" in name:  # DeepSpeed's fp32 master copy of the bf16 module
-        model = model.to(torch.bfloat16).float()
+    model = Net(half=half(name))
+    if half(name):  # DeepSpeed's fp32 master copy of the half-precision module
+        model = model.to(TRAIN_DTYPE[name.split("_")[1]]).float()
     saved, opt = ckptfix.load(FIXTURES / name), load_optimizer(str(FIXTURES / name))
     params = dict(model.named_parameters())
     decay = ["embed.weight", "body.weight"]
@@ -407,3 +422,177 @@ def test_damaged_moment_refused_only_with_optimizer(tmp_path: Path) -> None:
         assert bad.exit_code == 2 and "CRC" in bad.output, bad.output
         assert not (tmp_path / "full.pt").exists()
     assert run_cli("convert", str(run), str(tmp_path / "model.pt")).exit_code == 0  # the moments are not read
+
+
+# -- the fixtures themselves, and what the issue lists: fp16, frozen, tied, groups, buffers -------------------
+
+
+def test_manifest_records_every_fixture_file() -> None:
+    import json
+
+    from ckptfix.trainer.fixtures import sha256
+    from tests.deepspeed_runs import FP16_PATCH, MANIFEST
+
+    manifest = json.loads((FIXTURES / MANIFEST).read_text())
+    on_disk = {p.relative_to(FIXTURES).as_posix() for p in FIXTURES.rglob("*") if p.is_file() and p.name != MANIFEST}
+    assert set(manifest["files"]) == on_disk
+    for name, record in manifest["files"].items():
+        assert sha256(FIXTURES / name) == record["sha256"], f"{name}: regenerate with {manifest['command']}"
+    assert list(manifest["runs"]) == NAMES
+    for name, run in manifest["runs"].items():  # the patch is recorded on the runs it was applied to, only
+        assert run["patched"] == ([FP16_PATCH] if name.endswith("_fp16") else []), name
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_says_stage_ranks_and_training_dtype(name: str) -> None:
+    stage, dtype = name[len("zero")], name.split("_")[1]
+    result = run_cli("inspect", str(FIXTURES / name))
+    assert result.exit_code == 0, result.output
+    train = str(TRAIN_DTYPE[dtype]).removeprefix("torch.")
+    assert f"ZeRO-{stage} on 2 ranks" in result.output
+    assert f"trained in {train}, master weights float32" in result.output
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.endswith("_fp16")])
+def test_fp16_runs_are_deepspeeds_mixed_precision(name: str) -> None:
+    """What makes the fp16 fixtures fp16 runs, read from DeepSpeed's own pickles: a float16 module, a dynamic loss
+    scaler that applied its step (no overflow), and the fp32 master partitions the consolidation reads."""
+    tag = FIXTURES / name / "global_step1"
+    for path in sorted(tag.glob("*optim_states.pt")):
+        assert not path.name.startswith("bf16_")  # fp16 and fp32 runs name their optimizer files alike
+        saved = _unpickled(path)["optimizer_state_dict"]
+        scaler = saved["loss_scaler"]
+        assert type(scaler).__name__ == "DynamicLossScaler" and saved["dynamic_loss_scale"] is True
+        assert scaler.state["dtype"] == torch.float16 and scaler.state["cur_iter"] == 1
+        assert scaler.state["last_overflow_iter"] == -1 and saved["overflow"] is False
+        flat = saved["fp32_flat_groups"] if name.startswith("zero3") else saved["single_partition_of_fp32_groups"]
+        assert {t.dtype for t in flat} == {torch.float32}
+    module = _unpickled(next(tag.glob("*model_states.pt")))["module"]
+    assert {t.dtype for k, t in module.items() if k != "steps"} == {torch.float16}
+    got = ckptfix.load(FIXTURES / name)
+    assert got["body.weight"].dtype == torch.float32  # the master weights, not the fp16 module's
+    if not name.startswith("zero3"):  # the fp16 module is the master weights rounded (ZeRO-3's are placeholders)
+        assert torch.equal(module["body.weight"], got["body.weight"].to(torch.float16))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_frozen_tied_groups_and_buffers(name: str, tmp_path: Path) -> None:
+    """The issue's list, each from the run's own files: frozen parameters (ZeRO-1 leaves them out, as zero_to_fp32;
+    ZeRO-2/3 in the training dtype), a tied weight (one tensor under both names), two parameter groups, buffers."""
+    stage, train = int(name[len("zero")]), TRAIN_DTYPE[name.split("_")[1]]
+    got, want = ckptfix.load(FIXTURES / name), expected(name)
+    assert_same(got, want)
+    frozen = {"frozen.weight", "frozen.bias"}
+    assert frozen.isdisjoint(got) if stage == 1 else {got[k].dtype for k in frozen} == {train}
+    assert got["head.weight"].untyped_storage().data_ptr() == got["embed.weight"].untyped_storage().data_ptr()
+    groups = load_optimizer_groups(name)
+    assert [g["weight_decay"] for g in groups] == [0.01, 0.0] and [len(g["params"]) for g in groups] == [2, 3]
+    module = _unpickled(sorted((FIXTURES / name / "global_step1").glob("*model_states.pt"))[0])["module"]
+    buffers = ["steps"] + ([] if half(name) else ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"])
+    for key in buffers:  # from (rank 0's) module file, as DeepSpeed takes them; fp32 runs' BatchNorm trained a step
+        assert torch.equal(got[key], module[key].float() if module[key].is_floating_point() else module[key]), key
+    if not half(name):
+        assert int(got["norm.num_batches_tracked"]) == 1 and bool(got["norm.running_mean"].ne(0).all())
+
+
+def load_optimizer_groups(name: str) -> list[dict[str, Any]]:
+    from ckptfix.formats.deepspeed import load_optimizer
+
+    return load_optimizer(str(FIXTURES / name))["param_groups"]  # type: ignore[no-any-return]
+
+
+# -- one rank's ZeRO-3 module file, alone: its [0] placeholders are never weights -----------------------------
+
+LONE = FIXTURES / "zero3_fp16" / "global_step1" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+LONE_1 = LONE.with_name("zero_pp_rank_1_mp_rank_00_model_states.pt")
+
+
+def assert_refused(result: Any, *, folder: str = str(FIXTURES / "zero3_fp16")) -> None:
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert "Traceback" not in result.output and "[0] placeholders" in result.output and folder in result.output
+
+
+def test_lone_zero3_module_file_refused_by_diff(tmp_path: Path) -> None:
+    for a, b in ((LONE, FIXTURES / "zero3_fp16.expected.pt"), (FIXTURES / "zero3_fp16", LONE), (LONE, LONE_1)):
+        assert_refused(run_cli("diff", str(a), str(b)))
+    with pytest.raises(FormatError, match="placeholders"):
+        ckptfix.diffing.diff_files(LONE, FIXTURES / "zero3_fp16")
+    with pytest.raises(FormatError, match="placeholders"):
+        ckptfix.diff(torch.load(LONE, weights_only=True), expected("zero3_fp16"))
+
+
+def test_lone_zero3_module_files_refused_by_merge(tmp_path: Path) -> None:
+    out = tmp_path / "merged.pt"
+    for extra in ([], ["--average"], ["--model-only"]):
+        result = run_cli("merge", str(LONE), str(LONE_1), "-o", str(out), *extra)
+        assert_refused(result)
+        assert f"ckptfix convert {FIXTURES / 'zero3_fp16'} model.safetensors" in result.output
+    assert not out.exists()
+    with pytest.raises(FormatError, match="placeholders"):
+        ckptfix.merge([torch.load(p, weights_only=True) for p in (LONE, LONE_1)])
+
+
+def test_lone_zero3_module_file_refused_by_validate_and_sanitize(tmp_path: Path) -> None:
+    model = ["--model", "tests.test_deepspeed:Net", "--kwargs", '{"half": true}']
+    assert_refused(run_cli("validate", str(LONE), *model))
+    folder = run_cli("validate", str(FIXTURES / "zero3_fp16"), *model)  # the folder: every key there, with weights
+    assert folder.exit_code == 1 and "missing" not in folder.output, folder.output
+    assert "float16 vs model float32 (2):\n  frozen.{weight,bias}\n" in folder.output  # frozen: no fp32 copy
+    assert_refused(run_cli("sanitize", str(LONE), str(tmp_path / "clean.pt")))  # it loads weights-only as it is
+    assert not (tmp_path / "clean.pt").exists()
+
+
+def test_lone_zero3_module_file_refused_by_load_for_ddp(gloo_world: None) -> None:
+    from ckptfix.distributed import load_for_ddp
+
+    model = Net(half=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FormatError, match="placeholders"):
+        load_for_ddp(model, LONE)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_inspect_says_what_placeholders_are() -> None:
+    import json
+
+    result = run_cli("inspect", str(LONE))
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("DeepSpeed: "))
+    assert "8 parameter(s) shown as [0] are placeholders, not weights" in line
+    assert line.endswith(f"inspect or convert the folder: {FIXTURES / 'zero3_fp16'}")
+    info = json.loads(run_cli("inspect", str(LONE), "--json").output)["deepspeed_module_file"]
+    module = _unpickled(LONE)["module"]
+    assert set(info["placeholders"]) == {k for k, t in module.items() if t.numel() == 0}
+    assert info["stage"] == 3 and info["folder"] == str(FIXTURES / "zero3_fp16")
+    lone2 = json.loads(run_cli("inspect", str(FIXTURES / "zero2_fp16/global_step1/mp_rank_00_model_states.pt"),
+                                "--json").output)["deepspeed_module_file"]  # fmt: skip
+    assert lone2["stage"] == "1/2" and lone2["placeholders"] == [] and "training dtype" in lone2["note"]
+
+
+def test_lone_module_file_names_the_folder_it_belongs_to(tmp_path: Path) -> None:
+    run = copy_run("zero3_fp16", tmp_path)
+    (run / "global_step1").rename(run / "global_step7")  # latest names global_step1, which is gone now: the tag folder
+    lone = run / "global_step7" / LONE.name
+    assert_refused(run_cli("convert", str(lone), str(tmp_path / "out.pt")), folder=str(run / "global_step7"))
+    alone = tmp_path / "alone" / LONE.name  # taken out of its run: no folder to name, nothing guessed
+    alone.parent.mkdir()
+    shutil.copy(lone, alone)
+    result = run_cli("diff", str(alone), str(FIXTURES / "zero3_fp16"))
+    assert_refused(result, folder="<the run's global_stepN/ folder, with every rank's files>")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_lone_optimizer_file_names_the_folder(tmp_path: Path) -> None:
+    lone = FIXTURES / "zero2_fp16" / "global_step1" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    model = ["--model", "tests.test_deepspeed:Net", "--kwargs", '{"half": true}']
+    for args in (["convert", str(lone), str(tmp_path / "out.pt")], ["validate", str(lone), *model],
+                 ["merge", str(lone), str(lone.with_name("zero_pp_rank_0_mp_rank_00_optim_states.pt")),
+                  "-o", str(tmp_path / "out.pt")]):  # fmt: skip
+        result = run_cli(*args)
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines()[-1] == (
+            f"ckptfix: error: {lone}: one rank's optimizer file of a DeepSpeed ZeRO run: flat partitions of the fp32 "
+            f"master weights and optimizer state, no state dict; pass the folder instead: {FIXTURES / 'zero2_fp16'}"
+        )
+    assert not (tmp_path / "out.pt").exists()

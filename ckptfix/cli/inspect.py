@@ -58,6 +58,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         )
     if "deepspeed" in summary:
         lines += _deepspeed_lines(summary["deepspeed"])
+    if "deepspeed_module_file" in summary:
+        lines.append(f"DeepSpeed: {summary['deepspeed_module_file']['note']}")
     if "loaded_with_torch" in summary:
         lines.append(f"loaded with torch: {summary['loaded_with_torch']}")
     for name, model in summary["models"].items():
@@ -120,7 +122,8 @@ def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:
     origins = ", ".join(f"{n} {what}" for what, n in ds["origins"].items())
     lines = [
         f"DeepSpeed {ds['ds_version'] or '(version unknown)'}: trained in {ds['train_dtype']}, master weights "
-        f"{ds['master_dtype']}; consolidated: {ds['parameters']:,} parameters ({origins} tensors)",
+        f"{ds['master_dtype']}; consolidated: {ds['parameters']:,} parameters, buffers left out and tied ones "
+        f"counted once ({origins} tensors)",
     ]
     lines += [f"  {printable(name)}: {holds}" for name, holds in ds["files"].items()]
     lines += [f"  note: {note}" for note in ds["notes"]]

@@ -9,7 +9,10 @@
   ZeRO-3: each rank's partition of them), ``shared_params`` (tied names), ``ds_version``;
 - one optimizer file per rank, ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``: under
   ``optimizer_state_dict`` the ZeRO stage, ``partition_count`` and the rank's fp32 master partition of each group
-  (``single_partition_of_fp32_groups``, ZeRO-1/2; ``fp32_flat_groups``, ZeRO-3), next to the optimizer's own state.
+  (``single_partition_of_fp32_groups``, ZeRO-1/2; ``fp32_flat_groups``, ZeRO-3), next to the optimizer's own state
+  and the loss scaler's (``loss_scaler``, ``dynamic_loss_scale``, ``overflow``: an fp16 run's ``DynamicLossScaler``;
+  the master partitions and moments are saved unscaled, so nothing of it is needed). Only bf16 runs prefix ``bf16_``:
+  fp16 and fp32 runs name their files alike, and the module file's dtype tells them apart.
 
 Every file is an ordinary torch zip: its pickle is read inertly (DeepSpeed's own classes, ``ZeroStageEnum``,
 ``LossScaler``, ``fragment_address``, stay unbuilt records), and a flat partition is a storage record whose bytes
@@ -254,6 +257,7 @@ class _Optim:
     groups: list[tuple[inert.InertTensor, Any]]  # each group's flat fp32 partition on this rank, and its archive
     paddings: Any
     base: Any = None  # the wrapped optimizer's own state_dict (moments per flat group), as saved
+    dynamic_scale: Any = None  # dynamic_loss_scale: True in fp16 runs' files (shared by every rank of one run)
 
 
 def _optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> _Optim:
@@ -275,7 +279,7 @@ def _optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> _Optim:
     groups = [(_flat(t, path=path, what=f"{key}[{i}]"), z) for i, t in enumerate(flats)]
     base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
     return _Optim(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
-                  osd.get("param_alignment_paddings"), base)  # fmt: skip
+                  osd.get("param_alignment_paddings"), base, osd.get("dynamic_loss_scale"))  # fmt: skip
 
 
 # -- the layout (pure) -----------------------------------------------------------------------------------
@@ -438,6 +442,8 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
         _same(o.path, "number of parameter groups", len(o.groups), len(first.groups), first.path)
         _same(o.path, "fp32 master dtype", [t.dtype for t, _ in o.groups], [t.dtype for t, _ in first.groups],
               first.path)  # fmt: skip
+        # an fp16 run's files are named as an fp32 run's, and hold the same partition sizes: its loss scaler differs
+        _same(o.path, "dynamic_loss_scale", o.dynamic_scale, first.dynamic_scale, first.path)
     wanted: list[int | None] = [None] if stage <= 2 else list(range(world))
     for r in wanted:
         if r not in models:
@@ -814,16 +820,64 @@ def _numel(value: Any) -> int | None:
     return math.prod(shape) if shape is not None else None
 
 
-def refuse_placeholders(obj: Any, *, source: str) -> None:
-    """A lone ZeRO-3 module file holds ``[0]`` placeholders, never weights: refuse it, naming the folder to pass."""
+def placeholder_keys(obj: Any) -> list[str]:
+    """The module keys of a lone ZeRO-3 module file that are ``[0]`` placeholders (none for any other file)."""
+    if module_file_kind(obj) != 3:
+        return []
+    module = obj["module"]
+    names = {name for group in obj["param_shapes"] for name in group}
+    for also in ("frozen_param_shapes", "shared_params"):  # ZeRO-3 empties frozen and tied parameters too
+        names.update(obj[also] if isinstance(obj.get(also), Mapping) else ())
+    return [name for name in module if name in names and _numel(module[name]) == 0]
+
+
+def folder_to_pass(source: str) -> str | None:
+    """The folder that holds the run a lone module file ``source`` belongs to: the run folder when its ``latest``
+    names this file's tag, else the tag folder; None where no optimizer file lies beside it (a copy taken out)."""
+    folder = os.path.dirname(os.path.abspath(source))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    if not any(OPTIM_FILE.match(n) for n in names):
+        return None
+    run = os.path.dirname(folder)
+    latest = os.path.join(run, LATEST)
+    if os.path.isfile(latest) and _read_latest(latest, strict=False) == os.path.basename(folder):
+        return run
+    return folder  # the run's latest names another tag: the folder this file's step is in
+
+
+CONVERT_THE_RUN = "its folder holds the whole model, consolidated by: ckptfix convert {folder} model.safetensors"
+
+
+def refuse_placeholders(obj: Any, *, source: str, instead: str = "pass the folder instead: {folder}") -> None:
+    """A lone ZeRO-3 module file holds ``[0]`` placeholders, never weights: refuse it, naming the folder to pass.
+
+    ``instead`` is what to do, ``{folder}`` standing for the run's folder (``CONVERT_THE_RUN`` where the command
+    takes no folder, or joining rank files is not the way)."""
     if module_file_kind(obj) == 3:
-        folder = os.path.dirname(os.path.abspath(source))
-        run = os.path.dirname(folder)
-        hint = run if os.path.isfile(os.path.join(run, LATEST)) else folder
+        folder = folder_to_pass(source) or "<the run's global_stepN/ folder, with every rank's files>"
         raise FormatError(
             f"{source}: one rank's module file of a DeepSpeed ZeRO-3 run: its parameters are empty [0] placeholders "
-            f"(the weights are partitioned across the *_optim_states.pt files); pass the folder instead: {hint}"
+            f"(the weights are partitioned across the *_optim_states.pt files); {instead.format(folder=folder)}"
         )
+
+
+def refuse_optimizer_partition(obj: Any, *, source: str) -> None:
+    """One rank's ``*_optim_states.pt`` alone holds flat slices of the fp32 master weights, no state dict: where a
+    model is wanted, say so and name the folder (instead of "no model state dict … name it with --entry")."""
+    if (
+        not isinstance(obj, Mapping)
+        or "module" in obj
+        or not all(k in obj for k in ("optimizer_state_dict", "ds_config", "ds_version"))
+    ):
+        return
+    folder = folder_to_pass(source) or "<the run's global_stepN/ folder, with every rank's files>"
+    raise FormatError(
+        f"{source}: one rank's optimizer file of a DeepSpeed ZeRO run: flat partitions of the fp32 master weights "
+        f"and optimizer state, no state dict; pass the folder instead: {folder}"
+    )
 
 
 def lone_module_note(obj: Any, *, source: str) -> str | None:
@@ -837,21 +891,43 @@ def lone_module_note(obj: Any, *, source: str) -> str | None:
     )
 
 
+def lone_module_summary(obj: Any, *, source: str) -> dict[str, Any] | None:
+    """For ``inspect`` of a DeepSpeed module file on its own: what its tensors are and which folder to pass."""
+    kind = module_file_kind(obj)
+    if kind is None:
+        return None
+    folder = folder_to_pass(source)
+    if kind == 1:
+        return {"stage": "1/2", "placeholders": [], "folder": folder, "note": lone_module_note(obj, source=source)}
+    keys = placeholder_keys(obj)
+    where = f"inspect or convert the folder: {folder}" if folder else "pass the run's tag folder, every rank's files"
+    note = (
+        f"one rank's module file of a DeepSpeed ZeRO-3 run: its {len(keys)} parameter(s) shown as [0] are "
+        f"placeholders, not weights (the weights are partitioned across the *_optim_states.pt files); {where}"
+    )
+    return {"stage": 3, "placeholders": keys, "folder": folder, "note": note}
+
+
 __all__ = [
+    "CONVERT_THE_RUN",
     "Piece",
     "RunFile",
     "ZeroRun",
     "ZeroTensor",
     "describe_run",
+    "folder_to_pass",
     "is_deepspeed",
     "layout_partitioned",
     "layout_stage3",
     "load_optimizer",
     "load_run",
     "lone_module_note",
+    "lone_module_summary",
     "module_file_kind",
     "optimizer_tensors",
+    "placeholder_keys",
     "read_zero_tensor",
+    "refuse_optimizer_partition",
     "refuse_placeholders",
     "tag_folder",
 ]
