@@ -33,7 +33,8 @@ ALWAYS = {
                  "renamed_prefix", "not_loaded", "keys", "model", "model_keys", "other_entries", "verdict",
                  "fix_command", "exit_code"},
 }  # fmt: skip
-SOMETIMES = {"inspect": {"devices", "folder", "dtensor", "loaded_with_torch", "crc_stored", "verified"}}
+SOMETIMES = {"inspect": {"devices", "folder", "dtensor", "loaded_with_torch", "crc_stored", "verified", "deepspeed",
+                         "deepspeed_module_file"}}  # fmt: skip
 MODEL_KEYS = {"layout", "tensors", "parameters", "bytes", "dtypes", "batchnorm_buffers", "batchnorm_modules",
               "shared_storage", "non_tensor_keys", "groups"}  # fmt: skip
 GROUP_KEYS = {"keys", "count", "shape", "shapes", "dtype", "numel"}
