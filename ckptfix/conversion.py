@@ -266,7 +266,7 @@ def _torch_path_reason(
         return "shards are written one by one from the loaded checkpoint"
     if not fast:
         return "the torch path was asked for"
-    if dtype is not None and not streams:
+    if dtype is not None and not streams and out_fmt != "dcp":  # into DCP each tensor is read, then cast
         return f"casting to {dtype} needs torch"
     if unsafe:
         return "the unsafe option runs the file's pickle, which only torch.load does"

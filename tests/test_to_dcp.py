@@ -280,13 +280,16 @@ def test_peak_memory_is_a_tensor_or_two_above_importing_torch_never_the_model(tm
     assert_same_folder(tmp_path / "s", tmp_path / "l")
 
 
-def test_a_cast_into_a_dcp_folder_goes_the_torch_way(tmp_path: Path) -> None:
-    done = ckptfix.convert_file(FIXTURES / "deepspeed" / "zero2_fp32", f"{tmp_path / 'out'}/", dtype="bf16")
-    assert done.method == "torch"
-    want = torch.load(FIXTURES / "deepspeed" / "zero2_fp32.expected.pt", weights_only=True)
-    assert_same(dict(ckptfix.load(tmp_path / "out")), {k: t.to(torch.bfloat16) if t.is_floating_point() else t
-                                                      for k, t in want.items()})  # fmt: skip
-    with pytest.raises(to_dcp.Fallback, match="casting to bfloat16 into a DCP folder needs torch"):
-        to_dcp.convert_to_dcp(str(FIXTURES / "single.pt"), str(tmp_path / "x"), in_fmt="torch-zip",
-                              transform=lambda tree: tree, dtype="bfloat16")  # fmt: skip
-    assert sorted(os.listdir(tmp_path)) == ["out"]
+@pytest.mark.parametrize(
+    "src",
+    ["deepspeed/zero2_fp32", "deepspeed/zero3_fp16", "deepspeed/zero1_bf16", "single.pt", "ddp_wrapped.safetensors"],
+)
+def test_a_cast_into_a_dcp_folder_streams_the_folder_the_torch_path_writes(src: str, tmp_path: Path) -> None:
+    streamed, result, loaded = both(FIXTURES / src, tmp_path, dtype="bf16")
+    assert result.method == "stream", result.notes
+    assert any(note.endswith(" cast to bfloat16 as read") for note in result.notes), result.notes
+    assert_same_folder(streamed, loaded)
+    if src.startswith("deepspeed/"):  # DeepSpeed's own consolidation, then the cast
+        want = torch.load(FIXTURES / f"{src}.expected.pt", weights_only=True)
+        assert_same(dict(ckptfix.load(streamed)), {k: t.to(torch.bfloat16) if t.is_floating_point() else t
+                                                   for k, t in want.items()})  # fmt: skip

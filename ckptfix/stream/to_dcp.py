@@ -34,11 +34,12 @@ from ckptfix.formats.opaque import carry, describe
 from ckptfix.formats.safetensors import read_header
 from ckptfix.formats.torchzip import TorchZip
 from ckptfix.formats.ziparchive import NO_CRC, stored_crc
+from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import DcpTensor, ShardTensor, VerifyInTurn, _Files, _locate, _rows, open_tree
 from ckptfix.stream.st import StTensor, tree_from_header
 
-_RECORDS = (DcpTensor, ShardTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
+_RECORDS = (CastTensor, DcpTensor, ShardTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 # (file descriptor, offset, length) of a run of a tensor's bytes, in order
 Run = tuple[int, int, int]
 _TRIM = 1 << 20  # a tensor at least this large freed: the C heap trimmed
@@ -56,14 +57,14 @@ def convert_to_dcp(
 ) -> Conversion:
     """Write checkpoint ``src`` (a folder, ``.pt`` or ``.safetensors``) after ``transform`` as DCP folder ``dst``,
     one tensor in memory at a time. Raises :class:`Fallback` before anything is written where it does not apply
-    (``dtype``: a cast is the torch path's here)."""
-    if dtype is not None:
-        raise Fallback(f"casting to {dtype} into a DCP folder needs torch")
+    (``dtype``: each floating-point tensor of the model entries read, then cast, one at a time)."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
     tree, kind, files, z = _open(src, in_fmt=in_fmt, allow_globals=allow_globals, allowed=allowed)
     try:
         conversion = transform(tree)
-        obj = carry(conversion.obj, out_fmt="dcp", source=src, notes=conversion.notes)  # refuses opaque entries
+        conversion.obj = carry(conversion.obj, out_fmt="dcp", source=src, notes=conversion.notes)  # refuses opaque
+        cast = cast_records(conversion, dtype) if dtype is not None else 0
+        obj = conversion.obj
         reader = _Reader(src, files, z)
         metas, records = _meta_tree(obj)
         for record in {id(r): r for r in records.values()}.values():
@@ -85,7 +86,10 @@ def convert_to_dcp(
     conversion.notes.extend(files.notes)
     if z is not None and not z.archive.crc_stored:
         conversion.notes.append(f"{NO_CRC} in the input")
-    conversion.notes.append(f"{kind} -> dcp: {planner.count} tensors, each read when torch's DCP writer asked for it")
+    said = f", {cast} cast to {dtype} as read" if dtype is not None else ""
+    conversion.notes.append(
+        f"{kind} -> dcp: {planner.count} tensors, each read when torch's DCP writer asked for it{said}"
+    )
     return conversion
 
 
@@ -125,8 +129,10 @@ def _meta_tree(obj: Any) -> tuple[Any, dict[int, Any]]:
 
     def meta(record: Any) -> Any:
         if id(record) not in made:
-            t = inert.tensor_of(record) if isinstance(record, inert.Inert) else record
-            m = torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta")
+            read = record.source if isinstance(record, CastTensor) else record
+            t = inert.tensor_of(read) if isinstance(read, inert.Inert) else read
+            dtype = record.dtype if isinstance(record, CastTensor) else t.dtype
+            m = torch.empty(t.shape, dtype=getattr(torch, dtype), device="meta")
             if _requires_grad(record):
                 m.requires_grad_(True)
             made[id(record)] = m
@@ -149,7 +155,10 @@ def _meta_tree(obj: Any) -> tuple[Any, dict[int, Any]]:
 
 
 def _requires_grad(record: Any) -> bool:
-    """What the torch path's tensor has (DCP's metadata records it): a .pt's flag; False for every other input."""
+    """What the torch path's tensor has (DCP's metadata records it): a .pt's flag (kept by a cast, as
+    ``Tensor.to`` keeps it); False for every other input."""
+    if isinstance(record, CastTensor):
+        return _requires_grad(record.source)
     if isinstance(record, inert.InertParameter):
         return bool(record.args[1])
     return bool(record.args[4]) if isinstance(record, inert.InertTensor) else False
@@ -164,7 +173,9 @@ class _Reader:
     def prepare(self, record: Any, *, allowed: frozenset[str]) -> None:
         """Check what can be checked before the first byte is written: a DCP tensor's chunk archives (their
         records' CRCs queued), a .pt tensor's kind."""
-        if isinstance(record, DcpTensor):
+        if isinstance(record, CastTensor):
+            self.prepare(record.source, allowed=allowed)
+        elif isinstance(record, DcpTensor):
             for c in record.entry.chunks:
                 _locate(c, self.files, entry=record.entry, key=record.key, allowed=allowed)
         elif isinstance(record, inert.InertParameter):
@@ -186,6 +197,8 @@ class _Reader:
         """The tensor of ``record`` (planned as ``key``) in memory of its own."""
         import torch
 
+        if isinstance(record, CastTensor):  # the source read whole, then cast: two tensors of this one held
+            return self.read(record.source, key=key).to(getattr(torch, record.dtype))
         if isinstance(record, ZeroTensor):
             out = self._runs([(self.files.fd(p.path), p.offset, p.nbytes) for p in record.pieces],
                              record.stored, record.shape, key=key)  # fmt: skip
