@@ -1,4 +1,4 @@
-"""The one deep comparison of loaded checkpoints the tests share."""
+"""The deep comparisons of loaded checkpoints the tests share: every storage detail, or the values alone."""
 
 from __future__ import annotations
 
@@ -33,3 +33,21 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
+
+
+def assert_equal(got: Any, want: Any, where: str = "", *, ordered: bool = True) -> None:
+    """The same values where storage details do not matter: the same nested dicts (keys in the same order, or
+    the same key sets with ``ordered=False``) and list lengths, tensors of one dtype and torch.equal, == on the rest."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict), (where, type(got))
+        assert (list(got) == list(want)) if ordered else (set(got) == set(want)), (where, list(got), list(want))
+        for key in want:
+            assert_equal(got[key], want[key], f"{where}.{key}", ordered=ordered)
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (x, y) in enumerate(zip(got, want, strict=True)):
+            assert_equal(x, y, f"{where}[{i}]", ordered=ordered)
+    else:
+        assert got == want, (where, got, want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 from pathlib import Path
@@ -17,23 +18,10 @@ import ckptfix
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.torchcompat import dcp_save_local
 from tests import sharded_writers
+from tests.assertions import assert_equal
 from tests.models import SmallNet
 
-
-def _same(a: Any, b: Any, where: str = "") -> None:
-    """Equal nested values; tensors equal byte for byte with the same dtype and shape."""
-    if isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(b, dict):
-        assert isinstance(a, dict) and set(a) == set(b), (where, set(a) ^ set(b))
-        for k in b:
-            _same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(b, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
+_equal = functools.partial(assert_equal, ordered=False)  # DCP keeps no key order
 
 
 def _torch_truth(folder: Path, tmp: Path) -> Any:
@@ -44,8 +32,8 @@ def _torch_truth(folder: Path, tmp: Path) -> Any:
 
 def test_a_single_process_dcp_folder_reads_as_what_torch_makes_of_it(single: Path, tmp_path: Path) -> None:
     got = ckptfix.load(single)
-    _same(got, _torch_truth(single, tmp_path))
-    _same(got["model"], SmallNet().state_dict())
+    _equal(got, _torch_truth(single, tmp_path))
+    _equal(got["model"], SmallNet().state_dict())
     assert got["step"] == 3 and got["opt"]["lr"] == 0.1
 
 
@@ -54,11 +42,11 @@ def test_a_single_process_dcp_folder_reads_as_what_torch_makes_of_it(single: Pat
 def test_a_two_rank_dcp_folder_is_reassembled_exactly(tmp_path: Path, mode: str) -> None:
     out = sharded_writers.write(tmp_path / mode, mode)
     got = ckptfix.load(out / "dcp")
-    _same(got, _torch_truth(out / "dcp", tmp_path))
+    _equal(got, _torch_truth(out / "dcp", tmp_path))
     full = torch.load(out / "full.pt", weights_only=True)
     params = {k for k in full["model"] if "running" not in k}  # BatchNorm statistics differ between ranks
-    _same({k: got["model"][k] for k in params}, {k: full["model"][k] for k in params})
-    _same(got["optim"], full["optim"])
+    _equal({k: got["model"][k] for k in params}, {k: full["model"][k] for k in params})
+    _equal(got["optim"], full["optim"])
 
 
 # -- damaged and hostile folders ---------------------------------------------------------------------------------
@@ -161,8 +149,8 @@ def test_a_checkpoint_written_as_dcp_loads_in_torch_dcp(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary folder left beside it
     target = {"model": SmallNet(seed=5).state_dict(), "epoch": 0}
     dcp.load(target, checkpoint_id=str(tmp_path / "out"))  # torch's reader, as a resuming FSDP job calls it
-    _same(target, state)
-    _same(ckptfix.load(tmp_path / "out"), state)
+    _equal(target, state)
+    _equal(ckptfix.load(tmp_path / "out"), state)
 
 
 def test_dcp_output_needs_a_new_or_empty_folder(tmp_path: Path) -> None:
@@ -173,7 +161,7 @@ def test_dcp_output_needs_a_new_or_empty_folder(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "taken") == ["notes.txt"]
     (tmp_path / "empty").mkdir()
     ckptfix.save({"w": torch.ones(2)}, tmp_path / "empty")
-    _same(ckptfix.load(tmp_path / "empty"), {"w": torch.ones(2)})
+    _equal(ckptfix.load(tmp_path / "empty"), {"w": torch.ones(2)})
 
 
 @pytest.mark.slow
@@ -182,7 +170,7 @@ def test_fsdp2_resumes_from_a_single_device_checkpoint_converted_to_dcp(tmp_path
     ckptfix.save({"model": model.state_dict(), "epoch": 2}, tmp_path / "single.pt")
     ckptfix.save(ckptfix.load(tmp_path / "single.pt"), f"{tmp_path / 'dcp'}/")
     resumed = sharded_writers.resume_fsdp2(tmp_path / "dcp", tmp_path / "resumed.pt")
-    _same(resumed, model.state_dict())
+    _equal(resumed, model.state_dict())
 
 
 # -- streaming: a DCP folder to one .safetensors file ------------------------------------------------------------
@@ -201,7 +189,7 @@ def test_a_dcp_model_streams_into_safetensors_as_byte_ranges(single: Path, tmp_p
 
     result = _stream(single, tmp_path / "model.safetensors")
     assert result.notes[-1].endswith("16 copied as byte ranges, 0 gathered in memory")
-    _same(load_file(tmp_path / "model.safetensors"), SmallNet().state_dict())
+    _equal(load_file(tmp_path / "model.safetensors"), SmallNet().state_dict())
 
 
 @pytest.mark.slow
@@ -212,7 +200,7 @@ def test_two_rank_dcp_folders_stream_exactly(tmp_path: Path, mode: str, gathered
     out = sharded_writers.write(tmp_path / mode, mode)
     result = _stream(out / "dcp", tmp_path / "model.safetensors")
     assert result.notes[-1].endswith(f"{gathered} gathered in memory")
-    _same(load_file(tmp_path / "model.safetensors"), _torch_truth(out / "dcp", tmp_path)["model"])
+    _equal(load_file(tmp_path / "model.safetensors"), _torch_truth(out / "dcp", tmp_path)["model"])
 
 
 def test_convert_streams_a_dcp_folder_and_writes_one(single: Path, tmp_path: Path) -> None:
@@ -224,12 +212,12 @@ def test_convert_streams_a_dcp_folder_and_writes_one(single: Path, tmp_path: Pat
     done = CliRunner().invoke(cli, ["convert", str(single), str(out), "--model-only", "--entry", "model", "-v"])
     assert done.exit_code == 0, done.output
     assert "path: stream; dcp -> safetensors: 16 tensors, 16 copied as byte ranges" in done.output
-    _same(dict(ckptfix.load(out)), SmallNet().state_dict())
+    _equal(dict(ckptfix.load(out)), SmallNet().state_dict())
     back = CliRunner().invoke(cli, ["convert", str(out), f"{tmp_path / 'again'}/"])
     assert back.exit_code == 0, back.output
     target = SmallNet(seed=3).state_dict()
     dcp.load(target, checkpoint_id=str(tmp_path / "again"))
-    _same(target, SmallNet().state_dict())
+    _equal(target, SmallNet().state_dict())
 
 
 def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path: Path) -> None:
@@ -309,12 +297,12 @@ def test_a_folder_of_more_data_files_than_the_soft_open_file_limit_converts_and_
         done = _limited(200, None, "-m", "ckptfix", "convert", str(tmp_path / "dcp"), str(tmp_path / out), *flags)
         assert done.returncode == 0, done.stderr
     loaded = ckptfix.load(tmp_path / "model.safetensors")
-    _same(loaded, state)
-    _same(ckptfix.load(tmp_path / "full.pt")["model"], state)
+    _equal(loaded, state)
+    _equal(ckptfix.load(tmp_path / "full.pt")["model"], state)
     script = "import sys, ckptfix, torch; sd = ckptfix.load(sys.argv[1])['model']; torch.save(sd, sys.argv[2])"
     done = _limited(200, None, "-c", script, str(tmp_path / "dcp"), str(tmp_path / "loaded.pt"))
     assert done.returncode == 0, done.stderr
-    _same(torch.load(tmp_path / "loaded.pt", weights_only=True), state)
+    _equal(torch.load(tmp_path / "loaded.pt", weights_only=True), state)
 
 
 def test_a_hard_open_file_limit_below_the_folder_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from ckptfix.errors import UsageError
 from ckptfix.formats.shards import RankFilesError
 from ckptfix.merging import merge_files
 from tests import sharded_writers
+from tests.assertions import assert_equal
 from tests.models import SmallNet
 
 slow = pytest.mark.slow  # one real 2-process FSDP1 run (gloo) serves the tests of real files
@@ -51,24 +52,6 @@ def _cli(*args: object) -> Any:
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
-def assert_same(got: Any, expected: Any, path: str = "") -> None:
-    """``got`` is ``expected``: the same containers with the same keys in the same order, torch.equal tensors of the
-    same dtype, == on the rest."""
-    assert type(got) is type(expected), (path, type(got), type(expected))
-    if isinstance(expected, torch.Tensor):
-        assert got.dtype == expected.dtype and torch.equal(got, expected), path
-    elif isinstance(expected, dict):
-        assert list(got) == list(expected), (path, list(got), list(expected))
-        for key, value in expected.items():
-            assert_same(got[key], value, f"{path}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected), path
-        for i, (x, y) in enumerate(zip(got, expected, strict=True)):
-            assert_same(x, y, f"{path}.{i}")
-    else:
-        assert got == expected, (path, got, expected)
-
-
 @slow
 @pytest.mark.parametrize(("stem", "which", "buffers"), [("train", "sgd", "momentum_buffer"),
                                                         ("adamw", "adamw", "exp_avg_sq")])  # fmt: skip
@@ -86,9 +69,9 @@ def test_optimizer_consolidates_the_sharded_optimizer_state_exactly(
     assert f"taken from {ranks[0]}: epoch" in result.output
     merged = torch.load(out, weights_only=True)
     assert list(merged) == ["model", "optim", "epoch"] and merged["epoch"] == 1
-    assert_same(merged["optim"], truth[which])  # FSDP.optim_state_dict under FULL_STATE_DICT in the same job
+    assert_equal(merged["optim"], truth[which])  # FSDP.optim_state_dict under FULL_STATE_DICT in the same job
     model = truth["adamw_model"] if which == "adamw" else torch.load(fsdp1 / "full.pt", weights_only=True)
-    assert_same(dict(merged["model"]), dict(model))
+    assert_equal(dict(merged["model"]), dict(model))
     assert all(buffers in s for s in merged["optim"]["state"].values())
     assert [p.read_bytes() for p in ranks] == before  # inputs untouched
 
@@ -112,7 +95,7 @@ def test_without_optimizer_the_sharded_optimizer_state_is_left_out_with_a_note(f
     assert "reassembled 10 ShardedTensor tensor(s)" in result.output  # the model's, not the optimizer's
     merged = torch.load(out, weights_only=True)
     assert list(merged) == ["model", "epoch"] and merged["epoch"] == 1
-    assert_same(dict(merged["model"]), dict(torch.load(fsdp1 / "full.pt", weights_only=True)))
+    assert_equal(dict(merged["model"]), dict(torch.load(fsdp1 / "full.pt", weights_only=True)))
     report = json.loads(_cli("merge", *ranks, "-o", tmp_path / "j.pt", "--json").output)
     assert report["notes"] == [LEFT_OUT] and report["kept_from_first"] == ["epoch"] and report["left_out"] == []
     assert len(report["reassembled"]) == 10 and not any(k.startswith("optim.") for k in report["reassembled"])
@@ -137,7 +120,7 @@ def test_the_optimizer_state_saved_alone_merges_with_optimizer_only(
         "FULL_STATE_DICT",
         f"wrote {out}",
     ]
-    assert_same(torch.load(out, weights_only=True), truth["adamw"])
+    assert_equal(torch.load(out, weights_only=True), truth["adamw"])
     refused = _cli("merge", *ranks, "-o", tmp_path / "no.pt")
     assert refused.exit_code == 2 and not (tmp_path / "no.pt").exists()
     assert refused.output == (
@@ -146,7 +129,7 @@ def test_the_optimizer_state_saved_alone_merges_with_optimizer_only(
     )
     library = merge_files(ranks, tmp_path / "lib.pt", optimizer=True)  # the library: same result, same note
     assert library.notes == [result.output.splitlines()[2]] and library.entries == []
-    assert_same(torch.load(tmp_path / "lib.pt", weights_only=True), truth["adamw"])
+    assert_equal(torch.load(tmp_path / "lib.pt", weights_only=True), truth["adamw"])
 
 
 @slow
@@ -195,7 +178,7 @@ def test_the_consolidated_optimizer_state_resumes_fsdp1_and_a_plain_model(
     assert _cli("merge", *_pair(fsdp1, "adamw"), "-o", out, "--buffers", "rank0", "--optimizer").exit_code == 0
     merged = torch.load(out, weights_only=True)
     # a fresh FSDP1 job: FSDP.optim_state_dict_to_load, then the state it holds is the merged one
-    assert_same(sharded_writers.resume_fsdp1(out, tmp_path / "resumed.pt"), merged["optim"])
+    assert_equal(sharded_writers.resume_fsdp1(out, tmp_path / "resumed.pt"), merged["optim"])
     # FSDP1 keeps one `step` per flat parameter, shared by its parameters' entries: kept shared, as FSDP writes it
     assert _sharing(merged["optim"]) == _sharing(truth["adamw"]) == [8, 2]
     # a plain model and a plain AdamW, as docs/formats.md shows: each `step` its own tensor (a plain AdamW adds 1
@@ -211,7 +194,7 @@ def test_the_consolidated_optimizer_state_resumes_fsdp1_and_a_plain_model(
     names = [name for name, _ in model.named_parameters()]
     assert list(loaded["state"]) == list(range(len(names)))
     for index, name in enumerate(names):
-        assert_same(loaded["state"][index], truth["adamw"]["state"][name], name)
+        assert_equal(loaded["state"][index], truth["adamw"]["state"][name], name)
     group = {k: v for k, v in loaded["param_groups"][0].items() if k != "params"}
     assert group == {k: v for k, v in truth["adamw"]["param_groups"][0].items() if k != "params"}  # lr 0.01 again
     model(torch.randn(2, 3, 8, 8)).square().mean().backward()

@@ -6,6 +6,7 @@ then ``dcp.save``): the same metadata and the same ``.distcp`` bytes; and read b
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -26,10 +27,13 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.deepspeed import describe_run
 from ckptfix.stream import to_dcp
 from tests import sharded_writers
+from tests.assertions import assert_equal
 from tests.deepspeed_runs import RUNS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ZERO = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
+
+_equal = functools.partial(assert_equal, ordered=False)  # DCP keeps no key order
 
 
 def run(*args: str | Path) -> Result:
@@ -59,17 +63,6 @@ def assert_same_folder(got: Path, want: Path) -> None:
             assert (got / name).read_bytes() == (want / name).read_bytes(), name
 
 
-def assert_same(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), (where, set(got) ^ set(want))
-        for key in want:
-            assert_same(got[key], want[key], f"{where}.{key}")
-    else:
-        assert got == want, where
-
-
 def zeros_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: torch.zeros_like(t) for k, t in state.items()}
 
@@ -84,10 +77,10 @@ def test_a_zero_run_streams_into_the_folder_the_loaded_run_makes(name: str, tmp_
     assert result.notes[-1].startswith(f"DeepSpeed ZeRO-{name[4]} (2 ranks) -> dcp: ")
     assert_same_folder(streamed, loaded)
     want = torch.load(FIXTURES / "deepspeed" / f"{name}.expected.pt", weights_only=True)
-    assert_same(dict(ckptfix.load(streamed)), want)
+    _equal(dict(ckptfix.load(streamed)), want)
     target = zeros_like(want)
     dcp.load(target, checkpoint_id=str(streamed))  # torch's own reader
-    assert_same(target, want)
+    _equal(target, want)
 
 
 def test_the_cli_streams_a_run_folder_and_says_so(tmp_path: Path) -> None:
@@ -130,7 +123,7 @@ def test_a_pt_checkpoint_streams_with_its_notes(tmp_path: Path) -> None:
     want = torch.load(FIXTURES / "single.pt", weights_only=True)["model"]
     target = {"model": zeros_like(want)}
     dcp.load(target, checkpoint_id=str(streamed))
-    assert_same(target["model"], want)
+    _equal(target["model"], want)
 
 
 def test_parameters_keep_requires_grad_in_the_metadata(tmp_path: Path) -> None:
@@ -209,7 +202,7 @@ def test_the_writer_takes_one_tensor_at_a_time_even_where_a_gpu_is(
     monkeypatch.undo()
     assert result.method == "stream"
     assert_same_folder(streamed, loaded)
-    assert_same(dict(ckptfix.load(streamed)), torch.load(FIXTURES / "deepspeed" / "zero3_fp32.expected.pt"))
+    _equal(dict(ckptfix.load(streamed)), torch.load(FIXTURES / "deepspeed" / "zero3_fp32.expected.pt"))
 
 
 # -- outputs: refusals and --force as before --------------------------------------------------------------------
@@ -226,7 +219,7 @@ def test_an_existing_folder_is_refused_and_replaced_with_force(tmp_path: Path) -
     done = run("convert", run_dir, f"{out}/", "--force")
     assert done.exit_code == 0, done.output
     assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary or old folder beside it
-    assert_same(dict(ckptfix.load(out)), torch.load(FIXTURES / "deepspeed" / "zero1_fp32.expected.pt"))
+    _equal(dict(ckptfix.load(out)), torch.load(FIXTURES / "deepspeed" / "zero1_fp32.expected.pt"))
 
 
 def test_an_input_truncated_while_written_is_one_line_and_leaves_nothing(
@@ -291,5 +284,5 @@ def test_a_cast_into_a_dcp_folder_streams_the_folder_the_torch_path_writes(src: 
     assert_same_folder(streamed, loaded)
     if src.startswith("deepspeed/"):  # DeepSpeed's own consolidation, then the cast
         want = torch.load(FIXTURES / f"{src}.expected.pt", weights_only=True)
-        assert_same(dict(ckptfix.load(streamed)), {k: t.to(torch.bfloat16) if t.is_floating_point() else t
+        _equal(dict(ckptfix.load(streamed)), {k: t.to(torch.bfloat16) if t.is_floating_point() else t
                                                    for k, t in want.items()})  # fmt: skip
