@@ -596,3 +596,6 @@ def test_lone_optimizer_file_names_the_folder(tmp_path: Path) -> None:
             f"master weights and optimizer state, no state dict; pass the folder instead: {FIXTURES / 'zero2_fp16'}"
         )
     assert not (tmp_path / "out.pt").exists()
+    # the library says the same, not "only unsafe=True opens it" (its pickle names DeepSpeed's classes)
+    with pytest.raises(FormatError, match=r"one rank's optimizer file of a DeepSpeed ZeRO run: .* pass the folder"):
+        ckptfix.load(lone)

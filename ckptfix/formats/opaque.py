@@ -180,7 +180,12 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 def refusal(obj: Any, *, source: str) -> CkptfixError:
     """The allowlist's refusal of every global the opaque entries need, with what rescues the weights."""
     from ckptfix.checkpoint import model_entries
+    from ckptfix.formats.deepspeed import refuse_optimizer_partition
 
+    try:  # one rank's DeepSpeed optimizer file: the folder is what to pass, not unsafe=True
+        refuse_optimizer_partition(obj, source=source)
+    except CkptfixError as e:
+        return e
     found = entries(obj)
     try:
         allowlist.refuse([n for e in found for n in e.needs], source=source)
