@@ -114,8 +114,9 @@ def consolidated(tree: Any, entries: Sequence[str]) -> tuple[Any, dict[str, Plac
     placeholders: dict[str, Placeholder] = {}
 
     def walk(obj: Any) -> Any:
-        if isinstance(obj, ShardedTensorRecord):
-            placeholders[obj.key] = Placeholder(obj.dtype, obj.shape)
+        if isinstance(obj, ShardedTensorRecord):  # one record under two names (a dict the pickle shares): one tensor
+            if obj.key not in placeholders:
+                placeholders[obj.key] = Placeholder(obj.dtype, obj.shape)
             return placeholders[obj.key]
         if isinstance(obj, dict):
             out = _same_kind(obj)

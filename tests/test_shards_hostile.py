@@ -189,3 +189,118 @@ def test_an_fsdp1_tensor_of_a_huge_size_is_refused_before_memory_is_taken() -> N
     parts = [_fsdp1_piece(0, layout, [((0,), (2**44,), torch.zeros(2))], shape=(2**44,))]
     with pytest.raises(shards.RankFilesError, match=r"local shard is torch.float32 \[2\] where its metadata says"):
         shards.assemble_sharded(parts, ["rank0.pt"], key="w")
+
+
+class _Kept:
+    """A ShardedTensor as its pickle's reduce (rebuilt by torch only with a process group): edited, saved back."""
+
+    def __init__(self, func: Any, cls: Any, args: Any, state: Any) -> None:
+        self.func, self.cls, self.args, self.state = func, cls, list(args), state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return torch._tensor._rebuild_from_type_v2, (self.func, self.cls, tuple(self.args), self.state)
+
+
+def _load_kept(path: Path) -> Any:
+    """An FSDP1 rank file as torch pickled it, each ShardedTensor a :class:`_Kept` (torch.save writes it back)."""
+    import pickle
+    import types
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+                return _Kept
+            return super().find_class(module, name)
+
+    keeping = types.ModuleType("keeping")
+    keeping.__dict__.update(pickle.__dict__)
+    keeping.Unpickler = Unpickler  # type: ignore[attr-defined]
+    return torch.load(path, weights_only=False, pickle_module=keeping)
+
+
+@pytest.fixture(scope="module")
+def fsdp1_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A use_orig_params=True FSDP1 job (LOCAL_STATE_DICT files with padding) and one with AdamW files."""
+    return {
+        "orig": sharded_writers.write_fsdp1(tmp_path_factory.mktemp("fsdp1-orig"), orig=True, width=5),
+        "adamw": sharded_writers.write_fsdp1(tmp_path_factory.mktemp("fsdp1-adamw")),
+    }
+
+
+def _flat_of_shape(shape: tuple[int, ...]) -> Callable[[Any, int], None]:
+    """The root flat parameter re-declared as ``shape`` (its metadata, its shards and their tensors made to agree):
+    a rank file whose every ShardedTensor check passes, but whose flat parameter is not 1-D."""
+
+    def edit(state: Any, rank: int) -> None:
+        flat = state["_flat_param"]
+        flat.args[2], flat.args[3] = shape, tuple(1 for _ in shape)
+        local, meta = flat.state[0], flat.state[1]
+        meta.size = torch.Size(shape)
+        if not shape:  # one element: rank 0's shard alone
+            meta.shards_metadata = [m for m in meta.shards_metadata if m.placement.rank() == 0]
+            del local[1 if rank == 0 else 0 :]
+        for m in [*meta.shards_metadata, *(s.metadata for s in local)]:
+            m.shard_offsets, m.shard_sizes = [*m.shard_offsets, 0][: len(shape)], [*m.shard_sizes, 2][: len(shape)]
+        for s in local:
+            s.tensor = s.tensor.detach()[0].clone() if not shape else torch.stack([s.tensor.detach()] * 2, 1)
+
+    return edit
+
+
+def _view(value: Any) -> Callable[[Any, int], None]:
+    def edit(state: Any, rank: int) -> None:
+        state["features.0.weight"] = value  # with use_orig_params=True: the parameter's part on this rank
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_flat_of_shape((410, 2)), "'_flat_param' is a ShardedTensor of shape [410, 2], but an FSDP flat parameter is "
+                                   "1-D; the file is damaged or crafted"),
+        (_flat_of_shape(()), "'_flat_param' is a ShardedTensor of shape [], but an FSDP flat parameter is 1-D; the "
+                             "file is damaged or crafted"),
+        (_view(7), "'features.0.weight' is not a tensor (int), but a use_orig_params=True file holds the parameter's "
+                   "part on rank 0 there; the file is damaged or crafted"),
+    ],
+    ids=["flat-param-2d", "flat-param-0d", "parameter-part-not-a-tensor"],
+)  # fmt: skip
+def test_an_edited_local_state_dict_is_refused_in_one_line(
+    fsdp1_runs: dict[str, Path], tmp_path: Path, edit: Callable[[Any, int], None], message: str
+) -> None:
+    ranks = []
+    for r in range(sharded_writers.WORLD):
+        state = _load_kept(fsdp1_runs["orig"] / f"local{r}.pt")
+        edit(state, r)
+        torch.save(state, tmp_path / f"local{r}.pt")
+        ranks.append(tmp_path / f"local{r}.pt")
+    before = [p.read_bytes() for p in ranks]
+    out = tmp_path / "m.pt"
+    model = ["--model", "tests.models:SmallNet", "--kwargs", '{"width": 5}']
+    result = CliRunner().invoke(cli, ["merge", *map(str, ranks), "-o", str(out), "--buffers", "rank0", *model])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"ckptfix: error: {ranks[0]}: {message}\n"
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["local0.pt", "local1.pt"]
+    assert [p.read_bytes() for p in ranks] == before
+
+
+def test_optimizer_state_under_two_names_is_consolidated_once(fsdp1_runs: dict[str, Path], tmp_path: Path) -> None:
+    # one parameter's state dict under a second name: the pickle stores it once, and torch.load gives one dict
+    ranks = []
+    for r in range(sharded_writers.WORLD):
+        state = _load_kept(fsdp1_runs["adamw"] / f"adamw_optim{r}.pt")
+        state["state"]["features.0.bias"] = state["state"]["features.0.weight"]
+        torch.save(state, tmp_path / f"optim{r}.pt")
+        ranks.append(tmp_path / f"optim{r}.pt")
+    out = tmp_path / "m.pt"
+    result = CliRunner().invoke(cli, ["merge", *map(str, ranks), "-o", str(out), "--optimizer"])
+    assert result.exit_code == 0, result.output
+    merged = torch.load(out, weights_only=True)["state"]
+    truth = torch.load(fsdp1_runs["adamw"] / "full_optim.pt", weights_only=True)["adamw"]["state"]
+    assert set(merged) == set(truth)
+    for name in ("features.0.weight", "features.0.bias"):
+        assert list(merged[name]) == list(truth["features.0.weight"])
+        for key, value in truth["features.0.weight"].items():
+            assert torch.equal(merged[name][key], value), (name, key)
+    assert merged["features.0.bias"]["exp_avg"].data_ptr() == merged["features.0.weight"]["exp_avg"].data_ptr()

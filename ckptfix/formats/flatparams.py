@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.shards import FLAT_PARAM, RankFilesError, ShardedTensorRecord, _fsdp1_how
 
@@ -145,6 +146,11 @@ def offsets(shapes: Sequence[tuple[int, ...]], *, align: int, world: int) -> tup
 def split_layout(unit: Unit, flat: ShardedTensorRecord, *, name: str, source: str) -> list[int]:
     """The offsets of ``unit``'s parameters in ``flat``, from the one padding that gives its element count."""
     assert flat.piece is not None  # every ShardedTensorRecord of a rank file holds its piece
+    if len(flat.shape) != 1:  # a crafted shape: its first size would pass for the element count
+        raise RankFilesError(
+            f"{source}: '{name}' is a ShardedTensor of shape {list(flat.shape)}, but an FSDP flat parameter is 1-D; "
+            f"the file is damaged or crafted"
+        )
     numel, world = flat.shape[0], flat.piece.world
     size = DTYPES[flat.dtype].itemsize
     shapes = [shape for _, shape in unit.params]
@@ -213,6 +219,11 @@ def _check_view(view: Any, flat: ShardedTensorRecord, offset: int, numel: int, *
     what the split puts in this rank's shard, a check of the split that costs no tensor byte."""
     if view is None or flat.piece is None or isinstance(view, ShardedTensorRecord):
         return
+    if not is_tensor(view):
+        raise RankFilesError(
+            f"{source}: '{key}' is not a tensor ({type(view).__name__}), but a use_orig_params=True file holds the "
+            f"parameter's part on rank {flat.piece.rank} there; the file is damaged or crafted"
+        )
     held = sum(max(0, min(o[0] + s[0], offset + numel) - max(o[0], offset)) for o, s, _ in flat.piece.local)
     if math.prod(getattr(view, "shape", (-1,))) != held:
         raise RankFilesError(
