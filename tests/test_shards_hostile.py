@@ -247,6 +247,10 @@ def _flat_of_shape(shape: tuple[int, ...]) -> Callable[[Any, int], None]:
     return edit
 
 
+def _second_root_flat(state: Any, rank: int) -> None:
+    state["._flat_param"] = state["_flat_param"]  # the root module's flat parameter under a second name
+
+
 def _view(value: Any) -> Callable[[Any, int], None]:
     def edit(state: Any, rank: int) -> None:
         state["features.0.weight"] = value  # with use_orig_params=True: the parameter's part on this rank
@@ -263,8 +267,10 @@ def _view(value: Any) -> Callable[[Any, int], None]:
                              "file is damaged or crafted"),
         (_view(7), "'features.0.weight' is not a tensor (int), but a use_orig_params=True file holds the parameter's "
                    "part on rank 0 there; the file is damaged or crafted"),
+        (_second_root_flat, "'._flat_param' and '_flat_param' are both the flat parameter of the root module, and "
+                            "an FSDP unit has one; the file is damaged or crafted"),
     ],
-    ids=["flat-param-2d", "flat-param-0d", "parameter-part-not-a-tensor"],
+    ids=["flat-param-2d", "flat-param-0d", "parameter-part-not-a-tensor", "two-flat-params-of-one-unit"],
 )  # fmt: skip
 def test_an_edited_local_state_dict_is_refused_in_one_line(
     fsdp1_runs: dict[str, Path], tmp_path: Path, edit: Callable[[Any, int], None], message: str

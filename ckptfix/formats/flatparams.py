@@ -179,6 +179,7 @@ def split_state(state: Mapping[str, Any], model: Any, *, path: str, source: str)
     dict's keys in FULL_STATE_DICT's order: each parameter a :class:`FlatSliceRecord`, each buffer the file's own.
     ``path``: the state dict's place in the checkpoint (parts joined by NUL, "" for the top)."""
     flats = {k: v for k, v in state.items() if isinstance(v, ShardedTensorRecord) and _is_flat(k)}
+    _check_one_per_unit(flats, source=source)
     found = plan(model, [k.removesuffix(FLAT_PARAM).removesuffix(".") for k in flats], source=source)
     starts: dict[str, tuple[ShardedTensorRecord, int]] = {}
     for key, flat in sorted(flats.items(), key=lambda kv: len(kv[0].split("."))):  # the outermost unit first
@@ -212,6 +213,21 @@ def split_state(state: Mapping[str, Any], model: Any, *, path: str, source: str)
     if metadata is not None:
         out._metadata = metadata  # type: ignore[attr-defined]
     return out
+
+
+def _check_one_per_unit(flats: Mapping[str, Any], *, source: str) -> None:
+    """Each unit has one flat parameter: two keys naming the same module (``._flat_param`` is the root's too) would
+    split the model's parameters from one of them and leave the other unread."""
+    seen: dict[str, str] = {}
+    for key in flats:
+        prefix = key.removesuffix(FLAT_PARAM).removesuffix(".")
+        if prefix in seen:
+            where = f"'{prefix}'" if prefix else "the root module"
+            raise RankFilesError(
+                f"{source}: '{key}' and '{seen[prefix]}' are both the flat parameter of {where}, and an FSDP unit has "
+                f"one; the file is damaged or crafted"
+            )
+        seen[prefix] = key
 
 
 def _check_view(view: Any, flat: ShardedTensorRecord, offset: int, numel: int, *, key: str, source: str) -> None:
