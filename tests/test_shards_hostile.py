@@ -310,3 +310,24 @@ def test_optimizer_state_under_two_names_is_consolidated_once(fsdp1_runs: dict[s
         for key, value in truth["features.0.weight"].items():
             assert torch.equal(merged[name][key], value), (name, key)
     assert merged["features.0.bias"]["exp_avg"].data_ptr() == merged["features.0.weight"]["exp_avg"].data_ptr()
+
+
+def test_a_sharded_tensor_in_a_list_is_refused_not_copied_as_one_rank_s_shards(
+    fsdp1_runs: dict[str, Path], tmp_path: Path
+) -> None:
+    # FSDP1 saves ShardedTensors in dicts; one in a list was written as rank 0's shards into a "merged" file
+    ranks = []
+    for r in range(sharded_writers.WORLD):
+        state = _load_kept(fsdp1_runs["adamw"] / f"sharded{r}.pt")
+        torch.save({"model": state, "extra": [state["features.0.weight"]]}, tmp_path / f"rank{r}.pt")
+        ranks.append(tmp_path / f"rank{r}.pt")
+    out = tmp_path / "m.pt"
+    for flags in ([], ["--model-only"]):
+        result = CliRunner().invoke(cli, ["merge", *map(str, ranks), "-o", str(out), *flags])
+        assert result.exit_code == 2, result.output
+        assert result.output == (
+            f"ckptfix: error: {ranks[0]}: 'extra' holds a ShardedTensor inside a list, tuple or object, where FSDP1 "
+            f"saves them in dicts only (ckptfix reassembles those); the file is damaged or crafted: save "
+            f"FULL_STATE_DICT instead\n"
+        )
+        assert not out.exists()

@@ -514,7 +514,20 @@ def describe_fsdp1_rank(
                     _refuse_local(path, key.replace("\0", "."), found)
                 flat_in[path_so_far] = node
             node[k] = records[key] = ShardedTensorRecord(found.dtype, found.shape, _fsdp1_how(found), key, found)
+    _refuse_sharded_elsewhere(z.tree, source=path)
     return z, _split_local(z.tree, flat_in, model, source=path)
+
+
+def _refuse_sharded_elsewhere(tree: Any, *, source: str) -> None:
+    """A ShardedTensor the walk above did not reach (in a list, a tuple, an object) would be written as it is: one
+    rank's shards in a file said to be merged. FSDP1 saves them in dicts only."""
+    for name, value in tree.items() if isinstance(tree, dict) else [("", tree)]:
+        if any(sharded_piece(obj, key=str(name), source=source) for obj in inert.walk(value)):
+            where = f"'{name}' holds" if name != "" else "holds"
+            raise RankFilesError(
+                f"{source}: {where} a ShardedTensor inside a list, tuple or object, where FSDP1 saves them in dicts "
+                f"only (ckptfix reassembles those); the file is damaged or crafted: save FULL_STATE_DICT instead"
+            )
 
 
 def _split_local(tree: Any, flat_in: dict[str, Any], model: Any, *, source: str) -> Any:
