@@ -242,7 +242,7 @@ class Opened:
     def _zip_tensor(self, t: inert.InertTensor) -> torch.Tensor:
         import torch
 
-        dtype = _torch_dtype(torch, t.dtype, source=self.source)
+        dtype = torch_dtype(torch, t.dtype, source=self.source)
         rec = self.record(t)
         width = DTYPES[t.dtype].itemsize
         out = torch.empty((0,), dtype=dtype)
@@ -257,7 +257,7 @@ class Opened:
     def _st_tensor(self, value: StTensor) -> torch.Tensor:
         import torch
 
-        dtype = _torch_dtype(torch, value.dtype, source=self.source)
+        dtype = torch_dtype(torch, value.dtype, source=self.source)
         if value.end == value.start:
             return torch.empty(value.shape, dtype=dtype)
         assert self.fd is not None  # records exist only while the file is open
@@ -265,7 +265,7 @@ class Opened:
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(value.shape)
 
 
-def _torch_dtype(torch: Any, name: str, *, source: str) -> Any:
+def torch_dtype(torch: Any, name: str, *, source: str) -> Any:
     dtype = getattr(torch, name, None)
     if dtype is None:
         raise FormatError(f"{source}: a tensor has dtype {name}, which this torch cannot represent; upgrade torch")

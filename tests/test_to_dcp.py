@@ -286,3 +286,18 @@ def test_a_cast_into_a_dcp_folder_streams_the_folder_the_torch_path_writes(src: 
         want = torch.load(FIXTURES / f"{src}.expected.pt", weights_only=True)
         _equal(dict(ckptfix.load(streamed)), {k: t.to(torch.bfloat16) if t.is_floating_point() else t
                                                    for k, t in want.items()})  # fmt: skip
+
+
+def test_a_dtype_this_torch_lacks_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a file from a newer torch: the meta tensor of the plan cannot be made, which says so (not an exit 3)
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip(f"torch {torch.__version__} cannot save float8_e8m0fnu")
+    torch.save({"scale": torch.ones(4, dtype=torch.float8_e8m0fnu)}, tmp_path / "m.pt")
+    monkeypatch.delattr(torch, "float8_e8m0fnu")
+    result = run("convert", tmp_path / "m.pt", f"{tmp_path / 'out'}/")
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        f"ckptfix: error: {tmp_path / 'm.pt'}: a tensor has dtype float8_e8m0fnu, which this torch cannot "
+        f"represent; upgrade torch"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]

@@ -66,7 +66,7 @@ def convert_to_dcp(
         cast = cast_records(conversion, dtype) if dtype is not None else 0
         obj = conversion.obj
         reader = _Reader(src, files, z)
-        metas, records = _meta_tree(obj)
+        metas, records = _meta_tree(obj, source=src)
         for record in {id(r): r for r in records.values()}.values():
             reader.prepare(record, allowed=allowed)  # chunk archives parsed and their CRCs queued, before any write
         verifier = VerifyInTurn(files, files.checks)
@@ -118,11 +118,13 @@ def _open(
         raise
 
 
-def _meta_tree(obj: Any) -> tuple[Any, dict[int, Any]]:
+def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
     """``obj`` with a ``meta`` tensor (shape, dtype, requires_grad) for each tensor record, and the record of each
     meta tensor by id. DCP flattens dicts and lists only: a tensor anywhere else would be pickled whole, which
     the torch path does with the tensor itself (Fallback)."""
     import torch
+
+    from ckptfix.reading import torch_dtype
 
     records: dict[int, Any] = {}
     made: dict[int, Any] = {}  # one meta tensor per record: a tied tensor stays one object, as it was loaded
@@ -132,7 +134,7 @@ def _meta_tree(obj: Any) -> tuple[Any, dict[int, Any]]:
             read = record.source if isinstance(record, CastTensor) else record
             t = inert.tensor_of(read) if isinstance(read, inert.Inert) else read
             dtype = record.dtype if isinstance(record, CastTensor) else t.dtype
-            m = torch.empty(t.shape, dtype=getattr(torch, dtype), device="meta")
+            m = torch.empty(t.shape, dtype=torch_dtype(torch, dtype, source=source), device="meta")
             if _requires_grad(record):
                 m.requires_grad_(True)
             made[id(record)] = m
