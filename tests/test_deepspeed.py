@@ -599,3 +599,78 @@ def test_lone_optimizer_file_names_the_folder(tmp_path: Path) -> None:
     # the library says the same, not "only unsafe=True opens it" (its pickle names DeepSpeed's classes)
     with pytest.raises(FormatError, match=r"one rank's optimizer file of a DeepSpeed ZeRO run: .* pass the folder"):
         ckptfix.load(lone)
+
+
+# -- hostile rank files: the project's own fixtures edited (safe to unpickle), saved back with DeepSpeed's globals ----
+
+
+class _StubPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """Writes a stub back under the DeepSpeed global it was read from (DeepSpeed need not be installed)."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if isinstance(obj, type) and issubclass(obj, _Stub):
+            self.write(pickle.GLOBAL + f"{obj.ds_module}\n{obj.__name__}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+class _EditUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module.split(".")[0] == "deepspeed":
+            return type(name, (_Stub,), {"ds_module": module, "__reduce__": _stub_reduce})
+        return super().find_class(module, name)
+
+
+def _stub_reduce(self: Any) -> tuple[Any, ...]:
+    return (type(self), getattr(self, "args", ()), getattr(self, "state", None))
+
+
+def edit_rank_file(path: Path, change: Any) -> None:
+    """``change(tree)`` applied to one of the project's own fixture rank files, saved back by torch."""
+    load = types.SimpleNamespace(Unpickler=_EditUnpickler, load=pickle.load, __name__="pickle")
+    tree = torch.load(path, weights_only=False, pickle_module=load)
+    change(tree)
+    torch.save(tree, path, pickle_module=types.SimpleNamespace(Pickler=_StubPickler, __name__="pickle"))
+
+
+def test_edited_rank_file_reads_as_before(tmp_path: Path) -> None:
+    run = copy_run("zero3_fp16", tmp_path)
+    for f in (run / "global_step1").iterdir():
+        edit_rank_file(f, lambda tree: None)
+    assert_same(ckptfix.load(run), expected("zero3_fp16"))
+
+
+def test_partition_count_huge_refused_without_counting_to_it(tmp_path: Path) -> None:
+    run = copy_run("zero3_bf16", tmp_path)
+    rank0 = run / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    for count in (2**40, [2**40, 2]):
+        edit_rank_file(rank0, lambda tree, c=count: tree["optimizer_state_dict"].__setitem__("partition_count", c))
+        result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (
+            f"ckptfix: error: {rank0.with_name('bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt')}: missing "
+            f"({2**40 - 2} of {2**40} ranks' optimizer files missing); every rank's file is needed: copy the whole "
+            f"tag folder"
+        )
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("edit", ["huge shape", "short partitions"])
+def test_zero3_shapes_past_the_partitions_refused(edit: str, tmp_path: Path) -> None:
+    run = copy_run("zero3_bf16", tmp_path)
+    tag = run / "global_step1"
+    if edit == "huge shape":  # 2**50 elements declared over partitions of 107
+        edit_rank_file(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                       lambda tree: tree["param_shapes"][0].__setitem__("embed.weight", torch.Size([2**25, 2**25])))
+    else:  # both ranks' first flat group cut to 50 elements of 92
+        for rank in (0, 1):
+            edit_rank_file(tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", lambda tree: tree[
+                "optimizer_state_dict"]["fp32_flat_groups"].__setitem__(0, torch.zeros(50)))  # fmt: skip
+    name, need = ("embed.weight", 2**49) if edit == "huge shape" else ("body.weight", 92)  # 60 + 32 of 65
+    result = run_cli("inspect", str(run))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"ckptfix: error: {tag}: parameter '{name}' needs element {need} of each rank's partitions, which "
+        f"hold {107 if edit == 'huge shape' else 65}; the rank files are from different runs"
+    )

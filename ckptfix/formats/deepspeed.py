@@ -353,6 +353,11 @@ def layout_stage3(
     for name, shape in shapes:
         numel = math.prod(shape)
         part = math.ceil(numel / world)
+        if offset + part > bounds[-1]:  # checked before placing: every element placed lies in some group
+            raise FormatError(
+                f"{source}: parameter '{name}' needs element {offset + part} of each rank's partitions, which hold "
+                f"{bounds[-1]}; the rank files are from different runs"
+            )
         segs: list[Segment] = []
         left = numel
         for r in range(world):
@@ -365,11 +370,6 @@ def layout_stage3(
                 segs.append((r, g, at - bounds[g], n))
                 at, take = at + n, take - n
         offset += part
-        if offset > bounds[-1]:
-            raise FormatError(
-                f"{source}: parameter '{name}' needs element {offset} of each rank's partitions, which hold "
-                f"{bounds[-1]}; the rank files are from different runs"
-            )
         out[name] = segs
     if offset != bounds[-1]:
         raise FormatError(
@@ -420,11 +420,12 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
         )
     first = _optim_file(optims[min(optims)], min(optims), allowed=allowed)
     stage, world = first.stage, first.world
-    missing = [r for r in range(world) if r not in optims]
-    if missing:
-        name = os.path.basename(optims[min(optims)]).replace(f"rank_{min(optims)}_", f"rank_{missing[0]}_", 1)
+    present = sum(1 for r in optims if r < world)  # never counted up to the declared world: it may be 2**40
+    if present < world:
+        gap = next(r for r in range(len(optims) + 1) if r not in optims)  # one of 0..len(optims) is absent
+        name = os.path.basename(optims[min(optims)]).replace(f"rank_{min(optims)}_", f"rank_{gap}_", 1)
         raise FormatError(
-            f"{os.path.join(tag_dir, name)}: missing ({len(missing)} of {world} ranks' optimizer files missing); "
+            f"{os.path.join(tag_dir, name)}: missing ({world - present} of {world} ranks' optimizer files missing); "
             f"every rank's file is needed: copy the whole tag folder"
         )
     extra = [r for r in optims if r >= world]
