@@ -661,8 +661,10 @@ def test_zero3_shapes_past_the_partitions_refused(edit: str, tmp_path: Path) -> 
     run = copy_run("zero3_bf16", tmp_path)
     tag = run / "global_step1"
     if edit == "huge shape":  # 2**50 elements declared over partitions of 107
-        edit_rank_file(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                       lambda tree: tree["param_shapes"][0].__setitem__("embed.weight", torch.Size([2**25, 2**25])))
+        edit_rank_file(
+            tag / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+            lambda tree: tree["param_shapes"][0].__setitem__("embed.weight", torch.Size([2**25, 2**25])),
+        )
     else:  # both ranks' first flat group cut to 50 elements of 92
         for rank in (0, 1):
             edit_rank_file(tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", lambda tree: tree[
