@@ -676,3 +676,35 @@ def test_zero3_shapes_past_the_partitions_refused(edit: str, tmp_path: Path) -> 
         f"ckptfix: error: {tag}: parameter '{name}' needs element {need} of each rank's partitions, which "
         f"hold {107 if edit == 'huge shape' else 65}; the rank files are from different runs"
     )
+
+
+@pytest.mark.parametrize(("name", "sizes"), [("zero3_bf16", (30, 64)), ("zero2_bf16", (126,))])
+def test_frozen_fragments_of_the_wrong_size_refused(name: str, sizes: tuple[int, ...], tmp_path: Path) -> None:
+    run = copy_run(name, tmp_path)
+    tag = run / "global_step1"
+    files = ["mp_rank_00_model_states.pt"] if len(sizes) == 1 else [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+                                                                     for r in range(2)]  # fmt: skip
+    for file, size in zip(files, sizes, strict=True):  # ZeRO-3: 30 + 64 elements still cover the 63 of [7, 9]
+        edit_rank_file(tag / file, lambda tree, n=size: tree["frozen_param_fragments"].__setitem__(
+            "frozen.weight", torch.arange(n, dtype=torch.bfloat16)))  # fmt: skip
+    result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"ckptfix: error: {tag / files[0]}: frozen parameter 'frozen.weight' of shape [7, 9] has {sizes[0]} elements "
+        f"here, not {32 if len(sizes) == 2 else 63}; the rank files are from different runs"
+    )
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_two_module_files_of_one_rank_refused(tmp_path: Path) -> None:
+    run = copy_run("zero3_fp32", tmp_path)
+    tag = run / "global_step1"
+    shutil.copy(FIXTURES / "zero3_bf16" / "global_step1" / "zero_pp_rank_1_mp_rank_00_model_states.pt",
+                tag / "zero_pp_rank_01_mp_rank_00_model_states.pt")  # fmt: skip
+    result = run_cli("convert", str(run), str(tmp_path / "out.pt"))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"ckptfix: error: {tag / 'zero_pp_rank_1_mp_rank_00_model_states.pt'}: rank 1 has two module files here "
+        f"(zero_pp_rank_01_mp_rank_00_model_states.pt too); keep one run's files"
+    )
+    assert not (tmp_path / "out.pt").exists()

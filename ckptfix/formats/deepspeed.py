@@ -398,7 +398,13 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
         full = os.path.join(tag_dir, name)
         if m := MODEL_FILE.match(name):
             _mp_rank(m.group(2), full)
-            models[int(m.group(1)) if m.group(1) is not None else None] = full
+            rank_of = int(m.group(1)) if m.group(1) is not None else None
+            if rank_of in models:  # rank_1 and rank_01: which one is rank 1's is not for ckptfix to guess
+                other = os.path.basename(models[rank_of])
+                raise FormatError(
+                    f"{full}: rank {rank_of} has two module files here ({other} too); keep one run's files"
+                )
+            models[rank_of] = full
         elif m := OPTIM_FILE.match(name):
             _mp_rank(m.group(2), full)
             rank = int(m.group(1))
@@ -663,6 +669,11 @@ def _frozen(name: str, shape: tuple[int, ...], trees: Mapping[int | None, tuple[
             raise FormatError(f"{models[r]}: frozen parameter '{name}' is {t.dtype} here, {dtype} on rank 0; the "
                               f"folder mixes two runs")  # fmt: skip
         dtype = t.dtype
+        # ZeRO-2 saves the parameter whole, ZeRO-3 each rank's padded partition: any other size misplaces elements
+        want = numel if stage <= 2 else math.ceil(numel / world)
+        if t.numel() != want:
+            raise FormatError(f"{models[r]}: frozen parameter '{name}' of shape {list(shape)} has {t.numel()} "
+                              f"elements here, not {want}; the rank files are from different runs")  # fmt: skip
         take = min(t.numel(), left)
         if take:
             pieces.append(_piece(t, trees[r][1], path=models[r], start=0, count=take))
