@@ -708,3 +708,26 @@ def test_two_module_files_of_one_rank_refused(tmp_path: Path) -> None:
         f"(zero_pp_rank_01_mp_rank_00_model_states.pt too); keep one run's files"
     )
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize(
+    ("paddings", "message"),
+    [
+        ([[-20, 20], [0, 0, 0]], "param_alignment_paddings of group 0 are [-20, 20], not counts of elements"),
+        ([[0.5, 0], [0, 0, 0]], "param_alignment_paddings of group 0 are [0.5, 0], not counts of elements"),
+        ([[0, 0]], "param_alignment_paddings is not one list per parameter group (2)"),
+        ([7, [0, 0, 0]], "param_alignment_paddings is not one list per parameter group (2)"),
+    ],
+)
+def test_alignment_paddings_that_misplace_parameters_refused(paddings: Any, message: str, tmp_path: Path) -> None:
+    run = copy_run("zero2_fp32", tmp_path)  # [-20, 20]: body.weight would overlap embed.weight, sizes still adding up
+    tag = run / "global_step1"
+    for rank in (0, 1):
+        edit_rank_file(
+            tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            lambda tree: tree["optimizer_state_dict"].__setitem__("param_alignment_paddings", paddings),
+        )
+    result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"ckptfix: error: {tag}: {message}; the rank files are damaged"
+    assert not (tmp_path / "out.safetensors").exists()

@@ -298,6 +298,9 @@ def layout_partitioned(
     """ZeRO-1/2: where each parameter's elements are. ``shapes[g]``: group ``g``'s parameters in order;
     ``sizes[r][g]``: rank ``r``'s partition length of group ``g`` (the ranks' partitions, joined, are the group)."""
     world = len(sizes)
+    if paddings is not None and (len(paddings) != len(shapes) or not all(isinstance(p, list) for p in paddings)):
+        raise FormatError(f"{source}: param_alignment_paddings is not one list per parameter group ({len(shapes)}); "
+                          f"the rank files are damaged")  # fmt: skip
     out: dict[str, list[Segment]] = {}
     for g, params in enumerate(shapes):
         starts = [0]
@@ -308,6 +311,9 @@ def layout_partitioned(
         pads = paddings[g] if paddings is not None else None
         if pads is not None and len(pads) != len(params):
             raise FormatError(f"{source}: group {g} has {len(params)} parameters but {len(pads)} alignment paddings")
+        if pads is not None and not all(type(p) is int and p >= 0 for p in pads):  # a negative one overlaps two
+            raise FormatError(f"{source}: param_alignment_paddings of group {g} are {pads!r}, not counts of elements; "
+                              f"the rank files are damaged")  # fmt: skip
         for i, (name, shape) in enumerate(params):
             numel = math.prod(shape)
             if offset + numel > avail:
