@@ -9,6 +9,7 @@ and compares with DeepSpeed live.
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import types
@@ -731,3 +732,22 @@ def test_alignment_paddings_that_misplace_parameters_refused(paddings: Any, mess
     assert result.exit_code == 2, result.output
     assert result.output.strip() == f"ckptfix: error: {tag}: {message}; the rank files are damaged"
     assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "link out"])
+def test_rank_file_that_is_no_regular_file_inside_refused(kind: str, tmp_path: Path) -> None:
+    if kind == "fifo" and not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    run = copy_run("zero2_fp32", tmp_path)
+    rank1 = run / "global_step1" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    rank1.unlink()
+    if kind == "fifo":  # opening it would block for ever: no writer
+        os.mkfifo(rank1)
+    else:
+        target = FIXTURES / "zero2_fp32" / "global_step1" / rank1.name
+        rank1.symlink_to("/dev/zero" if kind == "device" else target)
+    result = run_cli("inspect", str(run))
+    assert result.exit_code == 2, result.output
+    why = ("a link to outside the folder; refusing it: copy the file itself into the folder" if kind == "link out"
+           else "not a regular file (a FIFO, socket, device or folder); copy the whole tag folder again")  # fmt: skip
+    assert result.output.strip() == f"ckptfix: error: {rank1}: {why}"

@@ -402,6 +402,8 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     optims: dict[int, str] = {}
     for name in names:
         full = os.path.join(tag_dir, name)
+        if (MODEL_FILE.match(name) or OPTIM_FILE.match(name)) is not None:
+            _rank_file(full, tag_dir)
         if m := MODEL_FILE.match(name):
             _mp_rank(m.group(2), full)
             rank_of = int(m.group(1)) if m.group(1) is not None else None
@@ -717,6 +719,20 @@ def _run_files(models: Mapping[int | None, str], ranks: list[_Optim], *, stage: 
         files.append(RunFile(o.path, "optimizer", o.rank, f"rank {o.rank}'s {master} master partition ({len(o.groups)} "
                              f"group{'s' * (len(o.groups) != 1)}, {n:,} elements) and optimizer state"))  # fmt: skip
     return files
+
+
+def _rank_file(path: str, tag_dir: str) -> None:
+    """A rank file checked before it is opened: opening a FIFO blocks, a device never ends, a link may lead out."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read it ({e.strerror}); copy the whole tag folder again") from e
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{path}: not a regular file (a FIFO, socket, device or folder); copy the whole tag folder "
+                          f"again")  # fmt: skip
+    real = os.path.realpath(tag_dir)
+    if os.path.commonpath([real, os.path.realpath(path)]) != real:
+        raise FormatError(f"{path}: a link to outside the folder; refusing it: copy the file itself into the folder")
 
 
 def _mp_rank(text: str, path: str) -> None:
