@@ -751,3 +751,16 @@ def test_rank_file_that_is_no_regular_file_inside_refused(kind: str, tmp_path: P
     why = ("a link to outside the folder; refusing it: copy the file itself into the folder" if kind == "link out"
            else "not a regular file (a FIFO, socket, device or folder); copy the whole tag folder again")  # fmt: skip
     assert result.output.strip() == f"ckptfix: error: {rank1}: {why}"
+
+
+@pytest.mark.parametrize("tag", ["../zero1_fp32", "/etc", "global_step1/../.."])
+def test_latest_naming_a_path_out_of_the_run_refused_by_name(tag: str, tmp_path: Path) -> None:
+    run = copy_run("zero1_fp32", tmp_path)
+    (run / "latest").write_text(tag)
+    result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"ckptfix: error: {run / 'latest'}: does not name a tag folder (found {tag.encode()!r}); pass the tag "
+        f"folder itself"
+    )
+    assert not (tmp_path / "out.safetensors").exists()

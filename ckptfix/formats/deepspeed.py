@@ -140,7 +140,18 @@ def is_deepspeed(path: str) -> bool:
         return False
     latest = os.path.join(path, LATEST)
     if os.path.isfile(latest):
-        return _read_latest(latest, strict=False) is not None  # a tag that is not there is refused, by name
+        if _read_latest(latest, strict=False) is not None:
+            return True  # a tag that is not there is refused, by name
+        # a 'latest' naming no tag ('../x', an absolute path) beside a tag folder: refused naming 'latest', not
+        # "no checkpoint here"
+        try:
+            return any(_holds_rank_files(os.path.join(path, n)) for n in _tags(path))
+        except OSError:
+            return False
+    return _holds_rank_files(path)
+
+
+def _holds_rank_files(path: str) -> bool:
     try:
         names = os.listdir(path)
     except OSError:
