@@ -41,6 +41,15 @@ def run_cli(*args: str) -> Any:
     return CliRunner().invoke(cli, list(args))
 
 
+def refusal(command: str, src: Path, out: Path | None = None) -> str:
+    """``ckptfix COMMAND SRC [OUT]`` refused: exit 2 and one line, which is returned; OUT not written."""
+    result = run_cli(command, str(src), *([str(out)] if out else []))
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert out is None or not out.exists()
+    return result.output.strip()
+
+
 def expected(name: str) -> dict[str, torch.Tensor]:
     return torch.load(FIXTURES / f"{name}.expected.pt", weights_only=True)  # type: ignore[no-any-return]
 
@@ -647,14 +656,11 @@ def test_partition_count_huge_refused_without_counting_to_it(tmp_path: Path) -> 
     rank0 = run / "global_step1" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
     for count in (2**40, [2**40, 2]):
         edit_rank_file(rank0, lambda tree, c=count: tree["optimizer_state_dict"].__setitem__("partition_count", c))
-        result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
-        assert result.exit_code == 2, result.output
-        assert result.output.strip() == (
+        assert refusal("convert", run, tmp_path / "out.safetensors") == (
             f"ckptfix: error: {rank0.with_name('bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt')}: missing "
             f"({2**40 - 2} of {2**40} ranks' optimizer files missing); every rank's file is needed: copy the whole "
             f"tag folder"
         )
-    assert not (tmp_path / "out.safetensors").exists()
 
 
 @pytest.mark.parametrize("edit", ["huge shape", "short partitions"])
@@ -671,9 +677,8 @@ def test_zero3_shapes_past_the_partitions_refused(edit: str, tmp_path: Path) -> 
             edit_rank_file(tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", lambda tree: tree[
                 "optimizer_state_dict"]["fp32_flat_groups"].__setitem__(0, torch.zeros(50)))  # fmt: skip
     name, need = ("embed.weight", 2**49) if edit == "huge shape" else ("body.weight", 92)  # 60 + 32 of 65
-    result = run_cli("inspect", str(run))
-    assert result.exit_code == 2, result.output
-    assert result.output.strip() == (
+    line = refusal("inspect", run)
+    assert line == (
         f"ckptfix: error: {tag}: parameter '{name}' needs element {need} of each rank's partitions, which "
         f"hold {107 if edit == 'huge shape' else 65}; the rank files are from different runs"
     )
@@ -688,13 +693,10 @@ def test_frozen_fragments_of_the_wrong_size_refused(name: str, sizes: tuple[int,
     for file, size in zip(files, sizes, strict=True):  # ZeRO-3: 30 + 64 elements still cover the 63 of [7, 9]
         edit_rank_file(tag / file, lambda tree, n=size: tree["frozen_param_fragments"].__setitem__(
             "frozen.weight", torch.arange(n, dtype=torch.bfloat16)))  # fmt: skip
-    result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
-    assert result.exit_code == 2, result.output
-    assert result.output.strip() == (
+    assert refusal("convert", run, tmp_path / "out.safetensors") == (
         f"ckptfix: error: {tag / files[0]}: frozen parameter 'frozen.weight' of shape [7, 9] has {sizes[0]} elements "
         f"here, not {32 if len(sizes) == 2 else 63}; the rank files are from different runs"
     )
-    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_two_module_files_of_one_rank_refused(tmp_path: Path) -> None:
@@ -702,13 +704,10 @@ def test_two_module_files_of_one_rank_refused(tmp_path: Path) -> None:
     tag = run / "global_step1"
     shutil.copy(FIXTURES / "zero3_bf16" / "global_step1" / "zero_pp_rank_1_mp_rank_00_model_states.pt",
                 tag / "zero_pp_rank_01_mp_rank_00_model_states.pt")  # fmt: skip
-    result = run_cli("convert", str(run), str(tmp_path / "out.pt"))
-    assert result.exit_code == 2, result.output
-    assert result.output.strip() == (
+    assert refusal("convert", run, tmp_path / "out.pt") == (
         f"ckptfix: error: {tag / 'zero_pp_rank_1_mp_rank_00_model_states.pt'}: rank 1 has two module files here "
         f"(zero_pp_rank_01_mp_rank_00_model_states.pt too); keep one run's files"
     )
-    assert not (tmp_path / "out.pt").exists()
 
 
 @pytest.mark.parametrize(
@@ -728,10 +727,10 @@ def test_alignment_paddings_that_misplace_parameters_refused(paddings: Any, mess
             tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
             lambda tree: tree["optimizer_state_dict"].__setitem__("param_alignment_paddings", paddings),
         )
-    result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
-    assert result.exit_code == 2, result.output
-    assert result.output.strip() == f"ckptfix: error: {tag}: {message}; the rank files are damaged"
-    assert not (tmp_path / "out.safetensors").exists()
+    assert (
+        refusal("convert", run, tmp_path / "out.safetensors")
+        == f"ckptfix: error: {tag}: {message}; the rank files are damaged"
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "link out"])
@@ -746,21 +745,17 @@ def test_rank_file_that_is_no_regular_file_inside_refused(kind: str, tmp_path: P
     else:
         target = FIXTURES / "zero2_fp32" / "global_step1" / rank1.name
         rank1.symlink_to("/dev/zero" if kind == "device" else target)
-    result = run_cli("inspect", str(run))
-    assert result.exit_code == 2, result.output
+    line = refusal("inspect", run)
     why = ("a link to outside the folder; refusing it: copy the file itself into the folder" if kind == "link out"
            else "not a regular file (a FIFO, socket, device or folder); copy the whole tag folder again")  # fmt: skip
-    assert result.output.strip() == f"ckptfix: error: {rank1}: {why}"
+    assert line == f"ckptfix: error: {rank1}: {why}"
 
 
 @pytest.mark.parametrize("tag", ["../zero1_fp32", "/etc", "global_step1/../.."])
 def test_latest_naming_a_path_out_of_the_run_refused_by_name(tag: str, tmp_path: Path) -> None:
     run = copy_run("zero1_fp32", tmp_path)
     (run / "latest").write_text(tag)
-    result = run_cli("convert", str(run), str(tmp_path / "out.safetensors"))
-    assert result.exit_code == 2, result.output
-    assert result.output.strip() == (
+    assert refusal("convert", run, tmp_path / "out.safetensors") == (
         f"ckptfix: error: {run / 'latest'}: does not name a tag folder (found {tag.encode()!r}); pass the tag "
         f"folder itself"
     )
-    assert not (tmp_path / "out.safetensors").exists()
