@@ -40,6 +40,19 @@ def file_tree(src: str, fmt: str, files: _Files, *, allowed: frozenset[str]) -> 
     return tree, "pt"
 
 
+def copyable_tensor(value: inert.InertTensor | inert.InertParameter) -> inert.InertTensor:
+    """The tensor record of ``value`` when its bytes are what the torch path would build: a Parameter without
+    hooks or state, a tensor without hooks, extra state or a conj/neg bit; else :class:`Fallback`."""
+    if isinstance(value, inert.InertParameter) and (
+        value.func.name != "_rebuild_parameter" or (len(value.args) > 2 and value.args[2])
+    ):
+        raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
+    t = inert.tensor_of(value)
+    if not isinstance(t, inert.InertTensor) or t.math_bits is None or t.math_bits:
+        raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
+    return t
+
+
 def _st_record(src: str) -> Callable[[Any], ShardTensor | None]:
     made: dict[int, ShardTensor] = {}
 
@@ -67,11 +80,7 @@ class _PtRecords:
         if not isinstance(value, (inert.InertTensor, inert.InertParameter)):
             return None
         param = isinstance(value, inert.InertParameter)
-        if param and (value.func.name != "_rebuild_parameter" or (len(value.args) > 2 and value.args[2])):
-            raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
-        t = inert.tensor_of(value)
-        if not isinstance(t, inert.InertTensor) or t.math_bits is None or t.math_bits:
-            raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
+        t = copyable_tensor(value)
         if not t.is_contiguous():
             raise Fallback("a tensor is a non-contiguous view, which the torch path makes contiguous")
         width, nbytes = DTYPES[t.dtype].itemsize, math.prod(t.shape) * DTYPES[t.dtype].itemsize
@@ -123,4 +132,4 @@ def _rebuild(tree: Any, record: Callable[[Any], ShardTensor | None]) -> Any:
     return convert(tree)
 
 
-__all__ = ["file_tree"]
+__all__ = ["copyable_tensor", "file_tree"]

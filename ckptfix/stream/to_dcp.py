@@ -37,6 +37,7 @@ from ckptfix.formats.ziparchive import NO_CRC, stored_crc
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import DcpTensor, ShardTensor, VerifyInTurn, _Files, _locate, _rows, open_tree
+from ckptfix.stream.single import copyable_tensor
 from ckptfix.stream.st import StTensor, tree_from_header
 
 _RECORDS = (CastTensor, DcpTensor, ShardTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
@@ -180,14 +181,8 @@ class _Reader:
         elif isinstance(record, DcpTensor):
             for c in record.entry.chunks:
                 _locate(c, self.files, entry=record.entry, key=record.key, allowed=allowed)
-        elif isinstance(record, inert.InertParameter):
-            if record.func.name != "_rebuild_parameter" or (len(record.args) > 2 and record.args[2]):
-                raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
-            self.prepare(record.data, allowed=allowed)
-        elif isinstance(record, inert.InertTensor):
-            if record.math_bits is None or record.math_bits:
-                raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
-            if not record.is_contiguous():
+        elif isinstance(record, (inert.InertParameter, inert.InertTensor)):
+            if not copyable_tensor(record).is_contiguous():
                 raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
         elif isinstance(record, ZeroTensor):
             for p in record.pieces:
