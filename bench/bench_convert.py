@@ -64,7 +64,7 @@ def _make_inputs(folder: Path, size_mb: int) -> tuple[Path, Path]:
 def _write_inputs(folder: Path, size_mb: int) -> None:
     import torch
 
-    from ckptfix.formats import save
+    from ckptfix.formats.registry import save
 
     layer = 16 << 20 if size_mb >= 64 else 1 << 18  # bytes per weight, biases and norms beside each
     n = max(1, (size_mb << 20) // layer)

@@ -31,8 +31,8 @@ _EXPORTS: dict[str, str] = {
     "convert": "ckptfix.checkpoint",
     "convert_checkpoint": "ckptfix.checkpoint",
     "model_entries": "ckptfix.checkpoint",
-    "load": "ckptfix.formats",
-    "save": "ckptfix.formats",
+    "load": "ckptfix.formats.registry",
+    "save": "ckptfix.formats.registry",
     "ConvertOptions": "ckptfix.conversion",
     "convert_file": "ckptfix.conversion",
     "KeyReport": "ckptfix.compare",
@@ -115,12 +115,8 @@ if TYPE_CHECKING:
     from ckptfix.errors import (
         UsageError as UsageError,
     )
-    from ckptfix.formats import (
-        load as load,
-    )
-    from ckptfix.formats import (
-        save as save,
-    )
+    from ckptfix.formats.registry import load as load
+    from ckptfix.formats.registry import save as save
     from ckptfix.layouts import (
         Layout as Layout,
     )

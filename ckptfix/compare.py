@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import is_tensor
 from ckptfix.errors import MismatchError
-from ckptfix.formats import inert
+from ckptfix.formats.pickles import inert
 from ckptfix.renames import format_rules, likely_renames, prefix_swaps
 
 if TYPE_CHECKING:

@@ -15,10 +15,11 @@ from typing import Any
 
 from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_entries, replace_model_tensors
 from ckptfix.errors import UsageError
-from ckptfix.formats import detect_format, devices, opaque, output_format, write
-from ckptfix.formats.atomic import PathLike, check_output, check_output_folder
-from ckptfix.formats.depth import deep
-from ckptfix.formats.safetensors import losses_note
+from ckptfix.formats.containers.safetensors import losses_note
+from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
+from ckptfix.formats.registry import detect_format, output_format, write
+from ckptfix.formats.safety.depth import deep
+from ckptfix.formats.torchio import devices, opaque
 from ckptfix.layouts import Layout, parse_layout, parse_rename
 from ckptfix.signature import strict_keywords
 
@@ -65,9 +66,9 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
-        from ckptfix.formats.deepspeed import lone_module_note, refuse_optimizer_partition, refuse_placeholders
-        from ckptfix.formats.opaque import require
-        from ckptfix.formats.shards import refuse_flat_params
+        from ckptfix.formats.folders.deepspeed import lone_module_note, refuse_optimizer_partition, refuse_placeholders
+        from ckptfix.formats.folders.fsdp import refuse_flat_params
+        from ckptfix.formats.torchio.opaque import require
 
         require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
         refuse_flat_params(obj, source=source)
@@ -149,7 +150,7 @@ def convert_file(
     if out_fmt == "dcp":
         check_output_folder(dst, inputs=(src,), overwrite=overwrite)
     elif shard_size is not None:
-        from ckptfix.formats.folder import check_shards_output
+        from ckptfix.formats.folders.hf import check_shards_output
 
         check_shards_output(dst, inputs=(src,), overwrite=overwrite)
     else:
@@ -219,7 +220,7 @@ def convert_file(
     with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
         obj = opaque.read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
         if optimizer:
-            from ckptfix.formats.deepspeed import load_optimizer
+            from ckptfix.formats.folders.deepspeed import load_optimizer
 
             obj = {"model": obj, "optimizer": load_optimizer(source, allow_globals=allow)}
         conversion = options.apply(obj, source=source)
@@ -230,8 +231,8 @@ def convert_file(
     conversion.method = "torch"
     conversion.notes.extend(notes)
     if in_fmt == "torch-zip" and not unsafe:
-        from ckptfix.formats.torchzip import stores_crcs
-        from ckptfix.formats.ziparchive import NO_CRC
+        from ckptfix.formats.containers.torchzip import stores_crcs
+        from ckptfix.formats.containers.ziparchive import NO_CRC
 
         if not stores_crcs(source):  # the output gets CRCs of its own, computed by torch.save
             conversion.notes.append(f"{NO_CRC} in the input")
@@ -241,7 +242,7 @@ def convert_file(
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:
     """``optimizer=True``: a DeepSpeed ZeRO run into one ``.pt`` file, nothing else (a usage error naming both)."""
-    from ckptfix.formats.deepspeed import is_deepspeed
+    from ckptfix.formats.folders.deepspeed import is_deepspeed
 
     if model_only:
         raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
@@ -308,7 +309,7 @@ def _non_string_keys(obj: Any, path: str = "") -> tuple[int, str] | None:
 
 def safetensors_losses(obj: Any) -> str | None:
     """What a .safetensors copy of ``obj`` cannot keep (values are exact): said once, under ``-v``."""
-    from ckptfix.formats import inert
+    from ckptfix.formats.pickles import inert
 
     entries = model_entries(obj)
     states = [obj] if entries == [""] else [obj[e] for e in entries]

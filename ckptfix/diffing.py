@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING, Any
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, model_entries
 from ckptfix.errors import LayoutError
-from ckptfix.formats import inert, opaque
-from ckptfix.formats.atomic import PathLike
-from ckptfix.formats.depth import deep
-from ckptfix.formats.opaque import OpaqueEntry
+from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor, as_tensor
+from ckptfix.formats.safety.depth import deep
+from ckptfix.formats.torchio import opaque
+from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ def compare(
     strip_prefixes: Iterable[str] = (),
 ) -> DiffReport:
     """The comparison behind :func:`diff` and :func:`diff_files`, on two opened checkpoints."""
-    from ckptfix.formats.deepspeed import refuse_placeholders
+    from ckptfix.formats.folders.deepspeed import refuse_placeholders
 
     for side in (a, b):  # a lone ZeRO-3 module file: [0] placeholders would compare as weights
         refuse_placeholders(side.tree, source=side.source)

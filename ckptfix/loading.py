@@ -24,7 +24,7 @@ from ckptfix.checkpoint import (
 )
 from ckptfix.compare import KeyReport, compare_keys, filled_by_load, tied_keys
 from ckptfix.errors import LayoutError
-from ckptfix.formats.depth import deep
+from ckptfix.formats.safety.depth import deep
 from ckptfix.renames import format_rules, prefix_fits
 from ckptfix.signature import strict_keywords
 
@@ -105,10 +105,10 @@ def model_state_of(obj: Any, *, source: str, entry: str | None = None) -> Mappin
     """The primary model state dict of a loaded checkpoint (the object itself when it is one), or ``entry``.
 
     Raises :class:`LayoutError` when there is none: the input cannot be checked at all, which is not a mismatch;
-    :class:`~ckptfix.formats.shards.ShardedCheckpointError` for FSDP1 flat parameters (one rank's slices).
+    :class:`~ckptfix.formats.folders.fsdp.ShardedCheckpointError` for FSDP1 flat parameters (one rank's slices).
     """
-    from ckptfix.formats.deepspeed import refuse_optimizer_partition, refuse_placeholders
-    from ckptfix.formats.shards import refuse_flat_params
+    from ckptfix.formats.folders.deepspeed import refuse_optimizer_partition, refuse_placeholders
+    from ckptfix.formats.folders.fsdp import refuse_flat_params
 
     refuse_placeholders(obj, source=source)  # a lone ZeRO-3 module file: its parameters are [0] placeholders
     if not entry:
@@ -268,7 +268,7 @@ def _open(
 ) -> tuple[Any, str]:
     if isinstance(path_or_state, Mapping):
         return path_or_state, source or "state dict"
-    # Entries needing globals outside the allowlist stay unbuilt (formats/opaque.py): only the model entry is needed.
+    # Entries needing globals outside the allowlist stay unbuilt (torchio/opaque.py): only the model entry is needed.
     name = os.fspath(path_or_state)
     if metadata:  # the checked description: tensor records (dtype, shape), no tensor byte read
         from ckptfix.reading import open_checkpoint
@@ -277,8 +277,8 @@ def _open(
             path_or_state, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, opaque=True
         ) as opened:
             return opened.tree, name
-    from ckptfix.formats import detect_format
-    from ckptfix.formats.opaque import read
+    from ckptfix.formats.registry import detect_format
+    from ckptfix.formats.torchio.opaque import read
 
     return read(path_or_state, fmt=detect_format(path_or_state), allow_globals=allow_globals, unsafe=unsafe), name
 
@@ -286,7 +286,7 @@ def _open(
 def _loadable_state(obj: Any, *, source: str, entry: str | None) -> Mapping[str, Any]:
     """:func:`model_state_of`, refusing as :func:`ckptfix.load` would when the weights are in an opaque entry, or may
     be: an entry that would be taken for the model, unbuilt, must not let another one be picked silently."""
-    from ckptfix.formats.opaque import require
+    from ckptfix.formats.torchio.opaque import require
 
     require(obj, wanted=[entry] if entry else None, source=source)
     return model_state_of(obj, source=source, entry=entry)
@@ -294,7 +294,7 @@ def _loadable_state(obj: Any, *, source: str, entry: str | None) -> Mapping[str,
 
 def _note_entries(report: KeyReport, obj: Any, *, entry: str | None) -> None:
     """The entry used and the entries left unbuilt, in the report."""
-    from ckptfix.formats import opaque
+    from ckptfix.formats.torchio import opaque
 
     report.entry = entry or primary_entry(obj)
     report.not_loaded = opaque.not_loaded(obj)

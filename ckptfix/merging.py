@@ -9,7 +9,7 @@ Files are merged key by key (:func:`merge_files`): each key is read from every r
 compared as bytes first (|Δ| is computed only where bytes differ), combined, and written at once, so memory holds
 a few copies of one tensor, not the ranks' checkpoints. Inputs may be folders (per-rank transformers or accelerate
 folders). FSDP2 rank files (DTensor shards) are not averaged: their full tensors are reassembled from every rank's
-shards (:func:`ckptfix.formats.shards.load_ranks`), and what is left per rank (BatchNorm statistics) is merged as
+shards (:func:`ckptfix.formats.folders.fsdp.load_ranks`), and what is left per rank (BatchNorm statistics) is merged as
 for DDP.
 
 ``average=True`` (or ``weights``) merges checkpoints of one model from different steps or runs instead (timm's
@@ -35,12 +35,13 @@ from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
 from ckptfix.diffing import same_bytes, tensor_diff
 from ckptfix.errors import AverageError, MergeError, UsageError
-from ckptfix.formats import detect_format, opaque, output_format, write
-from ckptfix.formats.atomic import PathLike, check_output
-from ckptfix.formats.depth import deep
-from ckptfix.formats.flatparams import FlatSliceRecord
+from ckptfix.formats.folders.flatparams import FlatSliceRecord
+from ckptfix.formats.folders.fsdp import DTensorRecord, RankFilesError, ShardedTensorRecord
+from ckptfix.formats.output.atomic import PathLike, check_output
 from ckptfix.formats.raw import as_tensor
-from ckptfix.formats.shards import DTensorRecord, RankFilesError, ShardedTensorRecord
+from ckptfix.formats.registry import detect_format, output_format, write
+from ckptfix.formats.safety.depth import deep
+from ckptfix.formats.torchio import opaque
 from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
 from ckptfix.writing import CannotStream, Placeholder, streamed_writer
 
@@ -200,7 +201,7 @@ def merge_files(
     FSDP2 rank files (each rank's ``torch.save(model.state_dict())``, DTensor shards) are reassembled into full
     tensors (``reassembled`` says which, and how they were sharded), never averaged; every rank's file must be
     there. The other entries come from the first input; one that was not loaded (it needs globals outside the
-    allowlist, see :mod:`ckptfix.formats.opaque`) is copied as its pickle records into a ``.pt`` output (said in
+    allowlist, see :mod:`ckptfix.formats.torchio.opaque`) is copied as its pickle records into a ``.pt`` output (said in
     ``notes``), refused if it can run code or the output is ``.safetensors``; ``model_only`` leaves all of them out.
     FSDP1 LOCAL_STATE_DICT rank files (flat parameters) need ``model``, the model that was wrapped (unwrapped, on
     any device): it says which parameters each flat parameter joins, and the merge writes FULL_STATE_DICT's keys.
@@ -217,7 +218,7 @@ def merge_files(
     >>> result = ckptfix.merging.merge_files(["rank0.pt", "rank1.pt"], "merged.pt")
     >>> result = ckptfix.merging.merge_files(["step1000.pt", "step2000.pt"], "soup.pt", weights=[0.3, 0.7])
     """
-    from ckptfix.formats.shards import ShardedCheckpointError, refuse_flat_params
+    from ckptfix.formats.folders.fsdp import ShardedCheckpointError, refuse_flat_params
 
     to = _check_options(len(paths), buffers=buffers, to=to)
     keys = set(buffer_keys)
@@ -336,8 +337,8 @@ def _merge_dtensor(
     writer cannot take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated
     (``optimizer``). FSDP1 LOCAL_STATE_DICT flat parameters are split by ``model``: one joined flat parameter is
     held at a time, each parameter cut from it."""
-    from ckptfix.formats import allowlist
-    from ckptfix.formats.shards import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
+    from ckptfix.formats.folders.fsdp import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
+    from ckptfix.formats.safety import allowlist
 
     extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
     allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | extra
@@ -463,7 +464,7 @@ class _Optimizer:
 def _merge_dtensor_in_memory(
     paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
 ) -> MergeResult:
-    from ckptfix.formats.shards import load_ranks
+    from ckptfix.formats.folders.fsdp import load_ranks
 
     found: dict[str, str] = {}
     trees = load_ranks(paths, allow_globals=allow_globals, found=found)
@@ -479,7 +480,7 @@ def _merge_dtensor_in_memory(
 
 @dataclass
 class _Rank(Opened):
-    """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.shards.DTensorRecord` whose value
+    """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.folders.fsdp.DTensorRecord` whose value
     is the full tensor, assembled from every rank's piece by the ranks' :class:`_Ranks`."""
 
     records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
@@ -496,8 +497,8 @@ class _Rank(Opened):
 
 
 def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None) -> _Rank:
-    from ckptfix.formats.shards import describe_fsdp1_rank, describe_rank
-    from ckptfix.formats.torchfile import file_identity
+    from ckptfix.formats.folders.fsdp import describe_fsdp1_rank, describe_rank
+    from ckptfix.formats.torchio.torchfile import file_identity
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -538,7 +539,7 @@ class _Ranks:
             rank.ranks = self
 
     def full(self, key: str) -> Any:
-        from ckptfix.formats.shards import assemble, assemble_sharded
+        from ckptfix.formats.folders.fsdp import assemble, assemble_sharded
 
         if key != self.key:
             self.key, self.value = None, None  # the previous tensor freed before the next is built
@@ -692,7 +693,7 @@ class _Merger:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
             )
-        from ckptfix.formats.deepspeed import CONVERT_THE_RUN, refuse_optimizer_partition, refuse_placeholders
+        from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN, refuse_optimizer_partition, refuse_placeholders
 
         for opened in inputs:  # lone ZeRO rank files: [0] placeholders, flat slices; the run's folder is the whole
             refuse_placeholders(opened.tree, source=opened.source, instead=CONVERT_THE_RUN)

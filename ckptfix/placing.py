@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import inert
+from ckptfix.formats.containers.ziparchive import verify_records
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.ziparchive import verify_records
+from ckptfix.formats.pickles import inert
 from ckptfix.reading import Opened
 from ckptfix.stream.st import StTensor
 

@@ -2,7 +2,7 @@
 
 ``inspect``, ``diff`` and ``merge`` need a file's structure (keys, shapes, dtypes, other entries) before, or
 instead of, its tensor bytes. :func:`open_checkpoint` gives the checked inert description the format readers build
-(:func:`ckptfix.formats.torchzip.read_torch_zip`, the safetensors header) without importing torch; :meth:`Opened.tensor`
+(:func:`~.torchzip.read_torch_zip`, the safetensors header) without importing torch; :meth:`Opened.tensor`
 then reads one tensor into memory of its own, its zip record's CRC checked, so memory follows the tensors in use,
 not the file. A folder (transformers shards and their index, an accelerate ``save_state`` folder, a DCP folder) is
 opened the same way, file by file (:class:`OpenedFolder`). Files the description cannot serve (legacy torch files,
@@ -22,18 +22,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptfix.errors import FormatError, UnsafeCheckpointError
-from ckptfix.formats import allowlist, detect_format, inert, read
-from ckptfix.formats.atomic import PathLike
-from ckptfix.formats.deepspeed import ZeroTensor
+from ckptfix.formats.containers.legacy import check_legacy
+from ckptfix.formats.containers.safetensors import read_header
+from ckptfix.formats.containers.torchzip import TorchZip
+from ckptfix.formats.containers.ziparchive import Record, check_crc, stored_crc, verify_records
 from ckptfix.formats.dtypes import DTYPES, nbytes
-from ckptfix.formats.legacy import check_legacy
-from ckptfix.formats.opaque import OpaqueEntry, describe, wrap
-from ckptfix.formats.opaque import read as opaque_read
+from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor
-from ckptfix.formats.safetensors import read_header
-from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import TorchZip
-from ckptfix.formats.ziparchive import Record, check_crc, stored_crc, verify_records
+from ckptfix.formats.registry import detect_format, read
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap
+from ckptfix.formats.torchio.opaque import read as opaque_read
+from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.stream.folders import DcpTensor
 from ckptfix.stream.st import StTensor, tree_from_header
 
@@ -310,7 +312,7 @@ def open_checkpoint(
     ``need_bytes`` (diff, merge) also sends big-endian files to torch, which swaps their bytes. ``verify`` reads
     every record and checks its CRC now (a safetensors file, which has no checksums, is read through).
     ``opaque``: entries needing globals outside the allowlist come back as unbuilt ``OpaqueEntry`` records
-    instead of a refusal (see :mod:`ckptfix.formats.opaque`).
+    instead of a refusal (see :mod:`ckptfix.formats.torchio.opaque`).
     """
     source = os.fspath(path)
     fmt = detect_format(path)
@@ -363,8 +365,8 @@ def _describe(
     allowed = allowlist.allowed_names(allow_globals, source=source)
     z = describe(fd, source, allowed=allowed, verify=verify, keep=opaque)
     if opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
-        from ckptfix.formats.opaque import entries
-        from ckptfix.formats.shards import explain
+        from ckptfix.formats.folders.fsdp import explain
+        from ckptfix.formats.torchio.opaque import entries
 
         if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
             raise sharded
@@ -413,7 +415,7 @@ class OpenedFolder(Opened):
     index: str | None = None
     parts: list[Opened] = field(default_factory=list)  # shards and accelerate folders: one per file
     dcp: Any = None  # DCP: the open data files
-    zero: Any = None  # DeepSpeed: the run (ckptfix.formats.deepspeed.ZeroRun)
+    zero: Any = None  # DeepSpeed: the run (ckptfix.formats.folders.deepspeed.ZeroRun)
     zero_fds: dict[str, int] = field(default_factory=dict)  # DeepSpeed: each rank file opened once, when first read
     zero_verified: set[tuple[str, str]] | None = None  # DeepSpeed: (file, record) CRC-checked, when verifying
     allowed: frozenset[str] = frozenset()
@@ -440,7 +442,7 @@ class OpenedFolder(Opened):
 
             return read_dcp_tensor(value, self.dcp, allowed=self.allowed)  # type: ignore[no-any-return]
         if isinstance(value, ZeroTensor):
-            from ckptfix.formats.deepspeed import read_zero_tensor
+            from ckptfix.formats.folders.deepspeed import read_zero_tensor
 
             return read_zero_tensor(value, self._zero_fd, verified=self.zero_verified)
         if id(value) in self.owner:
@@ -463,10 +465,10 @@ class OpenedFolder(Opened):
 def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
                  opaque: bool) -> Opened:  # fmt: skip
     """A folder or index file as an :class:`OpenedFolder`, every file checked as it would be on its own and the
-    folder's own rules (:mod:`ckptfix.formats.folder`) on top."""
-    from ckptfix.formats.dcp import is_dcp
-    from ckptfix.formats.deepspeed import is_deepspeed
-    from ckptfix.formats.folder import describe as describe_folder
+    folder's own rules (:mod:`ckptfix.formats.folders.hf`) on top."""
+    from ckptfix.formats.folders.dcp import is_dcp
+    from ckptfix.formats.folders.deepspeed import is_deepspeed
+    from ckptfix.formats.folders.hf import describe as describe_folder
 
     if is_dcp(source):
         return _open_dcp(source, allow_globals=allow_globals, verify=verify)
@@ -495,7 +497,7 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
 
 
 def _shards(opened: OpenedFolder, folder: Any, each: dict[str, Any]) -> Any:
-    from ckptfix.formats.folder import merge_shards
+    from ckptfix.formats.folders.hf import merge_shards
 
     def parts() -> Iterator[tuple[str, Any]]:
         for path in folder.files:
@@ -508,7 +510,7 @@ def _shards(opened: OpenedFolder, folder: Any, each: dict[str, Any]) -> Any:
 def _accelerate(opened: OpenedFolder, folder: Any, each: dict[str, Any], opaque: bool) -> Any:
     """The model files as model entries, the training state (optimizer, scheduler, RNG) as other entries; with
     ``opaque``, a file needing globals outside the allowlist (numpy RNG state) is one unbuilt entry."""
-    from ckptfix.formats.folder import _MODEL_FILE
+    from ckptfix.formats.folders.hf import _MODEL_FILE
 
     tree: OrderedDict[str, Any] = OrderedDict()
     for entry, (path,) in folder.entries.items():
@@ -526,7 +528,7 @@ def _accelerate(opened: OpenedFolder, folder: Any, each: dict[str, Any], opaque:
 
 def _opaque_file(path: str, entry: str, *, allow_globals: tuple[str, ...]) -> Opened:
     """A whole file as one :class:`OpaqueEntry` named ``entry``: its records, nothing built."""
-    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.formats.containers.torchzip import read_torch_zip
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -563,8 +565,8 @@ def _wrapped(obj: Any, part: int) -> Any:
 
 
 def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
-    from ckptfix.formats.dcp import METADATA
-    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.formats.containers.torchzip import read_torch_zip
+    from ckptfix.formats.folders.dcp import METADATA
     from ckptfix.stream.fallback import Fallback
     from ckptfix.stream.folders import open_tree
 
@@ -591,9 +593,9 @@ def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> O
 
 
 def _open_deepspeed(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
-    """A DeepSpeed ZeRO run as its consolidated state dict of :class:`~ckptfix.formats.deepspeed.ZeroTensor`
+    """A DeepSpeed ZeRO run as its consolidated state dict of :class:`~ckptfix.formats.folders.deepspeed.ZeroTensor`
     records: the rank files' pickles read, no tensor byte (``verify`` CRC-checks every record the tensors use)."""
-    from ckptfix.formats.deepspeed import describe_run
+    from ckptfix.formats.folders.deepspeed import describe_run
 
     run = describe_run(source, allow_globals=allow_globals)
     opened = OpenedFolder(source=source, fmt="folder", tree=run.state, kind="deepspeed", zero=run,

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import allowlist, detect_format, inert, write
-from ckptfix.formats.atomic import PathLike, check_output
-from ckptfix.formats.depth import deep
-from ckptfix.formats.materialize import NotBuilt, materialize
-from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import read_torch_zip
+from ckptfix.formats.containers.torchzip import read_torch_zip
+from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.registry import detect_format, write
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.safety.depth import deep
+from ckptfix.formats.torchio.materialize import NotBuilt, materialize
+from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.signature import strict_keywords
 
 # numpy dtype strings (kind and size) -> torch dtype, with the struct format of one element
@@ -97,8 +99,8 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
     >>> result = ckptfix.sanitize("epoch_12.pth", "epoch_12.clean.pth")
     >>> [str(d) for d in result.dropped]   # ["message_hub['log_scalars']['train/loss']: mmengine... (...)"]
     """
-    from ckptfix.formats import output_format
-    from ckptfix.formats.deepspeed import CONVERT_THE_RUN, refuse_placeholders
+    from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN, refuse_placeholders
+    from ckptfix.formats.registry import output_format
 
     source = os.fspath(src)
     fmt = detect_format(src)

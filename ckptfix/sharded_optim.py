@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckptfix.checkpoint import is_tensor
-from ckptfix.formats.shards import RankFilesError, ShardedTensorRecord
+from ckptfix.formats.folders.fsdp import RankFilesError, ShardedTensorRecord
 from ckptfix.reading import spec
 from ckptfix.writing import Placeholder
 

@@ -14,12 +14,12 @@ from typing import Any
 
 from ckptfix import layouts
 from ckptfix.checkpoint import get_entry, is_tensor, model_entries
-from ckptfix.formats import inert
-from ckptfix.formats.atomic import PathLike
-from ckptfix.formats.depth import deep
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.opaque import OpaqueEntry
-from ckptfix.formats.shards import DTensorRecord, flat_param_keys
+from ckptfix.formats.folders.fsdp import DTensorRecord, flat_param_keys
+from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety.depth import deep
+from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.keytree import groups as key_groups
 from ckptfix.reading import OpenedFolder, open_checkpoint, spec, storage_of, stored_bytes
 from ckptfix.stream.folders import DcpTensor, chunking
@@ -140,8 +140,8 @@ def summarize(
     A DeepSpeed run folder has ``deepspeed``; one DeepSpeed module file on its own has ``deepspeed_module_file``
     (a ZeRO-3 one's ``placeholders``: the keys whose ``[0]`` tensors are no weights, and the ``folder`` to pass).
     """
-    from ckptfix.formats.deepspeed import lone_module_summary
-    from ckptfix.formats.shards import ShardedCheckpointError, rank_tree
+    from ckptfix.formats.folders.deepspeed import lone_module_summary
+    from ckptfix.formats.folders.fsdp import ShardedCheckpointError, rank_tree
 
     source = os.fspath(path)
     try:

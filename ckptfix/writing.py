@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
-from ckptfix.formats import inert
-from ckptfix.formats.atomic import PathLike, atomic_output
-from ckptfix.formats.safetensors import tensor_bytes
-from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.ziparchive import Record, ZipWriter, check_crc, stored_crc
+from ckptfix.formats.containers.safetensors import tensor_bytes
+from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
+from ckptfix.formats.containers.ziparchive import Record, ZipWriter, check_crc, stored_crc
+from ckptfix.formats.output.atomic import PathLike, atomic_output
+from ckptfix.formats.pickles import inert
 from ckptfix.reading import FolderTensor, Opened, identity, spec
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import DcpTensor
@@ -156,7 +156,7 @@ class _Safetensors(StreamedWriter):
 
 
 def _state_of(tree: Any) -> Any:
-    from ckptfix.formats.safetensors import split_checkpoint
+    from ckptfix.formats.containers.safetensors import split_checkpoint
 
     return split_checkpoint(tree, out="")[0]
 

@@ -79,7 +79,7 @@ def refused(*args: str | os.PathLike[str], source: Path, cwd: Path, contains: st
 
 
 def test_allowlist_does_not_import_the_shard_reader() -> None:
-    tree = ast.parse((ROOT / "ckptfix" / "formats" / "allowlist.py").read_text())
+    tree = ast.parse((ROOT / "ckptfix" / "formats" / "safety" / "allowlist.py").read_text())
     names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not {n for n in names if n.startswith("ckptfix.formats.") and n != "ckptfix.formats.dtypes"}, names
@@ -258,7 +258,7 @@ def test_empty_tensor_past_64_bits_from_dcp(tmp_path: Path, size: int) -> None:
 
 def test_written_headers_are_ones_the_library_reads(tmp_path: Path) -> None:
     from ckptfix.errors import OutputError
-    from ckptfix.formats.safetensors import LIBRARY_MAX_HEADER, encode_header
+    from ckptfix.formats.containers.safetensors import LIBRARY_MAX_HEADER, encode_header
 
     with pytest.raises(OutputError, match=r"^x\.safetensors: key 'e' has shape \[0, 18446744073709551616\]"):
         encode_header({"e": None}, {}, [("e", "float32", (0, 2**64), 0)], {}, out="x.safetensors")
@@ -282,7 +282,7 @@ def test_written_headers_are_ones_the_library_reads(tmp_path: Path) -> None:
 )  # fmt: skip
 def test_dtensor_dtype_and_shape_proven(dtype: str, shape: tuple[int, ...], says: str) -> None:
     from ckptfix.errors import FormatError
-    from ckptfix.formats import shards
+    from ckptfix.formats.folders import fsdp as shards
 
     with pytest.raises(FormatError, match=rf"^rank1\.pt: key 'w': its DTensor .*{says}"):
         shards._check_piece("w", dtype=dtype, shape=shape, mesh=(2,), coordinate=(0,), placements=(("replicate", 0),),
@@ -348,7 +348,7 @@ def test_deep_nesting_torch_opens_is_walked_by_every_command(tmp_path: Path, dep
 
 
 def test_nesting_past_the_documented_depth_is_refused_everywhere(tmp_path: Path) -> None:
-    from ckptfix.formats.depth import MAX_DEPTH
+    from ckptfix.formats.safety.depth import MAX_DEPTH
 
     src = tmp_path / "deep.pt"
     _save_deep({"model": {"w": torch.ones(2)}, "deep": _nested(MAX_DEPTH + 1)}, src)

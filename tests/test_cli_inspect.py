@@ -21,10 +21,10 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.checkpoint import get_entry, model_entries
 from ckptfix.cli import cli
-from ckptfix.formats import inert
-from ckptfix.formats.safetensors import encode_header
-from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.ziparchive import ZipWriter
+from ckptfix.formats.containers.safetensors import encode_header
+from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
+from ckptfix.formats.containers.ziparchive import ZipWriter
+from ckptfix.formats.pickles import inert
 from ckptfix.summary import describe, summarize_state
 from tests.models import make_net
 

@@ -1,4 +1,4 @@
-"""CRC-32 of file ranges on threads (ckptfix.formats.crc): the same CRCs as zlib whatever the thread count and
+"""CRC-32 of file ranges on threads (ckptfix.formats.output.crc): the same CRCs as zlib whatever the thread count and
 however the ranges fall across pieces and windows, and the first bad record named."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import crc
-from ckptfix.formats.crc import Check, Verifier
+from ckptfix.formats.output import crc
+from ckptfix.formats.output.crc import Check, Verifier
 
 
 @pytest.fixture

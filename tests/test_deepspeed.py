@@ -24,7 +24,7 @@ from torch import nn
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats.deepspeed import describe_run, layout_partitioned, layout_stage3
+from ckptfix.formats.folders.deepspeed import describe_run, layout_partitioned, layout_stage3
 from tests.deepspeed_runs import RUNS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"
@@ -398,7 +398,7 @@ def test_optimizer_usage_errors(tmp_path: Path) -> None:
 def test_optimizer_moments_reproduce_the_saved_step(name: str) -> None:
     """A check apart from any layout: the fixtures trained one AdamW step from the seed-0 model, so the consolidated
     moments, applied to the initial weights, give the saved fp32 master weights, element for element."""
-    from ckptfix.formats.deepspeed import load_optimizer
+    from ckptfix.formats.folders.deepspeed import load_optimizer
 
     torch.manual_seed(0)  # as tests/deepspeed_runs.py builds the model
     model = Net(half=half(name))
@@ -506,7 +506,7 @@ def test_frozen_tied_groups_and_buffers(name: str, tmp_path: Path) -> None:
 
 
 def load_optimizer_groups(name: str) -> list[dict[str, Any]]:
-    from ckptfix.formats.deepspeed import load_optimizer
+    from ckptfix.formats.folders.deepspeed import load_optimizer
 
     return load_optimizer(str(FIXTURES / name))["param_groups"]  # type: ignore[no-any-return]
 

@@ -12,7 +12,7 @@ import torch
 
 import ckptfix
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.folder import parse_size, plan_shards
+from ckptfix.formats.folders.hf import parse_size, plan_shards
 from tests.assertions import assert_same
 from tests.models import SmallNet
 

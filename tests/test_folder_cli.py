@@ -78,7 +78,7 @@ def test_inspect_a_sharded_folder_and_its_index_file(tmp_path: Path) -> None:
 
 
 def test_inspect_reads_no_tensor_byte_of_a_folder_but_verify_reads_them_all(tmp_path: Path) -> None:
-    from ckptfix.formats.ziparchive import read_archive
+    from ckptfix.formats.containers.ziparchive import read_archive
 
     folder = _hf(tmp_path / "hf", _state(), "pytorch_model.bin")
     shard = folder / "pytorch_model-00001-of-00004.bin"

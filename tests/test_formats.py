@@ -18,7 +18,7 @@ from torch import nn
 import ckptfix
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats import detect_format
+from ckptfix.formats.registry import detect_format
 from ckptfix.torchcompat import safe_globals
 from tests.assertions import assert_same
 from tests.models import PROBE, make_net, wrap

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from torch import nn
 
 import ckptfix
-from ckptfix.formats.shards import RankFilesError
+from ckptfix.formats.folders.fsdp import RankFilesError
 from ckptfix.merging import merge_files
 from tests import sharded_writers
 from tests.models import SmallNet, TiedNet

@@ -3,7 +3,7 @@
 For every file: both conversion paths (``convert_file(fast=True/False)``, ``ckptfix convert [--no-fast]``),
 ``ckptfix.load`` and ``ckptfix inspect`` refuse it with the right error class (exit code 2), one line naming
 the file, no output left, the input unchanged, and no payload run (a marker file the payload would create).
-(A payload in an entry beside the model is listed by ``inspect`` as not loaded instead: formats/opaque.py.)
+(A payload in an entry beside the model is listed by ``inspect`` as not loaded instead: formats/torchio/opaque.py.)
 Test names carry the case number of the issue (``case1`` .. ``case6``). Inputs that could hang, recurse
 without end, allocate or write gigabytes, or poison the process run in a child process under limits.
 """
@@ -35,7 +35,8 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import CkptfixError, FormatError, UnsafeCheckpointError
-from ckptfix.formats import allowlist, inert, opscan
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist, opscan
 from tests import hostile
 from tests.hostile import P
 from tests.models import make_net

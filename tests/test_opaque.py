@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.formats import opaque
+from ckptfix.formats.torchio import opaque
 from tests.models import KEYS, SmallNet, make_net
 
 EXEC = "builtins.exec"
@@ -220,7 +220,9 @@ def test_a_tensor_beside_the_entries_does_not_make_a_state_dict(tmp_path: Path) 
 def test_entries_are_found_without_building_anything(poisoned: tuple[Path, Path]) -> None:
     path, marker = poisoned
     with open(path, "rb") as f:
-        described = opaque.describe(f.fileno(), str(path), allowed=frozenset(ckptfix.formats.allowlist.TORCH_DEFAULT))
+        described = opaque.describe(
+            f.fileno(), str(path), allowed=frozenset(ckptfix.formats.safety.allowlist.TORCH_DEFAULT)
+        )
     [entry] = opaque.entries(described.tree)
     assert (entry.name, entry.needs, entry.classes, entry.runs_code) == ("payload", (EXEC,), ((EXEC, 1),), (EXEC,))
     assert described.tree["epoch"] == 3 and not marker.exists()

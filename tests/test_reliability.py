@@ -251,7 +251,7 @@ def test_injected_io_errors_leave_nothing_behind(
         raise OSError(code, os.strerror(code))
 
     if where == "write":
-        import ckptfix.formats.torchfile as torchfile
+        import ckptfix.formats.torchio.torchfile as torchfile
 
         monkeypatch.setattr(torchfile, "save_torch", lambda obj, path: _save_failing(obj, path, fail))
     else:
@@ -264,7 +264,7 @@ def test_injected_io_errors_leave_nothing_behind(
 
 
 def _save_failing(obj: Any, path: Any, fail: Any) -> None:
-    from ckptfix.formats.atomic import atomic_output
+    from ckptfix.formats.output.atomic import atomic_output
 
     with atomic_output(path) as f:
         f.write(b"partial")
@@ -438,7 +438,7 @@ def test_an_input_rewritten_after_its_check_is_refused_on_the_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the CRCs were checked before the rewrite: only the before/after comparison of the file can catch it
-    import ckptfix.formats.torchfile as torchfile
+    import ckptfix.formats.torchio.torchfile as torchfile
 
     src = tmp_path / "in.pt"
     torch.save({"w": torch.ones(1000)}, src)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptfix.errors import UsageError
-from ckptfix.formats.shards import RankFilesError
+from ckptfix.formats.folders.fsdp import RankFilesError
 from ckptfix.merging import merge_files
 from tests import sharded_writers
 from tests.assertions import assert_equal
@@ -215,7 +215,7 @@ def _sharing(optim: dict[str, Any]) -> list[int]:
 
 
 def _record(key: str) -> Any:
-    from ckptfix.formats.shards import ShardedTensorRecord
+    from ckptfix.formats.folders.fsdp import ShardedTensorRecord
 
     return ShardedTensorRecord("float32", (4,), "ShardedTensor, 2 shard(s) over 2 rank(s)", key)
 

@@ -14,7 +14,7 @@ import torch
 
 import ckptfix
 from ckptfix.errors import MergeError
-from ckptfix.formats.shards import ShardedCheckpointError, load_ranks
+from ckptfix.formats.folders.fsdp import ShardedCheckpointError, load_ranks
 from tests import sharded_writers
 from tests.models import SmallNet
 
@@ -142,7 +142,7 @@ def test_inspect_shows_a_rank_file_as_shards_of_full_tensors(run: Path) -> None:
 def test_merge_streams_rank_files_a_tensor_at_a_time(
     run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptfix.formats import shards
+    from ckptfix.formats.folders import fsdp as shards
 
     def whole(*args: object, **kwargs: object) -> None:
         raise AssertionError("every rank file loaded whole")
@@ -156,7 +156,7 @@ def test_merge_streams_rank_files_a_tensor_at_a_time(
 
 
 def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Path) -> None:
-    from ckptfix.formats.ziparchive import read_archive
+    from ckptfix.formats.containers.ziparchive import read_archive
 
     bad = tmp_path / "rank1.pt"
     data = bytearray((run / "rank1.pt").read_bytes())
@@ -333,8 +333,8 @@ def test_inspect_says_fsdp1_flat_parameters_are_no_model(fsdp1: Path) -> None:
 def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:
     import dataclasses
 
-    from ckptfix.formats import allowlist
-    from ckptfix.formats.shards import DTENSOR_GLOBALS, RankFilesError, assemble, check_pieces, describe_rank
+    from ckptfix.formats.folders.fsdp import DTENSOR_GLOBALS, RankFilesError, assemble, check_pieces, describe_rank
+    from ckptfix.formats.safety import allowlist
 
     pieces = []
     for path in _ranks(run):

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats import dcp, shards
+from ckptfix.formats.folders import dcp
+from ckptfix.formats.folders import fsdp as shards
 from tests import sharded_writers
 
 
@@ -141,8 +142,9 @@ def _getattr_pickle(target: bytes) -> bytes:
 )  # fmt: skip
 def test_the_sharded_tensor_reader_resolves_getattr_only_to_a_known_nested_class(target: bytes, message: str) -> None:
     from ckptfix.errors import UnsafeCheckpointError
-    from ckptfix.formats import allowlist, inert
-    from ckptfix.formats.allowlist import ShardedCheckpointError
+    from ckptfix.formats.pickles import inert
+    from ckptfix.formats.safety import allowlist
+    from ckptfix.formats.safety.allowlist import ShardedCheckpointError
 
     names = allowlist.SHARDED_TENSOR_GLOBALS
     allowed = allowlist.allowed_names([], source="x") | names

@@ -101,7 +101,7 @@ def test_a_signal_after_the_rename_says_the_output_was_written(tmp_path: Path, s
     src, out = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save({"w": torch.arange(4.0)}, src)
     late = (
-        "import os, sys, ckptfix.formats.atomic as a; sync = a.fsync_dir; "
+        "import os, sys, ckptfix.formats.output.atomic as a; sync = a.fsync_dir; "
         f"a.fsync_dir = lambda f: (sync(f), os.kill(os.getpid(), {int(signum)})); "
         "from ckptfix.cli import main; sys.argv[0] = 'ckptfix'; main()"
     )
@@ -147,7 +147,7 @@ def test_each_signal_during_each_write_removes_the_temp_file(
 def test_a_program_s_own_handler_is_left_alone(tmp_path: Path) -> None:
     script = (
         "import signal, sys\n"
-        "from ckptfix.formats.atomic import unwinding_signals\n"
+        "from ckptfix.formats.output.atomic import unwinding_signals\n"
         "mine = lambda *a: None\n"
         "signal.signal(signal.SIGTERM, mine)\n"
         "signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a shell starts it (nohup would have it ignored)\n"

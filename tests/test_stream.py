@@ -21,7 +21,7 @@ import ckptfix
 from ckptfix.checkpoint import convert_checkpoint
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError, UnsafeCheckpointError
-from ckptfix.formats.ziparchive import read_archive
+from ckptfix.formats.containers.ziparchive import read_archive
 from ckptfix.stream import Fallback, fast_convert
 from tests.assertions import assert_same
 from tests.models import make_net
@@ -283,7 +283,7 @@ def _st_parts(path: Path) -> tuple[Any, bytes]:
 
 
 def _slow_save_st(obj: Any, path: Path) -> None:
-    from ckptfix.formats import save
+    from ckptfix.formats.registry import save
 
     save(obj, path)
 
@@ -323,9 +323,9 @@ def _zeros_crc(n: int) -> int:
 def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor:
     """A torch zip whose records after data.pkl begin past byte ``start`` (a hole), optionally with a ``big``-byte
     uint8 tensor that is a hole except for its last 8 bytes; returns the small tensor it holds."""
-    from ckptfix.formats import inert
-    from ckptfix.formats.torchzip import stand_ins, tensor_record
-    from ckptfix.formats.ziparchive import ZipWriter
+    from ckptfix.formats.containers.torchzip import stand_ins, tensor_record
+    from ckptfix.formats.containers.ziparchive import ZipWriter
+    from ckptfix.formats.pickles import inert
 
     small = torch.arange(6, dtype=torch.float32)
     glob = stand_ins()

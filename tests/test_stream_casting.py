@@ -21,8 +21,8 @@ import ckptfix
 from ckptfix.checkpoint import Conversion
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.deepspeed import describe_run
-from ckptfix.formats.safetensors import stored_identity
+from ckptfix.formats.containers.safetensors import stored_identity
+from ckptfix.formats.folders.deepspeed import describe_run
 from ckptfix.stream import casting
 from tests.deepspeed_runs import RUNS
 from tests.models import SmallNet
@@ -345,7 +345,7 @@ def test_a_pt_the_stream_does_not_copy_goes_the_torch_way(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("options", CASES)
 def test_a_corrupt_pt_record_is_refused_and_nothing_is_written(options: dict[str, Any], tmp_path: Path) -> None:
-    from ckptfix.formats.ziparchive import read_archive
+    from ckptfix.formats.containers.ziparchive import read_archive
 
     torch.save(_state(), tmp_path / "model.pt")
     with open(tmp_path / "model.pt", "r+b") as f:

@@ -24,7 +24,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.conversion import DCP_STRING_KEYS
 from ckptfix.errors import FormatError
-from ckptfix.formats.deepspeed import describe_run
+from ckptfix.formats.folders.deepspeed import describe_run
 from ckptfix.stream import to_dcp
 from tests import sharded_writers
 from tests.assertions import assert_equal

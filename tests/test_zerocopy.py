@@ -30,8 +30,8 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError
-from ckptfix.formats import save
-from ckptfix.formats.ziparchive import read_archive
+from ckptfix.formats.containers.ziparchive import read_archive
+from ckptfix.formats.registry import save
 from tests.assertions import assert_same
 
 try:

@@ -19,7 +19,7 @@ import click
 
 from ckptfix import __version__
 from ckptfix.errors import CkptfixError, as_flags
-from ckptfix.formats.atomic import TERMINATING, Terminated, completed_outputs, raise_terminated
+from ckptfix.formats.output.atomic import TERMINATING, Terminated, completed_outputs, raise_terminated
 
 # Each command is defined in the module of its name under ckptfix.cli; this is the first sentence of its help, for
 # the list in --help (tests/test_cli.py checks that they agree).
@@ -90,7 +90,7 @@ class _Group(click.Group):
             formatter.write_dl(rows)
 
     def invoke(self, ctx: click.Context) -> Any:
-        from ckptfix.formats.depth import deep_enough
+        from ckptfix.formats.safety.depth import deep_enough
 
         debug = bool(ctx.params.get("debug"))
         try:

@@ -127,7 +127,7 @@ def convert(
         click.echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
     else:  # entries copied unbuilt are said whatever the verbosity: the output holds what the input held
         from ckptfix.conversion import DCP_STRING_KEYS
-        from ckptfix.formats.opaque import KEPT
+        from ckptfix.formats.torchio.opaque import KEPT
 
         for note in result.notes:  # and keys a DCP folder turns into strings: a value read back differs
             if note.startswith((KEPT, DCP_STRING_KEYS)):
@@ -164,7 +164,7 @@ def conversion_json(result: Conversion, *, src: str, dst: str, dtype: str | None
 
 
 def _parse_size(value: str) -> int:
-    from ckptfix.formats.folder import parse_size  # the folder module only when shards are asked for
+    from ckptfix.formats.folders.hf import parse_size  # the folder module only when shards are asked for
 
     return parse_size(value)
 

@@ -112,7 +112,7 @@ def merge(
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
     from ckptfix.errors import MergeError, as_flags
-    from ckptfix.formats.atomic import check_output
+    from ckptfix.formats.output.atomic import check_output
     from ckptfix.merging import merge_files
 
     if kwargs is not None and model_spec is None:

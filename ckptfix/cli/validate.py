@@ -46,7 +46,7 @@ def validate(
     Example: ckptfix validate ddp_run.pt --model mypkg.models:ResNet --kwargs '{"depth": 18}'
     """
     from ckptfix.compare import module_name
-    from ckptfix.formats.shards import ShardedCheckpointError
+    from ckptfix.formats.folders.fsdp import ShardedCheckpointError
     from ckptfix.loading import validate_file
 
     try:

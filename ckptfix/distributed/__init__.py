@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.distributed import buckets, protocol, wire
 from ckptfix.errors import DistributedError, MismatchError
-from ckptfix.formats.depth import deep
+from ckptfix.formats.safety.depth import deep
 
 if TYPE_CHECKING:
     import torch
@@ -212,7 +212,8 @@ def _read_on_source(
     strips: list[str],
 ) -> tuple[_Plan, dict[str, Any]]:
     """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
-    from ckptfix.formats import detect_format, opaque
+    from ckptfix.formats.registry import detect_format
+    from ckptfix.formats.torchio import opaque
     from ckptfix.loading import adapt_to_model, model_state_of, primary_entry, ready_to_load
 
     source = os.fspath(path)
@@ -310,7 +311,7 @@ def save_for_ddp(
         session.close("status")
         return
     try:
-        from ckptfix.formats import save
+        from ckptfix.formats.registry import save
 
         save(_unwrapped(obj, source=os.fspath(path)), path)
     except Exception as e:

@@ -17,15 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import OutputError
-from ckptfix.formats import allowlist, detect_format, inert, output_format
-from ckptfix.formats.atomic import PathLike, atomic_output, check_output
-from ckptfix.formats.crc import Check
+from ckptfix.formats.containers.safetensors import losses_note, read_header
+from ckptfix.formats.containers.torchzip import TorchZip, stand_ins, tensor_record
+from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc, verify_records
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.opaque import carry, describe
-from ckptfix.formats.safetensors import losses_note, read_header
-from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import TorchZip, stand_ins, tensor_record
-from ckptfix.formats.ziparchive import NO_CRC, stored_crc, verify_records
+from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
+from ckptfix.formats.output.crc import Check
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.registry import detect_format, output_format
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio.opaque import carry, describe
+from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar

@@ -81,7 +81,7 @@ def write_cast(
     ``stored``, in order) a block at a time, or, when None, from ``whole()`` (the source tensor gathered)."""
     import torch
 
-    from ckptfix.formats.safetensors import tensor_bytes
+    from ckptfix.formats.containers.safetensors import tensor_bytes
 
     target = getattr(torch, t.dtype)
     if pieces is None:

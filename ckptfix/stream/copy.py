@@ -5,7 +5,7 @@ is copied as a head, a block-aligned middle and a tail. The middle is cloned (``
 reflink, btrfs, bcachefs or ZFS the output then shares the input's blocks and nothing is written. Where the file
 system refuses (ext4, tmpfs, another device), ``os.copy_file_range`` copies without the bytes entering Python,
 and where the kernel refuses that too, a buffered ``pread``/``pwrite`` loop with one reusable buffer takes over.
-CRCs are computed by :class:`ckptfix.formats.crc.Verifier` threads meanwhile, so checking overlaps the copy.
+CRCs are computed by :class:`ckptfix.formats.output.crc.Verifier` threads meanwhile, so checking overlaps the copy.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.crc import Check, Verifier
-from ckptfix.formats.linux import libc
-from ckptfix.formats.ziparchive import BLOCK
+from ckptfix.formats.containers.ziparchive import BLOCK
+from ckptfix.formats.output.crc import Check, Verifier
+from ckptfix.formats.output.linux import libc
 
 CHUNK = 16 << 20
 CLONE_STEP = 1 << 30  # one ioctl per GiB shared: progress still moves, and each call returns in milliseconds

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.checkpoint import Conversion
-from ckptfix.formats import inert
-from ckptfix.formats.atomic import atomic_output
-from ckptfix.formats.crc import Check, crc32_combine
-from ckptfix.formats.deepspeed import ZeroTensor, read_zero_tensor
+from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
+from ckptfix.formats.containers.ziparchive import ZipWriter
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.ziparchive import ZipWriter
+from ckptfix.formats.folders.deepspeed import ZeroTensor, read_zero_tensor
+from ckptfix.formats.output.atomic import atomic_output
+from ckptfix.formats.output.crc import Check, crc32_combine
+from ckptfix.formats.pickles import inert
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.copy import Copier, Job
 from ckptfix.stream.folders import (
@@ -132,7 +132,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: _Files, *, allowed: 
             write_cast_record(sink.write, what, files)
             return sink.crc
         if isinstance(what, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
-            from ckptfix.formats.safetensors import tensor_bytes
+            from ckptfix.formats.containers.safetensors import tensor_bytes
 
             sink = _Sink(fd, at)
             sink.write(tensor_bytes(read_zero_tensor(what, files.fd)))

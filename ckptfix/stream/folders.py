@@ -20,17 +20,19 @@ from typing import Any, BinaryIO, ClassVar
 
 from ckptfix.checkpoint import Conversion, is_tensor
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats import allowlist, detect_format, inert
-from ckptfix.formats.atomic import atomic_output
-from ckptfix.formats.crc import Check, Verifier
-from ckptfix.formats.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
-from ckptfix.formats.deepspeed import ZeroTensor, describe_run, is_deepspeed, read_zero_tensor
+from ckptfix.formats.containers.safetensors import encode_header, read_header, split_checkpoint
+from ckptfix.formats.containers.torchzip import read_torch_zip
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
-from ckptfix.formats.folder import describe, merge_shards, room_for_files
-from ckptfix.formats.opaque import carry
-from ckptfix.formats.safetensors import encode_header, read_header, split_checkpoint
-from ckptfix.formats.torchfile import changed_while_reading, file_identity
-from ckptfix.formats.torchzip import read_torch_zip
+from ckptfix.formats.folders.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
+from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, is_deepspeed, read_zero_tensor
+from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
+from ckptfix.formats.output.atomic import atomic_output
+from ckptfix.formats.output.crc import Check, Verifier
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.registry import detect_format
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio.opaque import carry
+from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
@@ -110,7 +112,7 @@ def convert_folder(
     file) after ``transform`` as ``dst``. ``dtype`` casts its floating-point tensors as they are written;
     ``shard_size`` (bytes) writes transformers shards of at most that size beside ``dst`` with their index
     instead (an existing shard set of that name replaced only with ``overwrite``, as
-    :func:`ckptfix.formats.folder.save_sharded` does)."""
+    :func:`ckptfix.formats.folders.hf.save_sharded` does)."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
         conversion = transform(tree)
@@ -181,7 +183,7 @@ def _write_shards(
 ) -> tuple[list[str], int]:
     """Write ``obj`` as transformers shards of ``dst`` through the in-memory writer's own planning, staging and
     index (each shard a :func:`_write_file`); how each stored tensor was written, and how many shards."""
-    from ckptfix.formats.folder import plan_shards, save_sharded
+    from ckptfix.formats.folders.hf import plan_shards, save_sharded
 
     ways: list[str] = []
     # the CRCs are read while the last shard is copied: a DCP folder's checks are known once its chunks are parsed
@@ -377,7 +379,7 @@ def _zero_tree(src: str, files: _Files, *, allow_globals: tuple[str, ...], optim
     """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records (with ``optimizer``, beside
     its consolidated optimizer state dict); the CRC of every storage record they are read from (the flat
     partitions; the moments too with ``optimizer``) is checked as the copy runs."""
-    from ckptfix.formats.ziparchive import stored_crc
+    from ckptfix.formats.containers.ziparchive import stored_crc
 
     run = describe_run(src, allow_globals=allow_globals, optimizer=optimizer)
     room_for_files(len(run.files), source=src)
@@ -459,7 +461,7 @@ def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> 
 
     import torch
 
-    from ckptfix.formats.ziparchive import check_crc
+    from ckptfix.formats.containers.ziparchive import check_crc
 
     entry = t.entry
     dtype = getattr(torch, entry.dtype)
@@ -494,7 +496,7 @@ def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor | ZeroTensor | CastT
         write_cast_record(out.write, t, files)
         return "cast"
     if isinstance(t, ZeroTensor) and t.cast is not None:
-        from ckptfix.formats.safetensors import tensor_bytes
+        from ckptfix.formats.containers.safetensors import tensor_bytes
 
         out.write(tensor_bytes(read_zero_tensor(t, files.fd)))  # a half-precision buffer, cast as zero_to_fp32 does
         return "gathered"
@@ -551,7 +553,7 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
 
 
 def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
-    from ckptfix.formats.safetensors import tensor_bytes
+    from ckptfix.formats.containers.safetensors import tensor_bytes
 
     out.write(tensor_bytes(_gathered(t, files)))
 

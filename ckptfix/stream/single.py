@@ -10,12 +10,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ckptfix.formats import inert
-from ckptfix.formats.crc import Check
+from ckptfix.formats.containers.safetensors import losses_note, read_header
+from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.opaque import describe
-from ckptfix.formats.safetensors import losses_note, read_header
-from ckptfix.formats.ziparchive import NO_CRC, stored_crc
+from ckptfix.formats.output.crc import Check
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.torchio.opaque import describe
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import ShardTensor, _Files
 from ckptfix.stream.st import StTensor, tree_from_header

@@ -1,8 +1,8 @@
 """The .safetensors side of the fast path: header in, header out, data ranges copied as they are.
 
-The tree built from a header is the checkpoint ``ckptfix.formats.safetensors.restore`` would return (aliases, key order,
+The tree built from a header is the checkpoint ``safetensors.restore`` would return (aliases, key order,
 ``_metadata``, model entry and extras from the ``ckptfix`` metadata), with :class:`StTensor` records in place
-of tensors; writing follows ``ckptfix.formats.safetensors.save_safetensors`` byte for byte in its header.
+of tensors; writing follows ``ckptfix.formats.containers.safetensors.save_safetensors`` byte for byte in its header.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
+from ckptfix.formats.containers.safetensors import Header, encode_header, restore, split_checkpoint
+from ckptfix.formats.containers.ziparchive import BLOCK
 from ckptfix.formats.dtypes import FROM_SAFETENSORS, safetensors_code
-from ckptfix.formats.inert import gc_paused
-from ckptfix.formats.safetensors import Header, encode_header, restore, split_checkpoint
-from ckptfix.formats.ziparchive import BLOCK
+from ckptfix.formats.pickles.inert import gc_paused
 from ckptfix.stream.fallback import Fallback
 
 

@@ -24,16 +24,17 @@ from typing import Any
 
 from ckptfix.checkpoint import Conversion
 from ckptfix.errors import FormatError
-from ckptfix.formats import allowlist, inert
-from ckptfix.formats.crc import Check
-from ckptfix.formats.dcp import chunk_region, save_dcp
-from ckptfix.formats.deepspeed import ZeroTensor
+from ckptfix.formats.containers.safetensors import read_header
+from ckptfix.formats.containers.torchzip import TorchZip
+from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.linux import libc
-from ckptfix.formats.opaque import carry, describe
-from ckptfix.formats.safetensors import read_header
-from ckptfix.formats.torchzip import TorchZip
-from ckptfix.formats.ziparchive import NO_CRC, stored_crc
+from ckptfix.formats.folders.dcp import chunk_region, save_dcp
+from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.output.crc import Check
+from ckptfix.formats.output.linux import libc
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import DcpTensor, ShardTensor, VerifyInTurn, _Files, _locate, _rows, open_tree

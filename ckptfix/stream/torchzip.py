@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import inert
-from ckptfix.formats.crc import Check
-from ckptfix.formats.torchzip import HEAD, TAIL, TorchZip
-from ckptfix.formats.ziparchive import ALIGN, BLOCK, ZipWriter, stored_crc
+from ckptfix.formats.containers.torchzip import HEAD, TAIL, TorchZip
+from ckptfix.formats.containers.ziparchive import ALIGN, BLOCK, ZipWriter, stored_crc
+from ckptfix.formats.output.crc import Check
+from ckptfix.formats.pickles import inert
 from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
 from ckptfix.stream.fallback import Fallback
 

@@ -130,7 +130,7 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     import torch
 
     import ckptfix
-    from ckptfix.formats.atomic import atomic_output
+    from ckptfix.formats.output.atomic import atomic_output
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +210,7 @@ def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _write_manifest(out: Path, *, command: str, platform: dict[str, str], files: dict[str, Any]) -> dict[str, Any]:
-    from ckptfix.formats.atomic import atomic_output
+    from ckptfix.formats.output.atomic import atomic_output
 
     manifest = {
         "command": command,
@@ -273,7 +273,7 @@ def generate_cuda(out_dir: str | os.PathLike[str], *, source: str | os.PathLike[
     DataParallel, compiled and DDP (NCCL) model, plus one in torch's legacy format; with a manifest."""
     import torch
 
-    from ckptfix.formats.atomic import atomic_output
+    from ckptfix.formats.output.atomic import atomic_output
 
     if not torch.cuda.is_available():
         raise SystemExit(f"{COMMAND} --cuda: needs a CUDA GPU (torch.cuda.is_available() is False)")

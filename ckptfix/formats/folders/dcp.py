@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import allowlist, inert
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30
@@ -109,7 +110,7 @@ def _size(obj: Any, *, source: str, key: str) -> tuple[int, ...]:
 def read_dcp(root: str) -> Dcp:
     """Read and check ``root/.metadata``: every chunk inside its tensor, chunks tiling it exactly, every byte span
     inside a file of the folder. No chunk data is read."""
-    from ckptfix.formats.folder import inside
+    from ckptfix.formats.folders.hf import inside
 
     source = os.path.join(root, METADATA)
     with open(source, "rb") as f:
@@ -364,10 +365,10 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
     """
     import torch
 
-    from ckptfix.formats.folder import room_for_files
-    from ckptfix.formats.materialize import map_file, materialize
-    from ckptfix.formats.torchfile import changed_while_reading, file_identity
-    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.formats.containers.torchzip import read_torch_zip
+    from ckptfix.formats.folders.hf import room_for_files
+    from ckptfix.formats.torchio.materialize import map_file, materialize
+    from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 
     d = read_dcp(root)
     allowed = allowlist.allowed_names(list(allow_globals), source=root)
@@ -468,7 +469,7 @@ def save_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ckptfix.errors import OutputError
-    from ckptfix.formats.atomic import check_output_folder, completing, set_aside
+    from ckptfix.formats.output.atomic import check_output_folder, completing, set_aside
     from ckptfix.torchcompat import dcp_save_local
 
     out = os.path.abspath(out.rstrip(os.sep) or os.sep)

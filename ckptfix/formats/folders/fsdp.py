@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, MergeError
-from ckptfix.formats import inert
-from ckptfix.formats.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, ShardedCheckpointError, explain
 from ckptfix.formats.dtypes import DTYPES, shape_problem
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, ShardedCheckpointError, explain
 
 FLAT_PARAM = "_flat_param"
 
@@ -206,9 +206,9 @@ def load_ranks(
     """
     import torch
 
-    from ckptfix.formats import allowlist
-    from ckptfix.formats.materialize import materialize
-    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.formats.containers.torchzip import read_torch_zip
+    from ckptfix.formats.safety import allowlist
+    from ckptfix.formats.torchio.materialize import materialize
 
     allowed = allowlist.allowed_names(list(allow_globals), source=paths[0]) | DTENSOR_GLOBALS
     trees: list[Any] = []
@@ -257,7 +257,7 @@ class DTensorRecord:
 def rank_tree(path: str, *, allow_globals: Iterable[str] = (), verify: bool = False) -> Any:
     """One rank file's checkpoint with each DTensor as a :class:`DTensorRecord` (nothing built, no tensor byte
     read unless ``verify``): what ``ckptfix inspect`` shows of a rank file."""
-    from ckptfix.formats import allowlist
+    from ckptfix.formats.safety import allowlist
 
     allowed = allowlist.allowed_names(list(allow_globals), source=path) | DTENSOR_GLOBALS
     with open(path, "rb") as f:
@@ -268,7 +268,7 @@ def describe_rank(fd: int, path: str, *, allowed: frozenset[str], verify: bool =
     """The checked archive of a rank file, and its checkpoint with each DTensor as a :class:`DTensorRecord`
     (``piece.local`` the inert record of its local tensor, read on demand). ``allowed`` must hold
     :data:`DTENSOR_GLOBALS`."""
-    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.formats.containers.torchzip import read_torch_zip
 
     z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=DTENSOR_GLOBALS)
     pieces: dict[str, Piece] = {}
@@ -382,7 +382,7 @@ def _tensor(torch: Any, name: str, parts: list[Piece], paths: Sequence[str]) -> 
             continue
         boxes[box] = (p.local, path)
     try:  # before the full tensor exists: no byte of it is left as torch.empty found it
-        from ckptfix.formats.dcp import _check_tiling
+        from ckptfix.formats.folders.dcp import _check_tiling
 
         _check_tiling(name, first.shape, list(boxes), source=os.path.dirname(paths[0]) or ".")
     except FormatError as e:
@@ -494,8 +494,8 @@ def describe_fsdp1_rank(
     """The checked archive of an FSDP1 SHARDED_STATE_DICT rank file, and its checkpoint with each ShardedTensor as
     a :class:`ShardedTensorRecord` (``piece.local`` holding inert records, read on demand). ``allowed`` must hold
     :data:`SHARDED_TENSOR_GLOBALS`. A LOCAL_STATE_DICT (flat parameters) is split by ``model``, the model that was
-    wrapped, into one :class:`~ckptfix.formats.flatparams.FlatSliceRecord` per parameter; without it, refused."""
-    from ckptfix.formats.torchzip import read_torch_zip
+    wrapped, into one :class:`~.flatparams.FlatSliceRecord` per parameter; without it, refused."""
+    from ckptfix.formats.containers.torchzip import read_torch_zip
 
     z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=SHARDED_TENSOR_GLOBALS)
     records: dict[str, ShardedTensorRecord] = {}
@@ -532,7 +532,7 @@ def _refuse_sharded_elsewhere(tree: Any, *, source: str) -> None:
 
 def _split_local(tree: Any, flat_in: dict[str, Any], model: Any, *, source: str) -> Any:
     """``tree`` with each state dict holding flat parameters split into the full state dict's keys."""
-    from ckptfix.formats.flatparams import split_state
+    from ckptfix.formats.folders.flatparams import split_state
 
     for where in sorted(flat_in, key=len, reverse=True):  # the checkpoint itself, when it is one, last
         split = split_state(flat_in[where], model, path=where, source=source)
@@ -554,7 +554,7 @@ def _refuse_local(path: str, name: str, p: ShardedPiece) -> None:
 def check_sharded(ranks: list[dict[str, ShardedPiece]], paths: Sequence[str]) -> None:
     """FSDP1 rank files make one job's checkpoint: the same ShardedTensors (dtype, shape, shards) in every file,
     each rank's file there exactly once, and the shards of each tensor tiling it; else :class:`RankFilesError`."""
-    from ckptfix.formats.dcp import _check_tiling
+    from ckptfix.formats.folders.dcp import _check_tiling
 
     if not any(ranks):
         raise RankFilesError(f"{paths[0]}: holds no ShardedTensor; these are not FSDP1 SHARDED_STATE_DICT files")

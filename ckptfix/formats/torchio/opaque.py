@@ -28,9 +28,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptfix.errors import CkptfixError
-from ckptfix.formats import allowlist, inert
-from ckptfix.formats.atomic import PathLike
-from ckptfix.formats.torchzip import TorchZip, read_torch_zip
+from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
+from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist
 
 # What a record builds, where its function's name would mislead (numpy pickles an array as a call of _reconstruct).
 _BUILDS = {
@@ -180,7 +181,7 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 def refusal(obj: Any, *, source: str) -> CkptfixError:
     """The allowlist's refusal of every global the opaque entries need, with what rescues the weights."""
     from ckptfix.checkpoint import model_entries
-    from ckptfix.formats.deepspeed import refuse_optimizer_partition
+    from ckptfix.formats.folders.deepspeed import refuse_optimizer_partition
 
     try:  # one rank's DeepSpeed optimizer file: the folder is what to pass, not unsafe=True
         refuse_optimizer_partition(obj, source=source)
@@ -212,15 +213,15 @@ def read(
     verify: bool = True,
     model_only: bool = False,
 ) -> Any:
-    """:func:`ckptfix.formats.read`, except that a torch zip's opaque entries come back as :class:`OpaqueEntry`
+    """:func:`ckptfix.formats.registry.read`, except that a torch zip's opaque entries come back as :class:`OpaqueEntry`
     records instead of a refusal (the operation then needs none of their values)."""
-    from ckptfix.formats import read as read_any
+    from ckptfix.formats.registry import read as read_any
 
     if fmt != "torch-zip" or unsafe:
         return read_any(
             path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only
         )
-    from ckptfix.formats.torchfile import load_torch
+    from ckptfix.formats.torchio.torchfile import load_torch
 
     return load_torch(
         path, fmt=fmt, source=os.fspath(path), allow_globals=allow_globals, mmap=mmap, verify=verify, opaque=True

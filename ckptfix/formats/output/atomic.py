@@ -128,12 +128,12 @@ def _files_read(src: str) -> list[str]:
         if not stat.S_ISREG(os.stat(src).st_mode):  # a FIFO or a device is never opened here (it could block)
             return [src]
         with open(src, "rb") as f:
-            index = f.read(64).lstrip().startswith(b"{")  # JSON: an index (as formats.folder tells them apart)
+            index = f.read(64).lstrip().startswith(b"{")  # JSON: an index (as folders.hf tells them apart)
     except OSError:
         return [src]
     if not index:  # the folder module (and what it imports) stays out of a plain conversion's start-up
         return [src]
-    from ckptfix.formats.folder import describe
+    from ckptfix.formats.folders.hf import describe
 
     try:
         return [src, *describe(src).files]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
-from ckptfix.formats.safetensors import stored_identity
+from ckptfix.formats.containers.safetensors import stored_identity
+from ckptfix.formats.output.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
 
 INDEX_SUFFIX = ".index.json"
 MAX_INDEX = 64 << 20  # a 1M-key weight map is ~60 MB of JSON; anything larger is not an index
@@ -115,7 +115,7 @@ def _is_index(path: str) -> bool:
 
 
 def _read_index(path: str) -> dict[str, Any]:
-    from ckptfix.formats.safetensors import no_duplicates
+    from ckptfix.formats.containers.safetensors import no_duplicates
 
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):

@@ -16,11 +16,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats import allowlist, devices
-from ckptfix.formats.atomic import PathLike, atomic_output
-from ckptfix.formats.legacy import check_legacy
-from ckptfix.formats.materialize import NotBuilt, materialize
-from ckptfix.formats.opaque import describe, entries, refusal
+from ckptfix.formats.containers.legacy import check_legacy
+from ckptfix.formats.output.atomic import PathLike, atomic_output
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio import devices
+from ckptfix.formats.torchio.materialize import NotBuilt, materialize
+from ckptfix.formats.torchio.opaque import describe, entries, refusal
 from ckptfix.torchcompat import safe_globals
 
 _NOT_BUILT = object()
@@ -50,7 +51,7 @@ def load_torch(
     """Load a torch file weights-only onto the CPU; the unpickler never calls anything off the allowlist.
 
     ``opaque=True``: a zip's entries that need globals outside the allowlist come back unbuilt, as
-    :class:`~ckptfix.formats.opaque.OpaqueEntry` records, instead of a refusal (and torch.load is never called).
+    :class:`~ckptfix.formats.torchio.opaque.OpaqueEntry` records, instead of a refusal (and torch.load is never called).
     """
     if unsafe:
         # a warning filter must not hide this: printed, not warned

@@ -25,8 +25,8 @@ from typing import Any
 
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.atomic import PathLike, atomic_output
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
+from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.raw import RawTensor
 
 MAX_HEADER = 100 * 1024 * 1024
@@ -210,7 +210,7 @@ _TORCH_TYPES = {
 
 def _type_name(value: Any) -> str:
     """The type of ``value`` as torch.load builds it, also for the fast path's stand-ins (not "Inert")."""
-    from ckptfix.formats import inert
+    from ckptfix.formats.pickles import inert
 
     if isinstance(value, inert.InertParameter):
         return "Parameter"

@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from typing import IO, BinaryIO, cast
 
-from ckptfix.formats import inert
+from ckptfix.formats.pickles import inert
 
 # The legacy format opens with a pickled magic number (PROTO, maybe FRAME, then LONG1 of this value).
 MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import allowlist, devices, inert
-from ckptfix.formats.opaque import OpaqueEntry
-from ckptfix.formats.torchzip import TorchZip
+from ckptfix.formats.containers.torchzip import TorchZip
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio import devices
+from ckptfix.formats.torchio.opaque import OpaqueEntry
 
 
 class NotBuilt(Exception):  # noqa: N818 - a signal to the caller, not an error

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.linux import libc
-from ckptfix.formats.ziparchive import check_crc
+from ckptfix.formats.containers.ziparchive import check_crc
+from ckptfix.formats.output.linux import libc
 
 BUFFER = 1 << 20  # a span not in the page cache is read this much at a time
 PIECE = 16 << 20  # a range longer than this is hashed in parts, by several threads where there are several

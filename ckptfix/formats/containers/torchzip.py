@@ -1,8 +1,8 @@
 """The torch zip checkpoint (``torch.save`` since 1.6): its rules and its one inert description.
 
-:func:`read_torch_zip` checks the container (every zip rule in :mod:`ckptfix.formats.ziparchive`), the
+:func:`read_torch_zip` checks the container (every zip rule in :mod:`ckptfix.formats.containers.ziparchive`), the
 archive's shape (one folder, exactly one ``data.pkl``, no TorchScript), the pickle (every pickle rule in
-:mod:`ckptfix.formats.inert`) and each storage record's size against the pickle, and optionally every CRC. Both the
+:mod:`.pickles.inert`) and each storage record's size against the pickle, and optionally every CRC. Both the
 torch path and the streaming path start from its :class:`TorchZip`, so they accept and refuse the same files.
 """
 
@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import inert
-from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.ziparchive import (
+from ckptfix.formats.containers.ziparchive import (
     Archive,
     Record,
     check_crc,
@@ -27,6 +25,8 @@ from ckptfix.formats.ziparchive import (
     verify_records,
     without_crcs,
 )
+from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.pickles import inert
 
 # The small records torch.save writes besides data.pkl and the storages, in its order.
 HEAD = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))

@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptfix.errors import FormatError
-from ckptfix.formats import allowlist, inert
+from ckptfix.formats.containers.ziparchive import Record
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.ziparchive import Record
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +204,7 @@ def _tags(path: str) -> list[str]:
 
 def _read_pickle(path: str, *, allowed: frozenset[str]) -> tuple[Any, Any]:
     """The inert tree of a rank file and its archive; DeepSpeed's own classes stay unbuilt records."""
-    from ckptfix.formats.torchzip import read_torch_zip
+    from ckptfix.formats.containers.torchzip import read_torch_zip
 
     refused: list[str] = []
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -770,7 +771,7 @@ def read_zero_tensor(t: ZeroTensor, fd_of: Any, *, verified: set[tuple[str, str]
     ``fd_of(path)`` gives an open file; with ``verified``, each storage record touched is CRC-checked once."""
     import torch
 
-    from ckptfix.formats.ziparchive import verify_records
+    from ckptfix.formats.containers.ziparchive import verify_records
 
     data = bytearray(sum(p.nbytes for p in t.pieces))
     at = 0

@@ -22,9 +22,9 @@ from contextlib import contextmanager
 from typing import IO, Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import CkptfixError, FormatError
-from ckptfix.formats import allowlist, opscan
-from ckptfix.formats.depth import MAX_DEPTH
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
+from ckptfix.formats.safety import allowlist, opscan
+from ckptfix.formats.safety.depth import MAX_DEPTH
 
 EXPANDED_LIMIT = 256 << 20  # bytes an expanded (stride-0) view may claim beyond its storage
 _INT64 = (1 << 63) - 1
@@ -709,7 +709,7 @@ def load(
     ``protocol4`` also reads protocol 4's data-only opcodes (torch.save never writes them; DCP metadata does).
     ``as_data`` names globals otherwise refused that this caller reads as records and never builds (the
     DTensor classes, for reassembling shards). ``refused``, when given, receives the names outside ``allowed``
-    instead of a refusal: their records stay inert stand-ins, and the caller decides (formats/opaque.py).
+    instead of a refusal: their records stay inert stand-ins, and the caller decides (formats/torchio/opaque.py).
     ``plain=False`` may leave OrderedDicts as the subclass the C unpickler built them as, for a caller that only
     writes the tree back (the fast path): replacing them is a pass over the tree, 0.7 s for a million tensors.
     """

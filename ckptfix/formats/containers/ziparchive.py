@@ -56,7 +56,9 @@ class Record:
     internal_attr: int = 0
     external_attr: int = 0
     comment: bytes = b""
-    crc_stored: bool = True  # False in an archive saved without CRCs (see ckptfix.formats.torchzip): never checked
+    crc_stored: bool = (
+        True  # False in an archive saved without CRCs (see ckptfix.formats.containers.torchzip): never checked
+    )
 
 
 @dataclass
@@ -306,7 +308,7 @@ def without_crcs(archive: Archive) -> None:
 def verify_records(fd: int, path: str, records: list[Record]) -> None:
     """Read every record once and check its CRC (on threads, mapped where the page cache holds the file: a
     1.6 GB checkpoint in 0.1 s here against 0.65 s through one zlib loop); the first bad record is named."""
-    from ckptfix.formats.crc import Check, Verifier, cached  # the one CRC reader (it imports this module)
+    from ckptfix.formats.output.crc import Check, Verifier, cached  # the one CRC reader (it imports this module)
 
     if not records:
         return

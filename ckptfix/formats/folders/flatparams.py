@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.shards import FLAT_PARAM, RankFilesError, ShardedTensorRecord, _fsdp1_how
+from ckptfix.formats.folders.fsdp import FLAT_PARAM, RankFilesError, ShardedTensorRecord, _fsdp1_how
 
 _ALIGNMENT = 16  # bytes: FSDP's _get_aligned_numel (a TorchInductor constraint)
 _HALF = 2  # the itemsize of bfloat16 and float16, MixedPrecision's usual param_dtype
