@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # What `pip install ckptfix` gets, without extras: build the wheel and the sdist, install the wheel into a fresh
 # venv (the CPU torch first, as the README does), check what the wheel holds, then use the installed `ckptfix`
-# for every command that writes or reads a file. Nothing from the dev extra (numpy, pytest) is there.
+# for every command that writes or reads a file, and run the README's DDP example. Nothing from the dev extra (numpy,
+# pytest) is there, and no command may print torch's warning that numpy is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+REPO=$PWD
 WORK=$(mktemp -d /tmp/ckptfix-smoke.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
@@ -35,7 +37,10 @@ for rank in (0, 1):
     torch.save({"model": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, f"rank{rank}.pt")
 dcp.save({"model": model.state_dict(), "step": 3}, checkpoint_id="dcp", no_dist=True)
 PY
-C=venv/bin/ckptfix
+run_ckptfix() {  # the installed command, its stderr also kept in a log that is checked at the end
+  { venv/bin/ckptfix "$@" 2>&1 1>&3 | tee -a "$WORK/stderr.log" >&2; } 3>&1
+}
+C=run_ckptfix
 $C --help > /dev/null
 $C convert rank0.pt fast.safetensors --model-only
 $C convert rank0.pt slow.safetensors --model-only --no-fast
@@ -66,6 +71,17 @@ for got in (ckptfix.load("dcp.safetensors"), ckptfix.load("dcp.pt")["model"], ck
     assert got.keys() == ref["model"].keys() and all(torch.equal(got[k], ref["model"][k]) for k in got), "folders"
 print("smoke test of the installed wheel: OK")
 PY
+# The README's section 5 example as a user runs it: two gloo ranks, the wheel's ckptfix, no numpy.
+mkdir -p fixtures && cp "$REPO/fixtures/ddp_wrapped.pt" fixtures/
+venv/bin/python - "$REPO/README.md" > train_ddp.py <<'PY'
+import re, sys
+
+print(re.search(r"```python file=train_ddp.py\n(.*?)```", open(sys.argv[1]).read(), re.S)[1], end="")
+PY
+out=$(venv/bin/torchrun --standalone --nproc-per-node 2 train_ddp.py 2> "$WORK/torchrun.log") || { cat "$WORK/torchrun.log"; exit 1; }
+[ "$out" = "resumed after epoch 1 on every rank: [1, 1]" ] || { echo "the README's example printed: $out"; exit 1; }
+echo "the README's DDP example: $out"
+if grep -n NumPy "$WORK/stderr.log"; then echo "a ckptfix command printed torch's NumPy warning (above)"; exit 1; fi
 
 # An environment that already has an older supported torch keeps it: `pip install ckptfix` must not replace a
 # cluster's pinned torch with a multi-GB download. A stand-in distribution named torch 2.6.0 (metadata only: what

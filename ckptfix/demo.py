@@ -200,4 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from ckptfix.torchcompat import without_numpy_warning
+
+    without_numpy_warning()
     sys.exit(main())

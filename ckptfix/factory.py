@@ -69,8 +69,8 @@ def build_model(
                 else "add the folder that holds it to sys.path or PYTHONPATH"
             )
             raise ModelSpecError("spec", spec, f"cannot import '{module_name}' ({e}); {fix}") from e
-        except Exception as e:  # the user's own module failed while it ran
-            raise ModelSpecError("spec", spec, f"importing '{module_name}' failed: {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:  # the user's own module failed (or exited) while it ran
+            raise ModelSpecError("spec", spec, f"importing '{module_name}' failed: {_failure(e)}") from e
         for part in attr.split("."):
             if not hasattr(factory, part):
                 raise ModelSpecError("spec", spec, f"module '{module_name}' has no attribute '{attr}'")
@@ -80,11 +80,19 @@ def build_model(
         try:
             with torch.device(device) if device is not None else contextlib.nullcontext():
                 model = factory(**kwargs)
-        except Exception as e:  # the user's own code: any failure means the model cannot be built
-            raise ModelSpecError("spec", spec, f"building the model failed: {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:  # the user's own code: any failure means the model cannot be built
+            raise ModelSpecError("spec", spec, f"building the model failed: {_failure(e)}") from e
     if not isinstance(model, torch.nn.Module):
         raise ModelSpecError("spec", spec, f"returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _failure(e: BaseException) -> str:
+    # A factory that exits (builtins:exit, sys.exit(0)) is an error in the factory: exit status 0 from a command
+    # that printed nothing would pass for success.
+    if isinstance(e, SystemExit):
+        return f"it exited (SystemExit: {e.code!r}) instead of returning a model"
+    return f"{type(e).__name__}: {e}"
 
 
 def _parse_kwargs(kwargs: str | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ older release offers. Nothing here imports torch until it is called.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -91,3 +92,18 @@ def dcp_save_local(state_dict: Any, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*save_state_dict.*deprecated", category=FutureWarning)
         return save_state_dict(_stateful_to_state_dict(state_dict), no_dist=True, **kwargs)
+
+
+_NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def without_numpy_warning() -> None:
+    """Silence torch's import-time warning that numpy is missing, here and in child processes (torchrun workers).
+
+    The CPU torch wheel does not bring numpy and ckptfix never needs it, so the warning is noise in every command's
+    output (and no documented output shows it)."""
+    warnings.filterwarnings("ignore", message=_NUMPY_WARNING)
+    entry = f"ignore:{_NUMPY_WARNING}"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if entry not in current.split(","):
+        os.environ["PYTHONWARNINGS"] = f"{current},{entry}" if current else entry

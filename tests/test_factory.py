@@ -24,6 +24,7 @@ def test_build_model_from_a_spec() -> None:
         ("torch.nn:Linear", "[1]", "kwargs", "expected a JSON object"),
         ("torch.nn:Linear", None, "spec", "building the model failed: TypeError"),
         ("tests.models:inputs", '{"rank": 0}', "spec", "returned Tensor, not a torch.nn.Module"),
+        ("builtins:exit", None, "spec", r"building the model failed: it exited \(SystemExit: None\) instead of"),
     ]:
         with pytest.raises(ModelSpecError, match=match) as caught:
             build_model(spec, kwargs=kwargs)
@@ -43,6 +44,9 @@ def test_build_model_searches_a_folder_last_and_only_while_building(tmp_path: Pa
     (tmp_path / "ckptfix_test_broken.py").write_text("raise ValueError('no')\n")
     with pytest.raises(ModelSpecError, match="importing 'ckptfix_test_broken' failed: ValueError: no"):
         build_model("ckptfix_test_broken:f", search_path=tmp_path)
+    (tmp_path / "ckptfix_test_exits.py").write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ModelSpecError, match=r"importing 'ckptfix_test_exits' failed: it exited \(SystemExit: 0\)"):
+        build_model("ckptfix_test_exits:f", search_path=tmp_path)
 
 
 def test_build_model_on_the_meta_device_allocates_nothing() -> None:
@@ -51,3 +55,22 @@ def test_build_model_on_the_meta_device_allocates_nothing() -> None:
     assert all(t.is_meta for t in model.state_dict().values())
     assert set(model.state_dict()) == set(SmallNet().state_dict())
     assert not any(t.is_meta for t in build_model("tests.models:SmallNet").state_dict().values())
+
+
+@pytest.mark.parametrize("command", ["validate", "validate-json", "merge"])
+def test_a_factory_that_exits_is_an_error_of_the_factory(rank_files: list[Path], tmp_path: Path, command: str) -> None:
+    """``--model builtins:exit`` (or a factory calling ``sys.exit(0)``) exited 0 having said nothing."""
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    out = tmp_path / "merged.pt"
+    args = {
+        "validate": ["validate", str(rank_files[0]), "--model", "builtins:exit"],
+        "validate-json": ["validate", str(rank_files[0]), "--model", "builtins:exit", "--json"],
+        "merge": ["merge", *map(str, rank_files), "-o", str(out), "--model", "builtins:exit"],
+    }[command]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert "builtins:exit" in result.output and "exited (SystemExit: None)" in result.output, result.output
+    assert "Traceback" not in result.output and not out.exists()

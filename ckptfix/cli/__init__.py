@@ -20,6 +20,7 @@ import click
 from ckptfix import __version__
 from ckptfix.errors import CkptfixError, as_flags
 from ckptfix.formats.output.atomic import TERMINATING, Terminated, completed_outputs, raise_terminated
+from ckptfix.torchcompat import without_numpy_warning
 
 # Each command is defined in the module of its name under ckptfix.cli; this is the first sentence of its help, for
 # the list in --help (tests/test_cli.py checks that they agree).
@@ -150,6 +151,7 @@ def main() -> None:
     # mid-write: temp files are removed and the exit status is still 128 + the signal's number.
     for sig in TERMINATING:
         signal.signal(sig, raise_terminated)
+    without_numpy_warning()
     try:
         cli.main(prog_name="ckptfix")
     except Terminated as e:  # arrived outside a command: while parsing, or exiting after the outputs are in place
