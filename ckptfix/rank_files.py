@@ -1,0 +1,370 @@
+"""FSDP rank files in a merge: telling them apart, and reading them as inputs whose shards are full tensors.
+
+A merge's inputs are per-rank DDP files (full tensors, merged by :mod:`ckptfix.merging`'s policy) or the rank files
+of one sharded run: FSDP2's DTensor shards, FSDP1's ShardedTensors (SHARDED_STATE_DICT) or flat parameters
+(LOCAL_STATE_DICT, split by the model that was wrapped). :func:`open_inputs` says which, once. Rank files are then
+opened here (:func:`open_ranks`) as :class:`Rank` inputs: every shard record reads as the full tensor, assembled
+from every rank's piece (:class:`Ranks`, one tensor at a time), so the merge policy runs over them unchanged.
+FSDP1 sharded optimizer state beside the shards is found, checked and left out or consolidated by
+:class:`RankOptimizer`, with the pure rules of :mod:`ckptfix.sharded_optim`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckptfix.checkpoint import model_entries
+from ckptfix.errors import AverageError, UsageError
+from ckptfix.formats.folders.flatparams import FlatSliceRecord
+from ckptfix.formats.folders.fsdp import (
+    DTENSOR_GLOBALS,
+    SHARDED_TENSOR_GLOBALS,
+    RankFilesError,
+    ShardedCheckpointError,
+    ShardedTensorRecord,
+    assemble,
+    assemble_sharded,
+    check_pieces,
+    check_sharded,
+    describe_fsdp1_rank,
+    describe_rank,
+    load_ranks,
+)
+from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.registry import write
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio.torchfile import file_identity
+from ckptfix.merge_policy import SHARD_RECORDS, Merger, MergeResult, merged_in_memory, stream_merged
+from ckptfix.reading import Opened, in_memory, open_checkpoint
+from ckptfix.sharded_optim import (
+    alone_message,
+    check_beside_shards,
+    consolidated,
+    consolidated_note,
+    in_entries,
+    left_out_note,
+    no_optimizer_message,
+    outside_entries,
+    without,
+)
+from ckptfix.writing import CannotStream, Placeholder, streamed_writer
+
+if TYPE_CHECKING:
+    import torch
+
+RANK_FILES = {"dtensor": "DTensor shards (an FSDP2 rank file)",
+              "sharded-tensor": "ShardedTensor shards (an FSDP1 rank file)"}  # fmt: skip
+
+
+def open_inputs(
+    paths: list[str],
+    stack: contextlib.ExitStack,
+    *,
+    allow_globals: tuple[str, ...],
+    unsafe: bool,
+    averaging: bool,
+    optimizer: bool,
+) -> tuple[list[Opened], str]:
+    """Each input opened (into ``stack``), or the kind of rank files they all are: ``(inputs, "")`` for full
+    checkpoints, ``([], kind)`` for rank files of one sharded run (``"dtensor"``, ``"sharded-tensor"``). Rank files
+    mixed with full checkpoints, files of both kinds, averaged rank files and ``optimizer`` without FSDP1 rank files
+    are refused here."""
+
+    inputs: list[Opened] = []
+    sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
+    for path in paths:
+        try:
+            inputs.append(stack.enter_context(open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe,
+                                                              opaque=True)))  # fmt: skip
+        except ShardedCheckpointError as e:
+            if e.kind not in RANK_FILES:
+                raise
+            sharded[path] = e.kind
+    first, kind = next(iter(sharded.items()), ("", ""))
+    what = RANK_FILES.get(kind, "")
+    if sharded and inputs:
+        raise RankFilesError(
+            f"{first}: holds {what} but {inputs[0].source} holds full tensors; merge every rank file of one "
+            f"sharded run together, or per-rank DDP files together"
+        )
+    if odd := next((p for p, k in sharded.items() if k != kind), None):
+        raise RankFilesError(
+            f"{odd}: holds {RANK_FILES[sharded[odd]]} but {first} holds {what}; these are files of two runs"
+        )
+    if sharded and averaging:
+        raise AverageError(
+            f"{first}: holds {what}; average full checkpoints: reassemble each run's rank files with "
+            f"`ckptfix merge` first, then average the results"
+        )
+    if optimizer and kind != "sharded-tensor":
+        raise UsageError(no_optimizer_message(first or paths[0]))
+    return inputs, kind
+
+
+def merge_rank_files(
+    paths: list[str],
+    out: PathLike,
+    *,
+    fmt: str,
+    allow_globals: tuple[str, ...],
+    options: dict[str, Any],
+    fsdp1: bool = False,
+    optimizer: bool = False,
+    model: Any = None,
+) -> MergeResult:
+    """FSDP2 rank files (or FSDP1 ones: ``fsdp1``) merged as DDP files are, each shard read as its full tensor
+    (:mod:`ckptfix.rank_files`), one tensor at a time, and written at once. FSDP2 files the streaming writer cannot
+    take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated (``optimizer``)."""
+    with contextlib.ExitStack() as stack:
+        ranks, full = open_ranks(paths, stack, allow_globals=allow_globals, fsdp1=fsdp1, model=model)
+        optim = (RankOptimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"])
+                 if fsdp1 else None)  # fmt: skip
+        if optim is not None and optim.alone:
+            try:
+                optim.write_alone(full, out, fmt=fmt)
+            except CannotStream as e:
+                raise unstreamable(paths[0], e) from e
+            return _optimizer_report(MergeResult(), optim)
+        merger = Merger(list(ranks), paths, **options)
+        merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
+        try:
+            check_little_endian(ranks)
+            tree = merger.assemble(merger.template)
+            writer = streamed_writer(optim.output(tree) if optim else tree, out, fmt=fmt, base=ranks[0])
+        except CannotStream as e:
+            if fsdp1:
+                raise unstreamable(paths[0], e) from e
+            stack.close()
+            return _merged_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
+        stream_merged(merger, writer, then=optim.filler(full) if optim else None)
+    result = merger.finish()
+    result.reassembled = reassembled(ranks)
+    return _optimizer_report(result, optim) if optim else result
+
+
+def _optimizer_report(result: MergeResult, optim: RankOptimizer) -> MergeResult:
+    """``result`` saying what became of the optimizer entries: their note, and only what was written as
+    reassembled."""
+    result.reassembled = optim.reassembled()
+    if not optim.model_only:
+        result.kept_from_first = [k for k in result.kept_from_first if k not in optim.entries]
+    result.notes.extend(optim.notes())
+    return result
+
+
+def _merged_in_memory(
+    paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
+) -> MergeResult:
+
+    found: dict[str, str] = {}
+    trees = load_ranks(paths, allow_globals=allow_globals, found=found)
+    merger = Merger([in_memory(t, source=p) for t, p in zip(trees, paths, strict=True)], paths, **options)
+    merger.twins_warn = False
+    result = merged_in_memory(merger)
+    result.reassembled = found
+    if result.obj is not None:
+        write(result.obj, out, fmt=fmt)
+        result.obj = None
+    return result
+
+
+def check_optimizer(out: PathLike, *, fmt: str, model_only: bool) -> None:
+    """``optimizer=True``: the optimizer state with the model, into one ``.pt`` file (a usage error otherwise)."""
+    if model_only:
+        raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
+                         "alone); drop one")  # fmt: skip
+    if fmt != "torch":
+        raise UsageError(f"optimizer=True writes the optimizer state into one .pt file, but {os.fspath(out)} asks for "
+                         f"{'a .safetensors file (tensors only)' if fmt == 'safetensors' else fmt}; write a .pt, or "
+                         f"drop optimizer=True")  # fmt: skip
+
+
+def open_ranks(
+    paths: list[str], stack: contextlib.ExitStack, *, allow_globals: tuple[str, ...], fsdp1: bool, model: Any
+) -> tuple[list[Rank], Ranks]:
+    """The rank files of one run opened (into ``stack``), their pieces checked to tile every tensor before anything
+    is written, and the :class:`Ranks` that reads each full tensor from them."""
+
+    extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
+    allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | extra
+    ranks: list[Rank] = []
+    for path in paths:
+        ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1, model=model))
+        stack.enter_context(ranks[-1])
+    pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
+    (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
+    return ranks, Ranks(ranks, paths)  # each rank's shard records read through it
+
+
+def reassembled(ranks: list[Rank]) -> dict[str, str]:
+    """Each tensor reassembled from the ranks' shards (its dotted key) and how it was sharded."""
+    found = ranks[0].split or ranks[0].records  # LOCAL_STATE_DICT: the parameters cut from flat parameters
+    return {r.key.replace("\0", "."): r.sharding for r in found.values()}
+
+
+def check_little_endian(ranks: list[Rank]) -> None:
+    if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
+        raise CannotStream("a big-endian rank file, whose bytes torch swaps")
+
+
+def unstreamable(path: str, e: CannotStream) -> RankFilesError:
+    # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
+    return RankFilesError(f"{path}: these FSDP1 rank files cannot be streamed ({e}); re-save them")
+
+
+@dataclass
+class RankOptimizer:
+    """FSDP1 sharded optimizer state in rank files (ShardedTensors outside the model state dict): ``entries`` of
+    the checkpoint (``[""]``: the file is the optimizer state dict alone), consolidated or left out."""
+
+    ranks: list[Rank]
+    entries: list[str]
+    consolidate: bool
+    model_only: bool
+    placeholders: dict[str, Placeholder] = field(default_factory=dict)  # ShardedTensor key -> its full tensor
+
+    @classmethod
+    def of(cls, ranks: list[Rank], paths: list[str], *, wanted: bool, model_only: bool) -> RankOptimizer | None:
+        """The sharded optimizer state of FSDP1 rank files, checked across ranks when ``wanted`` (before any
+        write); None when there is none (a usage error when ``wanted``)."""
+
+        tree = ranks[0].tree
+        entries = outside_entries(tree, list(ranks[0].records), model_entries(tree))
+        if not entries:
+            if wanted:
+                raise UsageError(no_optimizer_message(paths[0]))
+            return None
+        if entries == [""] and not wanted:
+            raise UsageError(alone_message(paths[0]))
+        if wanted:
+            check_beside_shards([r.tree for r in ranks], [r.raw for r in ranks], paths, entries=entries)
+        return cls(ranks, entries, consolidate=wanted, model_only=model_only)
+
+    @property
+    def alone(self) -> bool:
+        return self.entries == [""]
+
+    def output(self, tree: Any) -> Any:
+        """The merged checkpoint to write: the entries consolidated (placeholders to fill) or left out."""
+
+        if self.model_only:
+            return tree  # the model alone: the entries are left out with the rest
+        if not self.consolidate:
+            return without(tree, self.entries)
+        tree, self.placeholders = consolidated(tree, self.entries)
+        return tree
+
+    def filler(self, full: Ranks) -> Callable[[Any], None]:
+        """What hands the writer each consolidated tensor, reassembled one at a time from every rank."""
+
+        def fill(writer: Any) -> None:
+            for key, placeholder in self.placeholders.items():
+                writer.put(placeholder, full.full(key))
+
+        return fill
+
+    def write_alone(self, full: Ranks, out: PathLike, *, fmt: str) -> None:
+        """Rank files holding the optimizer state alone: the consolidated optimizer state dict into ``out``."""
+        check_little_endian(self.ranks)
+        writer = streamed_writer(self.output(self.ranks[0].tree), out, fmt=fmt, base=self.ranks[0])
+        with writer:
+            self.filler(full)(writer)
+
+    def reassembled(self) -> dict[str, str]:
+        """What was written reassembled: the model's tensors, and the optimizer state's when consolidated."""
+
+        records = self.ranks[0].records.values()
+        written = [r for r in records if self.consolidate or not in_entries(r.key, self.entries)]
+        return {r.key.replace("\0", "."): r.sharding for r in written}
+
+    def notes(self) -> list[str]:
+        """What became of each entry (consolidated or left out); none when the model alone was written."""
+
+        if self.model_only:  # left out with the other entries, as --model-only says
+            return []
+        records = self.ranks[0].records.values()
+        note = consolidated_note if self.consolidate else left_out_note
+        return [note(entry, sum(in_entries(r.key, [entry]) for r in records)) for entry in self.entries]
+
+
+@dataclass
+class Rank(Opened):
+    """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.folders.fsdp.DTensorRecord` whose
+    value is the full tensor, assembled from every rank's piece by the ranks' :class:`Ranks`."""
+
+    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
+    split: dict[str, FlatSliceRecord] = field(default_factory=dict)  # FSDP1 LOCAL_STATE_DICT: each parameter
+    ranks: Any = None
+
+    def tensor(self, value: Any) -> torch.Tensor:
+        if isinstance(value, FlatSliceRecord):  # a copy: the joined flat parameter is freed when the next is built
+            flat = self.ranks.full(value.flat.key)
+            return flat.narrow(0, value.offset, math.prod(value.shape)).view(value.shape).clone()  # type: ignore[no-any-return]
+        if isinstance(value, SHARD_RECORDS):
+            return self.ranks.full(value.key)  # type: ignore[no-any-return]
+        return super().tensor(value)
+
+
+def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None) -> Rank:
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        before = file_identity(fd)
+        if fsdp1:
+            z, tree = describe_fsdp1_rank(fd, path, allowed=allowed, model=model)
+        else:
+            z, tree = describe_rank(fd, path, allowed=allowed)
+    except BaseException:
+        os.close(fd)
+        raise
+    records: dict[str, Any] = {}
+    split: dict[str, FlatSliceRecord] = {}
+    stack = [tree]
+    while stack:  # the DTensors sit in the (nested) dicts of the checkpoint, taken in its order (the model first)
+        node = stack.pop()
+        inner = []
+        for value in node.values() if isinstance(node, dict) else ():
+            if isinstance(value, FlatSliceRecord):  # its flat parameter is what the ranks' files must agree on
+                records[value.flat.key], split[value.key] = value.flat, value
+            elif isinstance(value, SHARD_RECORDS):
+                records[value.key] = value
+            elif isinstance(value, dict):
+                inner.append(value)
+        stack.extend(reversed(inner))
+    return Rank(source=path, fmt="torch-zip", tree=tree, fd=fd, zip=z, before=before, records=records, split=split)
+
+
+class Ranks:
+    """The rank files of one run: each DTensor's full tensor, assembled once for all ranks (the last one kept, as
+    the merge reads a key from every rank in turn)."""
+
+    def __init__(self, ranks: list[Rank], paths: list[str]) -> None:
+        self.ranks, self.paths = ranks, paths
+        self.key: str | None = None
+        self.value: Any = None
+        for rank in ranks:
+            rank.ranks = self
+
+    def full(self, key: str) -> Any:
+
+        if key != self.key:
+            self.key, self.value = None, None  # the previous tensor freed before the next is built
+            parts = []
+            for rank in self.ranks:
+                piece = rank.records[key].piece
+                if isinstance(rank.records[key], ShardedTensorRecord):  # FSDP1: any number of shards per rank
+                    local = tuple((o, s, rank.tensor(t)) for o, s, t in piece.local)
+                    parts.append(dataclasses.replace(piece, local=local))
+                else:
+                    parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
+            first = self.ranks[0].records[key]
+            build = assemble_sharded if isinstance(first, ShardedTensorRecord) else assemble
+            self.value = build(parts, self.paths, key=key)
+            self.key = key
+        return self.value
