@@ -7,6 +7,7 @@ Inputs are never mutated; every transform returns new containers that share the 
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
 import sys
@@ -175,6 +176,19 @@ class Conversion:
     dropped: list[str] = field(default_factory=list)
     method: str = "memory"  # "stream" (no tensor loaded), "torch" (load and save) or "memory" (no file)
     notes: list[str] = field(default_factory=list)
+
+    def to_json(self, src: str, dst: str, *, dtype: str | None = None) -> dict[str, Any]:
+        """``convert --json`` (docs/json.md): ``dtype`` is what floating-point tensors were cast to, or None."""
+        return {
+            "input": src,
+            "output": dst,
+            "method": self.method,  # "stream": bytes copied, no tensor loaded; "torch": loaded and saved
+            "dtype": dtype,
+            "changes": [dataclasses.asdict(change) for change in self.changes],
+            "kept": list(self.kept),
+            "dropped": list(self.dropped),
+            "notes": list(self.notes),
+        }
 
 
 def replace_model_tensors(conversion: Conversion, replace: Callable[[str, Any], Any | None]) -> None:

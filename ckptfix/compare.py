@@ -197,6 +197,44 @@ class KeyReport:
             "not_loaded": dict(self.not_loaded),
         }
 
+    def to_json(
+        self,
+        *,
+        keys: int,
+        model: str,
+        model_keys: int,
+        other_entries: list[str],
+        fix_command: str | None,
+        exit_code: int,
+    ) -> dict[str, Any]:
+        """``validate --json`` (docs/json.md): :meth:`to_dict`, the counts of keys on each side, the model's spec,
+        the checkpoint's other model entries, the verdict line, the command that fixes the file and the exit code."""
+        return {**self.to_dict(), "keys": keys, "model": model, "model_keys": model_keys,
+                "other_entries": other_entries, "verdict": self.verdict(), "fix_command": fix_command,
+                "exit_code": exit_code}  # fmt: skip
+
+    def verdict(self) -> str:
+        """One line: whether the checkpoint loads with ``load_state_dict(strict=True)``, and if not, what is wrong."""
+        if self.loads_as_is:
+            if self.tied:
+                return (
+                    "OK: loads with load_state_dict(strict=True) once the tied keys are passed along (load_into does)"
+                )
+            return "OK: loads with load_state_dict(strict=True)"
+        if self.ok and self.renamed_prefix is not None:
+            old, new = self.renamed_prefix
+            what = f"the checkpoint's keys carry '{old}'" if old else f"the model's keys carry '{new}'"
+            does = "strips" if old else "adds"
+            return f"prefix only: {what} in front; ckptfix.load_into {does} it, or rewrite the file with:"
+        if self.ok:
+            return (
+                f"layout only: the checkpoint is {self.layout_from}, the model {self.layout_to}; "
+                f"ckptfix.load_into adapts it, or rewrite the file with:"
+            )
+        if self.fixable_by_convert:
+            return "renamed keys only: rewrite the file with:"
+        return f"FAIL: would not load with strict=True: {self.summary()}"
+
 
 def module_name(path: str) -> str:
     """A module path for messages: ``'features.1'``, or ``the root module`` for ``""``."""

@@ -104,7 +104,8 @@ class DiffReport:
                     "shape": {k: {"a": a, "b": b} for k, (a, b) in e.shape.items()},
                     "dtype": {k: {"a": a, "b": b} for k, (a, b) in e.dtype.items()},
                     "values": [
-                        {"key": v.key, "max_abs": _finite(v.max_abs), "max_rel": _finite(v.max_rel)} for v in e.values
+                        {"key": v.key, "max_abs": json_number(v.max_abs), "max_rel": json_number(v.max_rel)}
+                        for v in e.values
                     ],
                 }
                 for e in self.entries
@@ -114,9 +115,15 @@ class DiffReport:
             "not_loaded": self.not_loaded,
         }
 
+    def to_json(self) -> dict[str, Any]:
+        """``diff --json`` (docs/json.md): :meth:`to_dict` and the exit code, 0 equal, 1 different."""
+        return {**self.to_dict(), "atol": json_number(self.atol), "rtol": json_number(self.rtol),
+                "exit_code": 0 if self.equal else 1}  # fmt: skip
 
-def _finite(x: float) -> float | str:
-    # JSON has no inf/nan; spell them as strings so json.loads in any language reads the report.
+
+def json_number(x: float) -> float | str:
+    """``x``, or ``"inf"``, ``"-inf"``, ``"nan"``: JSON has no such numbers, and strict JSON is what any language's
+    parser reads."""
     return x if math.isfinite(x) else str(x)
 
 

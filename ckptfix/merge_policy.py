@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix import layouts
 from ckptfix.checkpoint import apply_maps, is_tensor, model_entries, same_kind
-from ckptfix.diffing import same_bytes, tensor_diff
+from ckptfix.diffing import json_number, same_bytes, tensor_diff
 from ckptfix.errors import AverageError, MergeError, UsageError
 from ckptfix.formats.folders.flatparams import FlatSliceRecord
 from ckptfix.formats.folders.fsdp import DTensorRecord, ShardedTensorRecord
@@ -79,6 +79,21 @@ class MergeResult:
             "warnings": self.warnings,
             "kept_from_first": self.kept_from_first,
             "layouts_from": self.layouts_from,
+        }
+
+    def to_json(self, inputs: Sequence[str], output: str, *, layout: str, buffers: str, atol: float) -> dict[str, Any]:
+        """``merge --json`` (docs/json.md): the facts of :meth:`to_dict` with what was merged into what, and how."""
+        return {
+            "inputs": list(inputs),
+            "output": output,
+            "written": not self.diverged,
+            "layout": layout,
+            "buffers": buffers,  # how differing BatchNorm statistics (and, with --model, other buffers) were combined
+            "atol": json_number(atol),
+            "parameters_match": not self.diverged,
+            **self.to_dict(),
+            # a non-tensor value that differs has max |Δ| inf, which JSON cannot hold: spelt "inf", as diff spells it
+            "diverged": [{"key": d.key, "max_abs": json_number(d.max_abs), "ranks": d.ranks} for d in self.diverged],
         }
 
 

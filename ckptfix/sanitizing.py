@@ -69,6 +69,15 @@ class Sanitized:
     dropped: list[Dropped] = field(default_factory=list)
     converted: Counter[str] = field(default_factory=Counter)
 
+    def to_json(self, src: str, dst: str) -> dict[str, Any]:
+        """``sanitize --json`` (docs/json.md): what was rewritten (sorted) and what was dropped, where and why."""
+        return {
+            "input": src,
+            "output": dst,
+            "converted": dict(sorted(self.converted.items())),
+            "dropped": [{"where": d.where, "what": d.what, "why": d.why} for d in self.dropped],
+        }
+
 
 @dataclass(frozen=True)
 class _Array:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import click
 
-from ckptfix.cli.options import force_option, safety_options, to_option
-from ckptfix.cli.render import echo_json
+from ckptfix.cli.options import force_option, json_option, safety_options, to_option
+from ckptfix.cli.render import Output
 from ckptfix.layouts import Layout
 
 if TYPE_CHECKING:
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     "is a folder).",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: docs/json.md).")
+@json_option("Print the result as JSON (schema: docs/json.md).")
 @force_option
 @safety_options
 def convert(
@@ -66,7 +65,7 @@ def convert(
     no_verify: bool,
     shard_size: int | None,
     verbose: bool,
-    as_json: bool,
+    output: Output,
     overwrite: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
@@ -110,9 +109,10 @@ def convert(
         optimizer=optimizer,
     )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
-    if as_json:
-        echo_json(conversion_json(result, src=src, dst=dst, dtype=dtype))
-        return
+    output.result(result.to_json(src, dst, dtype=dtype), lambda: _text(result, dst, dtype=dtype, verbose=verbose))
+
+
+def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> None:
     for change in result.changes:
         where = f"'{change.entry}'" if change.entry else "state dict"
         click.echo(
@@ -147,20 +147,6 @@ def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, n
     if no_fast and no_verify:
         raise UsageError("--no-verify is the fast path's and --no-fast turns it off (the torch path checks every "
                          "CRC); drop one")  # fmt: skip
-
-
-def conversion_json(result: Conversion, *, src: str, dst: str, dtype: str | None = None) -> dict[str, Any]:
-    """``convert --json``: the facts the text output gives, under stable keys (docs/json.md)."""
-    return {
-        "input": src,
-        "output": dst,
-        "method": result.method,  # "stream": bytes copied, no tensor loaded; "torch": loaded and saved
-        "dtype": dtype,  # what floating-point tensors were cast to (--dtype), None when nothing was cast
-        "changes": [dataclasses.asdict(change) for change in result.changes],
-        "kept": list(result.kept),
-        "dropped": list(result.dropped),
-        "notes": list(result.notes),
-    }
 
 
 def _parse_size(value: str) -> int:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from ckptfix.cli.options import safety_options
-from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, section, verdict
+from ckptfix.cli.options import json_option, safety_options
+from ckptfix.cli.render import LIST_LIMIT, Output, by_change, echo, lines, section, verdict
+
+if TYPE_CHECKING:
+    from ckptfix.diffing import DiffReport
 
 
 @click.command()
@@ -21,7 +26,7 @@ from ckptfix.cli.render import LIST_LIMIT, by_change, echo, echo_json, lines, se
     metavar="PREFIX",
     help="Remove PREFIX from the keys of each side whose keys all start with it (repeatable).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option("Print the report as JSON.")
 @safety_options
 def diff(
     a: str,
@@ -30,7 +35,7 @@ def diff(
     rtol: float,
     entry: str | None,
     strip_prefixes: tuple[str, ...],
-    as_json: bool,
+    output: Output,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
@@ -62,10 +67,12 @@ def diff(
         allow_globals=allow_globals,
         unsafe=unsafe_pickle,
     )
-    code = 0 if report.equal else 1
-    if as_json:
-        echo_json({**report.to_dict(), "exit_code": code})
-        click.get_current_context().exit(code)
+    output.result(report.to_json(), lambda: _text(report, a, b, entry=entry))
+    click.get_current_context().exit(0 if report.equal else 1)
+
+
+def _text(report: DiffReport, a: str, b: str, *, entry: str | None) -> None:
+    atol, rtol = report.atol, report.rtol
     for e in report.entries:
         ea = f"entry '{e.entry_a}', " if e.entry_a else ""
         eb = f"entry '{e.entry_b}', " if e.entry_b else ""
@@ -98,7 +105,6 @@ def diff(
             echo(f"{side.upper()}: entry '{key}': {what}{how}")
     tolerance = f" within atol {atol:g}, rtol {rtol:g}" if atol or rtol else ""
     verdict(f"equal{tolerance}" if report.equal else "different", "green" if report.equal else "red")
-    click.get_current_context().exit(code)
 
 
 COMMANDS: list[click.Command] = [diff]

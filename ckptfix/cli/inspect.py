@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
 
-from ckptfix.cli.options import safety_options
-from ckptfix.cli.render import printable
+from ckptfix.cli.options import json_option, safety_options
+from ckptfix.cli.render import Output, printable
 from ckptfix.units import human_bytes
 
 _FOLDERS = {
@@ -132,12 +131,12 @@ def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:
 
 @click.command()
 @click.argument("path", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for programs.")
+@json_option("Print one JSON object for programs.")
 @click.option("--all", "show_all", is_flag=True, help="Show every key group, however many.")
 @click.option("--verify", is_flag=True, help="Also read every record and check its CRC (reads the whole file).")
 @safety_options
 def inspect(
-    path: str, as_json: bool, show_all: bool, verify: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool
+    path: str, output: Output, show_all: bool, verify: bool, allow_globals: tuple[str, ...], unsafe_pickle: bool
 ) -> None:
     """Show format, layout, sizes, dtypes, BatchNorm buffers, shared storage and grouped keys of PATH.
 
@@ -156,10 +155,11 @@ def inspect(
     from ckptfix.summary import summarize
 
     summary = summarize(path, allow_globals=allow_globals, unsafe=unsafe_pickle, verify=verify)
-    if as_json:
-        click.echo(json.dumps(summary, indent=2))
-        return
-    for line in _render(summary, max_groups=10**9 if show_all else 60):
+    output.result(summary, lambda: _text(summary, max_groups=10**9 if show_all else 60))
+
+
+def _text(summary: dict[str, Any], *, max_groups: int) -> None:
+    for line in _render(summary, max_groups=max_groups):
         click.echo(printable(line))
 
 

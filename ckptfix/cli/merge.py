@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptfix.cli.options import force_option, model_from_options, safety_options, to_option
-from ckptfix.cli.render import LIST_LIMIT, echo, echo_json, section, warn
+from ckptfix.cli.options import force_option, json_option, model_from_options, safety_options, to_option
+from ckptfix.cli.render import LIST_LIMIT, Output, echo, section, warn
 from ckptfix.keytree import group_keys
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
     callback=lambda ctx, param, value: _parse_weights(value),
     help="Weighted average (implies --average): one weight per file, divided by their sum.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the merge report as JSON.")
+@json_option("Print the merge report as JSON.")
 @force_option
 @safety_options
 def merge(
@@ -73,7 +72,7 @@ def merge(
     optimizer: bool,
     average: bool,
     weights: list[float] | None,
-    as_json: bool,
+    output: Output,
     overwrite: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
@@ -112,14 +111,12 @@ def merge(
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
     from ckptfix.errors import MergeError, as_flags
-    from ckptfix.formats.output.atomic import check_output
     from ckptfix.merging import merge_files
 
     if kwargs is not None and model_spec is None:
         from ckptfix.errors import UsageError
 
         raise UsageError("--kwargs are the --model factory's and no --model was given; add --model or drop --kwargs")
-    check_output(out, inputs=inputs, overwrite=overwrite)
     averaging = average or weights is not None
     for j, later in enumerate(inputs):
         for earlier in inputs[:j]:
@@ -147,9 +144,19 @@ def merge(
     for message in result.warnings:
         warn(message)
     result.notes = [as_flags(note) for note in result.notes]  # the library's optimizer=True is --optimizer here
-    if as_json:
-        echo_json(merge_json(result, inputs, out, to=to, buffers=buffers, atol=atol))
-    elif result.diverged:
+    document = result.to_json(inputs, out, layout=to, buffers=buffers, atol=atol)
+    output.result(document, lambda: _text(result, inputs, out, to=to, buffers=buffers, atol=atol, averaging=averaging))
+    if result.diverged:
+        raise MergeError(
+            f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
+            f"'{result.diverged[0].key}'); use files of the same step, or --atol if the drift is expected"
+        )
+
+
+def _text(
+    result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str, atol: float, averaging: bool
+) -> None:
+    if result.diverged:
         echo(f"{len(result.diverged)} key(s) differ across ranks (atol {atol:g}):")
         for d in result.diverged[:LIST_LIMIT]:
             echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {inputs[0]})")
@@ -158,32 +165,6 @@ def merge(
         _average_summary(result, inputs, out, to=to)
     else:
         _summary(result, inputs, out, to=to, buffers=buffers)
-    if result.diverged:
-        raise MergeError(
-            f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
-            f"'{result.diverged[0].key}'); use files of the same step, or --atol if the drift is expected"
-        )
-
-
-def merge_json(
-    result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str, atol: float
-) -> dict[str, Any]:
-    """``merge --json``: the facts the text output gives, under stable keys (docs/json.md)."""
-    return {
-        "inputs": list(inputs),
-        "output": out,
-        "written": not result.diverged,
-        "layout": to,
-        "buffers": buffers,  # how differing BatchNorm statistics (and, with --model, other buffers) were combined
-        "atol": atol,
-        "parameters_match": not result.diverged,
-        **result.to_dict(),
-        # a non-tensor value that differs has max |Δ| inf, which JSON cannot hold: spelt "inf", as diff spells it
-        "diverged": [
-            {"key": d.key, "max_abs": d.max_abs if math.isfinite(d.max_abs) else str(d.max_abs), "ranks": d.ranks}
-            for d in result.diverged
-        ],
-    }
 
 
 def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str, buffers: str) -> None:

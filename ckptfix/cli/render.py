@@ -1,8 +1,10 @@
-"""Text output of the ``ckptfix`` commands: inert lines, grouped key lists, JSON, sizes.
+"""Output of the ``ckptfix`` commands: one :class:`Output` per command, told once whether it prints JSON.
 
-Every line a command prints for people goes through :func:`printable`: a key or path that holds a newline or a
-terminal escape sequence prints escaped (``\\n``, ``\\x1b``), so it can neither forge an output line nor reach the
-terminal raw. ``--json`` output needs none of it: JSON escapes control characters itself.
+A command hands its result to :meth:`Output.result`: the JSON document (the shape the library's result type gives
+with its ``to_json``), or, for people, the lines the command renders. Every line a command prints for people goes
+through :func:`printable`: a key or path that holds a newline or a terminal escape sequence prints escaped
+(``\\n``, ``\\x1b``), so it can neither forge an output line nor reach the terminal raw. ``--json`` output needs
+none of it: JSON escapes control characters itself, and it is strict JSON (no ``NaN`` or ``Infinity``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import click
@@ -53,8 +55,24 @@ def warn(message: str) -> None:
     echo(f"ckptfix: warning: {message}", err=True)
 
 
-def echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+class Output:
+    """Where one command's result goes, decided once from its ``--json`` flag: a JSON document on stdout (nothing
+    else there), or lines for people. Warnings go to stderr either way (:func:`warn`)."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def result(self, document: Any, text: Callable[[], None]) -> None:
+        """Print ``document`` (a result's ``to_json()``) as JSON, or call ``text`` to print the lines for people."""
+        if self.as_json:
+            click.echo(json.dumps(document, indent=2, default=str, allow_nan=False))
+        else:
+            text()
+
+    def finding(self, message: str) -> None:
+        """A finding that takes the place of a result (exit 1): a line on stdout for people; on stderr under
+        ``--json``, whose stdout holds a report or nothing (docs/json.md)."""
+        echo(message, err=self.as_json)
 
 
 def lines(items: Sequence[str], more: str = "more") -> None:

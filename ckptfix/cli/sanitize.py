@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from ckptfix.cli.options import force_option
-from ckptfix.cli.render import echo, echo_json
+from ckptfix.cli.options import force_option, json_option
+from ckptfix.cli.render import Output, echo
+
+if TYPE_CHECKING:
+    from ckptfix.sanitizing import Sanitized
 
 
 @click.command()
 @click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
 @click.argument("dst", metavar="OUT", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (schema: docs/json.md).")
+@json_option("Print the result as JSON (schema: docs/json.md).")
 @force_option
-def sanitize(src: str, dst: str, as_json: bool, overwrite: bool) -> None:
+def sanitize(src: str, dst: str, output: Output, overwrite: bool) -> None:
     """Write OUT, a copy of torch checkpoint IN that torch.load(weights_only=True) opens, keeping what is data.
 
     Nothing in IN is run: its pickle is read inertly. argparse.Namespace becomes a dict, pathlib paths strings,
@@ -27,14 +32,10 @@ def sanitize(src: str, dst: str, as_json: bool, overwrite: bool) -> None:
     from ckptfix.sanitizing import sanitize
 
     result = sanitize(src, dst, overwrite=overwrite)
-    if as_json:
-        echo_json({
-            "input": src,
-            "output": dst,
-            "converted": dict(sorted(result.converted.items())),
-            "dropped": [{"where": d.where, "what": d.what, "why": d.why} for d in result.dropped],
-        })  # fmt: skip
-        return
+    output.result(result.to_json(src, dst), lambda: _text(result, dst))
+
+
+def _text(result: Sanitized, dst: str) -> None:
     for change, count in sorted(result.converted.items()):
         echo(f"rewrote {count} × {change}")
     for dropped in result.dropped:

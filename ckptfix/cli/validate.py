@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptfix.cli.options import model_from_options, safety_options
-from ckptfix.cli.render import by_change, echo, echo_json, lines, section, verdict
+from ckptfix.cli.options import json_option, model_from_options, safety_options
+from ckptfix.cli.render import Output, by_change, echo, lines, section, verdict
 
 if TYPE_CHECKING:
-    from ckptfix.compare import KeyReport
+    from ckptfix.loading import Validation
 
 
 @click.command()
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 @click.option("--entry", metavar="NAME", help="Model entry to check, e.g. state_dict_ema (default: detected).")
 @click.option("--strip-prefix", multiple=True, metavar="P", help="Remove P from every key first (as convert does).")
 @click.option("--any-layout", is_flag=True, help="Exit 0 also when only the layout or a prefix differs.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option("Print the report as JSON.")
 @safety_options
 def validate(
     path: str,
@@ -29,7 +29,7 @@ def validate(
     entry: str | None,
     strip_prefix: tuple[str, ...],
     any_layout: bool,
-    as_json: bool,
+    output: Output,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
 ) -> None:
@@ -45,7 +45,6 @@ def validate(
     Exit codes: 0 it loads as is; 1 it does not; 2 the check cannot run.
     Example: ckptfix validate ddp_run.pt --model mypkg.models:ResNet --kwargs '{"depth": 18}'
     """
-    from ckptfix.compare import module_name
     from ckptfix.formats.folders.fsdp import ShardedCheckpointError
     from ckptfix.loading import validate_file
 
@@ -59,7 +58,7 @@ def validate(
             unsafe=unsafe_pickle,
         )
     except ShardedCheckpointError as e:  # one rank's shards: a finding about the file (1), not a failed check (2)
-        echo(str(e), err=as_json)  # --json: stdout holds a report or nothing (docs/json.md)
+        output.finding(str(e))
         click.get_current_context().exit(1)
     report = found.report
     code = 0 if report.loads_as_is or (any_layout and report.ok) else 1
@@ -67,11 +66,16 @@ def validate(
         path, entry=entry, strip_prefixes=strip_prefix, allow_globals=allow_globals, unsafe=unsafe_pickle
     )
     others = [e for e in found.entries if e not in ("", report.entry)]
-    if as_json:
-        echo_json({**report.to_dict(), "keys": found.keys, "model": model_spec, "model_keys": found.model_keys,
-                   "other_entries": others, "verdict": _verdict(report), "fix_command": fix,
-                   "exit_code": code})  # fmt: skip
-        click.get_current_context().exit(code)
+    document = report.to_json(keys=found.keys, model=model_spec, model_keys=found.model_keys, other_entries=others,
+                              fix_command=fix, exit_code=code)  # fmt: skip
+    output.result(document, lambda: _text(found, path, model_spec, others=others, fix=fix))
+    click.get_current_context().exit(code)
+
+
+def _text(found: Validation, path: str, model_spec: str, *, others: list[str], fix: str | None) -> None:
+    from ckptfix.compare import module_name
+
+    report = found.report
     where = f"entry '{report.entry}', " if report.entry else ""
     echo(f"checkpoint: {path} ({where}layout {report.layout_from}, {found.keys} keys)")
     if others:
@@ -93,30 +97,9 @@ def validate(
         echo(f"likely renamed (checkpoint -> model, same shape, unique suffix match) ({len(report.renamed)}):")
         lines([f"{got} -> {want}" for got, want in report.renamed])
     fixable = report.ok or report.fixable_by_convert  # a layout, a prefix or renames: load_into or convert fix it
-    verdict(_verdict(report), "green" if report.loads_as_is else "yellow" if fixable else "red")
+    verdict(report.verdict(), "green" if report.loads_as_is else "yellow" if fixable else "red")
     if fix and not report.loads_as_is:
         echo(f"  {fix}")
-    click.get_current_context().exit(code)
-
-
-def _verdict(report: KeyReport) -> str:
-    if report.loads_as_is:
-        if report.tied:
-            return "OK: loads with load_state_dict(strict=True) once the tied keys are passed along (load_into does)"
-        return "OK: loads with load_state_dict(strict=True)"
-    if report.ok and report.renamed_prefix is not None:
-        old, new = report.renamed_prefix
-        what = f"the checkpoint's keys carry '{old}'" if old else f"the model's keys carry '{new}'"
-        does = "strips" if old else "adds"
-        return f"prefix only: {what} in front; ckptfix.load_into {does} it, or rewrite the file with:"
-    if report.ok:
-        return (
-            f"layout only: the checkpoint is {report.layout_from}, the model {report.layout_to}; "
-            f"ckptfix.load_into adapts it, or rewrite the file with:"
-        )
-    if report.fixable_by_convert:
-        return "renamed keys only: rewrite the file with:"
-    return f"FAIL: would not load with strict=True: {report.summary()}"
 
 
 COMMANDS: list[click.Command] = [validate]
