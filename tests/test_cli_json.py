@@ -173,6 +173,16 @@ def test_merge_json_of_ranks_that_disagree(tmp_path: Path) -> None:
     assert not (tmp_path / "m.pt").exists()
 
 
+def test_json_is_strict_where_a_tolerance_is_not_a_finite_number(tmp_path: Path) -> None:
+    # JSON has no Infinity: spelt "inf", as diff spells a difference that is not a finite number (docs/json.md)
+    strict = {"parse_constant": lambda name: pytest.fail(f"{name} is not JSON")}
+    result = run("diff", FIXTURES / "single.pt", FIXTURES / "single.pt", "--atol", "inf", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout, **strict)["atol"] == "inf"
+    ranks = [FIXTURES / "ddp_rank0.pt", FIXTURES / "ddp_rank1.pt"]
+    result = run("merge", *ranks, "-o", tmp_path / "m.pt", "--atol", "inf", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout, **strict)["atol"] == "inf"
+
+
 def test_validate_json_is_the_text() -> None:
     path = FIXTURES / "ddp_rank0.pt"
     data = as_json("validate", path, "--model", TRAINER, code=1)
