@@ -1,6 +1,6 @@
 """FSDP rank files in a merge: telling them apart, and reading them as inputs whose shards are full tensors.
 
-A merge's inputs are per-rank DDP files (full tensors, merged by :mod:`ckptfix.merging`'s policy) or the rank files
+A merge's inputs are per-rank DDP files (full tensors, merged by :mod:`ckptfix.merge_policy`) or the rank files
 of one sharded run: FSDP2's DTensor shards, FSDP1's ShardedTensors (SHARDED_STATE_DICT) or flat parameters
 (LOCAL_STATE_DICT, split by the model that was wrapped). :func:`open_inputs` says which, once. Rank files are then
 opened here (:func:`open_ranks`) as :class:`Rank` inputs: every shard record reads as the full tensor, assembled
@@ -75,7 +75,6 @@ def open_inputs(
     checkpoints, ``([], kind)`` for rank files of one sharded run (``"dtensor"``, ``"sharded-tensor"``). Rank files
     mixed with full checkpoints, files of both kinds, averaged rank files and ``optimizer`` without FSDP1 rank files
     are refused here."""
-
     inputs: list[Opened] = []
     sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
     for path in paths:
@@ -119,18 +118,19 @@ def merge_rank_files(
     model: Any = None,
 ) -> MergeResult:
     """FSDP2 rank files (or FSDP1 ones: ``fsdp1``) merged as DDP files are, each shard read as its full tensor
-    (:mod:`ckptfix.rank_files`), one tensor at a time, and written at once. FSDP2 files the streaming writer cannot
-    take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated (``optimizer``)."""
+    (a :class:`Rank` input), one tensor at a time, and written at once. FSDP2 files the streaming writer cannot
+    take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated (``optimizer``).
+    FSDP1 LOCAL_STATE_DICT flat parameters are split by ``model``: one joined flat parameter is held at a time, each
+    parameter cut from it."""
     with contextlib.ExitStack() as stack:
         ranks, full = open_ranks(paths, stack, allow_globals=allow_globals, fsdp1=fsdp1, model=model)
         optim = (RankOptimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"])
                  if fsdp1 else None)  # fmt: skip
         if optim is not None and optim.alone:
             try:
-                optim.write_alone(full, out, fmt=fmt)
+                return optim.write_alone(full, out, fmt=fmt)
             except CannotStream as e:
                 raise unstreamable(paths[0], e) from e
-            return _optimizer_report(MergeResult(), optim)
         merger = Merger(list(ranks), paths, **options)
         merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
         try:
@@ -145,23 +145,12 @@ def merge_rank_files(
         stream_merged(merger, writer, then=optim.filler(full) if optim else None)
     result = merger.finish()
     result.reassembled = reassembled(ranks)
-    return _optimizer_report(result, optim) if optim else result
-
-
-def _optimizer_report(result: MergeResult, optim: RankOptimizer) -> MergeResult:
-    """``result`` saying what became of the optimizer entries: their note, and only what was written as
-    reassembled."""
-    result.reassembled = optim.reassembled()
-    if not optim.model_only:
-        result.kept_from_first = [k for k in result.kept_from_first if k not in optim.entries]
-    result.notes.extend(optim.notes())
-    return result
+    return optim.report(result) if optim else result
 
 
 def _merged_in_memory(
     paths: list[str], out: PathLike, *, fmt: str, allow_globals: tuple[str, ...], options: dict[str, Any]
 ) -> MergeResult:
-
     found: dict[str, str] = {}
     trees = load_ranks(paths, allow_globals=allow_globals, found=found)
     merger = Merger([in_memory(t, source=p) for t, p in zip(trees, paths, strict=True)], paths, **options)
@@ -269,28 +258,26 @@ class RankOptimizer:
 
         return fill
 
-    def write_alone(self, full: Ranks, out: PathLike, *, fmt: str) -> None:
+    def write_alone(self, full: Ranks, out: PathLike, *, fmt: str) -> MergeResult:
         """Rank files holding the optimizer state alone: the consolidated optimizer state dict into ``out``."""
         check_little_endian(self.ranks)
         writer = streamed_writer(self.output(self.ranks[0].tree), out, fmt=fmt, base=self.ranks[0])
         with writer:
             self.filler(full)(writer)
+        return self.report(MergeResult())
 
-    def reassembled(self) -> dict[str, str]:
-        """What was written reassembled: the model's tensors, and the optimizer state's when consolidated."""
-
+    def report(self, result: MergeResult) -> MergeResult:
+        """``result`` saying what became of the entries: their note, and only what was written as reassembled."""
         records = self.ranks[0].records.values()
         written = [r for r in records if self.consolidate or not in_entries(r.key, self.entries)]
-        return {r.key.replace("\0", "."): r.sharding for r in written}
-
-    def notes(self) -> list[str]:
-        """What became of each entry (consolidated or left out); none when the model alone was written."""
-
+        result.reassembled = {r.key.replace("\0", "."): r.sharding for r in written}
         if self.model_only:  # left out with the other entries, as --model-only says
-            return []
-        records = self.ranks[0].records.values()
-        note = consolidated_note if self.consolidate else left_out_note
-        return [note(entry, sum(in_entries(r.key, [entry]) for r in records)) for entry in self.entries]
+            return result
+        result.kept_from_first = [k for k in result.kept_from_first if k not in self.entries]
+        for entry in self.entries:
+            count = sum(in_entries(r.key, [entry]) for r in records)
+            result.notes.append((consolidated_note if self.consolidate else left_out_note)(entry, count))
+        return result
 
 
 @dataclass

@@ -7,7 +7,8 @@ model's reassembly applied to those ShardedTensors, plus a proof that what is no
 ``param_groups``) is the same on every rank, so that rank 0's copy stands for all. It can be several times the
 model, so a merge leaves it out unless asked (``optimizer=True``).
 
-The functions here are pure: trees in, trees (or a refusal) out; the merge does the reading and the writing.
+The functions here are pure: trees in, trees (or a refusal) out; the merge (:mod:`ckptfix.rank_files`) does the
+reading and the writing.
 """
 
 from __future__ import annotations

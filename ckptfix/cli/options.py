@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ckptfix.cli.render import Output
 from ckptfix.errors import CkptfixError
 
 if TYPE_CHECKING:
@@ -42,8 +43,6 @@ def to_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 def json_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--json``, given to the command as its :class:`~ckptfix.cli.render.Output` (``output``): whether the result
     prints as JSON is decided here, once."""
-    from ckptfix.cli.render import Output
-
     return click.option(
         "--json", "output", is_flag=True, help=what, callback=lambda ctx, param, value: Output(bool(value))
     )
