@@ -49,7 +49,7 @@ class Divergence:
 
 @dataclass
 class MergeResult:
-    """What :func:`plan_merge` found and built; ``obj`` is None when ``diverged`` is not empty."""
+    """What :func:`~ckptfix.merging.plan_merge` found and built; ``obj`` is None when ``diverged`` is not empty."""
 
     obj: Any = None
     entries: list[str] = field(default_factory=list)
@@ -98,6 +98,7 @@ class MergeResult:
 
 
 def merged_in_memory(merger: Merger) -> MergeResult:
+    """Run the merge and keep every result: ``obj`` is the merged checkpoint, unless the merge diverged."""
     collected: dict[tuple[int, str], Any] = {}
     merger.run(lambda entry, key, value: collected.__setitem__((entry, key), value))
     if not merger.result.diverged:
@@ -108,7 +109,7 @@ def merged_in_memory(merger: Merger) -> MergeResult:
 def stream_merged(merger: Merger, writer: Any, *, then: Callable[[Any], None] | None = None) -> None:
     """Run the merge into ``writer``, tensor by tensor, then ``then(writer)`` (tensors outside the model); a merge
     that diverged writes nothing (the temp file goes)."""
-    with contextlib.suppress(Diverged), writer:
+    with contextlib.suppress(_Diverged), writer:
 
         def put(entry: int, key: str, value: Any) -> None:
             template = merger.entries[entry].template[key]
@@ -117,12 +118,12 @@ def stream_merged(merger: Merger, writer: Any, *, then: Callable[[Any], None] | 
 
         merger.run(put)
         if merger.result.diverged:
-            raise Diverged  # the temp file is removed, as for any error: nothing is written
+            raise _Diverged  # the temp file is removed, as for any error: nothing is written
         if then is not None:
             then(writer)
 
 
-class Diverged(Exception):  # noqa: N818 - a signal, not an error
+class _Diverged(Exception):  # noqa: N818 - a signal, not an error
     """Raised inside the output's block so that nothing is written."""
 
 
