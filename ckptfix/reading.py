@@ -25,10 +25,11 @@ from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.containers.legacy import check_legacy
 from ckptfix.formats.containers.safetensors import read_header
 from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.containers.ziparchive import Record, check_crc, stored_crc, verify_records
+from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
 from ckptfix.formats.dtypes import DTYPES, nbytes
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor
 from ckptfix.formats.registry import detect_format, read

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckptfix.formats.containers.safetensors import tensor_bytes
 from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.containers.ziparchive import Record, ZipWriter, check_crc, stored_crc
+from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
 from ckptfix.formats.output.atomic import PathLike, atomic_output
+from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.reading import FolderTensor, Opened, identity, spec
 from ckptfix.stream.fallback import Fallback

@@ -19,13 +19,13 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.containers.ziparchive import (
     Archive,
     Record,
-    check_crc,
     damaged,
     read_archive,
     verify_records,
     without_crcs,
 )
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 
 # The small records torch.save writes besides data.pkl and the storages, in its order.

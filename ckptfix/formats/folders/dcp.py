@@ -110,7 +110,7 @@ def _size(obj: Any, *, source: str, key: str) -> tuple[int, ...]:
 def read_dcp(root: str) -> Dcp:
     """Read and check ``root/.metadata``: every chunk inside its tensor, chunks tiling it exactly, every byte span
     inside a file of the folder. No chunk data is read."""
-    from ckptfix.formats.folders.hf import inside
+    from ckptfix.formats.folders.hf_index import inside
 
     source = os.path.join(root, METADATA)
     with open(source, "rb") as f:
