@@ -337,7 +337,8 @@ def _merge_dtensor(
     writer cannot take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated
     (``optimizer``). FSDP1 LOCAL_STATE_DICT flat parameters are split by ``model``: one joined flat parameter is
     held at a time, each parameter cut from it."""
-    from ckptfix.formats.folders.fsdp import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces, check_sharded
+    from ckptfix.formats.folders.fsdp import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, check_pieces
+    from ckptfix.formats.folders.fsdp1 import check_sharded
     from ckptfix.formats.safety import allowlist
 
     extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
@@ -497,7 +498,8 @@ class _Rank(Opened):
 
 
 def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None) -> _Rank:
-    from ckptfix.formats.folders.fsdp import describe_fsdp1_rank, describe_rank
+    from ckptfix.formats.folders.fsdp import describe_rank
+    from ckptfix.formats.folders.fsdp1 import describe_fsdp1_rank
     from ckptfix.formats.torchio.torchfile import file_identity
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -539,7 +541,8 @@ class _Ranks:
             rank.ranks = self
 
     def full(self, key: str) -> Any:
-        from ckptfix.formats.folders.fsdp import assemble, assemble_sharded
+        from ckptfix.formats.folders.fsdp import assemble
+        from ckptfix.formats.folders.fsdp1 import assemble_sharded
 
         if key != self.key:
             self.key, self.value = None, None  # the previous tensor freed before the next is built
