@@ -179,7 +179,7 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 def refusal(obj: Any, *, source: str) -> CkptfixError:
     """The allowlist's refusal of every global the opaque entries need, with what rescues the weights."""
     from ckptfix.checkpoint import model_entries
-    from ckptfix.formats.folders.deepspeed import refuse_optimizer_partition
+    from ckptfix.formats.folders.deepspeed_files import refuse_optimizer_partition
 
     try:  # one rank's DeepSpeed optimizer file: the folder is what to pass, not unsafe=True
         refuse_optimizer_partition(obj, source=source)
