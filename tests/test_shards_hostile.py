@@ -142,20 +142,20 @@ def _getattr_pickle(target: bytes) -> bytes:
 )  # fmt: skip
 def test_the_sharded_tensor_reader_resolves_getattr_only_to_a_known_nested_class(target: bytes, message: str) -> None:
     from ckptfix.errors import UnsafeCheckpointError
-    from ckptfix.formats.pickles import inert
+    from ckptfix.formats.pickles import unpickling
     from ckptfix.formats.safety import allowlist
     from ckptfix.formats.safety.allowlist import ShardedCheckpointError
 
     names = allowlist.SHARDED_TENSOR_GLOBALS
     allowed = allowlist.allowed_names([], source="x") | names
     with pytest.raises(FormatError, match=f"^x: its pickle {message}; refusing it$"):
-        inert.load(_getattr_pickle(target), source="x", allowed=allowed, as_data=names)
+        unpickling.load(_getattr_pickle(target), source="x", allowed=allowed, as_data=names)
     with pytest.raises((UnsafeCheckpointError, ShardedCheckpointError)):  # any other reader: refused as ever
-        inert.load(_getattr_pickle(target), source="x", allowed=allowlist.allowed_names([], source="x"))
+        unpickling.load(_getattr_pickle(target), source="x", allowed=allowlist.allowed_names([], source="x"))
     # os.system named beside a ShardedTensor: it is said to be dangerous, not explained away as shards
     dangerous = _getattr_pickle(b"cos\nsystem\n" + target)[:-3] + b"0\x86R."
     with pytest.raises(UnsafeCheckpointError, match=r"its pickle calls builtins\.getattr, os\.system"):
-        inert.load(dangerous, source="x", allowed=allowlist.allowed_names([], source="x"))
+        unpickling.load(dangerous, source="x", allowed=allowlist.allowed_names([], source="x"))
 
 
 def _fsdp1_piece(rank: int, layout: Any, local: Any, shape: tuple[int, ...] = (4, 2)) -> shards.ShardedPiece:

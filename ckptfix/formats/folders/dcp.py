@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, unpickling
 from ckptfix.formats.safety import allowlist
 
 METADATA = ".metadata"
@@ -124,7 +124,7 @@ def read_dcp(root: str) -> Dcp:
     if len(data) > MAX_METADATA:
         raise FormatError(f"{source}: over 1 GiB of metadata; refusing it")
     allowed = allowlist.allowed_names([], source=source) | _CLASSES
-    (tree,), _ = inert.load(data, source=source, allowed=allowed, protocol4=True)
+    (tree,), _ = unpickling.load(data, source=source, allowed=allowed, protocol4=True)
     meta = _fields(tree, _META + "Metadata", (), source=source)
     entries = meta.get("state_dict_metadata")
     storage = meta.get("storage_data")

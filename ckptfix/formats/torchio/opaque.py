@@ -76,7 +76,7 @@ def describe(
 
     ``keep=False`` (an operation that needs every value) refuses such a file, naming the opaque entries and what
     rescues the weights; a file whose refused globals are not all inside top-level entries is always refused.
-    ``plain``: see :func:`inert.load`.
+    ``plain``: see :func:`.unpickling.load`.
     """
     refused: list[str] = []
     z = read_torch_zip(fd, source, allowed=allowed, verify=verify, refused=refused, plain=plain)
