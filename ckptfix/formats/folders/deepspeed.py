@@ -58,7 +58,14 @@ from ckptfix.formats.folders.deepspeed_files import (
     tag_folder,
 )
 from ckptfix.formats.folders.deepspeed_layout import Segment, layout_partitioned, layout_stage3
-from ckptfix.formats.folders.deepspeed_pickles import OptimFile, flat_tensor, optim_file, read_pickle, same, shape_of
+from ckptfix.formats.folders.deepspeed_pickles import (
+    OptimFile,
+    group_state,
+    module_trees,
+    optimizer_ranks,
+    param_groups,
+    shape_of,
+)
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 
@@ -158,19 +165,14 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     tag_dir = tag_folder(root)
     allowed = allowlist.allowed_names(list(allow_globals), source=root)
     models, optims = rank_files(tag_dir)
-    ranks = _optimizer_ranks(optims, tag_dir=tag_dir, allowed=allowed)
+    ranks = optimizer_ranks(optims, tag_dir=tag_dir, allowed=allowed)
     first, stage, world = ranks[0], ranks[0].stage, ranks[0].world
-    trees = _module_trees(models, first, tag_dir=tag_dir, allowed=allowed)
+    trees = module_trees(models, first, tag_dir=tag_dir, allowed=allowed)
     main_rank = next(iter(trees))  # None (ZeRO-1/2's one module file) or rank 0
     main_path, (main, main_zip) = models[main_rank], trees[main_rank]
     module = main["module"]
-    groups = _param_groups(main, first, path=main_path)
-    sizes = [[t.numel() for t, _ in o.groups] for o in ranks]
-    if stage <= 2:
-        paddings = first.paddings if isinstance(first.paddings, list) else None
-        layout = layout_partitioned(groups, sizes, paddings=paddings, source=tag_dir)
-    else:
-        layout = layout_stage3([p for g in groups for p in g], sizes, source=tag_dir)
+    groups = param_groups(main, first, path=main_path)
+    layout = _layout(groups, ranks, source=tag_dir)
     master = first.groups[0][0].dtype
     # zero_to_fp32's order: buffers, frozen parameters, trainable parameters, tied names
     buffer_names = [str(n) for n in main["buffer_names"] if n in module]
@@ -193,11 +195,8 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     run = ZeroRun(root=root, tag_dir=tag_dir, stage=stage, world=world, train_dtype=train_dtype, master_dtype=master,
                   ds_version=first.version if isinstance(first.version, str) else None, files=files,
                   state=ordered)  # fmt: skip
-    if stage == 1 and (left := [k for k in module if k not in ordered and not _is_placeholder(module[k])]):
-        run.notes.append(
-            f"{len(left)} key(s) of the module file ({', '.join(left[:3])}{', …' * (len(left) > 3)}) left out, as "
-            f"zero_to_fp32 leaves them: ZeRO-1 saves frozen parameters only in the module file, in the training dtype"
-        )
+    if stage == 1 and (note := _left_out(module, ordered)):
+        run.notes.append(note)
     if optimizer:
         run.optimizer = _optimizer_state(ranks, groups, layout, stage=stage, source=tag_dir)
     else:
@@ -206,82 +205,26 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     return run
 
 
-def _optimizer_ranks(optims: Mapping[int, str], *, tag_dir: str, allowed: frozenset[str]) -> list[OptimFile]:
-    """Every rank's optimizer file, read, in rank order: one per rank of the run (``partition_count``), no more,
-    all saying the same of the run."""
-    first = optim_file(optims[min(optims)], min(optims), allowed=allowed)
-    stage, world = first.stage, first.world
-    present = sum(1 for r in optims if r < world)  # never counted up to the declared world: it may be 2**40
-    if present < world:
-        gap = next(r for r in range(len(optims) + 1) if r not in optims)  # one of 0..len(optims) is absent
-        name = os.path.basename(optims[min(optims)]).replace(f"rank_{min(optims)}_", f"rank_{gap}_", 1)
-        raise FormatError(
-            f"{os.path.join(tag_dir, name)}: missing ({world - present} of {world} ranks' optimizer files missing); "
-            f"every rank's file is needed: copy the whole tag folder"
-        )
-    extra = [r for r in optims if r >= world]
-    if extra:
-        raise FormatError(
-            f"{optims[extra[0]]}: rank {extra[0]} of a run of {world} ranks ({os.path.basename(first.path)} says "
-            f"partition_count {world}); the folder mixes two runs: keep one run's files"
-        )
-    ranks = [first] + [optim_file(optims[r], r, allowed=allowed) for r in range(world) if r != first.rank]
-    ranks.sort(key=lambda o: o.rank)
-    for o in ranks:
-        same(o.path, "ZeRO stage", o.stage, stage, first.path)
-        same(o.path, "partition_count", o.world, world, first.path)
-        same(o.path, "ds_version", o.version, first.version, first.path)
-        same(o.path, "number of parameter groups", len(o.groups), len(first.groups), first.path)
-        same(o.path, "fp32 master dtype", [t.dtype for t, _ in o.groups], [t.dtype for t, _ in first.groups],
-             first.path)  # fmt: skip
-        # an fp16 run's files are named as an fp32 run's, and hold the same partition sizes: its loss scaler differs
-        same(o.path, "dynamic_loss_scale", o.dynamic_scale, first.dynamic_scale, first.path)
-    return ranks
+def _layout(groups: list[list[tuple[str, tuple[int, ...]]]], ranks: list[OptimFile], *,
+            source: str) -> dict[str, list[Segment]]:  # fmt: skip
+    """Where each trainable parameter lies in the ranks' flat fp32 partitions, by the stage's layout."""
+    first = ranks[0]
+    sizes = [[t.numel() for t, _ in o.groups] for o in ranks]
+    if first.stage <= 2:
+        paddings = first.paddings if isinstance(first.paddings, list) else None
+        return layout_partitioned(groups, sizes, paddings=paddings, source=source)
+    return layout_stage3([p for g in groups for p in g], sizes, source=source)
 
 
-def _module_trees(models: Mapping[int | None, str], first: OptimFile, *, tag_dir: str,
-                  allowed: frozenset[str]) -> dict[int | None, tuple[Any, Any]]:  # fmt: skip
-    """The module files the stage needs (ZeRO-1/2: the one file; ZeRO-3: one per rank), read, the main one first:
-    none missing, none of another run, each saying the same of the run."""
-    stage, world = first.stage, first.world
-    wanted: list[int | None] = [None] if stage <= 2 else list(range(world))
-    for r in wanted:
-        if r not in models:
-            name = "mp_rank_00_model_states.pt" if r is None else f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
-            raise FormatError(
-                f"{os.path.join(tag_dir, name)}: missing (ZeRO-{stage} run of {world} ranks: the module file"
-                f"{'s' if r is not None else ''} {'are' if r is not None else 'is'} needed); copy the whole tag folder"
-            )
-    stray = [r for r in models if r not in wanted]
-    if stray:
-        raise FormatError(
-            f"{models[stray[0]]}: a module file of a ZeRO-{1 if stray[0] is None else 3} run beside ZeRO-{stage} "
-            f"optimizer files; the folder mixes two runs: keep one run's files"
-        )
-    trees = {r: read_pickle(models[r], allowed=allowed) for r in wanted}
-    main_path = models[wanted[0]]
-    main = trees[wanted[0]][0]
-    for key in ("module", "buffer_names", "param_shapes"):
-        if key not in main:
-            raise FormatError(f"{main_path}: no '{key}'; not a DeepSpeed module file")
-    if not isinstance(main["module"], dict) or not isinstance(main["param_shapes"], list):
-        raise FormatError(f"{main_path}: 'module' or 'param_shapes' is not what DeepSpeed writes; the file is damaged")
-    for r, (tree, _) in trees.items():
-        path = models[r]
-        same(path, "ds_version", tree.get("ds_version"), first.version, first.path)
-        if "dp_world_size" in tree:
-            same(path, "data-parallel world size", tree["dp_world_size"], world, first.path)
-    return trees
-
-
-def _param_groups(main: Mapping[str, Any], first: OptimFile, *, path: str) -> list[list[tuple[str, tuple[int, ...]]]]:
-    """The module file's ``param_shapes``: each optimizer group's parameters in the order its flat partition holds
-    them; as many groups as the optimizer files hold."""
-    groups = [[(str(k), shape_of(v, path=path, key=str(k))) for k, v in g.items()] for g in main["param_shapes"]]
-    if len(groups) != len(first.groups):
-        raise FormatError(f"{path}: {len(groups)} parameter groups but {first.path} holds {len(first.groups)}; "
-                          f"the folder mixes two runs")  # fmt: skip
-    return groups
+def _left_out(module: Mapping[str, Any], ordered: Mapping[str, ZeroTensor]) -> str | None:
+    """ZeRO-1: what the module file holds beyond the consolidated state dict (frozen parameters in the training
+    dtype, left out as zero_to_fp32 leaves them), said once."""
+    if not (left := [k for k in module if k not in ordered and not _is_placeholder(module[k])]):
+        return None
+    return (
+        f"{len(left)} key(s) of the module file ({', '.join(left[:3])}{', …' * (len(left) > 3)}) left out, as "
+        f"zero_to_fp32 leaves them: ZeRO-1 saves frozen parameters only in the module file, in the training dtype"
+    )
 
 
 def _buffers(module: Mapping[str, Any], names: list[str], main_zip: Any, *, path: str) -> OrderedDict[str, ZeroTensor]:
@@ -363,7 +306,7 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
                               f"does not carry; convert without --optimizer")  # fmt: skip
         ids: list[int] = []
         for k in pg["params"]:
-            per_rank = [_group_state(o, b, k, source=source) for o, b in zip(ranks, bases, strict=True)]
+            per_rank = [group_state(o, b, k, source=source) for o, b in zip(ranks, bases, strict=True)]
             for name, shape in groups[k]:
                 entry: dict[str, Any] = {}
                 for key, value in per_rank[0].items():
@@ -384,32 +327,11 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
     return {"state": state, "param_groups": param_groups}
 
 
-def _group_state(o: OptimFile, base: Mapping[str, Any], k: int, *, source: str) -> dict[str, Any]:
-    """Rank ``o``'s optimizer state of flat group ``k``: per-element tensors checked to match its fp32 partition."""
-    raw = base["state"].get(k, {})
-    if not isinstance(raw, dict):
-        raise FormatError(f"{o.path}: the optimizer state of group {k} is not a dict; the file is damaged")
-    flat = o.groups[k][0]
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if isinstance(value, (inert.Inert, inert.InertTensor)):
-            t = flat_tensor(value, path=o.path, what=f"optimizer state '{key}' of group {k}")
-            # the fp32 partition is saved without the last rank's padding, the moments with it (at the end)
-            if t.shape != () and (len(t.shape) != 1 or t.numel() < flat.numel()):
-                raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} has shape {list(t.shape)}, but "
-                                  f"the fp32 partition has {list(flat.shape)}; the file is damaged")  # fmt: skip
-            value = t
-        elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert.walk(value)):
-            raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} holds objects ckptfix does not carry")
-        out[str(key)] = value
-    return out
-
-
 def _moment_piece(ranks: list[OptimFile], per_rank: list[dict[str, Any]], key: str, r: int, g: int, start: int,
                   count: int, *, group: int) -> Piece:  # fmt: skip
     """A segment of the layout, read from rank ``r``'s per-element state ``key`` instead of its fp32 partition
     (ZeRO-3: a parameter's slice may cross into the next flat group ``g``)."""
-    state = per_rank[r] if g == group else _group_state(ranks[r], ranks[r].base, g, source=ranks[r].path)
+    state = per_rank[r] if g == group else group_state(ranks[r], ranks[r].base, g, source=ranks[r].path)
     t = state.get(key)
     if not isinstance(t, inert.InertTensor) or t.shape == ():
         raise FormatError(f"{ranks[r].path}: no optimizer state '{key}' for group {g}, which rank 0 has; the rank "

@@ -1,9 +1,11 @@
-"""One DeepSpeed rank file's pickle, read inertly: DeepSpeed's own classes stay unbuilt records, a flat partition
-is a tensor record; and the checks that the files of one run agree."""
+"""The pickles of a DeepSpeed run's rank files, read inertly (DeepSpeed's own classes stay unbuilt records, a flat
+partition is a tensor record): every rank's optimizer file, the module files the stage needs, each group's
+optimizer state; and the checks that all of them are one run's."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,3 +105,102 @@ def same(path: str, what: str, value: Any, expected: Any, first: str) -> None:
             f"{path}: {what} {value!r}, but {os.path.basename(first)} says {expected!r}; the folder mixes two runs: "
             f"keep one run's files"
         )
+
+
+def optimizer_ranks(optims: Mapping[int, str], *, tag_dir: str, allowed: frozenset[str]) -> list[OptimFile]:
+    """Every rank's optimizer file, read, in rank order: one per rank of the run (``partition_count``), no more,
+    all saying the same of the run."""
+    first = optim_file(optims[min(optims)], min(optims), allowed=allowed)
+    stage, world = first.stage, first.world
+    present = sum(1 for r in optims if r < world)  # never counted up to the declared world: it may be 2**40
+    if present < world:
+        gap = next(r for r in range(len(optims) + 1) if r not in optims)  # one of 0..len(optims) is absent
+        name = os.path.basename(optims[min(optims)]).replace(f"rank_{min(optims)}_", f"rank_{gap}_", 1)
+        raise FormatError(
+            f"{os.path.join(tag_dir, name)}: missing ({world - present} of {world} ranks' optimizer files missing); "
+            f"every rank's file is needed: copy the whole tag folder"
+        )
+    extra = [r for r in optims if r >= world]
+    if extra:
+        raise FormatError(
+            f"{optims[extra[0]]}: rank {extra[0]} of a run of {world} ranks ({os.path.basename(first.path)} says "
+            f"partition_count {world}); the folder mixes two runs: keep one run's files"
+        )
+    ranks = [first] + [optim_file(optims[r], r, allowed=allowed) for r in range(world) if r != first.rank]
+    ranks.sort(key=lambda o: o.rank)
+    for o in ranks:
+        same(o.path, "ZeRO stage", o.stage, stage, first.path)
+        same(o.path, "partition_count", o.world, world, first.path)
+        same(o.path, "ds_version", o.version, first.version, first.path)
+        same(o.path, "number of parameter groups", len(o.groups), len(first.groups), first.path)
+        same(o.path, "fp32 master dtype", [t.dtype for t, _ in o.groups], [t.dtype for t, _ in first.groups],
+             first.path)  # fmt: skip
+        # an fp16 run's files are named as an fp32 run's, and hold the same partition sizes: its loss scaler differs
+        same(o.path, "dynamic_loss_scale", o.dynamic_scale, first.dynamic_scale, first.path)
+    return ranks
+
+
+def module_trees(models: Mapping[int | None, str], first: OptimFile, *, tag_dir: str,
+                  allowed: frozenset[str]) -> dict[int | None, tuple[Any, Any]]:  # fmt: skip
+    """The module files the stage needs (ZeRO-1/2: the one file; ZeRO-3: one per rank), read, the main one first:
+    none missing, none of another run, each saying the same of the run."""
+    stage, world = first.stage, first.world
+    wanted: list[int | None] = [None] if stage <= 2 else list(range(world))
+    for r in wanted:
+        if r not in models:
+            name = "mp_rank_00_model_states.pt" if r is None else f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+            raise FormatError(
+                f"{os.path.join(tag_dir, name)}: missing (ZeRO-{stage} run of {world} ranks: the module file"
+                f"{'s' if r is not None else ''} {'are' if r is not None else 'is'} needed); copy the whole tag folder"
+            )
+    stray = [r for r in models if r not in wanted]
+    if stray:
+        raise FormatError(
+            f"{models[stray[0]]}: a module file of a ZeRO-{1 if stray[0] is None else 3} run beside ZeRO-{stage} "
+            f"optimizer files; the folder mixes two runs: keep one run's files"
+        )
+    trees = {r: read_pickle(models[r], allowed=allowed) for r in wanted}
+    main_path = models[wanted[0]]
+    main = trees[wanted[0]][0]
+    for key in ("module", "buffer_names", "param_shapes"):
+        if key not in main:
+            raise FormatError(f"{main_path}: no '{key}'; not a DeepSpeed module file")
+    if not isinstance(main["module"], dict) or not isinstance(main["param_shapes"], list):
+        raise FormatError(f"{main_path}: 'module' or 'param_shapes' is not what DeepSpeed writes; the file is damaged")
+    for r, (tree, _) in trees.items():
+        path = models[r]
+        same(path, "ds_version", tree.get("ds_version"), first.version, first.path)
+        if "dp_world_size" in tree:
+            same(path, "data-parallel world size", tree["dp_world_size"], world, first.path)
+    return trees
+
+
+def param_groups(main: Mapping[str, Any], first: OptimFile, *, path: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The module file's ``param_shapes``: each optimizer group's parameters in the order its flat partition holds
+    them; as many groups as the optimizer files hold."""
+    groups = [[(str(k), shape_of(v, path=path, key=str(k))) for k, v in g.items()] for g in main["param_shapes"]]
+    if len(groups) != len(first.groups):
+        raise FormatError(f"{path}: {len(groups)} parameter groups but {first.path} holds {len(first.groups)}; "
+                          f"the folder mixes two runs")  # fmt: skip
+    return groups
+
+
+def group_state(o: OptimFile, base: Mapping[str, Any], k: int, *, source: str) -> dict[str, Any]:
+    """Rank ``o``'s optimizer state of flat group ``k``: per-element tensors checked to match its fp32 partition."""
+    raw = base["state"].get(k, {})
+    if not isinstance(raw, dict):
+        raise FormatError(f"{o.path}: the optimizer state of group {k} is not a dict; the file is damaged")
+    flat = o.groups[k][0]
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, (inert.Inert, inert.InertTensor)):
+            t = flat_tensor(value, path=o.path, what=f"optimizer state '{key}' of group {k}")
+            # the fp32 partition is saved without the last rank's padding, the moments with it (at the end)
+            if t.shape != () and (len(t.shape) != 1 or t.numel() < flat.numel()):
+                raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} has shape {list(t.shape)}, but "
+                                  f"the fp32 partition has {list(flat.shape)}; the file is damaged")  # fmt: skip
+            value = t
+        elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert.walk(value)):
+            raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} holds objects ckptfix does not carry")
+        out[str(key)] = value
+    return out
