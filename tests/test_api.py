@@ -82,8 +82,9 @@ def test_layers_import_only_downwards(index: int) -> None:
 
 
 # Floors inside ckptfix.formats, top first: each entry a module or a package; a module sits on the floor of its
-# longest entry (folders.hf_index, read by the output checks, sits below the rest of folders/). A module may import
-# its own floor and those below it, never one above: the codecs and checks at the bottom know no format.
+# longest entry, so folders.hf_index (an index's shards, which the output checks need) and folders.deepspeed_files
+# (file names and a lone rank file's refusal, which opaque entries give) sit below the rest of folders/. A module
+# may import its own floor and those below it, never one above.
 FORMATS_FLOORS = [
     ["ckptfix.formats.registry"],
     ["ckptfix.formats.folders"],
