@@ -97,13 +97,13 @@ def write_sparse_checkpoint(path: Path, layers: int, *, first: bytes | None = No
     """
     from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
     from ckptfix.formats.containers.ziparchive import ZipWriter
-    from ckptfix.formats.pickles import inert
+    from ckptfix.formats.pickles import pickling
 
     glob = stand_ins()
     tree = OrderedDict(
         (f"{i}.weight", tensor_record("float32", (DIM, DIM), str(i), TENSOR, glob=glob)) for i in range(layers)
     )
-    pkl = inert.dump(tree)
+    pkl = pickling.dump(tree)
     zero_crc = zlib.crc32(bytes(TENSOR))
     prefix = f"{path.stem}/"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -17,7 +17,7 @@ from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_
 from ckptfix.errors import UsageError
 from ckptfix.formats.containers.safetensors import losses_note
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
-from ckptfix.formats.registry import detect_format, output_format, write
+from ckptfix.formats.registry import detect_format, output_format, read, write
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
 from ckptfix.layouts import Layout, parse_layout, parse_rename
@@ -218,7 +218,7 @@ def convert_file(
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
     with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
-        obj = opaque.read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only)
+        obj = read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only, opaque=True)
         if optimizer:
             from ckptfix.formats.folders.deepspeed import load_optimizer
 

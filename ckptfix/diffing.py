@@ -13,6 +13,7 @@ from ckptfix.errors import LayoutError
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor, as_tensor
+from ckptfix.formats.registry import read
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import opaque
 from ckptfix.formats.torchio.opaque import OpaqueEntry
@@ -200,7 +201,7 @@ def diff_files(
 def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool) -> Opened:
     if not opened.described:
         return opened
-    obj = opaque.read(opened.source, fmt=opened.fmt, allow_globals=allow_globals, unsafe=unsafe)
+    obj = read(opened.source, fmt=opened.fmt, allow_globals=allow_globals, unsafe=unsafe, opaque=True)
     return Opened(source=opened.source, fmt=opened.fmt, tree=obj, note="compared with a file loaded with torch")
 
 

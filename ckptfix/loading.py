@@ -277,10 +277,10 @@ def _open(
             path_or_state, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, opaque=True
         ) as opened:
             return opened.tree, name
-    from ckptfix.formats.registry import detect_format
-    from ckptfix.formats.torchio.opaque import read
+    from ckptfix.formats.registry import detect_format, read
 
-    return read(path_or_state, fmt=detect_format(path_or_state), allow_globals=allow_globals, unsafe=unsafe), name
+    return read(path_or_state, fmt=detect_format(path_or_state), allow_globals=allow_globals, unsafe=unsafe,
+                opaque=True), name  # fmt: skip
 
 
 def _loadable_state(obj: Any, *, source: str, entry: str | None) -> Mapping[str, Any]:

@@ -32,7 +32,7 @@ from ckptfix import rank_files
 from ckptfix.errors import MergeError
 from ckptfix.formats.folders.fsdp import refuse_flat_params
 from ckptfix.formats.output.atomic import PathLike, check_output
-from ckptfix.formats.registry import detect_format, output_format, write
+from ckptfix.formats.registry import detect_format, output_format, read, write
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import opaque
 from ckptfix.merge_policy import BUFFER_STRATEGIES as BUFFER_STRATEGIES
@@ -203,6 +203,6 @@ def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, mod
     ``model_only`` leaves a folder's training-state files unread."""
     if not opened.described:
         return opened
-    obj = opaque.read(opened.source, fmt=detect_format(opened.source), allow_globals=allow_globals, unsafe=unsafe,
-                      model_only=model_only)  # fmt: skip
+    obj = read(opened.source, fmt=detect_format(opened.source), allow_globals=allow_globals, unsafe=unsafe,
+               model_only=model_only, opaque=True)  # fmt: skip
     return in_memory(obj, source=opened.source)

@@ -29,13 +29,11 @@ from ckptfix.formats.folders.fsdp import (
     ShardedCheckpointError,
     ShardedTensorRecord,
     assemble,
-    assemble_sharded,
     check_pieces,
-    check_sharded,
-    describe_fsdp1_rank,
     describe_rank,
     load_ranks,
 )
+from ckptfix.formats.folders.fsdp1 import assemble_sharded, check_sharded, describe_fsdp1_rank
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.registry import write
 from ckptfix.formats.safety import allowlist

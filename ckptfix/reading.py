@@ -25,16 +25,16 @@ from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.containers.legacy import check_legacy
 from ckptfix.formats.containers.safetensors import read_header
 from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.containers.ziparchive import Record, check_crc, stored_crc, verify_records
+from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
 from ckptfix.formats.dtypes import DTYPES, nbytes
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor
 from ckptfix.formats.registry import detect_format, read
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap
-from ckptfix.formats.torchio.opaque import read as opaque_read
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.stream.folders import DcpTensor
 from ckptfix.stream.st import StTensor, tree_from_header
@@ -334,7 +334,7 @@ def open_checkpoint(
         locations, crc_stored = opened.locations, opened.crc_stored
     else:
         locations, crc_stored = None, True
-    obj = (opaque_read if opaque else read)(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals)
+    obj = read(path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals, opaque=opaque)
     if fmt == "torch-legacy" and not unsafe:  # its pickles again (not its storages): the device tags they name
         locations = check_legacy(source, allowed=allowlist.allowed_names(list(allow_globals), source=source))
     return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations, crc_stored=crc_stored)

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckptfix.formats.containers.safetensors import tensor_bytes
 from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.containers.ziparchive import Record, ZipWriter, check_crc, stored_crc
+from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
 from ckptfix.formats.output.atomic import PathLike, atomic_output
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.output.crc import check_crc
+from ckptfix.formats.pickles import inert, pickling
 from ckptfix.reading import FolderTensor, Opened, identity, spec
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import DcpTensor
@@ -186,7 +187,7 @@ class _TorchZip(StreamedWriter):
 
         self.tree = _replace(tree, record)
         try:
-            self.pickle = inert.dump(self.tree)
+            self.pickle = pickling.dump(self.tree)
         except TypeError as e:
             raise CannotStream(str(e)) from e
         self.storages = {ref.key: ref for ref in inert.walk(self.tree) if isinstance(ref, inert.StorageRef)}

@@ -156,9 +156,9 @@ def _src_dies_mid_broadcast(ctx: Ctx) -> Any:
 def _src_dies_before_status(ctx: Ctx) -> Any:
     # Rank 1 dies while reading; the store lives on, so rank 0 can only notice through the timeout.
     if ctx.rank == 1:
-        import ckptfix.formats.torchio.opaque
+        import ckptfix.formats.registry
 
-        ckptfix.formats.torchio.opaque.read = lambda *a, **k: os._exit(17)  # what load_for_ddp reads the file with
+        ckptfix.formats.registry.read = lambda *a, **k: os._exit(17)  # what load_for_ddp reads the file with
     if ctx.rank == 2:
         return "not in group"
     return load_for_ddp(ctx.model(), ctx.path("plain.pt"), src=1, timeout=3, group=ctx.pair)
@@ -230,15 +230,15 @@ def _freeze_self() -> None:
 
 def _src_frozen_reading(ctx: Ctx) -> Any:
     if ctx.rank == 0:
-        import ckptfix.formats.torchio.opaque
+        import ckptfix.formats.registry
 
-        real = ckptfix.formats.torchio.opaque.read  # what load_for_ddp reads the file with
+        real = ckptfix.formats.registry.read  # what load_for_ddp reads the file with
 
         def frozen_load(*args: Any, **kwargs: Any) -> Any:
             _freeze_self()
             return real(*args, **kwargs)
 
-        ckptfix.formats.torchio.opaque.read = frozen_load
+        ckptfix.formats.registry.read = frozen_load
     return load_for_ddp(ctx.model(), ctx.path("full.pt"), timeout=HANG_TIMEOUT)
 
 

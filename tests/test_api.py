@@ -81,6 +81,66 @@ def test_layers_import_only_downwards(index: int) -> None:
             assert not name.startswith(tuple(above)), f"{path.relative_to(root)} imports {name}, a layer above it"
 
 
+# Floors inside ckptfix.formats, top first: each entry a module or a package; a module sits on the floor of its
+# longest entry, so folders.hf_index (an index's shards, which the output checks need) and folders.deepspeed_files
+# (file names and a lone rank file's refusal, which opaque entries give) sit below the rest of folders/. A module
+# may import its own floor and those below it, never one above.
+FORMATS_FLOORS = [
+    ["ckptfix.formats.registry"],
+    ["ckptfix.formats.folders"],
+    ["ckptfix.formats.torchio"],
+    ["ckptfix.formats.containers"],
+    ["ckptfix.formats.pickles"],
+    ["ckptfix.formats.output"],
+    ["ckptfix.formats.safety", "ckptfix.formats.folders.hf_index"],
+    ["ckptfix.formats.dtypes", "ckptfix.formats.raw", "ckptfix.formats.strict_json", "ckptfix.formats.safety.depth",
+     "ckptfix.formats.folders.deepspeed_files"],
+]  # fmt: skip
+
+
+def _floor(module: str) -> int | None:
+    """The index in FORMATS_FLOORS of ``module``'s floor; None outside them."""
+    found = [(len(entry), i) for i, floor in enumerate(FORMATS_FLOORS) for entry in floor
+             if module == entry or module.startswith(entry + ".")]  # fmt: skip
+    return max(found)[1] if found else None
+
+
+def _modules(path: Path) -> set[str]:
+    """The ckptfix modules ``path`` imports, inside functions too; ``from pkg import mod`` counts as ``pkg.mod``."""
+    root = INIT.parent.parent
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                is_module = (root / sub.replace(".", "/")).is_dir() or (root / f"{sub.replace('.', '/')}.py").is_file()
+                found.add(sub if is_module else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name.startswith("ckptfix.")}
+
+
+@pytest.mark.parametrize("index", range(1, len(FORMATS_FLOORS)))
+def test_formats_floors_import_only_downwards(index: int) -> None:
+    root = INIT.parent
+    for path in sorted((root / "formats").rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        if _floor(module) != index:
+            continue
+        for name in _modules(path):
+            floor = _floor(name)
+            assert floor is None or floor >= index, f"{path.relative_to(root)} imports {name}, a floor above it"
+
+
+def test_formats_imports_only_the_layers_below_it() -> None:
+    below = ("ckptfix.formats", "ckptfix.checkpoint", "ckptfix.errors", "ckptfix.layouts", "ckptfix.signature",
+             "ckptfix.torchcompat", "ckptfix.units")  # fmt: skip
+    root = INIT.parent
+    for path in sorted((root / "formats").rglob("*.py")):
+        for name in _modules(path):
+            assert name.startswith(below), f"{path.relative_to(root)} imports {name}"
+
+
 def test_every_exported_function_stays_a_function_once_every_module_is_imported() -> None:
     # A module named like a function it exports (ckptfix/diff.py and diff()) replaced the function on import.
     import importlib

@@ -24,7 +24,7 @@ from ckptfix.cli import cli
 from ckptfix.formats.containers.safetensors import encode_header
 from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.formats.containers.ziparchive import ZipWriter
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import pickling
 from ckptfix.summary import describe, summarize_state
 from tests.models import make_net
 
@@ -91,7 +91,7 @@ def sparse_pt(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
     for i, (key, shape) in enumerate(shapes.items()):
         sizes.append(math.prod(shape) * 4)
         state[key] = tensor_record("float32", shape, str(i), sizes[-1], glob=glob)
-    pkl = inert.dump({"model": state, "epoch": 1})
+    pkl = pickling.dump({"model": state, "epoch": 1})
     crcs = {n: _zero_crc(n) for n in set(sizes)}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -24,7 +24,8 @@ from torch import nn
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats.folders.deepspeed import describe_run, layout_partitioned, layout_stage3
+from ckptfix.formats.folders.deepspeed import describe_run
+from ckptfix.formats.folders.deepspeed_layout import layout_partitioned, layout_stage3
 from tests.deepspeed_runs import RUNS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"

@@ -318,7 +318,7 @@ def _opcodes_proven(data: bytes) -> bool:
     """What opscan.provable must answer, by pickletools' argument sizes: the reference for its regular expression."""
     import pickletools
 
-    from ckptfix.formats.pickles.inert import _OPCODES
+    from ckptfix.formats.pickles.unpickling import _OPCODES
 
     codes = {op.code.encode("latin1"): op for op in pickletools.opcodes}
     bound = 1 << ((len(data) >> 16).bit_length() + 16)  # the LONG_BINPUT bound opscan documents (well, its cause)
@@ -360,7 +360,7 @@ def _opcodes_proven(data: bytes) -> bool:
 @FUZZ
 @given(pickles())
 def test_fuzz_fast_pickle_reader(data: bytes) -> None:
-    """opscan proves exactly what a plain opcode walk proves, and inert.load answers as the reference reader."""
+    """opscan proves exactly what a plain opcode walk proves, and unpickling.load answers as the reference reader."""
     from ckptfix.formats.safety import opscan
     from tests.test_hostile import fast_reader_problem
 

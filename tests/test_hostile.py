@@ -35,7 +35,7 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import CkptfixError, FormatError, UnsafeCheckpointError
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, unpickling
 from ckptfix.formats.safety import allowlist, opscan
 from tests import hostile
 from tests.hostile import P
@@ -895,9 +895,9 @@ def _canonical(obj: Any, ids: dict[int, int]) -> Any:
 
 
 def reader_outcome(data: bytes | io.BytesIO) -> Any:
-    """What inert.load answers: a stream always takes the reference reader, bytes the fast one where proven."""
+    """What unpickling.load answers: a stream always takes the reference reader, bytes the fast one where proven."""
     try:
-        (tree,), storages = inert.load(data, source="in.pt", allowed=ALLOWED)
+        (tree,), storages = unpickling.load(data, source="in.pt", allowed=ALLOWED)
     except CkptfixError as e:
         return type(e).__name__, re.sub(r"0x[0-9a-f]+", "0x…", str(e))  # an object's address differs per run
     ids: dict[int, int] = {}
@@ -935,7 +935,7 @@ def test_fast_reader_takes_torch_pickles_and_huge_memo_indices_cheaply() -> None
     with zipfile.ZipFile(buffer) as zf:
         pkl = zf.read(next(n for n in zf.namelist() if n.endswith("data.pkl")))
     assert opscan.provable(pkl)
-    assert inert._fast_load(pkl, allowed=ALLOWED) is not None
+    assert unpickling._fast_load(pkl, allowed=ALLOWED) is not None
     assert fast_reader_problem(pkl) is None
     huge = hostile.c_path_pickle("long-binput-4g")
     assert not opscan.provable(huge)

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats.folders import dcp
+from ckptfix.formats.folders import dcp, fsdp1
 from ckptfix.formats.folders import fsdp as shards
 from tests import sharded_writers
 
@@ -142,20 +142,20 @@ def _getattr_pickle(target: bytes) -> bytes:
 )  # fmt: skip
 def test_the_sharded_tensor_reader_resolves_getattr_only_to_a_known_nested_class(target: bytes, message: str) -> None:
     from ckptfix.errors import UnsafeCheckpointError
-    from ckptfix.formats.pickles import inert
+    from ckptfix.formats.pickles import unpickling
     from ckptfix.formats.safety import allowlist
     from ckptfix.formats.safety.allowlist import ShardedCheckpointError
 
     names = allowlist.SHARDED_TENSOR_GLOBALS
     allowed = allowlist.allowed_names([], source="x") | names
     with pytest.raises(FormatError, match=f"^x: its pickle {message}; refusing it$"):
-        inert.load(_getattr_pickle(target), source="x", allowed=allowed, as_data=names)
+        unpickling.load(_getattr_pickle(target), source="x", allowed=allowed, as_data=names)
     with pytest.raises((UnsafeCheckpointError, ShardedCheckpointError)):  # any other reader: refused as ever
-        inert.load(_getattr_pickle(target), source="x", allowed=allowlist.allowed_names([], source="x"))
+        unpickling.load(_getattr_pickle(target), source="x", allowed=allowlist.allowed_names([], source="x"))
     # os.system named beside a ShardedTensor: it is said to be dangerous, not explained away as shards
     dangerous = _getattr_pickle(b"cos\nsystem\n" + target)[:-3] + b"0\x86R."
     with pytest.raises(UnsafeCheckpointError, match=r"its pickle calls builtins\.getattr, os\.system"):
-        inert.load(dangerous, source="x", allowed=allowlist.allowed_names([], source="x"))
+        unpickling.load(dangerous, source="x", allowed=allowlist.allowed_names([], source="x"))
 
 
 def _fsdp1_piece(rank: int, layout: Any, local: Any, shape: tuple[int, ...] = (4, 2)) -> shards.ShardedPiece:
@@ -172,17 +172,17 @@ def _fsdp1_piece(rank: int, layout: Any, local: Any, shape: tuple[int, ...] = (4
 def test_fsdp1_shards_that_do_not_tile_are_refused_before_anything_is_placed(layout: Any, message: str) -> None:
     ranks = [{"w": _fsdp1_piece(r, layout, [(o, s, None) for o, s, placed in layout if placed == r])} for r in range(2)]
     with pytest.raises(shards.RankFilesError, match=message):
-        shards.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
+        fsdp1.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
 
 
 def test_fsdp1_local_shards_not_where_the_metadata_places_them_are_refused() -> None:
     layout = [((0, 0), (2, 2), 0), ((2, 0), (2, 2), 1)]
     ranks = [{"w": _fsdp1_piece(0, layout, [((0, 0), (2, 2), None)])}, {"w": _fsdp1_piece(1, layout, [])}]
     with pytest.raises(shards.RankFilesError, match=r"rank1.pt: 'w': rank 1's local shards are not those the metadata"):
-        shards.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
+        fsdp1.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
     parts = [_fsdp1_piece(0, layout, [((0, 0), (2, 2), torch.zeros(2, 3))])]
     with pytest.raises(shards.RankFilesError, match=r"local shard is torch.float32 \[2, 3\] where its metadata says"):
-        shards.assemble_sharded(parts, ["rank0.pt"], key="w")
+        fsdp1.assemble_sharded(parts, ["rank0.pt"], key="w")
 
 
 def test_an_fsdp1_tensor_of_a_huge_size_is_refused_before_memory_is_taken() -> None:
@@ -190,7 +190,7 @@ def test_an_fsdp1_tensor_of_a_huge_size_is_refused_before_memory_is_taken() -> N
     layout = [((0,), (2**44,), 0)]
     parts = [_fsdp1_piece(0, layout, [((0,), (2**44,), torch.zeros(2))], shape=(2**44,))]
     with pytest.raises(shards.RankFilesError, match=r"local shard is torch.float32 \[2\] where its metadata says"):
-        shards.assemble_sharded(parts, ["rank0.pt"], key="w")
+        fsdp1.assemble_sharded(parts, ["rank0.pt"], key="w")
 
 
 class _Kept:

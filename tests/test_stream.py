@@ -325,7 +325,7 @@ def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor
     uint8 tensor that is a hole except for its last 8 bytes; returns the small tensor it holds."""
     from ckptfix.formats.containers.torchzip import stand_ins, tensor_record
     from ckptfix.formats.containers.ziparchive import ZipWriter
-    from ckptfix.formats.pickles import inert
+    from ckptfix.formats.pickles import pickling
 
     small = torch.arange(6, dtype=torch.float32)
     glob = stand_ins()
@@ -334,7 +334,7 @@ def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor
         tree["module.big"] = tensor_record("uint8", (big,), "1", big, glob=glob)
     with open(path, "wb") as f:
         w = ZipWriter(f.fileno())
-        pkl = inert.dump(tree)
+        pkl = pickling.dump(tree)
         w.add("archive/data.pkl", pkl, zlib.crc32(pkl))
         # records must tile the file: the hole is an unreferenced storage record of zeros, never read
         w.begin("archive/data/hole", start)

@@ -212,14 +212,14 @@ def _read_on_source(
     strips: list[str],
 ) -> tuple[_Plan, dict[str, Any]]:
     """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
-    from ckptfix.formats.registry import detect_format
+    from ckptfix.formats import registry
     from ckptfix.formats.torchio import opaque
     from ckptfix.loading import adapt_to_model, model_state_of, primary_entry, ready_to_load
 
     source = os.fspath(path)
     _check_device(model, session)
     # entries needing globals outside the allowlist stay unbuilt (not returned); the model entry must not be one
-    obj = opaque.read(path, fmt=detect_format(path), allow_globals=allowed)
+    obj = registry.read(path, fmt=registry.detect_format(path), allow_globals=allowed, opaque=True)
     opaque.require(obj, wanted=[entry] if entry else None, source=source)
     state = model_state_of(obj, source=source, entry=entry)
     adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=strips)

@@ -150,8 +150,9 @@ def read(
     mmap: bool = True,
     verify: bool = True,
     model_only: bool = False,
+    opaque: bool = False,
 ) -> Any:
-    """:func:`load` for a file whose format was already detected."""
+    """:func:`load` for a file whose format was already detected; ``opaque``: see :func:`.torchfile.load_torch`."""
     source = os.fspath(path)
     if fmt == "folder":
         from ckptfix.formats.folders.dcp import is_dcp, load_dcp
@@ -175,9 +176,8 @@ def read(
         return load_safetensors(path, source=source)
     from ckptfix.formats.torchio.torchfile import load_torch
 
-    return load_torch(
-        path, fmt=fmt, source=source, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify
-    )
+    return load_torch(path, fmt=fmt, source=source, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap,
+                      verify=verify, opaque=opaque)  # fmt: skip
 
 
 @deep

@@ -24,7 +24,7 @@ from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.deepspeed import ZeroTensor, read_zero_tensor
 from ckptfix.formats.output.atomic import atomic_output
 from ckptfix.formats.output.crc import Check, crc32_combine
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, pickling
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.copy import Copier, Job
 from ckptfix.stream.folders import (
@@ -107,7 +107,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: _Files, *, allowed: 
     """Lay out the archive (sizes come from the metadata), then parse each tensor's chunk archives while a thread
     copies the ones before it; every record's CRC is filled in once the pieces' CRCs are known."""
     writer = ZipWriter(fd)
-    pkl = inert.dump(tree)
+    pkl = pickling.dump(tree)
     writer.add(_PREFIX + "data.pkl", pkl, zlib.crc32(pkl))
     for name, data in HEAD:
         writer.add(_PREFIX + name, data, zlib.crc32(data))

@@ -461,7 +461,7 @@ def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> 
 
     import torch
 
-    from ckptfix.formats.containers.ziparchive import check_crc
+    from ckptfix.formats.output.crc import check_crc
 
     entry = t.entry
     dtype = getattr(torch, entry.dtype)

@@ -11,14 +11,14 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.containers.torchzip import HEAD, TAIL, TorchZip
 from ckptfix.formats.containers.ziparchive import ALIGN, BLOCK, ZipWriter, stored_crc
 from ckptfix.formats.output.crc import Check
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, pickling
 from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
 from ckptfix.stream.fallback import Fallback
 
 
 def _dump(tree: Any) -> tuple[bytes, list[str]]:
     try:
-        return inert.dump_ordered(tree)
+        return pickling.dump_ordered(tree)
     except TypeError as e:
         raise Fallback(str(e)) from e
 

@@ -12,7 +12,7 @@ import os
 from collections import Counter
 from typing import IO, BinaryIO, cast
 
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import unpickling
 
 # The legacy format opens with a pickled magic number (PROTO, maybe FRAME, then LONG1 of this value).
 MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
@@ -22,7 +22,9 @@ def check_legacy(path: str, *, allowed: frozenset[str]) -> dict[str, int]:
     """Read the five pickles inertly, every pickle rule applied; nothing is built. Returns how many storages
     carry each device tag (``cuda:0``), as :attr:`ckptfix.reading.Opened.locations` says for a zip."""
     with open(path, "rb") as f:
-        _, storages = inert.load(cast("IO[bytes]", _Bounded(f)), source=path, allowed=allowed, count=5, legacy=True)
+        _, storages = unpickling.load(
+            cast("IO[bytes]", _Bounded(f)), source=path, allowed=allowed, count=5, legacy=True
+        )
     return dict(Counter(ref.location for ref in storages.values()))
 
 

@@ -28,6 +28,7 @@ from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.raw import RawTensor
+from ckptfix.formats.strict_json import Said, json_object
 
 MAX_HEADER = 100 * 1024 * 1024
 _span = operator.itemgetter(0, 1)  # (begin, end) of a (begin, end, name) triple
@@ -53,14 +54,12 @@ class Header:
     data_start: int
 
 
-def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``'s ``object_pairs_hook`` that refuses a key given twice (JSON itself keeps the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise FormatError(f"key '{key}' appears twice")
-        out[key] = value
-    return out
+_HEADER_SAID = Said(
+    duplicate="{e} in the header; the file was not written by a safetensors writer",
+    invalid="safetensors header is not valid UTF-8 JSON ({e}); the file is corrupt",
+    not_object="safetensors header is not a JSON object; the file is corrupt",
+    too_deep="safetensors header nests JSON too deeply; the file is corrupt",
+)
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
@@ -80,16 +79,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raw = f.read(length)
     except OSError as e:
         raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
-    try:
-        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
-    except FormatError as e:
-        raise FormatError(f"{source}: {e} in the header; the file was not written by a safetensors writer") from e
-    except RecursionError as e:
-        raise FormatError(f"{source}: safetensors header nests JSON too deeply; the file is corrupt") from e
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError(f"{source}: safetensors header is not valid UTF-8 JSON ({e}); the file is corrupt") from e
-    if not isinstance(parsed, dict):
-        raise FormatError(f"{source}: safetensors header is not a JSON object; the file is corrupt")
+    parsed = json_object(raw, source=source, said=_HEADER_SAID, utf8=True)
     return _check(parsed, source=source, data_start=8 + length, data_size=size - 8 - length)
 
 

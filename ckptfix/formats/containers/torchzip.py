@@ -19,14 +19,14 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.containers.ziparchive import (
     Archive,
     Record,
-    check_crc,
     damaged,
     read_archive,
     verify_records,
     without_crcs,
 )
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.output.crc import check_crc
+from ckptfix.formats.pickles import inert, unpickling
 
 # The small records torch.save writes besides data.pkl and the storages, in its order.
 HEAD = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
@@ -57,13 +57,13 @@ def read_torch_zip(
     plain: bool = True,
 ) -> TorchZip:
     """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
-    every record's CRC. ``as_data``, ``refused``, ``plain``: see :func:`inert.load`."""
+    every record's CRC. ``as_data``, ``refused``, ``plain``: see :func:`.unpickling.load`."""
     with inert.gc_paused():  # a record per storage, then the tree: nothing to collect, only to rescan
         archive = read_archive(fd, path, start=start, end=end)
         pkl = _pickle_record(archive, path)
         data = os.pread(fd, pkl.size, pkl.data_offset)
         _check_pickle_crc(archive, pkl, data, path=path)
-        (tree,), storages = inert.load(
+        (tree,), storages = unpickling.load(
             data, source=path, allowed=allowed, as_data=as_data, refused=refused, plain=plain
         )
     for key, ref in storages.items():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.output.crc import Check, Verifier, cached
 
 ALIGN = 64
 BLOCK = 4096  # the file-system block: ranges congruent modulo it can share blocks when copied
@@ -281,15 +282,6 @@ _WINDOW = 64 << 10
 _HEADER_ROOM = 1024  # a local header and a name of up to ~1 KB, read with the window
 
 
-def check_crc(path: str, name: str, stored: int | None, actual: int) -> None:
-    """The one CRC rule and its message (``stored`` None: the archive stores no CRC to check)."""
-    if stored is not None and actual != stored:
-        raise FormatError(
-            f"{path}: record '{name}' fails its CRC check (stored {stored:08x}, actual {actual:08x}); "
-            f"the file is corrupt: re-download or re-save it"
-        )
-
-
 NO_CRC = "no CRC stored: bytes not verified"  # what inspect and convert -v say of an archive saved without CRCs
 
 
@@ -308,8 +300,6 @@ def without_crcs(archive: Archive) -> None:
 def verify_records(fd: int, path: str, records: list[Record]) -> None:
     """Read every record once and check its CRC (on threads, mapped where the page cache holds the file: a
     1.6 GB checkpoint in 0.1 s here against 0.65 s through one zlib loop); the first bad record is named."""
-    from ckptfix.formats.output.crc import Check, Verifier, cached  # the one CRC reader (it imports this module)
-
     if not records:
         return
     # A file the page cache holds is hashed on up to four threads (nothing else runs meanwhile); a cold one is

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, unpickling
 from ckptfix.formats.safety import allowlist
 
 METADATA = ".metadata"
@@ -110,7 +110,7 @@ def _size(obj: Any, *, source: str, key: str) -> tuple[int, ...]:
 def read_dcp(root: str) -> Dcp:
     """Read and check ``root/.metadata``: every chunk inside its tensor, chunks tiling it exactly, every byte span
     inside a file of the folder. No chunk data is read."""
-    from ckptfix.formats.folders.hf import inside
+    from ckptfix.formats.folders.hf_index import inside
 
     source = os.path.join(root, METADATA)
     with open(source, "rb") as f:
@@ -124,7 +124,7 @@ def read_dcp(root: str) -> Dcp:
     if len(data) > MAX_METADATA:
         raise FormatError(f"{source}: over 1 GiB of metadata; refusing it")
     allowed = allowlist.allowed_names([], source=source) | _CLASSES
-    (tree,), _ = inert.load(data, source=source, allowed=allowed, protocol4=True)
+    (tree,), _ = unpickling.load(data, source=source, allowed=allowed, protocol4=True)
     meta = _fields(tree, _META + "Metadata", (), source=source)
     entries = meta.get("state_dict_metadata")
     storage = meta.get("storage_data")

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.fsdp import FLAT_PARAM, RankFilesError, ShardedTensorRecord, _fsdp1_how
+from ckptfix.formats.folders.fsdp import FLAT_PARAM, RankFilesError, ShardedTensorRecord
 
 _ALIGNMENT = 16  # bytes: FSDP's _get_aligned_numel (a TorchInductor constraint)
 _HALF = 2  # the itemsize of bfloat16 and float16, MixedPrecision's usual param_dtype
@@ -195,7 +195,7 @@ def split_state(state: Mapping[str, Any], model: Any, *, path: str, source: str)
         if key in found.owner:
             primary = found.owner[key][1]
             flat, offset = starts[primary]
-            how = f"{_fsdp1_how(flat.piece)}, split from '{flat.key.split(chr(0))[-1]}'" if flat.piece else ""
+            how = f"{flat.piece.sharding}, split from '{flat.key.split(chr(0))[-1]}'" if flat.piece else ""
             child = f"{path}\0{key}" if path else key
             out[key] = FlatSliceRecord(flat.dtype, shapes[primary], how, flat, offset, child)
         elif key in state:

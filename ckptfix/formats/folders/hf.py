@@ -23,10 +23,9 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats.containers.safetensors import stored_identity
+from ckptfix.formats.folders.hf_index import INDEX_SUFFIX, inside, is_index, looks_like_json, read_index, shards
 from ckptfix.formats.output.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
 
-INDEX_SUFFIX = ".index.json"
-MAX_INDEX = 64 << 20  # a 1M-key weight map is ~60 MB of JSON; anything larger is not an index
 # accelerate's save_state names (accelerate.utils.constants): model files first, then the training state.
 _MODEL_FILE = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
 _STATE_FILE = re.compile(
@@ -65,18 +64,7 @@ class Folder:
 
 def is_folder_input(path: PathLike) -> bool:
     """A folder, or a file that is an index (JSON, by content)."""
-    return os.path.isdir(path) or _looks_like_json(path)
-
-
-def _looks_like_json(path: PathLike) -> bool:
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or device is never opened: it could block forever
-            return False
-        with open(path, "rb") as f:
-            head = f.read(64)
-    except OSError:
-        return False
-    return head.lstrip().startswith(b"{")
+    return os.path.isdir(path) or looks_like_json(path)
 
 
 def describe(path: PathLike) -> Folder:
@@ -85,7 +73,7 @@ def describe(path: PathLike) -> Folder:
     if not os.path.isdir(source):
         return _sharded(os.path.dirname(os.path.abspath(source)) or ".", source)
     names = _listing(source)
-    indexes = [n for n in names if n.endswith(INDEX_SUFFIX) and _is_index(os.path.join(source, n))]
+    indexes = [n for n in names if n.endswith(INDEX_SUFFIX) and is_index(os.path.join(source, n))]
     if len(indexes) > 1:
         raise FormatError(
             f"{source}: holds {len(indexes)} index files ({', '.join(indexes)}); pass the one to read, "
@@ -95,9 +83,14 @@ def describe(path: PathLike) -> Folder:
         return _sharded(source, os.path.join(source, indexes[0]))
     broken = [n for n in names if n.endswith(INDEX_SUFFIX)]
     if broken and not any(_MODEL_FILE.match(n) for n in names):
-        _read_index(os.path.join(source, broken[0]))  # says what is wrong with it (an index that is not one)
+        read_index(os.path.join(source, broken[0]))  # says what is wrong with it (an index that is not one)
         raise FormatError(f"{os.path.join(source, broken[0])}: has no 'weight_map' dict; the index is damaged")
     return _accelerate(source, names)
+
+
+def _sharded(root: str, index: str) -> Folder:
+    paths, ordered = shards(root, index)
+    return Folder(root=root, kind="sharded", index=index, entries={"": ordered}, weight_map=paths)
 
 
 def _listing(root: str) -> list[str]:
@@ -105,80 +98,6 @@ def _listing(root: str) -> list[str]:
         return sorted(os.listdir(root))
     except OSError as e:
         raise FormatError(f"{root}: cannot list the folder ({e.strerror})") from e
-
-
-def _is_index(path: str) -> bool:
-    try:
-        return isinstance(_read_index(path).get("weight_map"), dict)
-    except FormatError:
-        return False
-
-
-def _read_index(path: str) -> dict[str, Any]:
-    from ckptfix.formats.containers.safetensors import no_duplicates
-
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise FormatError(f"{path}: not a regular file (a FIFO, socket or device?); an index is a JSON file")
-        with open(path, "rb") as f:
-            raw = f.read(MAX_INDEX + 1)
-    except OSError as e:
-        raise FormatError(f"{path}: cannot read it ({e.strerror})") from e
-    if len(raw) > MAX_INDEX:
-        raise FormatError(f"{path}: over {MAX_INDEX >> 20} MiB, too large for an index file; it is not one")
-    try:
-        parsed = json.loads(raw, object_pairs_hook=no_duplicates)
-    except FormatError as e:
-        raise FormatError(f"{path}: {e} in the index; the index is damaged") from e
-    except (ValueError, RecursionError) as e:
-        raise FormatError(f"{path}: not a JSON index ({e}); re-download it") from e
-    if not isinstance(parsed, dict):
-        raise FormatError(f"{path}: not an index (a JSON object with a 'weight_map' was expected)")
-    return parsed
-
-
-def _sharded(root: str, index: str) -> Folder:
-    parsed = _read_index(index)
-    weight_map = parsed.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise FormatError(f"{index}: has no 'weight_map' of keys to shard files; it is not a checkpoint index")
-    shards: dict[str, str] = {}
-    paths: dict[str, str] = {}
-    for key, name in weight_map.items():
-        if not isinstance(name, str):
-            raise FormatError(f"{index}: key '{key}' maps to {name!r}, not a file name; the index is damaged")
-        if name not in shards:
-            shards[name] = inside(root, name, source=index, key=key)
-        paths[key] = shards[name]
-    ordered = tuple(shards[name] for name in sorted(shards))  # numbered names: the order they were written in
-    return Folder(root=root, kind="sharded", index=index, entries={"": ordered}, weight_map=paths)
-
-
-def inside(root: str, name: str, *, source: str, key: str = "") -> str:
-    """The path of ``name`` inside ``root``, refused when it names anything outside it or is not a file."""
-    what = f"key '{key}' names shard {name!r}" if key else repr(name)
-    if "\0" in name or not _encodable(name):
-        raise FormatError(f"{source}: {what}, a name no file can have (a NUL or an unpaired surrogate); refusing it")
-    parts = name.replace("\\", "/").split("/")
-    if not name or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
-        raise FormatError(f"{source}: {what}, a path outside the folder; refusing the index")
-    path = os.path.join(root, name)
-    real_root = os.path.realpath(root)
-    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
-        raise FormatError(f"{source}: {what}, a link to outside the folder; refusing it")
-    if not os.path.lexists(path) or not os.path.exists(path):
-        raise FormatError(f"{source}: {what}, which is missing; download the whole folder again")
-    if not os.path.isfile(path):
-        raise FormatError(f"{source}: {what}, which is not a regular file (a FIFO, socket, device or folder)")
-    return path
-
-
-def _encodable(name: str) -> bool:
-    try:
-        os.fsencode(name)
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def room_for_files(count: int, *, source: str) -> None:

@@ -124,19 +124,12 @@ def _within(path: str, folder: str) -> bool:
 
 def _files_read(src: str) -> list[str]:
     """The input file, and for an index file (transformers shards) the shards it names."""
-    try:
-        if not stat.S_ISREG(os.stat(src).st_mode):  # a FIFO or a device is never opened here (it could block)
-            return [src]
-        with open(src, "rb") as f:
-            index = f.read(64).lstrip().startswith(b"{")  # JSON: an index (as folders.hf tells them apart)
-    except OSError:
-        return [src]
-    if not index:  # the folder module (and what it imports) stays out of a plain conversion's start-up
-        return [src]
-    from ckptfix.formats.folders.hf import describe
+    from ckptfix.formats.folders.hf_index import looks_like_json, shards  # json, only once an output is checked
 
+    if not looks_like_json(src):  # a FIFO or a device is never opened here (it could block)
+        return [src]
     try:
-        return [src, *describe(src).files]
+        return [src, *shards(os.path.dirname(os.path.abspath(src)) or ".", src)[1]]
     except CkptfixError:  # not an index after all: reading it will say what it is
         return [src]
 

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.ziparchive import check_crc
 from ckptfix.formats.output.linux import libc
 
 BUFFER = 1 << 20  # a span not in the page cache is read this much at a time
@@ -56,6 +55,15 @@ class Check(NamedTuple):  # a tuple, not a frozen dataclass: one per record
     offset: int
     length: int
     crc: int | None
+
+
+def check_crc(path: str, name: str, stored: int | None, actual: int) -> None:
+    """The one CRC rule and its message (``stored`` None: the archive stores no CRC to check)."""
+    if stored is not None and actual != stored:
+        raise FormatError(
+            f"{path}: record '{name}' fails its CRC check (stored {stored:08x}, actual {actual:08x}); "
+            f"the file is corrupt: re-download or re-save it"
+        )
 
 
 def _multmodp(a: int, b: int) -> int:

@@ -21,7 +21,6 @@ before.
 
 from __future__ import annotations
 
-import os
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -29,7 +28,6 @@ from typing import Any
 
 from ckptfix.errors import CkptfixError
 from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
-from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 
@@ -78,7 +76,7 @@ def describe(
 
     ``keep=False`` (an operation that needs every value) refuses such a file, naming the opaque entries and what
     rescues the weights; a file whose refused globals are not all inside top-level entries is always refused.
-    ``plain``: see :func:`inert.load`.
+    ``plain``: see :func:`.unpickling.load`.
     """
     refused: list[str] = []
     z = read_torch_zip(fd, source, allowed=allowed, verify=verify, refused=refused, plain=plain)
@@ -181,7 +179,7 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 def refusal(obj: Any, *, source: str) -> CkptfixError:
     """The allowlist's refusal of every global the opaque entries need, with what rescues the weights."""
     from ckptfix.checkpoint import model_entries
-    from ckptfix.formats.folders.deepspeed import refuse_optimizer_partition
+    from ckptfix.formats.folders.deepspeed_files import refuse_optimizer_partition
 
     try:  # one rank's DeepSpeed optimizer file: the folder is what to pass, not unsafe=True
         refuse_optimizer_partition(obj, source=source)
@@ -201,31 +199,6 @@ def refusal(obj: Any, *, source: str) -> CkptfixError:
             )
         return e
     raise AssertionError("opaque entries need globals the allowlist refuses")  # pragma: no cover
-
-
-def read(
-    path: PathLike,
-    *,
-    fmt: str,
-    unsafe: bool = False,
-    allow_globals: Iterable[str] = (),
-    mmap: bool = True,
-    verify: bool = True,
-    model_only: bool = False,
-) -> Any:
-    """:func:`ckptfix.formats.registry.read`, except that a torch zip's opaque entries come back as :class:`OpaqueEntry`
-    records instead of a refusal (the operation then needs none of their values)."""
-    from ckptfix.formats.registry import read as read_any
-
-    if fmt != "torch-zip" or unsafe:
-        return read_any(
-            path, fmt=fmt, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only
-        )
-    from ckptfix.formats.torchio.torchfile import load_torch
-
-    return load_torch(
-        path, fmt=fmt, source=os.fspath(path), allow_globals=allow_globals, mmap=mmap, verify=verify, opaque=True
-    )
 
 
 def carry(obj: Any, *, out_fmt: str, source: str, notes: list[str]) -> Any:
@@ -262,6 +235,6 @@ def refuse_left(obj: Any, *, source: str) -> None:
 
 
 __all__ = [
-    "KEPT", "OpaqueEntry", "carry", "describe", "entries", "not_loaded", "read", "refusal", "refuse_left", "require",
+    "KEPT", "OpaqueEntry", "carry", "describe", "entries", "not_loaded", "refusal", "refuse_left", "require",
     "wrap",
 ]  # fmt: skip
