@@ -290,7 +290,10 @@ def _unmount(mnt: Path) -> None:
     gc.collect()
     if subprocess.run(["umount", str(mnt)], capture_output=True).returncode == 0:
         return
-    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
     subprocess.run(["umount", "--lazy", str(mnt)], check=True)  # detached now, released when the last file closes
     raise AssertionError(f"the test still held files on {mnt}: {[p for p in held if p.startswith(str(mnt))]}")
 
