@@ -469,7 +469,7 @@ def save_dcp(
     from torch.distributed.checkpoint.api import CheckpointException
 
     from ckptfix.errors import OutputError
-    from ckptfix.formats.output.atomic import check_output_folder, completing, set_aside
+    from ckptfix.formats.output.atomic import check_output_folder, completing, folder_mode, set_aside
     from ckptfix.torchcompat import dcp_save_local
 
     out = os.path.abspath(out.rstrip(os.sep) or os.sep)
@@ -489,6 +489,7 @@ def save_dcp(
             written()
         check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
         try:
+            os.chmod(tmp, folder_mode(out))  # private until complete; then the mode mkdir (or OUT itself) gives
             with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
                 os.rename(tmp, out)
         except OSError as e:

@@ -24,8 +24,10 @@ the shapes alone, exactly as ``zero_to_fp32.get_fp32_state_dict_from_zero_checkp
 - ZeRO-3: each rank holds ``ceil(numel / world)`` elements of every parameter, one after another across its
   groups; a parameter is its slice of rank 0, then of rank 1, …, cut to its size (the last rank's padding).
 
-Which file is which rank comes from its name (nothing inside says it: :mod:`.deepspeed_files`, which also says
-what to do with one rank's file passed alone); what a file is, from what it holds (:mod:`.deepspeed_pickles`). The
+Which file is which rank comes from its name (:mod:`.deepspeed_files`, which also says what to do with one rank's
+file passed alone); what a file is, from what it holds (:mod:`.deepspeed_pickles`), which checks what each file
+records of itself against its name and the run: a ZeRO-1/2 optimizer file's ``param_slice_mappings`` and partition
+lengths (its rank), every file's ``ds_config`` (stage, precision). ZeRO-3 files record nothing of their rank. The
 layout math is pure (:mod:`.deepspeed_layout`), the I/O is :func:`describe_run`.
 
 The optimizer state (``describe_run(..., optimizer=True)``, :func:`load_optimizer`) is laid out the same way: each
@@ -60,6 +62,7 @@ from ckptfix.formats.folders.deepspeed_files import (
 from ckptfix.formats.folders.deepspeed_layout import Segment, layout_partitioned, layout_stage3
 from ckptfix.formats.folders.deepspeed_pickles import (
     OptimFile,
+    check_partitions,
     group_state,
     module_trees,
     optimizer_ranks,
@@ -173,6 +176,8 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     module = main["module"]
     groups = param_groups(main, first, path=main_path)
     layout = _layout(groups, ranks, source=tag_dir)
+    if stage <= 2:
+        check_partitions(ranks, groups)
     master = first.groups[0][0].dtype
     # zero_to_fp32's order: buffers, frozen parameters, trainable parameters, tied names
     buffer_names = [str(n) for n in main["buffer_names"] if n in module]

@@ -1,12 +1,14 @@
 """DeepSpeed's files by name: a run folder and its ``latest`` tag, the rank files of a tag folder, and what to say
 of one rank's file passed on its own (which folder to pass instead).
 
-Which file is which rank comes from its name (nothing inside says it). Nothing here reads a pickle: a lone file's
-rules look at the tree the caller already read.
+Which file is which rank comes from its name (what a ZeRO-1/2 file records of its partition is checked against it
+in :mod:`.deepspeed_pickles`). Nothing here reads a pickle: a lone file's rules look at the tree the caller already
+read.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -89,6 +91,54 @@ def tag_folder(path: str) -> str:
 
 def _tags(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if os.path.isdir(os.path.join(path, n)))
+
+
+def _step_order(name: str) -> tuple[Any, ...]:
+    """global_step9 before global_step10: the numbers in a tag compared as numbers."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name))
+
+
+def missing_run(root: str) -> str | None:
+    """What to say of a folder holding no checkpoint ckptfix reads where a DeepSpeed run's parts are: a ``latest``
+    that cannot be read, or tag folders of rank files and no ``latest`` to say which one; None where neither."""
+    try:
+        tags = sorted((n for n in _tags(root) if _holds_rank_files(os.path.join(root, n))), key=_step_order)
+    except OSError:
+        return None
+    latest = os.path.join(root, LATEST)
+    example = f"pass the tag folder, e.g. {os.path.join(root, tags[-1])}" if tags else ""
+    if os.path.lexists(latest):
+        why = _unreadable(latest)
+        if why is None:
+            return None
+        if tags:
+            return f"{latest}: DeepSpeed's 'latest' file cannot be read ({why}): {example}"
+        if os.path.islink(latest):
+            return (f"{latest}: cannot be read ({why}), and no tag folder of DeepSpeed rank files is here; pass a "
+                    f"checkpoint file or a folder that holds one")  # fmt: skip
+        return None
+    if not tags:
+        return None
+    count = {1: "a DeepSpeed tag", 2: "two DeepSpeed tags"}.get(len(tags), f"{len(tags)} DeepSpeed tags")
+    shown = ", ".join(tags[:5]) + (", …" if len(tags) > 5 else "")
+    return f"{root}: {count} {shown} and no 'latest': {example}"
+
+
+def _unreadable(path: str) -> str | None:
+    """Why ``path`` (a ``latest`` that is there) cannot be read as a file; None where it can."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        if e.errno == errno.ENOENT and os.path.islink(path):
+            return f"a link to {os.readlink(path)}, which is not there"
+        return e.strerror or str(e)
+    if stat.S_ISDIR(mode):
+        return "a folder, not a regular file"
+    if not stat.S_ISREG(mode):
+        return "not a regular file (a FIFO, socket or device)"
+    return None
 
 
 def rank_files(tag_dir: str) -> tuple[dict[int | None, str], dict[int, str]]:

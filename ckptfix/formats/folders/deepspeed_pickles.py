@@ -4,6 +4,7 @@ optimizer state; and the checks that all of them are one run's."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -75,6 +76,9 @@ class OptimFile:
     paddings: Any
     base: Any = None  # the wrapped optimizer's own state_dict (moments per flat group), as saved
     dynamic_scale: Any = None  # dynamic_loss_scale: True in fp16 runs' files (shared by every rank of one run)
+    mappings: Any = None  # ZeRO-1/2's param_slice_mappings: which slice of which parameter this rank's partition holds
+    group_paddings: Any = None  # ZeRO-1/2: each group's padding cut from this rank's partition (the last rank's)
+    config: Any = None  # ds_config, as the run was configured (stage, precision)
 
 
 def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
@@ -96,7 +100,8 @@ def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
     groups = [(flat_tensor(t, path=path, what=f"{key}[{i}]"), z) for i, t in enumerate(flats)]
     base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
     return OptimFile(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
-                  osd.get("param_alignment_paddings"), base, osd.get("dynamic_loss_scale"))  # fmt: skip
+                  osd.get("param_alignment_paddings"), base, osd.get("dynamic_loss_scale"),
+                  osd.get("param_slice_mappings"), osd.get("group_paddings"), tree.get("ds_config"))  # fmt: skip
 
 
 def same(path: str, what: str, value: Any, expected: Any, first: str) -> None:
@@ -137,7 +142,37 @@ def optimizer_ranks(optims: Mapping[int, str], *, tag_dir: str, allowed: frozens
              first.path)  # fmt: skip
         # an fp16 run's files are named as an fp32 run's, and hold the same partition sizes: its loss scaler differs
         same(o.path, "dynamic_loss_scale", o.dynamic_scale, first.dynamic_scale, first.path)
+        same_config(o.path, o.config, first)
     return ranks
+
+
+def config_claims(config: Any) -> dict[str, Any]:
+    """What a rank file's ``ds_config`` says of its run, where it says it: the ZeRO stage and the precision."""
+    if not isinstance(config, dict):
+        return {}
+    out: dict[str, Any] = {}
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict) and type(zero.get("stage")) is int:
+        out["ZeRO stage"] = zero["stage"]
+    enabled: dict[str, bool] = {}
+    for key, name in (("bf16", "bf16"), ("bfloat16", "bf16"), ("fp16", "fp16")):
+        section = config.get(key)
+        value = section.get("enabled", False) if isinstance(section, dict) else False
+        if type(value) is not bool:  # "auto", left for a trainer to fill in: nothing claimed
+            return out
+        enabled[name] = enabled.get(name, False) or value
+    out["precision"] = "bf16" if enabled["bf16"] else "fp16" if enabled["fp16"] else "fp32"
+    return out
+
+
+def same_config(path: str, config: Any, first: OptimFile) -> None:
+    """Rank file ``path``'s ``ds_config`` says the run ``first`` says: the optimizer file's own ``zero_stage``, and
+    the precision its ``ds_config`` gives (a file copied in from another run of the same shapes records its own)."""
+    claims, expected = config_claims(config), config_claims(first.config)
+    expected["ZeRO stage"] = first.stage
+    for what, value in claims.items():
+        if what in expected:
+            same(path, f"ds_config's {what}", value, expected[what], first.path)
 
 
 def module_trees(models: Mapping[int | None, str], first: OptimFile, *, tag_dir: str,
@@ -170,6 +205,7 @@ def module_trees(models: Mapping[int | None, str], first: OptimFile, *, tag_dir:
     for r, (tree, _) in trees.items():
         path = models[r]
         same(path, "ds_version", tree.get("ds_version"), first.version, first.path)
+        same_config(path, tree.get("ds_config"), first)
         if "dp_world_size" in tree:
             same(path, "data-parallel world size", tree["dp_world_size"], world, first.path)
     return trees
@@ -203,4 +239,87 @@ def group_state(o: OptimFile, base: Mapping[str, Any], k: int, *, source: str) -
         elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert.walk(value)):
             raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} holds objects ckptfix does not carry")
         out[str(key)] = value
+    return out
+
+
+def check_partitions(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[int, ...]]]]) -> None:
+    """ZeRO-1/2: each optimizer file holds the partition its name's rank holds. Its rank is only in its name, but
+    it records which slices of which parameters it holds (``param_slice_mappings``, where DeepSpeed saved them)
+    and its partition lengths (every rank's the same but the last's, cut by its padding): a file renamed or
+    swapped with another rank's would otherwise be joined in the wrong order."""
+    world = len(ranks)
+    renamed = "the rank files were renamed or swapped: give each file its own rank's name"
+    for g, params in enumerate(groups):
+        sizes = [o.groups[g][0].numel() for o in ranks]
+        offsets = _offsets(params, ranks[0].paddings, g)
+        if offsets is not None:
+            full = max(n + _padding(o, g) for n, o in zip(sizes, ranks, strict=True))
+            claims = [_fragments(o, g) for o in ranks]
+            for o, claim in zip(ranks, claims, strict=True):
+                if claim is None or claim == _expected(offsets, o.rank, full):
+                    continue
+                other = next((r for r in range(world) if claim == _expected(offsets, r, full)), None)
+                if other is None:
+                    continue  # not any rank's: the sizes below, or the layout, say what is wrong
+                holder = next((p.path for p, c in zip(ranks, claims, strict=True)
+                               if c == _expected(offsets, o.rank, full)), None)  # fmt: skip
+                also = f" ({os.path.basename(holder)} holds rank {o.rank}'s)" if holder else ""
+                raise FormatError(f"{o.path}: its param_slice_mappings are rank {other}'s partition, but its name says "
+                                  f"rank {o.rank}{also}; {renamed}")  # fmt: skip
+        for o, n in zip(ranks[1:], sizes[1:], strict=True):
+            last = o.rank == world - 1
+            if n > sizes[0] or (n != sizes[0] and not last):
+                raise FormatError(
+                    f"{o.path}: group {g}'s partition holds {n} elements, {'more than' if n > sizes[0] else 'not'} "
+                    f"the {sizes[0]} of {os.path.basename(ranks[0].path)}; only the last rank's partition is shorter: "
+                    f"{renamed}"
+                )
+
+
+def _offsets(params: list[tuple[str, tuple[int, ...]]], paddings: Any, g: int) -> list[tuple[str, int, int]] | None:
+    """Group ``g``'s parameters as (name, first element, count) in its flat vector; None where the alignment
+    paddings are not usable (the layout refuses them)."""
+    pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+    if pads is not None and (not isinstance(pads, list) or len(pads) != len(params)
+                             or not all(type(p) is int and p >= 0 for p in pads)):  # fmt: skip
+        return None
+    out: list[tuple[str, int, int]] = []
+    at = 0
+    for i, (name, shape) in enumerate(params):
+        numel = math.prod(shape)
+        out.append((name, at, numel))
+        at += numel + (pads[i] if pads is not None else 0)
+    return out
+
+
+def _padding(o: OptimFile, g: int) -> int:
+    pads = o.group_paddings
+    value = pads[g] if isinstance(pads, list) and g < len(pads) else 0
+    return value if type(value) is int and value >= 0 else 0
+
+
+def _expected(offsets: list[tuple[str, int, int]], rank: int, full: int) -> dict[str, tuple[int, int]]:
+    """Which slices (start in the partition, count) of which parameters rank ``rank``'s partition holds."""
+    lo, hi = rank * full, (rank + 1) * full
+    out: dict[str, tuple[int, int]] = {}
+    for name, at, numel in offsets:
+        start, end = max(at, lo), min(at + numel, hi)
+        if start < end:
+            out[name] = (start - lo, end - start)
+    return out
+
+
+def _fragments(o: OptimFile, g: int) -> dict[str, tuple[int, int]] | None:
+    """Group ``g``'s ``param_slice_mappings`` of rank file ``o`` as {name: (start, count)}; None where it saved
+    none, or not as DeepSpeed writes them (``fragment_address`` records): nothing is claimed then."""
+    maps = o.mappings
+    raw = maps[g] if isinstance(maps, list) and g < len(maps) else None
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, tuple[int, int]] = {}
+    for name, frag in raw.items():
+        state = frag.state if isinstance(frag, inert.Inert) else None
+        if not isinstance(state, dict) or not all(type(state.get(k)) is int for k in ("start", "numel")):
+            return None
+        out[str(name)] = (state["start"], state["numel"])
     return out

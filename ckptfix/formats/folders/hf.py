@@ -23,6 +23,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats.containers.safetensors import stored_identity
+from ckptfix.formats.folders.deepspeed_files import missing_run
 from ckptfix.formats.folders.hf_index import INDEX_SUFFIX, inside, is_index, looks_like_json, read_index, shards
 from ckptfix.formats.output.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
 
@@ -128,10 +129,11 @@ def room_for_files(count: int, *, source: str) -> None:
 def _accelerate(root: str, names: list[str]) -> Folder:
     models = [n for n in names if _MODEL_FILE.match(n)]
     if not models:
-        raise FormatError(
+        raise FormatError(missing_run(root) or (
             f"{root}: no checkpoint here (no *.index.json, model.safetensors, pytorch_model.bin or "
-            f"model_N.safetensors); pass a checkpoint file or a folder that holds one"
-        )
+            f"model_N.safetensors; no DCP .metadata; no DeepSpeed 'latest' or tag folder of rank files); pass a "
+            f"checkpoint file or a folder that holds one"
+        ))  # fmt: skip
     stems = [n.rsplit(".", 1)[0] for n in models]
     if len(set(stems)) != len(stems):
         twice = sorted({s for s in stems if stems.count(s) > 1})

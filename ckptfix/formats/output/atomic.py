@@ -141,6 +141,16 @@ def _same_file(a: PathLike, b: PathLike) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
+def folder_mode(out: str) -> int:
+    """The mode an output folder gets when its staging folder (``mkdtemp``'s 0700, private while written) is renamed
+    into place: an existing folder's own (written into, it stays as it was), else what ``mkdir`` gives."""
+    try:
+        st = os.stat(out)
+    except OSError:
+        return 0o777 & ~_umask()
+    return stat.S_IMODE(st.st_mode) if stat.S_ISDIR(st.st_mode) else 0o777 & ~_umask()
+
+
 def _umask() -> int:
     # os.umask can only be read by setting it; restore at once (single-threaded at this point in the CLI).
     mask = os.umask(0o022)
