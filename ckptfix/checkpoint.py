@@ -1,7 +1,7 @@
 """Pure transforms over state dicts and full checkpoints: find the model entries, rename their keys.
 
 Nothing here does I/O or imports torch at module level: the same functions run on real tensors and on the
-inert tensor records of the streaming path (any object with a true ``__ckptfix_tensor__`` attribute).
+inert tensor records of the streaming path (any :class:`~ckptfix.formats.records.TensorRecord`).
 Inputs are never mutated; every transform returns new containers that share the tensor objects.
 """
 
@@ -42,7 +42,8 @@ _NOT_MODEL = re.compile(r"(optim|sched|scaler|rng|random|sampler|loss)", re.IGNO
 
 
 def is_tensor(value: object) -> bool:
-    """True for a torch.Tensor or an inert tensor record of the streaming reader."""
+    """True for a torch.Tensor or a tensor record (:class:`~ckptfix.formats.records.TensorRecord`, known by the
+    class flag it sets: this layer sits below formats/)."""
     if getattr(value, "__ckptfix_tensor__", False):
         return True
     torch = sys.modules.get("torch")

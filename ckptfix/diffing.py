@@ -13,11 +13,12 @@ from ckptfix.errors import LayoutError
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor, as_tensor
+from ckptfix.formats.records import is_record, spec
 from ckptfix.formats.registry import read
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import opaque
 from ckptfix.formats.torchio.opaque import OpaqueEntry
-from ckptfix.reading import Opened, in_memory, open_checkpoint, spec
+from ckptfix.reading import Opened, in_memory, open_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -447,7 +448,7 @@ def _inert_repr(value: Any) -> str:
 
 def _as_loaded(value: Any) -> Any:
     """The value loading builds, for the inert records whose value is plain data (torch.Size, bytes)."""
-    if isinstance(value, inert.Inert) and not value.__ckptfix_tensor__ and not value.has_state:
+    if isinstance(value, inert.Inert) and not is_record(value) and not value.has_state:
         if value.func.full == "torch.Size" and len(value.args) == 1 and isinstance(value.args[0], (list, tuple)):
             return tuple(value.args[0])
         if value.func.full == "_codecs.encode" and len(value.args) == 2 and isinstance(value.args[0], str):

@@ -26,7 +26,8 @@ from ckptfix.errors import AverageError, MergeError, UsageError
 from ckptfix.formats.folders.flatparams import FlatSliceRecord
 from ckptfix.formats.folders.fsdp import DTensorRecord, ShardedTensorRecord
 from ckptfix.formats.raw import as_tensor
-from ckptfix.reading import Opened, spec
+from ckptfix.formats.records import spec
+from ckptfix.reading import Opened
 from ckptfix.writing import Placeholder
 
 if TYPE_CHECKING:

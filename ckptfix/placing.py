@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.containers.safetensors import StTensor
 from ckptfix.formats.containers.ziparchive import verify_records
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.pickles import inert
 from ckptfix.reading import Opened
-from ckptfix.stream.st import StTensor
 
 if TYPE_CHECKING:
     import torch

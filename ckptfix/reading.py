@@ -17,27 +17,29 @@ import dataclasses
 import os
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
+from ckptfix.checkpoint import is_tensor
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.containers.legacy import check_legacy
-from ckptfix.formats.containers.safetensors import read_header
+from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
-from ckptfix.formats.dtypes import DTYPES, nbytes
+from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor
+from ckptfix.formats.records import is_record, layout, map_tree, spec, torch_dtype
 from ckptfix.formats.registry import detect_format, read
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
-from ckptfix.stream.folders import DcpTensor
-from ckptfix.stream.st import StTensor, tree_from_header
 
 if TYPE_CHECKING:
     import torch
@@ -45,107 +47,20 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 24
 
 
-@dataclass(frozen=True)
-class Spec:
-    """A tensor's dtype (torch's name, ``float32``) and shape, known without reading it."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    layout: str = "strided"  # sparse_coo, sparse_csr, …: a real tensor loaded by torch
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.dtype, self.numel)  # sub-byte dtypes (quint4x2) round up
-
-
-@dataclass(eq=False)
-class FolderTensor:
-    """A tensor record of file ``part`` of a folder: two files' records (storage ``0`` of two ``.bin`` shards, two
-    safetensors shards' first tensors) never pass for one tensor."""
-
-    __ckptfix_tensor__: ClassVar[bool] = True
-    part: int
-    inner: Any
-
-    @property
-    def dtype(self) -> str:
-        return spec(self.inner).dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return spec(self.inner).shape
-
-
-def spec(value: Any) -> Spec:
-    """Dtype and shape of a tensor or of a tensor record of any reader."""
-    if isinstance(value, FolderTensor):
-        return spec(value.inner)
-    if isinstance(value, (DcpTensor, ZeroTensor)):
-        return Spec(value.dtype, tuple(value.shape))
-    if isinstance(value, (inert.InertTensor, inert.InertParameter)):
-        return Spec(value.dtype, tuple(value.shape))
-    if isinstance(value, StTensor):
-        return Spec(value.dtype, tuple(value.shape))
-    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape), _layout(value))
-
-
-def _layout(value: Any) -> str:
-    return str(getattr(value, "layout", "strided")).removeprefix("torch.")
-
-
 def stored_bytes(value: Any) -> int:
     """Bytes a tensor's data takes: a sparse tensor's indices and values, not the dense size its shape gives."""
-    layout = _layout(value)
-    if layout == "strided":
+    kind = layout(value)
+    if kind == "strided":
         return spec(value).nbytes
-    if layout == "sparse_coo":
+    if kind == "sparse_coo":
         parts = [value._indices(), value._values()]
-    elif layout in ("sparse_csr", "sparse_bsr"):
+    elif kind in ("sparse_csr", "sparse_bsr"):
         parts = [value.crow_indices(), value.col_indices(), value.values()]
-    elif layout in ("sparse_csc", "sparse_bsc"):
+    elif kind in ("sparse_csc", "sparse_bsc"):
         parts = [value.ccol_indices(), value.row_indices(), value.values()]
     else:
         return 0  # a layout with no bytes of its own to count (never saved by torch.save today)
     return sum(spec(p).nbytes for p in parts)
-
-
-def storage_of(value: Any) -> Hashable | None:
-    """What a tensor's bytes live in, so tensors sharing storage can be found; None for an empty tensor."""
-    if spec(value).numel == 0:
-        return None
-    if isinstance(value, FolderTensor):
-        return (value.part, storage_of(value.inner))
-    if isinstance(value, (DcpTensor, ZeroTensor)):
-        return ("dcp" if isinstance(value, DcpTensor) else "zero", value.key)  # tied names share the one record
-    if isinstance(value, (inert.InertTensor, inert.InertParameter)):
-        return ("pt", inert.tensor_of(value).storage.key)
-    if isinstance(value, StTensor):
-        return ("st", value.start)
-    if not hasattr(value, "untyped_storage") or _layout(value) != "strided":
-        return None  # a record of what a tensor is, with no bytes behind it; a sparse tensor, which has no storage
-    return (str(value.device), value.untyped_storage().data_ptr())
-
-
-def identity(value: Any) -> Hashable:
-    """Equal for two names of one tensor (tied weights): same storage, offset, shape, strides and dtype."""
-    if isinstance(value, FolderTensor):
-        return (value.part, identity(value.inner))
-    if isinstance(value, (DcpTensor, ZeroTensor)):
-        return ("dcp" if isinstance(value, DcpTensor) else "zero", value.key)
-    if isinstance(value, (inert.InertTensor, inert.InertParameter)):
-        t = inert.tensor_of(value)
-        return ("pt", t.storage.key, t.offset, t.shape, t.stride, t.dtype)
-    if isinstance(value, StTensor):
-        return ("st", value.start, value.end, value.dtype, value.shape)
-    ptr = value.untyped_storage().data_ptr()
-    return (ptr, value.storage_offset(), tuple(value.shape), tuple(value.stride()), str(value.dtype))
 
 
 @dataclass
@@ -265,13 +180,6 @@ class Opened:
         assert self.fd is not None  # records exist only while the file is open
         data = _pread(self.fd, value.start, value.end - value.start, source=self.source)
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(value.shape)
-
-
-def torch_dtype(torch: Any, name: str, *, source: str) -> Any:
-    dtype = getattr(torch, name, None)
-    if dtype is None:
-        raise FormatError(f"{source}: a tensor has dtype {name}, which this torch cannot represent; upgrade torch")
-    return dtype
 
 
 def _pread(fd: int, offset: int, length: int, *, source: str) -> bytearray:
@@ -408,7 +316,7 @@ def _read_through(fd: int, start: int, end: int, *, source: str) -> None:
 @dataclass
 class OpenedFolder(Opened):
     """A folder opened file by file: ``tree`` holds :class:`FolderTensor` records (shards, accelerate folders)
-    or :class:`~ckptfix.stream.folders.DcpTensor` records (DCP), each read on demand from its own file."""
+    or :class:`~ckptfix.formats.folders.dcp.DcpTensor` records (DCP), each read on demand from its own file."""
 
     kind: str = ""  # "shards", "accelerate" or "dcp"
     files: list[str] = field(default_factory=list)  # every file the checkpoint is made of, index included
@@ -438,9 +346,9 @@ class OpenedFolder(Opened):
         if isinstance(value, FolderTensor):
             return self.parts[value.part].tensor(value.inner)
         if isinstance(value, DcpTensor):
-            from ckptfix.stream.folders import read_dcp_tensor
+            from ckptfix.formats.folders.dcp_chunks import read_dcp_tensor
 
-            return read_dcp_tensor(value, self.dcp, allowed=self.allowed)  # type: ignore[no-any-return]
+            return read_dcp_tensor(value, self.dcp.fd, allowed=self.allowed)  # type: ignore[no-any-return]
         if isinstance(value, ZeroTensor):
             from ckptfix.formats.folders.deepspeed import read_zero_tensor
 
@@ -483,7 +391,7 @@ def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: boo
         opened.tree = _shards(opened, folder, each) if folder.flat else _accelerate(opened, folder, each, opaque)
         for i, part in enumerate(opened.parts):
             for obj in inert.walk(part.tree):
-                if isinstance(obj, (inert.InertTensor, inert.InertParameter, StTensor)):
+                if is_record(obj):  # a tensor record of a part: read from that part
                     opened.owner.setdefault(id(obj), i)
     except BaseException:
         opened.close(check=False)
@@ -544,37 +452,32 @@ def _opaque_file(path: str, entry: str, *, allow_globals: tuple[str, ...]) -> Op
 
 def _wrapped(obj: Any, part: int) -> Any:
     """``obj`` with each tensor (record) in it as a :class:`FolderTensor` of ``part``; containers copied."""
-    from ckptfix.checkpoint import is_tensor
 
-    if is_tensor(obj):
-        return FolderTensor(part, obj)
-    if isinstance(obj, OpaqueEntry):
-        return dataclasses.replace(obj, records=_wrapped(obj.records, part))
-    if isinstance(obj, dict):
-        out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
-        for k, v in obj.items():
-            out[k] = _wrapped(v, part)
-        if getattr(obj, "__dict__", None):  # a state dict's _metadata
-            out.__dict__.update(obj.__dict__)
-        return out
-    if type(obj) is list:
-        return [_wrapped(v, part) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_wrapped(v, part) for v in obj)
-    return obj
+    def wrap(value: Any) -> Any:
+        if isinstance(value, OpaqueEntry):
+            return dataclasses.replace(value, records=_wrapped(value.records, part))
+        return FolderTensor(part, value)
+
+    return map_tree(obj, wrap, leaf=lambda v: is_tensor(v) or isinstance(v, OpaqueEntry))
 
 
 def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
     from ckptfix.formats.containers.torchzip import read_torch_zip
+    from ckptfix.formats.folders.datafiles import DataFiles
     from ckptfix.formats.folders.dcp import METADATA
-    from ckptfix.stream.fallback import Fallback
-    from ckptfix.stream.folders import open_tree
+    from ckptfix.formats.folders.dcp_chunks import dcp_tree
 
+    allowed = allowlist.allowed_names(allow_globals, source=source)
+    files = DataFiles()
     try:
-        tree, _, files, allowed = open_tree(source, allow_globals=allow_globals)
-    except Fallback as e:  # values holding tensors or objects: torch's DCP reader rebuilds them
+        tree, why = dcp_tree(source, files.fd, allowed=allowed)
+    except BaseException:
+        files.close()
+        raise
+    if why is not None:  # values holding tensors or objects: torch's DCP reader rebuilds them
+        files.close()
         return Opened(source=source, fmt="folder", tree=read(source, fmt="folder", allow_globals=allow_globals),
-                      note=f"a DCP folder whose {e}")  # fmt: skip
+                      note=f"a DCP folder whose {why}")  # fmt: skip
     records = [v for v in inert.walk(tree) if isinstance(v, DcpTensor)]
     spans = {c.span for t in records for c in t.entry.chunks}
     data = sorted({span.path for span in spans} | set(files.open))

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.folders.fsdp import RankFilesError, ShardedTensorRecord
-from ckptfix.reading import spec
+from ckptfix.formats.records import map_tree, spec
 from ckptfix.writing import Placeholder
 
 _WHAT = "FSDP1 sharded optimizer state"
@@ -114,21 +114,13 @@ def consolidated(tree: Any, entries: Sequence[str]) -> tuple[Any, dict[str, Plac
     changed: the containers on the way are copied."""
     placeholders: dict[str, Placeholder] = {}
 
+    def full(obj: ShardedTensorRecord) -> Placeholder:
+        if obj.key not in placeholders:  # one record under two names (a dict the pickle shares): one tensor
+            placeholders[obj.key] = Placeholder(obj.dtype, obj.shape)
+        return placeholders[obj.key]
+
     def walk(obj: Any) -> Any:
-        if isinstance(obj, ShardedTensorRecord):  # one record under two names (a dict the pickle shares): one tensor
-            if obj.key not in placeholders:
-                placeholders[obj.key] = Placeholder(obj.dtype, obj.shape)
-            return placeholders[obj.key]
-        if isinstance(obj, dict):
-            out = _same_kind(obj)
-            for k, v in obj.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+        return map_tree(obj, full, leaf=ShardedTensorRecord, exact=False)
 
     if "" in entries:
         return walk(tree), placeholders

@@ -15,14 +15,16 @@ from typing import Any
 from ckptfix import layouts
 from ckptfix.checkpoint import get_entry, is_tensor, model_entries
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.folders.dcp import DcpTensor
+from ckptfix.formats.folders.dcp_chunks import chunking
 from ckptfix.formats.folders.fsdp import DTensorRecord, flat_param_keys
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import spec, storage_of
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.keytree import groups as key_groups
-from ckptfix.reading import OpenedFolder, open_checkpoint, spec, storage_of, stored_bytes
-from ckptfix.stream.folders import DcpTensor, chunking
+from ckptfix.reading import OpenedFolder, open_checkpoint, stored_bytes
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # What the real object of an inert call is, where its class name alone would mislead.

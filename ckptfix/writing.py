@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckptfix.formats.containers.safetensors import tensor_bytes
-from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
+from ckptfix.formats.containers.safetensors import StTensor, plan_safetensors, tensor_bytes
+from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
 from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
+from ckptfix.formats.folders.dcp import DcpTensor
+from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, pickling
-from ckptfix.reading import FolderTensor, Opened, identity, spec
-from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.folders import DcpTensor
-from ckptfix.stream.st import StTensor, plan_safetensors
+from ckptfix.formats.records import TensorRecord, identity, is_real_tensor, is_record, map_tree, spec
+from ckptfix.reading import Opened
 
 if TYPE_CHECKING:
     import contextlib
@@ -38,10 +37,10 @@ _CHUNK = 1 << 24
 
 
 @dataclass(eq=False)
-class Placeholder:
-    """A tensor of the output that is still to be computed: its dtype and shape, known in advance."""
+class Placeholder(TensorRecord):
+    """A tensor of the output that is still to be computed: its dtype and shape, known in advance (a tensor of its
+    own: :meth:`~ckptfix.formats.records.TensorRecord.identity` is the record's)."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     dtype: str
     shape: tuple[int, ...]
 
@@ -109,10 +108,6 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _key(value: Any) -> Any:
-    return ("new", id(value)) if isinstance(value, Placeholder) else identity(value)
-
-
 class _Safetensors(StreamedWriter):
     def __init__(self, tree: Any, out: PathLike) -> None:
         super().__init__(out)
@@ -120,21 +115,18 @@ class _Safetensors(StreamedWriter):
         def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
             if not isinstance(value, (Placeholder, StTensor, inert.InertTensor, inert.InertParameter, FolderTensor,
                                       DcpTensor)):  # fmt: skip
-                raise Fallback("a tensor already in memory")
+                raise CannotStream("a tensor already in memory")
             found = spec(value)
-            return found.dtype, found.shape, 0, found.nbytes, _key(value)
+            return found.dtype, found.shape, 0, found.nbytes, identity(value)
 
-        try:
-            self.plan = plan_safetensors(tree, out=self.out, locate=locate)
-        except Fallback as e:
-            raise CannotStream(str(e)) from e
+        self.plan = plan_safetensors(tree, out=self.out, locate=locate, refuse=CannotStream)
         # where each stored tensor's bytes go: header, then the data in the order of the header
         self.offsets: dict[Any, int] = {}
         self.pending: set[Any] = set()
         state = _state_of(tree)
         at = len(self.plan.header)
         for value in state.values():
-            key = _key(value)
+            key = identity(value)
             nbytes = spec(value).nbytes
             if key not in self.offsets or nbytes == 0:
                 self.offsets.setdefault(key, at)
@@ -146,7 +138,7 @@ class _Safetensors(StreamedWriter):
         _pwrite_all(self.fd, self.plan.header, 0)
 
     def put(self, value: Any, tensor: torch.Tensor) -> None:
-        key = _key(value)
+        key = identity(value)
         if key in self.pending:
             _pwrite_all(self.fd, tensor_bytes(tensor), self.offsets[key])
             self.pending.discard(key)
@@ -168,24 +160,19 @@ class _TorchZip(StreamedWriter):
         self.base = base if base.zip is not None else None
         self.opened = base
         taken = set(base.zip.storages) if base.zip is not None else set()
-        glob = stand_ins()
-        self.new: dict[int, inert.InertTensor] = {}  # id of a value -> the record written for it
-        self.values: dict[str, Any] = {}  # a new record's storage key -> its value, read at the end if not handed in
-        counter = iter(range(1 << 62))
+        # a new record's storage key -> its value, read at the end if not handed in
+        self.new = NewStorages(keys=(k for k in map(str, range(1 << 62)) if k not in taken),
+                               size=lambda value: spec(value).nbytes)  # fmt: skip
 
         def record(value: Any) -> Any:
             if isinstance(value, (inert.InertTensor, inert.InertParameter)) and self.base is not None:
                 return value  # kept: its storage record is copied, or written from the tensor handed in
             if not isinstance(value, (Placeholder, StTensor, FolderTensor, DcpTensor)):
                 raise CannotStream(f"a {type(value).__name__} value")
-            if id(value) not in self.new:
-                key = next(k for k in map(str, counter) if k not in taken)
-                found = spec(value)
-                self.new[id(value)] = tensor_record(found.dtype, found.shape, key, found.nbytes, glob=glob)
-                self.values[key] = value
-            return self.new[id(value)]
+            return self.new(value)
 
-        self.tree = _replace(tree, record)
+        # a container reached twice stays one, as the pickle written shares it
+        self.tree = map_tree(tree, record, leaf=_is_tensor, shared=True, exact=False)
         try:
             self.pickle = pickling.dump(self.tree)
         except TypeError as e:
@@ -195,12 +182,10 @@ class _TorchZip(StreamedWriter):
 
     def start(self) -> None:
         self.writer = ZipWriter(self.fd)
-        self.writer.add("archive/data.pkl", self.pickle, zlib.crc32(self.pickle))
-        for name, data in HEAD:
-            self.writer.add(f"archive/{name}", data, zlib.crc32(data))
+        write_head(self.writer, self.pickle)
 
     def put(self, value: Any, tensor: torch.Tensor) -> None:
-        rec = self.new.get(id(value))
+        rec = self.new.made.get(id(value))
         if rec is None:
             t = inert.tensor_of(value)
             assert self.base is not None  # a kept value comes from the base zip
@@ -214,7 +199,7 @@ class _TorchZip(StreamedWriter):
 
     def _record(self, key: str, data: Any, *, crc: int | None = None) -> None:
         view = memoryview(data).cast("B")
-        offset = self.writer.begin(f"archive/data/{key}", len(view))
+        offset = self.writer.begin(storage_name(key), len(view))
         _pwrite_all(self.fd, view, offset)
         self.writer.end(zlib.crc32(view) if crc is None else crc)
         self.written.add(key)
@@ -223,15 +208,12 @@ class _TorchZip(StreamedWriter):
         for key in self.storages:
             if key in self.written:
                 continue
-            value = self.values.get(key)
+            value = self.new.stored.get(key)
             if isinstance(value, (FolderTensor, DcpTensor)):  # a folder's other entries: read one tensor at a time
                 self._record(key, tensor_bytes(self.opened.raw(value)))
             else:
                 self._copy(key)
-        for name, data in TAIL:
-            self.writer.add(f"archive/{name}", data, zlib.crc32(data))
-        ident = b"%040d" % (int.from_bytes(os.urandom(17), "big") % 10**40)  # 40 digits, as torch.save
-        self.writer.add("archive/.data/serialization_id", ident, zlib.crc32(ident))
+        write_tail(self.writer)
         self.writer.finish()
 
     def _copy(self, key: str) -> None:
@@ -239,7 +221,7 @@ class _TorchZip(StreamedWriter):
         if self.base is None or self.base.zip is None or self.base.fd is None:
             raise RuntimeError(f"{self.out}: storage '{key}' has no source")  # a bug: every record has one
         source: Record = self.base.zip.archive.by_name[f"{self.base.zip.archive.prefix}data/{key}"]
-        offset = self.writer.begin(f"archive/data/{key}", source.size)
+        offset = self.writer.begin(storage_name(key), source.size)
         crc, done = 0, 0
         while done < source.size:
             data = self.base.pread(source.data_offset + done, min(_CHUNK, source.size - done))
@@ -251,37 +233,5 @@ class _TorchZip(StreamedWriter):
         self.written.add(key)
 
 
-def _replace(tree: Any, record: Callable[[Any], Any]) -> Any:
-    """A copy of the containers of ``tree`` with every tensor value replaced by ``record(value)``."""
-    done: dict[int, Any] = {}
-
-    def walk(obj: Any) -> Any:
-        if getattr(obj, "__ckptfix_tensor__", False) or _is_real_tensor(obj):
-            return record(obj)
-        if not isinstance(obj, (dict, list, tuple)):
-            return obj
-        if id(obj) in done:
-            return done[id(obj)]
-        if isinstance(obj, dict):
-            new: Any = type(obj)()
-            done[id(obj)] = new
-            for k, v in obj.items():
-                new[k] = walk(v)
-            for name, value in getattr(obj, "__dict__", {}).items():  # _metadata of an OrderedDict
-                setattr(new, name, value)
-            return new
-        if isinstance(obj, list):
-            out: list[Any] = []
-            done[id(obj)] = out
-            out.extend(walk(v) for v in obj)
-            return out
-        return tuple(walk(v) for v in obj)
-
-    return walk(tree)
-
-
-def _is_real_tensor(obj: Any) -> bool:
-    import sys
-
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
+def _is_tensor(obj: Any) -> bool:
+    return is_record(obj) or is_real_tensor(obj)

@@ -11,8 +11,8 @@ from torch import nn
 import ckptfix
 from ckptfix.compare import compare_keys
 from ckptfix.errors import MismatchError
+from ckptfix.formats.containers.safetensors import StTensor
 from ckptfix.loading import adapt_to_model
-from ckptfix.stream.st import StTensor
 from tests.models import SmallNet, wrong_head
 
 

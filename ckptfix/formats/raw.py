@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.records import TensorRecord
 
 if TYPE_CHECKING:
     import torch
 
 
 @dataclass(eq=False)
-class RawTensor:
+class RawTensor(TensorRecord):
     """A contiguous tensor's bytes (``data``), its dtype (torch's name, ``float32``) and shape; ``source`` names
     the file it was read from, for errors."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     dtype: str
     shape: tuple[int, ...]
     data: bytearray

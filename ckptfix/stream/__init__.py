@@ -17,13 +17,21 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import OutputError
-from ckptfix.formats.containers.safetensors import losses_note, read_header
-from ckptfix.formats.containers.torchzip import TorchZip, stand_ins, tensor_record
+from ckptfix.formats.containers.safetensors import (
+    StTensor,
+    losses_note,
+    plan_safetensors,
+    read_header,
+    tree_from_header,
+)
+from ckptfix.formats.containers.torchsave import NewStorages
+from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc, verify_records
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import map_tree
 from ckptfix.formats.registry import detect_format, output_format
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
@@ -31,7 +39,6 @@ from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identi
 from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
-from ckptfix.stream.st import StTensor, plan_safetensors, tree_from_header
 from ckptfix.stream.torchzip import Source, plan_new_torch, plan_torch_to_torch
 from ckptfix.units import human_bytes
 
@@ -136,7 +143,7 @@ def _write(
         locate = _PtLocator(inp) if inp is not None else _st_locate
         try:
             # a .pt input's records are not laid out like a data buffer: keep the torch path's bytes instead
-            plan = plan_safetensors(tree, out=out, locate=locate, keep_offsets=inp is None)
+            plan = plan_safetensors(tree, out=out, locate=locate, refuse=Fallback, keep_offsets=inp is None)
         except OutputError:
             if inp is not None:  # a damaged input is reported before what the output cannot hold, as torch does
                 verify_records(fd, source, inp.archive.records)
@@ -209,7 +216,7 @@ class _PtLocator:
             raise Fallback("not a plain tensor")
         param = t is not value and isinstance(value, inert.InertParameter)
         self.params += param
-        self.grads += bool(value.args[1] if param else t.args[4])
+        self.grads += value.requires_grad
         shape, stride, dtype = t.shape, t.stride, t.dtype
         if t.math_bits:
             raise Fallback(f"a tensor is a {' and '.join(t.math_bits)} view: its bytes are not its values")
@@ -246,29 +253,9 @@ def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
 
 def _st_to_torch_tree(tree: Any) -> tuple[Any, list[Source]]:
     """Replace StTensors by the records torch.save would write, storages numbered in pickling order."""
-    records: dict[int, inert.InertTensor] = {}
-    glob = stand_ins()
-    sources: list[Source] = []
-
-    def convert(obj: Any) -> Any:
-        if isinstance(obj, StTensor):
-            if id(obj) not in records:
-                key = str(len(sources))
-                sources.append(Source(obj.start, obj.end - obj.start))
-                records[id(obj)] = tensor_record(obj.dtype, obj.shape, key, obj.end - obj.start, glob=glob)
-            return records[id(obj)]
-        if isinstance(obj, dict):
-            new = type(obj)((k, convert(v)) for k, v in obj.items())
-            for name, value in getattr(obj, "__dict__", {}).items():  # _metadata of an OrderedDict
-                setattr(new, name, value)
-            return new
-        if isinstance(obj, list):
-            return [convert(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(convert(v) for v in obj)
-        return obj
-
-    return convert(tree), sources
+    new = NewStorages()
+    out = map_tree(tree, new, leaf=StTensor, exact=False)
+    return out, [Source(t.start, t.nbytes) for t in new.stored.values()]
 
 
 __all__ = ["Fallback", "fast_convert"]

@@ -13,21 +13,21 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from ckptfix.checkpoint import Conversion, is_tensor, replace_model_tensors
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.records import TensorRecord
 
 _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB out (float16 to float32)
 
 
 @dataclass(eq=False)
-class CastTensor:
+class CastTensor(TensorRecord):
     """Tensor record ``source`` (its bytes in ``stored``, read through ``via`` first where the reader casts, as
     a DeepSpeed half-precision buffer becomes float32) written as ``dtype``."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     key: str
     source: Any
     dtype: str
@@ -39,6 +39,10 @@ class CastTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self.source.requires_grad)  # as Tensor.to keeps it
 
 
 def is_floating(dtype: str) -> bool:

@@ -18,32 +18,24 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.checkpoint import Conversion
-from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
+from ckptfix.formats.containers.safetensors import StTensor
+from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
 from ckptfix.formats.containers.ziparchive import ZipWriter
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.folders.datafiles import DataFiles
+from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.deepspeed import ZeroTensor, read_zero_tensor
 from ckptfix.formats.output.atomic import atomic_output
 from ckptfix.formats.output.crc import Check, crc32_combine
-from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.pickles import pickling
+from ckptfix.formats.records import map_tree
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.copy import Copier, Job
-from ckptfix.stream.folders import (
-    DcpTensor,
-    InOrder,
-    ShardTensor,
-    VerifyInTurn,
-    _Files,
-    _gather,
-    byte_ranges,
-    open_tree,
-    prepare,
-    write_cast_record,
-)
+from ckptfix.stream.folders import InOrder, VerifyInTurn, _gather, byte_ranges, open_tree, prepare, write_cast_record
 
-_PREFIX = "archive/"
 # A piece of an output storage: (source file, offset, length) of the bytes copied into it.
 Piece = tuple[str, int, int]
-Stored = DcpTensor | ShardTensor | ZeroTensor | CastTensor
+Stored = DcpTensor | StTensor | ZeroTensor | CastTensor
 
 
 def convert_folder_to_torch(
@@ -80,46 +72,22 @@ def convert_folder_to_torch(
 def _records(obj: Any) -> tuple[Any, list[Stored]]:
     """``obj`` with each tensor record replaced by the inert tensor torch.save pickles; the storages in order (a
     tensor under two names, tied weights, is one storage, as torch.save writes it)."""
-    glob = stand_ins()
-    records: dict[int, inert.InertTensor] = {}
-    stored: list[Stored] = []
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, (DcpTensor, ShardTensor, ZeroTensor, CastTensor)):
-            if id(value) not in records:
-                nbytes = math.prod(value.shape) * DTYPES[value.dtype].itemsize
-                records[id(value)] = tensor_record(value.dtype, value.shape, str(len(stored)), nbytes, glob=glob)
-                stored.append(value)
-            return records[id(value)]
-        if isinstance(value, dict):
-            new = type(value)((k, convert(v)) for k, v in value.items())
-            for name, attr in getattr(value, "__dict__", {}).items():  # an OrderedDict's _metadata
-                setattr(new, name, attr)
-            return new
-        if isinstance(value, (list, tuple)):
-            return type(value)(convert(v) for v in value)
-        return value
-
-    return convert(obj), stored
+    new = NewStorages(size=lambda t: math.prod(t.shape) * DTYPES[t.dtype].itemsize)
+    out = map_tree(obj, new, leaf=(DcpTensor, StTensor, ZeroTensor, CastTensor), exact=False)
+    return out, list(new.stored.values())
 
 
-def _write(fd: int, tree: Any, stored: list[Stored], files: _Files, *, allowed: frozenset[str]) -> tuple[int, int]:
+def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowed: frozenset[str]) -> tuple[int, int]:
     """Lay out the archive (sizes come from the metadata), then parse each tensor's chunk archives while a thread
     copies the ones before it; every record's CRC is filled in once the pieces' CRCs are known."""
     writer = ZipWriter(fd)
-    pkl = pickling.dump(tree)
-    writer.add(_PREFIX + "data.pkl", pkl, zlib.crc32(pkl))
-    for name, data in HEAD:
-        writer.add(_PREFIX + name, data, zlib.crc32(data))
+    write_head(writer, pickling.dump(tree))
     places = []
     for i, t in enumerate(stored):
-        places.append(writer.begin(f"{_PREFIX}data/{i}", math.prod(t.shape) * DTYPES[t.dtype].itemsize))
+        places.append(writer.begin(storage_name(str(i)), math.prod(t.shape) * DTYPES[t.dtype].itemsize))
         writer.end(0)  # the CRC is set below, once the pieces' CRCs are known
     slots = range(len(writer.records) - len(stored), len(writer.records))
-    for name, data in TAIL:
-        writer.add(_PREFIX + name, data, zlib.crc32(data))
-    ident = b"%040d" % (int.from_bytes(os.urandom(17), "big") % 10**40)  # as torch.save: 40 digits (no secrets import)
-    writer.add(_PREFIX + ".data/serialization_id", ident, zlib.crc32(ident))
+    write_tail(writer)
     writer.flush()
     copiers: dict[str, Copier] = {}
     pieces: dict[int, list[Piece]] = {}  # record slot -> its pieces in order
@@ -182,7 +150,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: _Files, *, allowed: 
     return len(pieces), len(gathers)
 
 
-def _checks(files: _Files, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:
+def _checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:
     """Per file: its records' checks, and a check to compute for each copied piece that is not exactly a record
     (a piece that is takes that record's checked CRC)."""
     wanted: dict[str, set[tuple[int, int]]] = {}
@@ -199,7 +167,7 @@ def _checks(files: _Files, pieces: dict[int, list[Piece]]) -> dict[str, list[Che
     return out
 
 
-def _pieces(t: Stored, files: _Files) -> list[Piece] | None:
+def _pieces(t: Stored, files: DataFiles) -> list[Piece] | None:
     """The byte ranges that make up ``t`` in order; None when it is written from memory (cast, gathered)."""
     if isinstance(t, CastTensor) or (isinstance(t, ZeroTensor) and t.cast is not None):
         return None

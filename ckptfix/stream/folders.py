@@ -15,15 +15,21 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO
 
 from ckptfix.checkpoint import Conversion, is_tensor
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.containers.safetensors import encode_header, read_header, split_checkpoint
-from ckptfix.formats.containers.torchzip import read_torch_zip
+from ckptfix.formats.containers.safetensors import (
+    StTensor,
+    encode_header,
+    read_header,
+    split_checkpoint,
+    tree_from_header,
+)
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
-from ckptfix.formats.folders.dcp import Chunk, TensorEntry, chunk_region, is_dcp, nest, read_dcp
+from ckptfix.formats.folders.datafiles import DataFiles
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_region, is_dcp
+from ckptfix.formats.folders.dcp_chunks import chunk_record, dcp_tree, rows
 from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, is_deepspeed, read_zero_tensor
 from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
 from ckptfix.formats.output.atomic import atomic_output
@@ -32,70 +38,12 @@ from ckptfix.formats.pickles import inert
 from ckptfix.formats.registry import detect_format
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
-from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.st import tree_from_header
+from ckptfix.stream.single import copyable_tensor
 
 _COPY = 1 << 26
-
-
-@dataclass(eq=False)
-class DcpTensor:
-    """A full tensor of a DCP folder, known from the metadata: its bytes come from its chunks."""
-
-    __ckptfix_tensor__: ClassVar[bool] = True
-    key: str
-    entry: TensorEntry
-
-    @property
-    def dtype(self) -> str:
-        return self.entry.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.entry.shape
-
-
-class _Files:
-    """The folder's data files, each opened once and checked unchanged at the end; where each chunk's bytes are
-    and the CRC checks of every record of their archives."""
-
-    def __init__(self) -> None:
-        self.open: dict[str, tuple[int, tuple[int, ...]]] = {}
-        self.located: dict[int, tuple[int, int]] = {}  # id(chunk) -> (fd, offset of its bytes)
-        self.checks: dict[str, list[Check]] = {}
-        self.notes: list[str] = []  # what the reader has to say of the folder (a DeepSpeed run's)
-        # what a .safetensors output of the converted tree does not keep, where the input can say (a .pt's)
-        self.losses: Callable[[Any], str | None] | None = None
-
-    def fd(self, path: str) -> int:
-        if path not in self.open:
-            fd = os.open(path, os.O_RDONLY)
-            self.open[path] = (fd, file_identity(fd))
-        return self.open[path][0]
-
-    def check_unchanged(self) -> None:
-        for path, (fd, before) in self.open.items():
-            if file_identity(fd) != before:
-                raise changed_while_reading(path)
-
-    def close(self) -> None:
-        for fd, _ in self.open.values():
-            os.close(fd)
-
-
-@dataclass(eq=False)
-class ShardTensor:
-    """A tensor of a safetensors shard: bytes ``[start, start + nbytes)`` of file ``path``."""
-
-    __ckptfix_tensor__: ClassVar[bool] = True
-    dtype: str
-    shape: tuple[int, ...]
-    path: str
-    start: int
-    nbytes: int
 
 
 def convert_folder(
@@ -144,7 +92,7 @@ def convert_folder(
 
 
 def _write_file(
-    dst: str, obj: Any, files: _Files, *, allowed: frozenset[str], verifier: VerifyInTurn | None
+    dst: str, obj: Any, files: DataFiles, *, allowed: frozenset[str], verifier: VerifyInTurn | None
 ) -> list[str]:
     """Write ``obj`` (one state dict, or a checkpoint with one model entry) as the .safetensors file ``dst``; how
     each stored tensor was written. ``verifier`` (the CRCs of every input record) is started once the last
@@ -179,7 +127,14 @@ def _write_file(
 
 
 def _write_shards(
-    dst: str, obj: Any, files: _Files, *, allowed: frozenset[str], verifier: VerifyInTurn, limit: int, overwrite: bool
+    dst: str,
+    obj: Any,
+    files: DataFiles,
+    *,
+    allowed: frozenset[str],
+    verifier: VerifyInTurn,
+    limit: int,
+    overwrite: bool,
 ) -> tuple[list[str], int]:
     """Write ``obj`` as transformers shards of ``dst`` through the in-memory writer's own planning, staging and
     index (each shard a :func:`_write_file`); how each stored tensor was written, and how many shards."""
@@ -204,24 +159,26 @@ def _write_shards(
 
 def _record_size(t: Any) -> tuple[int, Any]:
     """A record's bytes and what makes two of them one stored tensor (itself; nothing when it is empty)."""
-    nbytes = getattr(t, "nbytes", 0) if is_tensor(t) else 0
-    if isinstance(t, DcpTensor):
-        nbytes = t.entry.nbytes
+    nbytes = t.nbytes if is_tensor(t) else 0
     return nbytes, (t if nbytes else None)
 
 
-def prepare(t: Any, files: _Files, *, allowed: frozenset[str]) -> None:
-    """Before ``t``'s bytes are queued: its data files opened (the copy thread only reads the table) and a DCP
-    tensor's chunk archives parsed, their pickles checked and their records' CRCs queued."""
+def prepare(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> None:
+    """Check what can be checked before ``t``'s bytes are queued (the first byte written): its data files opened
+    (the copy thread only reads the table), a DCP tensor's chunk archives parsed, their pickles checked and their
+    records' CRCs queued, a .pt tensor's kind (a strided view: :class:`Fallback`, as torch's DCP writer keeps it)."""
     if isinstance(t, CastTensor):
         prepare(t.source, files, allowed=allowed)
     elif isinstance(t, DcpTensor):
         for c in t.entry.chunks:
             _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
+    elif isinstance(t, (inert.InertParameter, inert.InertTensor)):
+        if not copyable_tensor(t).is_contiguous():
+            raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
     elif isinstance(t, ZeroTensor):
         for p in t.pieces:
             files.fd(p.path)
-    elif isinstance(t, ShardTensor):
+    elif isinstance(t, StTensor):
         files.fd(t.path)
 
 
@@ -230,7 +187,7 @@ class VerifyInTurn:
     thousand rank files is read in turn, not by a thousand threads at once. :meth:`join` raises the first bad
     record; ``crcs`` then holds each file's CRCs in check order."""
 
-    def __init__(self, files: _Files, checks: dict[str, list[Check]]) -> None:
+    def __init__(self, files: DataFiles, checks: dict[str, list[Check]]) -> None:
         self.files, self.checks = files, checks
         self.crcs: dict[str, list[int]] = {}
         self.current: Verifier | None = None
@@ -320,7 +277,7 @@ class InOrder:
 
 
 def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, str]:
-    """The checkpoint a folder holds with tensor records (:class:`DcpTensor`, :class:`ShardTensor`: dtype,
+    """The checkpoint a folder holds with tensor records (:class:`DcpTensor`, :class:`StTensor`: dtype,
     shape, and where the bytes are) in place of tensors, and its kind (``dcp`` or ``shards``); no tensor byte is
     read (DCP's small non-tensor values are). Raises Fallback for folders it does not describe (accelerate
     folders, torch shards)."""
@@ -331,12 +288,12 @@ def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, 
 
 def open_tree(
     src: str, *, allow_globals: tuple[str, ...] = (), optimizer: bool = False
-) -> tuple[Any, str, _Files, frozenset[str]]:
-    """:func:`folder_tree` with the data files left open for :func:`read_dcp_tensor`, and the allowlist to read
+) -> tuple[Any, str, DataFiles, frozenset[str]]:
+    """:func:`folder_tree` with the data files left open for reading its tensors, and the allowlist to read
     them with; the caller closes them (``files.close()``). ``optimizer`` (a DeepSpeed run only): the tree is
     ``{"model": state dict, "optimizer": the consolidated optimizer state dict}``."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
-    files = _Files()
+    files = DataFiles()
     try:
         if is_dcp(src):
             tree, kind = _dcp_tree(src, files, allowed=allowed)
@@ -354,28 +311,16 @@ def open_tree(
     return tree, kind, files, allowed
 
 
-def chunking(t: DcpTensor) -> str:
-    """How a DCP tensor is stored: ``2 row chunks in __0_0.distcp, __1_0.distcp`` (for ``inspect``)."""
-    kind = "row" if all(_rows(t.entry, c) for c in t.entry.chunks) else "block"
-    files = sorted({os.path.basename(c.span.path) for c in t.entry.chunks})
-    n = len(t.entry.chunks)
-    return f"{n} {kind} chunk{'s' * (n != 1)} in {', '.join(files)}"
+def _dcp_tree(src: str, files: DataFiles, *, allowed: frozenset[str]) -> tuple[Any, str]:
+    tree, why = dcp_tree(src, files.fd, allowed=allowed)
+    if why is not None:
+        raise Fallback(why)
+    return tree, "dcp"
 
 
-def _dcp_tree(src: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any, str]:
-    d = read_dcp(src)
-    room_for_files(len(d.files), source=src)  # each data file stays open until the end (checked unchanged then)
-    flat: dict[str, Any] = {key: DcpTensor(key, entry) for key, entry in d.tensors.items()}
-    for key, span in d.values.items():
-        z = read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
-                           end=span.offset + span.length)  # fmt: skip
-        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
-            raise Fallback(f"value '{key}' holds tensors or objects, which the torch path rebuilds")
-        flat[key] = z.tree
-    return nest(flat, d.paths), "dcp"
-
-
-def _zero_tree(src: str, files: _Files, *, allow_globals: tuple[str, ...], optimizer: bool = False) -> tuple[Any, str]:
+def _zero_tree(
+    src: str, files: DataFiles, *, allow_globals: tuple[str, ...], optimizer: bool = False
+) -> tuple[Any, str]:
     """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records (with ``optimizer``, beside
     its consolidated optimizer state dict); the CRC of every storage record they are read from (the flat
     partitions; the moments too with ``optimizer``) is checked as the copy runs."""
@@ -398,19 +343,13 @@ def _shards_tree(src: str) -> tuple[Any, str]:
     for path in folder.files:
         if detect_format(path) != "safetensors":
             raise Fallback(f"shard {os.path.basename(path)} is a torch file")
-    held: dict[int, tuple[Any, ShardTensor]] = {}  # the header's records kept alive: their ids stay unique
-
-    def record(path: str, t: Any) -> ShardTensor:
-        if id(t) not in held:  # tied: one tensor under two names, one record
-            held[id(t)] = (t, ShardTensor(t.dtype, t.shape, path, t.start, t.end - t.start))
-        return held[id(t)][1]
-
+    # a tensor under two names of a shard is one record of it, read from that shard
     shards = ((path, tree_from_header(read_header(path), source=path)) for path in folder.files)
-    return merge_shards(folder, shards, record=record), "shards"
+    return merge_shards(folder, shards), "shards"
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
-    if not isinstance(t, (DcpTensor, ShardTensor, ZeroTensor, CastTensor)):
+    if not isinstance(t, (DcpTensor, StTensor, ZeroTensor, CastTensor)):
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
@@ -421,29 +360,10 @@ def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]
     return key, t.dtype, t.shape, _record_size(t)[0]
 
 
-def _rows(entry: TensorEntry, c: Chunk) -> bool:
-    """True when the chunk is a whole range of rows: a contiguous byte range of the full tensor."""
-    return all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == entry.shape[1:]
-
-
-def _chunk_record(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> tuple[Any, Any]:
-    """The chunk's parsed archive and tensor record (its pickle checked); refused unless it is the tensor the
-    metadata says."""
-    z = read_torch_zip(files.fd(c.span.path), c.span.path, allowed=allowed, start=c.span.offset,
-                       end=c.span.offset + c.span.length)  # fmt: skip
-    t = z.tree
-    if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
-        raise FormatError(
-            f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} is not a contiguous {entry.dtype} tensor of "
-            f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
-        )
-    return z, t
-
-
-def _locate(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
+def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
     """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
     (row-major, contiguous) are."""
-    z, t = _chunk_record(c, files, entry=entry, key=key, allowed=allowed)
+    z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
     if t.math_bits:  # dcp.save pickles a conj or neg view as torch.save does: bit and all
         raise Fallback(f"chunk of '{key}' is a {' and '.join(t.math_bits)} view: its bytes are not its values")
     rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
@@ -454,44 +374,7 @@ def _locate(c: Chunk, files: _Files, *, entry: TensorEntry, key: str, allowed: f
     )
 
 
-def read_dcp_tensor(t: DcpTensor, files: _Files, *, allowed: frozenset[str]) -> Any:
-    """The full tensor ``t`` stands for, in memory of its own: each chunk's record read and CRC-checked, the
-    chunks copied into place (a tensor stored whole is its one chunk)."""
-    import zlib
-
-    import torch
-
-    from ckptfix.formats.output.crc import check_crc
-
-    entry = t.entry
-    dtype = getattr(torch, entry.dtype)
-    item = DTYPES[entry.dtype].itemsize
-    full = None
-    for c in entry.chunks:
-        z, record = _chunk_record(c, files, entry=entry, key=t.key, allowed=allowed)
-        rec = z.archive.by_name[f"{z.archive.prefix}data/{record.storage.key}"]
-        data = bytearray(rec.size)
-        if os.preadv(files.fd(c.span.path), [data], rec.data_offset) != rec.size:
-            raise FormatError(f"{c.span.path}: ends inside chunk of '{t.key}'; it is truncated: copy the folder again")
-        check_crc(c.span.path, rec.name, rec.crc, zlib.crc32(data))
-        n = math.prod(c.sizes)
-        start = record.offset * item
-        part = (
-            torch.frombuffer(data, dtype=torch.uint8)[start : start + n * item].view(dtype).reshape(c.sizes)
-            if n
-            else torch.empty(c.sizes, dtype=dtype)
-        )
-        if record.math_bits:  # a conj or neg view: copy_ below (or the caller) sees its values
-            torch._utils.set_tensor_metadata(part, record.math_bits)  # type: ignore[no-untyped-call]
-        if len(entry.chunks) == 1:
-            return part
-        if full is None:
-            full = torch.empty(entry.shape, dtype=dtype)
-        chunk_region(full, c).copy_(part)
-    return full if full is not None else torch.empty(entry.shape, dtype=dtype)
-
-
-def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor | ZeroTensor | CastTensor, files: _Files) -> str:
+def _write_tensor(out: BinaryIO, t: DcpTensor | StTensor | ZeroTensor | CastTensor, files: DataFiles) -> str:
     if isinstance(t, CastTensor):
         write_cast_record(out.write, t, files)
         return "cast"
@@ -509,22 +392,22 @@ def _write_tensor(out: BinaryIO, t: DcpTensor | ShardTensor | ZeroTensor | CastT
     return "copied"
 
 
-def byte_ranges(t: DcpTensor | ShardTensor | ZeroTensor, files: _Files) -> list[tuple[str, int, int]] | None:
+def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
     buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered."""
-    if isinstance(t, ShardTensor):
+    if isinstance(t, StTensor):
         return [(t.path, t.start, t.nbytes)] if t.nbytes else []
     if isinstance(t, ZeroTensor):
         return [(p.path, p.offset, p.nbytes) for p in t.pieces if p.nbytes]
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
     if entry.nbytes == 0:
         return []
-    if not all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
+    if not all(rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
         return None
     return [(c.span.path, files.located[id(c)][1], math.prod(c.sizes) * item) for c in entry.chunks]
 
 
-def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor, files: _Files) -> None:
+def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor, files: DataFiles) -> None:
     """``t``'s bytes, cast a block at a time from its source's byte ranges (a DCP tensor of blocks gathered)."""
     src = t.source
     zero = isinstance(src, ZeroTensor)
@@ -552,13 +435,13 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
     os.lseek(dst, pos, os.SEEK_SET)
 
 
-def _gather(out: BinaryIO, t: DcpTensor, files: _Files) -> None:
+def _gather(out: BinaryIO, t: DcpTensor, files: DataFiles) -> None:
     from ckptfix.formats.containers.safetensors import tensor_bytes
 
     out.write(tensor_bytes(_gathered(t, files)))
 
 
-def _gathered(t: DcpTensor, files: _Files) -> Any:
+def _gathered(t: DcpTensor, files: DataFiles) -> Any:
     """The full tensor of DCP chunks that are blocks: the bounded buffer, one tensor, never the whole folder."""
     import torch
 
@@ -576,14 +459,10 @@ def _gathered(t: DcpTensor, files: _Files) -> Any:
 
 
 __all__ = [
-    "DcpTensor",
-    "ShardTensor",
     "byte_ranges",
-    "chunking",
     "convert_folder",
     "folder_tree",
     "open_tree",
     "prepare",
-    "read_dcp_tensor",
     "write_cast_record",
 ]

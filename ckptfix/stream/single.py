@@ -1,4 +1,4 @@
-"""One file read as the folder stream reads a folder: each tensor a :class:`ShardTensor` (a byte range of the
+"""One file read as the folder stream reads a folder: each tensor a :class:`StTensor` (a byte range of the
 file), so that ``--dtype`` and ``--shard-size`` stream from a ``.safetensors`` or ``.pt`` file as they do from a
 folder. A ``.pt`` file's records are CRC-checked as the copy runs; what the torch path would build rather than
 copy (a view, a conj or neg bit, a tensor with hooks, any other object) steps aside for it (:class:`Fallback`).
@@ -7,31 +7,31 @@ copy (a view, a conj or neg bit, a tensor with hooks, any other object) steps as
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Hashable
 from typing import Any
 
-from ckptfix.formats.containers.safetensors import losses_note, read_header
+from ckptfix.formats.containers.safetensors import StTensor, losses_note, read_header, tree_from_header
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import map_tree
 from ckptfix.formats.torchio.opaque import describe
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.folders import ShardTensor, _Files
-from ckptfix.stream.st import StTensor, tree_from_header
 
 
-def file_tree(src: str, fmt: str, files: _Files, *, allowed: frozenset[str]) -> tuple[Any, str]:
-    """The checkpoint of file ``src`` (``fmt``: ``safetensors`` or ``torch-zip``) with a :class:`ShardTensor`
+def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) -> tuple[Any, str]:
+    """The checkpoint of file ``src`` (``fmt``: ``safetensors`` or ``torch-zip``) with a :class:`StTensor`
     for each tensor (one record for a tensor stored once under two names), and its kind for the notes."""
     if fmt == "safetensors":
-        return _rebuild(tree_from_header(read_header(src), source=src), _st_record(src)), "safetensors"
+        return tree_from_header(read_header(src), source=src), "safetensors"
     z = describe(files.fd(src), src, allowed=allowed)  # an entry of refused globals kept opaque: carry() refuses it
     if z.byteorder != "little":
         raise Fallback(f"input is {z.byteorder}-endian; safetensors is little-endian")
     files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
     located = _PtRecords(src, z)
-    tree = _rebuild(z.tree, located)
+    tree = map_tree(z.tree, located, leaf=(inert.InertTensor, inert.InertParameter))
     if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(tree)):
         raise Fallback("the checkpoint holds objects other than tensors, which the torch path builds")
     files.losses = located.losses
@@ -53,44 +53,29 @@ def copyable_tensor(value: inert.InertTensor | inert.InertParameter) -> inert.In
     return t
 
 
-def _st_record(src: str) -> Callable[[Any], ShardTensor | None]:
-    made: dict[int, ShardTensor] = {}
-
-    def record(value: Any) -> ShardTensor | None:
-        if not isinstance(value, StTensor):
-            return None
-        if id(value) not in made:
-            made[id(value)] = ShardTensor(value.dtype, value.shape, src, value.start, value.end - value.start)
-        return made[id(value)]
-
-    return record
-
-
 class _PtRecords:
-    """A :class:`ShardTensor` for each plain, contiguous tensor of a ``.pt`` file; tensors viewing the same bytes
+    """A :class:`StTensor` for each plain, contiguous tensor of a ``.pt`` file; tensors viewing the same bytes
     the same way (tied weights) get one, as the torch path stores them once. What each was (a Parameter, a view
     of a larger storage, requires_grad) is kept for :meth:`losses`."""
 
     def __init__(self, src: str, z: Any) -> None:
         self.src, self.z = src, z
-        self.made: dict[tuple[Any, ...], ShardTensor] = {}
+        self.made: dict[Hashable, StTensor] = {}
         self.kinds: dict[int, tuple[bool, bool, bool]] = {}  # id(value) -> (Parameter, view, requires_grad)
 
-    def __call__(self, value: Any) -> ShardTensor | None:
-        if not isinstance(value, (inert.InertTensor, inert.InertParameter)):
-            return None
+    def __call__(self, value: Any) -> StTensor:
         param = isinstance(value, inert.InertParameter)
         t = copyable_tensor(value)
         if not t.is_contiguous():
             raise Fallback("a tensor is a non-contiguous view, which the torch path makes contiguous")
         width, nbytes = DTYPES[t.dtype].itemsize, math.prod(t.shape) * DTYPES[t.dtype].itemsize
         rec = self.z.archive.by_name[f"{self.z.archive.prefix}data/{t.storage.key}"]  # present and in bounds
-        ident = (t.storage.key, t.offset, tuple(t.shape), tuple(t.stride), t.dtype)
+        ident = t.identity()
         if ident not in self.made:
-            self.made[ident] = ShardTensor(t.dtype, tuple(t.shape), self.src, rec.data_offset + t.offset * width,
-                                           nbytes)  # fmt: skip
+            start = rec.data_offset + t.offset * width
+            self.made[ident] = StTensor(t.dtype, tuple(t.shape), start, start + nbytes, self.src)
         record = self.made[ident]
-        grad = bool(value.args[1] if param else t.args[4])
+        grad = value.requires_grad
         self.kinds[id(record)] = self.kinds.get(id(record), (param, rec.size > nbytes, grad))
         return record
 
@@ -111,25 +96,6 @@ class _PtRecords:
                 views += kind[1] and not cast
                 grads += kind[2]
         return losses_note(params=params, views=views, grads=grads)
-
-
-def _rebuild(tree: Any, record: Callable[[Any], ShardTensor | None]) -> Any:
-    """``tree`` with ``record(value)`` in place of each tensor (dicts, lists and tuples rebuilt, their attributes
-    such as an OrderedDict's ``_metadata`` kept)."""
-
-    def convert(value: Any) -> Any:
-        if (found := record(value)) is not None:
-            return found
-        if isinstance(value, dict):
-            new = type(value)((k, convert(v)) for k, v in value.items())
-            for name, attr in getattr(value, "__dict__", {}).items():
-                setattr(new, name, attr)
-            return new
-        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            return type(value)(convert(v) for v in value)
-        return value
-
-    return convert(tree)
 
 
 __all__ = ["copyable_tensor", "file_tree"]

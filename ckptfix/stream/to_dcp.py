@@ -24,24 +24,25 @@ from typing import Any
 
 from ckptfix.checkpoint import Conversion
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.safetensors import read_header
+from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.dcp import chunk_region, save_dcp
+from ckptfix.formats.folders.datafiles import DataFiles
+from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, save_dcp
+from ckptfix.formats.folders.dcp_chunks import rows
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.folders import DcpTensor, ShardTensor, VerifyInTurn, _Files, _locate, _rows, open_tree
-from ckptfix.stream.single import copyable_tensor
-from ckptfix.stream.st import StTensor, tree_from_header
+from ckptfix.stream.folders import VerifyInTurn, open_tree, prepare
 
-_RECORDS = (CastTensor, DcpTensor, ShardTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
+_RECORDS = (CastTensor, DcpTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 # (file descriptor, offset, length) of a run of a tensor's bytes, in order
 Run = tuple[int, int, int]
 _TRIM = 1 << 20  # a tensor at least this large freed: the C heap trimmed
@@ -70,7 +71,7 @@ def convert_to_dcp(
         reader = _Reader(src, files, z)
         metas, records = _meta_tree(obj, source=src)
         for record in {id(r): r for r in records.values()}.values():
-            reader.prepare(record, allowed=allowed)  # chunk archives parsed and their CRCs queued, before any write
+            prepare(record, files, allowed=allowed)  # chunk archives parsed and their CRCs queued, before any write
         verifier = VerifyInTurn(files, files.checks)
         planner = streaming_planner(records, reader.read)
 
@@ -97,7 +98,7 @@ def convert_to_dcp(
 
 def _open(
     src: str, *, in_fmt: str, allow_globals: tuple[str, ...], allowed: frozenset[str]
-) -> tuple[Any, str, _Files, TorchZip | None]:
+) -> tuple[Any, str, DataFiles, TorchZip | None]:
     """The checkpoint with tensor records, what it is (for the note), its open files (the caller closes them),
     and a ``.pt`` input's description."""
     if in_fmt == "folder":
@@ -105,7 +106,7 @@ def _open(
         return tree, kind, files, None
     if in_fmt not in ("safetensors", "torch-zip"):
         raise Fallback(f"input is a {in_fmt} file")
-    files = _Files()
+    files = DataFiles()
     try:
         fd = files.fd(src)
         if in_fmt == "safetensors":
@@ -126,18 +127,13 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
     the torch path does with the tensor itself (Fallback)."""
     import torch
 
-    from ckptfix.reading import torch_dtype
-
     records: dict[int, Any] = {}
     made: dict[int, Any] = {}  # one meta tensor per record: a tied tensor stays one object, as it was loaded
 
     def meta(record: Any) -> Any:
         if id(record) not in made:
-            read = record.source if isinstance(record, CastTensor) else record
-            t = inert.tensor_of(read) if isinstance(read, inert.Inert) else read
-            dtype = record.dtype if isinstance(record, CastTensor) else t.dtype
-            m = torch.empty(t.shape, dtype=torch_dtype(torch, dtype, source=source), device="meta")
-            if _requires_grad(record):
+            m = torch.empty(record.shape, dtype=torch_dtype(torch, record.dtype, source=source), device="meta")
+            if record.requires_grad:  # DCP's metadata records the torch path's flag
                 m.requires_grad_(True)
             made[id(record)] = m
             records[id(m)] = record
@@ -158,38 +154,11 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
     return walk(obj), records
 
 
-def _requires_grad(record: Any) -> bool:
-    """What the torch path's tensor has (DCP's metadata records it): a .pt's flag (kept by a cast, as
-    ``Tensor.to`` keeps it); False for every other input."""
-    if isinstance(record, CastTensor):
-        return _requires_grad(record.source)
-    if isinstance(record, inert.InertParameter):
-        return bool(record.args[1])
-    return bool(record.args[4]) if isinstance(record, inert.InertTensor) else False
-
-
 class _Reader:
     """Reads one tensor record into a tensor of its own (storage torch allocated, so that it can be freed)."""
 
-    def __init__(self, source: str, files: _Files, z: TorchZip | None) -> None:
+    def __init__(self, source: str, files: DataFiles, z: TorchZip | None) -> None:
         self.source, self.files, self.z = source, files, z
-
-    def prepare(self, record: Any, *, allowed: frozenset[str]) -> None:
-        """Check what can be checked before the first byte is written: a DCP tensor's chunk archives (their
-        records' CRCs queued), a .pt tensor's kind."""
-        if isinstance(record, CastTensor):
-            self.prepare(record.source, allowed=allowed)
-        elif isinstance(record, DcpTensor):
-            for c in record.entry.chunks:
-                _locate(c, self.files, entry=record.entry, key=record.key, allowed=allowed)
-        elif isinstance(record, (inert.InertParameter, inert.InertTensor)):
-            if not copyable_tensor(record).is_contiguous():
-                raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
-        elif isinstance(record, ZeroTensor):
-            for p in record.pieces:
-                self.files.fd(p.path)
-        elif isinstance(record, ShardTensor):
-            self.files.fd(record.path)
 
     def read(self, record: Any, *, key: str) -> Any:
         """The tensor of ``record`` (planned as ``key``) in memory of its own."""
@@ -203,13 +172,10 @@ class _Reader:
             return out.to(getattr(torch, record.cast)) if record.cast else out  # as zero_to_fp32 casts
         if isinstance(record, DcpTensor):
             return self._dcp(record, key=key)
-        if isinstance(record, ShardTensor):
+        if isinstance(record, StTensor):
             return self._runs(
                 [(self.files.fd(record.path), record.start, record.nbytes)], record.dtype, record.shape, key=key
             )
-        if isinstance(record, StTensor):
-            return self._runs([(self.files.fd(self.source), record.start, record.end - record.start)],
-                              record.dtype, record.shape, key=key)  # fmt: skip
         t = inert.tensor_of(record)
         assert self.z is not None  # a .pt record comes from a .pt input
         rec = self.z.archive.by_name[f"{self.z.archive.prefix}data/{t.storage.key}"]
@@ -226,7 +192,7 @@ class _Reader:
 
         entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
         runs = [(*self.files.located[id(c)], _numel(c.sizes) * item) for c in entry.chunks]
-        if all(_rows(entry, c) for c in entry.chunks):  # sorted by offsets: the row ranges are the tensor in order
+        if all(rows(entry, c) for c in entry.chunks):  # sorted by offsets: the row ranges are the tensor in order
             return self._runs(runs, entry.dtype, entry.shape, key=key)
         full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))  # the one tensor, gathered from blocks
         for c, run in zip(entry.chunks, runs, strict=True):

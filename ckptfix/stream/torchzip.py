@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.torchzip import HEAD, TAIL, TorchZip
+from ckptfix.formats.containers.torchsave import storage_name, write_head, write_tail
+from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import ALIGN, BLOCK, ZipWriter, stored_crc
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert, pickling
@@ -112,30 +113,22 @@ def plan_new_torch(
     """
     pkl, _ = _dump(tree)
     plan = Plan(ZipWriter(dst_fd))
-    prefix = "archive/"
-    plan.writer.add(prefix + "data.pkl", pkl, zlib.crc32(pkl))
     placed = [src.offset if src.length >= SHARE_MIN and src.offset % ALIGN == 0 else None for src in sources]
-    computable = all(p is None for p in placed[1:])
-    for rec_name, data in HEAD:
-        if computable or rec_name != ".format_version":
-            plan.writer.add(prefix + rec_name, data, zlib.crc32(data))
+    write_head(plan.writer, pkl, format_version=all(p is None for p in placed[1:]))
     window = _Reader(src_fd, source) if src_fd is not None else None
     for i, src in enumerate(sources):
         if window is not None and placed[i] is None and src.length <= _INLINE:
             data = window.read(src.offset, src.length)
-            plan.writer.add(f"{prefix}data/{i}", data, zlib.crc32(data))
+            plan.writer.add(storage_name(str(i)), data, zlib.crc32(data))
             plan.inlined += len(data)
             continue
-        offset = plan.writer.begin(f"{prefix}data/{i}", src.length, congruent_to=placed[i])
+        offset = plan.writer.begin(storage_name(str(i)), src.length, congruent_to=placed[i])
         plan.jobs.append(Job(src.offset, offset, src.length))
         # The CRC is known once the bytes have been read: set_crc() patches it in before finish().
-        plan.checks.append(Check(f"{prefix}data/{i}", src.offset, src.length, None))
+        plan.checks.append(Check(storage_name(str(i)), src.offset, src.length, None))
         plan.crc_slots.append(len(plan.writer.records) - 1)
         plan.writer.end(0)
-    for rec_name, data in TAIL:
-        plan.writer.add(prefix + rec_name, data, zlib.crc32(data))
-    ident = b"%040d" % (int.from_bytes(os.urandom(17), "big") % 10**40)  # 40 digits, as torch.save
-    plan.writer.add(prefix + ".data/serialization_id", ident, zlib.crc32(ident))
+    write_tail(plan.writer)
     return plan
 
 

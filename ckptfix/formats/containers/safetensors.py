@@ -19,15 +19,18 @@ import operator
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
+from ckptfix.formats.containers.ziparchive import BLOCK
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 from ckptfix.formats.output.atomic import PathLike, atomic_output
+from ckptfix.formats.pickles.inert import gc_paused
 from ckptfix.formats.raw import RawTensor
+from ckptfix.formats.records import TensorRecord
 from ckptfix.formats.strict_json import Said, json_object
 
 MAX_HEADER = 100 * 1024 * 1024
@@ -445,3 +448,93 @@ def restore(tensors: Mapping[str, Any], metadata: Mapping[str, str], *, source: 
             f"{source}: its '{META_KEY}' metadata is damaged ({e}); load it with plain safetensors"
         ) from e
     return out
+
+
+@dataclass(eq=False)
+class StTensor(TensorRecord):
+    """A tensor whose bytes are ``[start, end)`` of file ``path`` as they are: a safetensors tensor (a plain
+    contiguous tensor of a ``.pt`` file, read as one by the streaming path)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    path: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def identity(self) -> Hashable:
+        return ("st", self.path, self.start, self.end, self.dtype, self.shape)
+
+    def _storage(self) -> Hashable:
+        return ("st", self.path, self.start)
+
+
+def tree_from_header(header: Header, *, source: str) -> Any:
+    """The checkpoint :func:`load_safetensors` returns (aliases, key order, ``_metadata``, model entry and extras
+    from the ``ckptfix`` metadata), with a :class:`StTensor` of file ``source`` for each tensor."""
+    base = header.data_start
+    tensors = {
+        key: StTensor(FROM_SAFETENSORS[t.dtype], t.shape, base + t.begin, base + t.end, source)
+        for key, t in header.tensors.items()  # data order, as the torch path reads them
+    }
+    return restore(tensors, header.metadata, source=source)
+
+
+@dataclass
+class StOutput:
+    """A safetensors file to write: its header bytes, then each tensor's bytes from a source range."""
+
+    header: bytes
+    ranges: list[tuple[int, int]]  # (source offset, length) in data order
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(n for _, n in self.ranges)
+
+
+@gc_paused()  # a range and a header entry per tensor: nothing to collect, only to rescan
+def plan_safetensors(
+    obj: Any, *, out: str, locate: Any, refuse: type[Exception], keep_offsets: bool = False
+) -> StOutput:
+    """Header and data ranges for ``obj`` (a state dict or a checkpoint with one model entry); ``refuse(why)`` is
+    raised for what the caller's writer does not write (a value that is not a tensor, a dtype without a code).
+
+    ``locate(value) -> (dtype, shape, source_offset, nbytes, identity)`` finds a tensor's bytes or raises.
+    Mirrors ``save_safetensors``: tied tensors stored once and recorded as aliases. With
+    ``keep_offsets`` the header is padded so that the most bytes keep their source offset modulo 4096 (all of
+    them when the data keeps its order, as .safetensors to .safetensors does), for a copy that shares blocks.
+    """
+    state, meta = split_checkpoint(obj, out=out)
+    ranges: list[tuple[int, int]] = []
+    stored: list[tuple[str, str, tuple[int, ...], int]] = []
+    aliases: dict[str, str] = {}
+    seen: dict[Any, str] = {}
+    for key, value in state.items():
+        if not is_tensor(value):
+            raise refuse(f"key '{key}' holds a {type(value).__name__}, not a tensor")
+        dtype, shape, src, nbytes, ident = locate(value)
+        if safetensors_code(dtype) is None:
+            raise refuse(f"key '{key}' has dtype {dtype}, which the fast path does not write to safetensors")
+        if nbytes > 0 and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        stored.append((key, dtype, tuple(shape), nbytes))
+        ranges.append((src, nbytes))
+    start = _best_data_start(ranges) if keep_offsets else None
+    return StOutput(encode_header(state, meta, stored, aliases, out=out, congruent_to=start), ranges)
+
+
+def _best_data_start(ranges: list[tuple[int, int]]) -> int | None:
+    """The data buffer's start modulo 4096 that keeps the most bytes at their source offset modulo 4096."""
+    gain: dict[int, int] = {}
+    at = 0
+    for src, nbytes in ranges:
+        start = (src - at) % BLOCK
+        if nbytes and start % 8 == 0:  # the buffer must stay 8-aligned
+            gain[start] = gain.get(start, 0) + nbytes
+        at += nbytes
+    return max(sorted(gain), key=gain.__getitem__) if gain else None

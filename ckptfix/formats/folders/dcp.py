@@ -12,13 +12,14 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
 from ckptfix.formats.pickles import inert, unpickling
+from ckptfix.formats.records import TensorRecord
 from ckptfix.formats.safety import allowlist
 
 METADATA = ".metadata"
@@ -62,6 +63,32 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(eq=False)
+class DcpTensor(TensorRecord):
+    """A full tensor of a DCP folder, known from the metadata: its bytes come from its chunks."""
+
+    key: str
+    entry: TensorEntry
+
+    @property
+    def dtype(self) -> str:
+        return self.entry.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.entry.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+    def identity(self) -> Hashable:
+        return ("dcp", self.key)  # tied names share the one record
+
+    def _storage(self) -> Hashable:
+        return ("dcp", self.key)
 
 
 @dataclass(frozen=True)

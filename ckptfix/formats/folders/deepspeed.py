@@ -42,9 +42,9 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.ziparchive import Record
@@ -70,6 +70,7 @@ from ckptfix.formats.folders.deepspeed_pickles import (
     shape_of,
 )
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import TensorRecord
 from ckptfix.formats.safety import allowlist
 
 if TYPE_CHECKING:
@@ -87,11 +88,10 @@ class Piece:
 
 
 @dataclass(eq=False)
-class ZeroTensor:
+class ZeroTensor(TensorRecord):
     """A consolidated tensor of a ZeRO run: its bytes are ``pieces`` in order (dtype ``stored``), cast to ``dtype``
     where zero_to_fp32 casts (a half-precision buffer becomes float32)."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     key: str
     stored: str
     shape: tuple[int, ...]
@@ -106,6 +106,12 @@ class ZeroTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def identity(self) -> Hashable:
+        return ("zero", self.key)  # tied names share the one record
+
+    def _storage(self) -> Hashable:
+        return ("zero", self.key)
 
 
 @dataclass(frozen=True)

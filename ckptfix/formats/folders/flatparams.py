@@ -16,11 +16,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.fsdp import FLAT_PARAM, RankFilesError, ShardedTensorRecord
+from ckptfix.formats.records import TensorRecord
 
 _ALIGNMENT = 16  # bytes: FSDP's _get_aligned_numel (a TorchInductor constraint)
 _HALF = 2  # the itemsize of bfloat16 and float16, MixedPrecision's usual param_dtype
@@ -44,11 +45,10 @@ class Plan:
 
 
 @dataclass(eq=False)
-class FlatSliceRecord:
+class FlatSliceRecord(TensorRecord):
     """One parameter of a rank file's flat parameter: its dtype and full shape, and where it lies in the flat
     parameter once every rank's shards are joined."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     dtype: str
     shape: tuple[int, ...]
     sharding: str  # "ShardedTensor, 2 shard(s) over 2 rank(s), split from '_flat_param'"

@@ -16,11 +16,12 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from ckptfix.errors import FormatError, MergeError
 from ckptfix.formats.dtypes import DTYPES, shape_problem
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import TensorRecord
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, ShardedCheckpointError, explain
 
 FLAT_PARAM = "_flat_param"
@@ -243,10 +244,9 @@ def _how(p: Piece) -> str:
 
 
 @dataclass(eq=False)
-class DTensorRecord:
+class DTensorRecord(TensorRecord):
     """One rank's DTensor as ``inspect`` shows it: the full tensor's dtype and shape, and how it is sharded."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     dtype: str
     shape: tuple[int, ...]
     sharding: str  # "Shard(0) on mesh [2]"
@@ -418,10 +418,9 @@ class ShardedPiece:
 
 
 @dataclass(eq=False)
-class ShardedTensorRecord:
+class ShardedTensorRecord(TensorRecord):
     """One rank's ShardedTensor in a merge: the full tensor's dtype and shape, and the rank's piece."""
 
-    __ckptfix_tensor__: ClassVar[bool] = True
     dtype: str
     shape: tuple[int, ...]
     sharding: str  # "ShardedTensor, 2 shards over 2 ranks"

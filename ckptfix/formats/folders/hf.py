@@ -17,7 +17,7 @@ import shutil
 import stat
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from ckptfix.formats.containers.safetensors import stored_identity
 from ckptfix.formats.folders.deepspeed_files import missing_run
 from ckptfix.formats.folders.hf_index import INDEX_SUFFIX, inside, is_index, looks_like_json, read_index, shards
 from ckptfix.formats.output.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
+from ckptfix.formats.records import Spec, TensorRecord, identity, spec, storage_of
 
 # accelerate's save_state names (accelerate.utils.constants): model files first, then the training state.
 _MODEL_FILE = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
@@ -410,3 +411,33 @@ def _unique(sizes: list[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]
         if item[2] is None or item[2] not in seen:
             seen.add(item[2])
             yield item
+
+
+@dataclass(eq=False)
+class FolderTensor(TensorRecord):
+    """A tensor (record) of file ``part`` of a folder: two files' records (storage ``0`` of two ``.bin`` shards, two
+    safetensors shards' first tensors) never pass for one tensor."""
+
+    part: int
+    inner: Any
+
+    @property
+    def dtype(self) -> str:
+        return spec(self.inner).dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return spec(self.inner).shape
+
+    def spec(self) -> Spec:
+        return spec(self.inner)
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(getattr(self.inner, "requires_grad", False))
+
+    def identity(self) -> Hashable:
+        return (self.part, identity(self.inner))
+
+    def _storage(self) -> Hashable:
+        return (self.part, storage_of(self.inner))

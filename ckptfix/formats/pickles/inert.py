@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 import gc
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
+from ckptfix.formats.records import TensorRecord
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import MAX_DEPTH
 
@@ -122,7 +123,6 @@ class StorageRef:
 class Inert:
     """A call of an allowlisted global, kept as its recipe: ``func(*args)`` or ``func.__new__``, then state."""
 
-    __ckptfix_tensor__: ClassVar[bool] = False
     __slots__ = ("args", "func", "has_state", "newobj", "state")
 
     def __init__(self, func: type[Global], args: tuple[Any, ...]) -> None:
@@ -210,11 +210,20 @@ def _check_view(func: str, args: tuple[Any, ...], *, dtype: str | None) -> None:
         )
 
 
-class InertTensor(Inert):
+class InertTensor(Inert, TensorRecord):
     """``_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks[, dtype])``."""
 
-    __ckptfix_tensor__ = True
     __slots__ = ()
+
+    def identity(self) -> Hashable:
+        return ("pt", self.storage.key, self.offset, self.shape, self.stride, self.dtype)
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self.args[4])
+
+    def _storage(self) -> Hashable:
+        return ("pt", self.storage.key)
 
     def __init__(self, func: type[Global], args: tuple[Any, ...]) -> None:
         super().__init__(func, args)
@@ -349,11 +358,20 @@ def _fits(ref: StorageRef, offset: int, shape: tuple[Any, ...], stride: tuple[An
     return numel == 0 or (extent * width <= ref.nbytes and numel * width <= ref.nbytes + EXPANDED_LIMIT)
 
 
-class InertParameter(Inert):
+class InertParameter(Inert, TensorRecord):
     """``_rebuild_parameter(data, requires_grad, hooks[, state])``: a Parameter around an InertTensor."""
 
-    __ckptfix_tensor__ = True
     __slots__ = ()
+
+    def identity(self) -> Hashable:
+        return self.data.identity()
+
+    @property
+    def requires_grad(self) -> bool:
+        return bool(self.args[1])
+
+    def _storage(self) -> Hashable:
+        return self.data._storage()
 
     def __init__(self, func: type[Global], args: tuple[Any, ...]) -> None:
         super().__init__(func, args)
@@ -407,13 +425,13 @@ def children_of(item: Any) -> list[Any]:
         return kids + list(extra.values()) if extra else kids
     if isinstance(item, (list, tuple)):
         return list(item)
-    if isinstance(item, Inert) and not item.__ckptfix_tensor__:
+    if isinstance(item, Inert) and not isinstance(item, TensorRecord):
         return [item.args, item.state] if item.has_state else [item.args]
     return []
 
 
 def is_container(item: Any) -> bool:
-    return isinstance(item, (dict, list, tuple)) or (isinstance(item, Inert) and not item.__ckptfix_tensor__)
+    return isinstance(item, (dict, list, tuple)) or (isinstance(item, Inert) and not isinstance(item, TensorRecord))
 
 
 def measure(tree: Any, *, budget: int, source: str) -> int:

@@ -42,8 +42,6 @@ _BUILDS = {
 class OpaqueEntry:
     """A top-level entry left unbuilt: its pickle records (``records``), never imported, called or loaded."""
 
-    __ckptfix_tensor__ = False
-
     name: str
     needs: tuple[str, ...]  # the globals outside the allowlist it names
     classes: tuple[tuple[str, int], ...]  # what its outermost such records build, with counts

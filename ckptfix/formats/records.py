@@ -1,0 +1,192 @@
+"""What a tensor record is: a tensor known by its dtype and shape (and where its bytes are), not yet read.
+
+Every reader that describes a checkpoint without torch puts records in place of tensors (a torch zip's
+``InertTensor``, a safetensors byte range, a DCP tensor of chunks, a ZeRO run's pieces, …); the writers put
+records of their own (a tensor to cast, one still to compute). Each is a :class:`TensorRecord`: its dtype (torch's
+name, ``float32``), shape, size, what makes two names one tensor (:meth:`~TensorRecord.identity`) and what its bytes
+live in (:meth:`~TensorRecord.storage_key`). The module functions answer the same for a real torch tensor too,
+without importing torch. :func:`map_tree` is the one walk that copies a tree's containers with its tensors
+replaced.
+
+Stdlib only (with the dtype table and the errors), so every layer can know what a tensor is.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ckptfix.errors import FormatError
+from ckptfix.formats.dtypes import nbytes as _nbytes
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A tensor's dtype (torch's name, ``float32``) and shape, known without reading it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    layout: str = "strided"  # sparse_coo, sparse_csr, …: a real tensor loaded by torch
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.dtype, self.numel)  # sub-byte dtypes (quint4x2) round up
+
+
+class TensorRecord:
+    """Base of every tensor record; a subclass has ``dtype`` (torch's name) and ``shape``, and says where its bytes
+    live by overriding :meth:`identity` and :meth:`_storage` (a record of its own, by default: a tensor to write)."""
+
+    __slots__ = ()
+    # what ckptfix.checkpoint.is_tensor looks for: the transforms sit below formats/, so they cannot import this
+    __ckptfix_tensor__: ClassVar[bool] = True
+    dtype: Any
+    shape: Any
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its data takes (sub-byte dtypes round up)."""
+        return _nbytes(self.dtype, self.numel())
+
+    def spec(self) -> Spec:
+        return Spec(self.dtype, tuple(self.shape))
+
+    @property
+    def requires_grad(self) -> bool:
+        """The flag of the tensor the torch path builds (a .pt's, kept by a cast); False for other inputs."""
+        return False
+
+    def identity(self) -> Hashable:
+        """Equal for two names of one tensor (tied weights); a record is its own tensor unless it says otherwise."""
+        return ("new", id(self))
+
+    def storage_key(self) -> Hashable | None:
+        """What its bytes live in, so tensors sharing storage can be found; None for an empty tensor."""
+        return None if self.spec().numel == 0 else self._storage()
+
+    def _storage(self) -> Hashable | None:
+        return None  # a record of what a tensor is, with no bytes behind it
+
+
+def is_record(value: object) -> bool:
+    """True for a tensor record of any reader or writer (not for a real tensor)."""
+    return isinstance(value, TensorRecord)
+
+
+def is_real_tensor(value: object) -> bool:
+    """True for a torch.Tensor (torch not imported here: nothing is one before torch is)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def spec(value: Any) -> Spec:
+    """Dtype and shape of a tensor or of a tensor record of any reader."""
+    if isinstance(value, TensorRecord):
+        return value.spec()
+    return Spec(str(value.dtype).removeprefix("torch."), tuple(value.shape), layout(value))
+
+
+def layout(value: Any) -> str:
+    return str(getattr(value, "layout", "strided")).removeprefix("torch.")
+
+
+def storage_of(value: Any) -> Hashable | None:
+    """What a tensor's bytes live in, so tensors sharing storage can be found; None for an empty tensor."""
+    if isinstance(value, TensorRecord):
+        return value.storage_key()
+    if spec(value).numel == 0 or not hasattr(value, "untyped_storage") or layout(value) != "strided":
+        return None  # empty; an object with no bytes behind it; a sparse tensor, which has no storage
+    return (str(value.device), value.untyped_storage().data_ptr())
+
+
+def identity(value: Any) -> Hashable:
+    """Equal for two names of one tensor (tied weights): same storage, offset, shape, strides and dtype."""
+    if isinstance(value, TensorRecord):
+        return value.identity()
+    ptr = value.untyped_storage().data_ptr()
+    return (ptr, value.storage_offset(), tuple(value.shape), tuple(value.stride()), str(value.dtype))
+
+
+def torch_dtype(torch: Any, name: str, *, source: str) -> Any:
+    """torch's dtype of that name (``torch`` passed in: this module never imports it)."""
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        raise FormatError(f"{source}: a tensor has dtype {name}, which this torch cannot represent; upgrade torch")
+    return dtype
+
+
+def map_tree(
+    tree: Any,
+    fn: Callable[[Any], Any],
+    *,
+    leaf: type | tuple[type, ...] | Callable[[Any], bool] = TensorRecord,
+    shared: bool = False,
+    exact: bool = True,
+) -> Any:
+    """A copy of the containers of ``tree`` with ``fn(value)`` in place of each value that ``leaf`` picks (a tensor
+    record by default; a class or tuple of classes: their instances). Dicts keep their kind (an ``OrderedDict``
+    stays one, a plain dict is made of any other mapping) and their attributes (a state dict's ``_metadata``);
+    lists and tuples are copied as such. With
+    ``exact`` only a plain list or tuple is entered (a namedtuple, a list subclass: an object, kept as it is);
+    without, any list is entered and any tuple becomes a plain tuple. ``shared`` keeps a dict or list reached
+    twice one object in the copy (as the pickle it is written to shares it). Anything else is kept as it is."""
+    done: dict[int, Any] = {}
+    kinds = leaf if isinstance(leaf, (type, tuple)) else None  # checked inline: a million values, no call each
+    picks: Callable[[Any], bool] = (lambda _: False) if isinstance(leaf, (type, tuple)) else leaf
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, kinds) if kinds is not None else picks(obj):
+            return fn(obj)
+        if isinstance(obj, dict):
+            if shared and id(obj) in done:
+                return done[id(obj)]
+            new: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
+            if shared:
+                done[id(obj)] = new
+            for k, v in obj.items():
+                new[k] = walk(v)
+            for name, attr in getattr(obj, "__dict__", {}).items():  # an OrderedDict's _metadata
+                setattr(new, name, attr)
+            return new
+        kind = type(obj)
+        if kind is list or (not exact and isinstance(obj, list)):
+            if shared and id(obj) in done:
+                return done[id(obj)]
+            out: list[Any] = []
+            if shared:
+                done[id(obj)] = out
+            out.extend(walk(v) for v in obj)
+            return out
+        if kind is tuple or (not exact and isinstance(obj, tuple)):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(tree)
+
+
+__all__ = [
+    "Spec",
+    "TensorRecord",
+    "identity",
+    "is_real_tensor",
+    "is_record",
+    "layout",
+    "map_tree",
+    "spec",
+    "storage_of",
+    "torch_dtype",
+]
