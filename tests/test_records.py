@@ -75,3 +75,9 @@ def test_map_tree_picks_by_class_or_predicate_and_keeps_sharing_when_asked() -> 
     assert copied["a"] is not copied["b"]
     kept = map_tree(tree, lambda v: v, leaf=int, shared=True)
     assert kept["a"] is kept["b"] and kept["a"] is not shared
+
+
+def test_byte_ranges_are_the_runs_of_file_bytes_a_record_is() -> None:
+    assert StTensor("int8", (3,), 10, 13, "a.safetensors").byte_ranges() == [("a.safetensors", 10, 3)]
+    assert StTensor("int8", (0,), 10, 10, "a.safetensors").byte_ranges() == []
+    assert Placeholder("int8", (3,)).byte_ranges() is None  # still to compute: no bytes anywhere yet

@@ -81,6 +81,11 @@ class TensorRecord:
     def _storage(self) -> Hashable | None:
         return None  # a record of what a tensor is, with no bytes behind it
 
+    def byte_ranges(self) -> list[tuple[str, int, int]] | None:
+        """The runs ``(path, offset, length)`` of file bytes that are its values in order, as stored (a DeepSpeed
+        buffer before its cast); None when its bytes are not runs of files as they are (to compute, to gather)."""
+        return None
+
 
 def is_record(value: object) -> bool:
     """True for a tensor record of any reader or writer (not for a real tensor)."""

@@ -395,10 +395,8 @@ def _write_tensor(out: BinaryIO, t: DcpTensor | StTensor | ZeroTensor | CastTens
 def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
     buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered."""
-    if isinstance(t, StTensor):
-        return [(t.path, t.start, t.nbytes)] if t.nbytes else []
-    if isinstance(t, ZeroTensor):
-        return [(p.path, p.offset, p.nbytes) for p in t.pieces if p.nbytes]
+    if not isinstance(t, DcpTensor):
+        return t.byte_ranges()
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
     if entry.nbytes == 0:
         return []

@@ -471,6 +471,9 @@ class StTensor(TensorRecord):
     def _storage(self) -> Hashable:
         return ("st", self.path, self.start)
 
+    def byte_ranges(self) -> list[tuple[str, int, int]]:
+        return [(self.path, self.start, self.nbytes)] if self.nbytes else []
+
 
 def tree_from_header(header: Header, *, source: str) -> Any:
     """The checkpoint :func:`load_safetensors` returns (aliases, key order, ``_metadata``, model entry and extras

@@ -113,6 +113,9 @@ class ZeroTensor(TensorRecord):
     def _storage(self) -> Hashable:
         return ("zero", self.key)
 
+    def byte_ranges(self) -> list[tuple[str, int, int]]:
+        return [(p.path, p.offset, p.nbytes) for p in self.pieces if p.nbytes]  # in dtype ``stored``
+
 
 @dataclass(frozen=True)
 class RunFile:
