@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.containers.safetensors import StTensor, plan_safetensors, tensor_bytes
 from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
 from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
@@ -25,7 +26,7 @@ from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, pickling
-from ckptfix.formats.records import TensorRecord, identity, is_real_tensor, is_record, map_tree, spec
+from ckptfix.formats.records import TensorRecord, identity, map_tree, spec
 from ckptfix.reading import Opened
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ class _TorchZip(StreamedWriter):
             return self.new(value)
 
         # a container reached twice stays one, as the pickle written shares it
-        self.tree = map_tree(tree, record, leaf=_is_tensor, shared=True, exact=False)
+        self.tree = map_tree(tree, record, leaf=is_tensor, shared=True, exact=False)
         try:
             self.pickle = pickling.dump(self.tree)
         except TypeError as e:
@@ -231,7 +232,3 @@ class _TorchZip(StreamedWriter):
         check_crc(self.base.source, source.name, stored_crc(source), crc)
         self.writer.end(crc)
         self.written.add(key)
-
-
-def _is_tensor(obj: Any) -> bool:
-    return is_record(obj) or is_real_tensor(obj)

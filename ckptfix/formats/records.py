@@ -14,7 +14,6 @@ Stdlib only (with the dtype table and the errors), so every layer can know what 
 from __future__ import annotations
 
 import math
-import sys
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -90,12 +89,6 @@ class TensorRecord:
 def is_record(value: object) -> bool:
     """True for a tensor record of any reader or writer (not for a real tensor)."""
     return isinstance(value, TensorRecord)
-
-
-def is_real_tensor(value: object) -> bool:
-    """True for a torch.Tensor (torch not imported here: nothing is one before torch is)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def spec(value: Any) -> Spec:
@@ -187,7 +180,6 @@ __all__ = [
     "Spec",
     "TensorRecord",
     "identity",
-    "is_real_tensor",
     "is_record",
     "layout",
     "map_tree",
