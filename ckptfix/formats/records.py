@@ -8,7 +8,8 @@ live in (:meth:`~TensorRecord.storage_key`). The module functions answer the sam
 without importing torch. :func:`map_tree` is the one walk that copies a tree's containers with its tensors
 replaced.
 
-Stdlib only (with the dtype table and the errors), so every layer can know what a tensor is.
+Stdlib only (with the dtype table and the errors), so every reader and writer can know what a tensor is;
+``ckptfix.checkpoint.is_tensor`` (a layer below) knows a record by the class flag :class:`TensorRecord` sets.
 """
 
 from __future__ import annotations
