@@ -93,8 +93,8 @@ FORMATS_FLOORS = [
     ["ckptfix.formats.pickles"],
     ["ckptfix.formats.output"],
     ["ckptfix.formats.safety", "ckptfix.formats.folders.hf_index"],
-    ["ckptfix.formats.dtypes", "ckptfix.formats.raw", "ckptfix.formats.strict_json", "ckptfix.formats.safety.depth",
-     "ckptfix.formats.folders.deepspeed_files"],
+    ["ckptfix.formats.dtypes", "ckptfix.formats.records", "ckptfix.formats.raw", "ckptfix.formats.strict_json",
+     "ckptfix.formats.safety.depth", "ckptfix.formats.folders.deepspeed_files"],
 ]  # fmt: skip
 
 
