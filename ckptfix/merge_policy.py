@@ -148,7 +148,9 @@ def weights_of(
 ) -> list[float] | None:
     """Each input's weight when averaging (``weights`` implies it; 1.0 each without), None when merging ranks. The
     mean divides by their sum: ``3,7`` means ``0.3,0.7``, and a plain average is sum/N exactly as timm computes it.
-    A negative weight is allowed (extrapolation) as long as the sum is positive: a sum of zero or less has no mean."""
+    Weights are finite and not negative, at least one above zero; they come back scaled by a power of two (exact)
+    so that the largest is in [0.5, 1): neither the products nor the sum overflow, and subnormal weights are not
+    lost (``5e-324,5e-324`` is ``1,1``)."""
     if weights is None and not average:
         return None
     if buffers != "pooled" or atol != 0.0 or buffer_keys:
@@ -163,11 +165,14 @@ def weights_of(
     if len(given) != count:
         raise AverageError(f"weights: {len(given)} weight(s) for {count} input(s); give one weight per input, in order")
     if bad := [w for w in given if not math.isfinite(w)]:
-        raise AverageError(f"weights: {bad[0]} is not a finite number; give one finite weight per input")
-    total = math.fsum(given)
-    if not total > 0.0:
-        raise AverageError(f"weights: they sum to {total:g}; their sum must be positive (they are divided by it)")
-    return given
+        raise AverageError(f"weights: {bad[0]:g} is not a finite number; give one finite weight per input")
+    some = "give weights of zero or more, at least one of them above zero"
+    if negative := [w for w in given if w < 0.0]:
+        raise AverageError(f"weights: {negative[0]:g} is negative; {some} (each is divided by their sum)")
+    if not any(given):
+        raise AverageError(f"weights: all are zero; {some} (each is divided by their sum)")
+    exponent = math.frexp(max(given))[1]
+    return [math.ldexp(w, -exponent) for w in given]
 
 
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:

@@ -207,7 +207,7 @@ def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
 
 
 def _parse_weights(value: str | None) -> list[float] | None:
-    """``0.3,0.7`` as numbers; whether they fit the files (count, finite, positive sum) is the library's check."""
+    """``0.3,0.7`` as numbers; whether they fit (count, finite, not negative, not all zero) is the library's check."""
     if value is None:
         return None
     try:
