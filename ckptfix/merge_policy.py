@@ -65,6 +65,9 @@ class MergeResult:
     notes: list[str] = field(default_factory=list)
     averaged: list[str] = field(default_factory=list)  # average: the keys averaged (the rest from the last input)
     weights: list[float] = field(default_factory=list)  # average: each input's weight, normalised to sum 1
+    # the input the others are compared with and the other entries come from: rank 0 (as FSDP rank files record
+    # it; DDP files record no rank: the first given), or the last input when averaging
+    base: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -248,7 +251,7 @@ class Merger:
         self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
         self.model_only = model_only
         self.twins_warn = weights is None  # a checkpoint given twice is simply weighted twice
-        self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []])
+        self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []], base=labels[0])
         if len(inputs) == 1:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"

@@ -85,6 +85,8 @@ def merge(
     --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0
     (--model-only drops them). Key by key, each read from every file and written at once: memory holds a few
     tensors, not the files. Inputs may be folders or index files (per-rank transformers or accelerate folders).
+    DDP files do not record their rank: RANK0 is the first given. FSDP rank files do, and are taken as the ranks
+    they record, in any order given (--buffers rank0 keeps the statistics of rank 0's file).
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
@@ -159,7 +161,7 @@ def _text(
     if result.diverged:
         echo(f"{len(result.diverged)} key(s) differ across ranks (atol {atol:g}):")
         for d in result.diverged[:LIST_LIMIT]:
-            echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {inputs[0]})")
+            echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {result.base or inputs[0]})")
         section("  and", [d.key for d in result.diverged[LIST_LIMIT:]])
     elif averaging:
         _average_summary(result, inputs, out, to=to)
@@ -184,7 +186,7 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
         echo(f"other buffers ({buffers}): {'; '.join(group_keys(result.buffers_merged))}")
     if result.entries:  # else the files hold optimizer state alone (merge --optimizer)
         echo("parameters: equal on every rank")
-    _tail(result, out, to=to, source=inputs[0])
+    _tail(result, out, to=to, source=result.base or inputs[0])
 
 
 def _average_summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str) -> None:
