@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptfix.cli.options import force_option, json_option, model_from_options, safety_options, to_option
+from ckptfix.cli.options import (
+    force_option,
+    json_option,
+    model_from_options,
+    safety_options,
+    to_option,
+    tolerance_option,
+)
 from ckptfix.cli.render import LIST_LIMIT, Output, echo, section, warn
 from ckptfix.keytree import group_keys
 
@@ -29,7 +36,7 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
     show_default=True,
     help="BatchNorm statistics: pooled (mean of means; mean of variances plus variance of means), mean, rank0.",
 )
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Allowed |Δ| between ranks' parameters.")
+@tolerance_option("--atol", "Allowed |Δ| between ranks' parameters.")
 @click.option(
     "--model",
     "model_spec",
