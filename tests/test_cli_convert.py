@@ -119,3 +119,30 @@ def test_convert_prints_hostile_entry_names_escaped(
         assert not any(c in result.output for c in "\r\x07\x1b"), result.output
         lines = result.stdout.splitlines()
         assert lines == ["'model': ddp -> single, 1 keys (1 renamed)", f"{label}: {escaped}", f"wrote {out}"]
+
+
+@pytest.mark.parametrize("key", ["", "a\0b", "\ud800"], ids=["empty", "nul", "lone-surrogate"])
+def test_keys_safetensors_cannot_hold_are_refused_before_writing(tmp_path: Path, key: str) -> None:
+    """What ckptfix writes it reads back: a key .safetensors cannot store is refused on every path (fast, torch,
+    sharded, merge), one line naming the output and the key, nothing written; a .pt output keeps it."""
+    src = tmp_path / "in.pt"
+    torch.save({"model": {key: torch.zeros(2), "w": torch.ones(2)}, "epoch": 1}, src)
+    before = sorted(tmp_path.iterdir())
+    where = {"fast": tmp_path / "o.safetensors", "torch": tmp_path / "o.safetensors", "shards": f"{tmp_path / 'hf'}/"}
+    for how, out in where.items():
+        flags = {"fast": [], "torch": ["--no-fast"], "shards": ["--shard-size", "1KB"]}[how]
+        result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--model-only", *flags])
+        assert result.exit_code == 2, (how, result.output)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ckptfix: error: "), (how, lines)
+        assert f"key {key!r} " in lines[0] and lines[0].endswith("; rename it (--rename) or write a .pt file")
+        assert sorted(tmp_path.iterdir()) == before, how
+    merged = CliRunner().invoke(cli, ["merge", str(src), str(src), "-o", str(tmp_path / "m.safetensors")])
+    assert merged.exit_code == 2 and "rename it (--rename) or write a .pt file" in merged.stderr, merged.output
+    assert sorted(tmp_path.iterdir()) == before
+    if key != "\ud800":  # .pt stores any key, and ckptfix reads it back
+        for flags in ([], ["--no-fast"]):
+            out = tmp_path / f"o{len(flags)}.pt"
+            assert CliRunner().invoke(cli, ["convert", str(src), str(out), *flags]).exit_code == 0
+            assert CliRunner().invoke(cli, ["inspect", str(out)]).exit_code == 0
+            assert list(ckptfix.load(out)["model"]) == [key, "w"]
