@@ -178,6 +178,27 @@ def weights_of(
     return [math.ldexp(w, -exponent) for w in given]
 
 
+def _recorded_order(inputs: Sequence[Opened]) -> list[int] | None:
+    """The inputs' order by the rank each records (``rank`` and ``world_size`` entries, as ckptfix's trainer saves
+    them beside ``model``), or None when one records none: DDP files do not have to, and are then taken in the
+    order given, the first as rank 0. Ranks given twice or a subset of the world are warned about, not refused."""
+    ranks = []
+    for opened in inputs:
+        tree = opened.tree
+        rank, world = (tree.get("rank"), tree.get("world_size")) if isinstance(tree, Mapping) else (None, None)
+        if not (type(rank) is int and type(world) is int and 0 <= rank < world):
+            return None
+        ranks.append(rank)
+    return sorted(range(len(ranks)), key=ranks.__getitem__)  # stable: a rank given twice keeps its order
+
+
+def rank_order_note(given: Sequence[str], ordered: Sequence[str]) -> str | None:
+    """What a merge says when it took its inputs as the ranks they record rather than in the order given."""
+    if list(given) == list(ordered):
+        return None
+    return f"took the rank files as the ranks they record (rank 0: {ordered[0]}), not in the order given"
+
+
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:
     """Each model entry of the first input, from every input (a bare state dict matches a lone entry)."""
     found = [model_entries(obj) for obj in objs]
@@ -246,12 +267,17 @@ class Merger:
         # template, integer buffers, the other entries); ``weights`` follow them, the sum still runs in file order
         self.weights = weights[::-1] if weights is not None else None
         self.weight_sum = math.fsum(weights) if weights is not None else 1.0
+        note = None
         if weights is not None:
             inputs, labels = inputs[::-1], labels[::-1]
+        elif (order := _recorded_order(inputs)) is not None:
+            inputs, given, labels = [inputs[i] for i in order], labels, [labels[i] for i in order]
+            note = rank_order_note(given, labels)
         self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
         self.model_only = model_only
         self.twins_warn = weights is None  # a checkpoint given twice is simply weighted twice
         self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []], base=labels[0])
+        self.result.notes.extend([note] if note else [])
         if len(inputs) == 1:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"

@@ -39,7 +39,14 @@ from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.registry import write
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.torchfile import file_identity
-from ckptfix.merge_policy import SHARD_RECORDS, Merger, MergeResult, merged_in_memory, stream_merged
+from ckptfix.merge_policy import (
+    SHARD_RECORDS,
+    Merger,
+    MergeResult,
+    merged_in_memory,
+    rank_order_note,
+    stream_merged,
+)
 from ckptfix.reading import Opened, in_memory, open_checkpoint
 from ckptfix.sharded_optim import (
     alone_message,
@@ -126,9 +133,8 @@ def merge_rank_files(
         result = _merge_ranks(ranks, full, stack, out, fmt=fmt, allow_globals=allow_globals, options=options,
                               fsdp1=fsdp1, optimizer=optimizer)  # fmt: skip
     result.base = full.paths[0]
-    if full.paths != paths:  # the files' own ranks decide which is rank 0: say so where the order given differs
-        result.notes.append(f"took the rank files as the ranks they record (rank 0: {full.paths[0]}), not in the "
-                            f"order given")  # fmt: skip
+    if note := rank_order_note(paths, full.paths):  # the files' own ranks decide which is rank 0
+        result.notes.append(note)
     return result
 
 

@@ -92,8 +92,9 @@ def merge(
     --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0
     (--model-only drops them). Key by key, each read from every file and written at once: memory holds a few
     tensors, not the files. Inputs may be folders or index files (per-rank transformers or accelerate folders).
-    DDP files do not record their rank: RANK0 is the first given. FSDP rank files do, and are taken as the ranks
-    they record, in any order given (--buffers rank0 keeps the statistics of rank 0's file).
+    Files that record their rank (FSDP rank files; DDP files holding "rank" and "world_size" entries, as ckptfix's
+    trainer saves them) are taken as those ranks, in any order given; otherwise RANK0 is the first given (DDP
+    itself records no rank). --buffers rank0 keeps the statistics of rank 0's file.
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
