@@ -49,29 +49,22 @@ def json_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     )
 
 
-class Tolerance(click.ParamType):
-    """A tolerance: a finite number, zero or more. ``nan`` would make every comparison fail or pass unseen, ``inf``
-    (or ``1e400``, which reads as it) is no tolerance, and neither is a JSON number (``--json`` is strict JSON)."""
+def tolerance_option(name: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--atol`` or ``--rtol``: a finite number, zero or more, 0 by default. ``nan`` makes every comparison fail
+    (or pass) unseen, ``inf`` (or ``1e400``, which reads as it) is no tolerance, and neither is a JSON number
+    (``--json`` is strict JSON): refused here, naming the option, exit 2."""
 
-    name = "float"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        if isinstance(value, float):
-            return value  # the default
-        option = param.opts[0] if param is not None else "tolerance"
+    def tolerance(ctx: click.Context, param: click.Parameter, value: str) -> float:
         try:
             number = float(value)
         except ValueError:
             number = math.nan
         if not (math.isfinite(number) and number >= 0.0):
-            raise UsageError(f"{option} {value}: a tolerance is a finite number, zero or more; give one such as "
-                             f"{option} 1e-6")  # fmt: skip
+            raise UsageError(f"{name} {value}: a tolerance is a finite number, zero or more; give one such as "
+                             f"{name} 1e-6")  # fmt: skip
         return number
 
-
-def tolerance_option(name: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """``--atol`` or ``--rtol``: a :class:`Tolerance`, 0 by default."""
-    return click.option(name, type=Tolerance(), default=0.0, show_default=True, help=what)
+    return click.option(name, metavar="FLOAT", default="0.0", show_default=True, help=what, callback=tolerance)
 
 
 force_option = click.option(
