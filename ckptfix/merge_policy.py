@@ -65,8 +65,8 @@ class MergeResult:
     notes: list[str] = field(default_factory=list)
     averaged: list[str] = field(default_factory=list)  # average: the keys averaged (the rest from the last input)
     weights: list[float] = field(default_factory=list)  # average: each input's weight, normalised to sum 1
-    # the input the others are compared with and the other entries come from: rank 0 (as FSDP rank files record
-    # it; DDP files record no rank: the first given), or the last input when averaging
+    # the input the others are compared with and the other entries come from: rank 0 (as the files record it, see
+    # _recorded_order and rank_files.in_rank_order; else the first given), or the last input when averaging
     base: str = ""
 
     def to_dict(self) -> dict[str, Any]:
