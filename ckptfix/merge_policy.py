@@ -65,6 +65,9 @@ class MergeResult:
     notes: list[str] = field(default_factory=list)
     averaged: list[str] = field(default_factory=list)  # average: the keys averaged (the rest from the last input)
     weights: list[float] = field(default_factory=list)  # average: each input's weight, normalised to sum 1
+    # the input the others are compared with and the other entries come from: rank 0 (as the files record it, see
+    # _recorded_order and rank_files.in_rank_order; else the first given), or the last input when averaging
+    base: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -148,7 +151,9 @@ def weights_of(
 ) -> list[float] | None:
     """Each input's weight when averaging (``weights`` implies it; 1.0 each without), None when merging ranks. The
     mean divides by their sum: ``3,7`` means ``0.3,0.7``, and a plain average is sum/N exactly as timm computes it.
-    A negative weight is allowed (extrapolation) as long as the sum is positive: a sum of zero or less has no mean."""
+    Weights are finite and not negative, at least one above zero; they come back scaled by a power of two (exact)
+    so that the largest is in [0.5, 1): neither the products nor the sum overflow, and subnormal weights are not
+    lost (``5e-324,5e-324`` is ``1,1``)."""
     if weights is None and not average:
         return None
     if buffers != "pooled" or atol != 0.0 or buffer_keys:
@@ -163,11 +168,35 @@ def weights_of(
     if len(given) != count:
         raise AverageError(f"weights: {len(given)} weight(s) for {count} input(s); give one weight per input, in order")
     if bad := [w for w in given if not math.isfinite(w)]:
-        raise AverageError(f"weights: {bad[0]} is not a finite number; give one finite weight per input")
-    total = math.fsum(given)
-    if not total > 0.0:
-        raise AverageError(f"weights: they sum to {total:g}; their sum must be positive (they are divided by it)")
-    return given
+        raise AverageError(f"weights: {bad[0]:g} is not a finite number; give one finite weight per input")
+    some = "give weights of zero or more, at least one of them above zero"
+    if negative := [w for w in given if w < 0.0]:
+        raise AverageError(f"weights: {negative[0]:g} is negative; {some} (each is divided by their sum)")
+    if not any(given):
+        raise AverageError(f"weights: all are zero; {some} (each is divided by their sum)")
+    exponent = math.frexp(max(given))[1]
+    return [math.ldexp(w, -exponent) for w in given]
+
+
+def _recorded_order(inputs: Sequence[Opened]) -> list[int] | None:
+    """The inputs' order by the rank each records (``rank`` and ``world_size`` entries, as ckptfix's trainer saves
+    them beside ``model``), or None when one records none: DDP files do not have to, and are then taken in the
+    order given, the first as rank 0. Ranks given twice or a subset of the world are warned about, not refused."""
+    ranks = []
+    for opened in inputs:
+        tree = opened.tree
+        rank, world = (tree.get("rank"), tree.get("world_size")) if isinstance(tree, Mapping) else (None, None)
+        if not (type(rank) is int and type(world) is int and 0 <= rank < world):
+            return None
+        ranks.append(rank)
+    return sorted(range(len(ranks)), key=ranks.__getitem__)  # stable: a rank given twice keeps its order
+
+
+def rank_order_note(given: Sequence[str], ordered: Sequence[str]) -> str | None:
+    """What a merge says when it took its inputs as the ranks they record rather than in the order given."""
+    if list(given) == list(ordered):
+        return None
+    return f"took the rank files as the ranks they record (rank 0: {ordered[0]}), not in the order given"
 
 
 def _entry_pairs(objs: Sequence[Any], labels: Sequence[str]) -> dict[str, list[Mapping[str, Any]]]:
@@ -238,12 +267,17 @@ class Merger:
         # template, integer buffers, the other entries); ``weights`` follow them, the sum still runs in file order
         self.weights = weights[::-1] if weights is not None else None
         self.weight_sum = math.fsum(weights) if weights is not None else 1.0
+        note = None
         if weights is not None:
             inputs, labels = inputs[::-1], labels[::-1]
+        elif (order := _recorded_order(inputs)) is not None:
+            inputs, given, labels = [inputs[i] for i in order], labels, [labels[i] for i in order]
+            note = rank_order_note(given, labels)
         self.inputs, self.labels, self.buffers, self.atol, self.buffer_keys = inputs, labels, buffers, atol, buffer_keys
         self.model_only = model_only
         self.twins_warn = weights is None  # a checkpoint given twice is simply weighted twice
-        self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []])
+        self.result = MergeResult(weights=[w / self.weight_sum for w in weights or []], base=labels[0])
+        self.result.notes.extend([note] if note else [])
         if len(inputs) == 1:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"

@@ -27,6 +27,7 @@ from ckptfix.formats.folders.fsdp import (
     SHARDED_TENSOR_GLOBALS,
     RankFilesError,
     ShardedCheckpointError,
+    ShardedPiece,
     ShardedTensorRecord,
     assemble,
     check_pieces,
@@ -38,7 +39,14 @@ from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.registry import write
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.torchfile import file_identity
-from ckptfix.merge_policy import SHARD_RECORDS, Merger, MergeResult, merged_in_memory, stream_merged
+from ckptfix.merge_policy import (
+    SHARD_RECORDS,
+    Merger,
+    MergeResult,
+    merged_in_memory,
+    rank_order_note,
+    stream_merged,
+)
 from ckptfix.reading import Opened, in_memory, open_checkpoint
 from ckptfix.sharded_optim import (
     alone_message,
@@ -122,25 +130,46 @@ def merge_rank_files(
     parameter cut from it."""
     with contextlib.ExitStack() as stack:
         ranks, full = open_ranks(paths, stack, allow_globals=allow_globals, fsdp1=fsdp1, model=model)
-        optim = (RankOptimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"])
-                 if fsdp1 else None)  # fmt: skip
-        if optim is not None and optim.alone:
-            try:
-                return optim.write_alone(full, out, fmt=fmt)
-            except CannotStream as e:
-                raise unstreamable(paths[0], e) from e
-        merger = Merger(list(ranks), paths, **options)
-        merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
+        result = _merge_ranks(ranks, full, stack, out, fmt=fmt, allow_globals=allow_globals, options=options,
+                              fsdp1=fsdp1, optimizer=optimizer)  # fmt: skip
+    result.base = full.paths[0]
+    if note := rank_order_note(paths, full.paths):  # the files' own ranks decide which is rank 0
+        result.notes.append(note)
+    return result
+
+
+def _merge_ranks(
+    ranks: list[Rank],
+    full: Ranks,
+    stack: contextlib.ExitStack,
+    out: PathLike,
+    *,
+    fmt: str,
+    allow_globals: tuple[str, ...],
+    options: dict[str, Any],
+    fsdp1: bool,
+    optimizer: bool,
+) -> MergeResult:
+    paths = full.paths  # in rank order
+    optim = (RankOptimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"])
+             if fsdp1 else None)  # fmt: skip
+    if optim is not None and optim.alone:
         try:
-            check_little_endian(ranks)
-            tree = merger.assemble(merger.template)
-            writer = streamed_writer(optim.output(tree) if optim else tree, out, fmt=fmt, base=ranks[0])
+            return optim.write_alone(full, out, fmt=fmt)
         except CannotStream as e:
-            if fsdp1:
-                raise unstreamable(paths[0], e) from e
-            stack.close()
-            return _merged_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
-        stream_merged(merger, writer, then=optim.filler(full) if optim else None)
+            raise unstreamable(paths[0], e) from e
+    merger = Merger(list(ranks), paths, **options)
+    merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
+    try:
+        check_little_endian(ranks)
+        tree = merger.assemble(merger.template)
+        writer = streamed_writer(optim.output(tree) if optim else tree, out, fmt=fmt, base=ranks[0])
+    except CannotStream as e:
+        if fsdp1:
+            raise unstreamable(paths[0], e) from e
+        stack.close()
+        return _merged_in_memory(paths, out, fmt=fmt, allow_globals=allow_globals, options=options)
+    stream_merged(merger, writer, then=optim.filler(full) if optim else None)
     result = merger.finish()
     result.reassembled = reassembled(ranks)
     return optim.report(result) if optim else result
@@ -186,7 +215,32 @@ def open_ranks(
         stack.enter_context(ranks[-1])
     pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
     (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
-    return ranks, Ranks(ranks, paths)  # each rank's shard records read through it
+    ranks = in_rank_order(ranks)
+    return ranks, Ranks(ranks, [r.source for r in ranks])  # each rank's shard records read through it
+
+
+def in_rank_order(ranks: list[Rank]) -> list[Rank]:
+    """The rank files in the order of the ranks they record, whatever order they were given in: rank 0's is the one
+    whose statistics ``--buffers rank0`` keeps and whose other entries are written. FSDP1 files record their global
+    rank; an FSDP2 file its coordinate on the mesh, numbered row-major as ``init_device_mesh`` numbers the ranks.
+    Files that are not ranks 0 to N-1 once each are refused."""
+    recorded: dict[int, Rank] = {}
+    world = 0
+    for rank in ranks:
+        piece = next(iter(rank.records.values())).piece
+        if isinstance(piece, ShardedPiece):
+            number, world = piece.rank, piece.world
+        else:
+            number, world = 0, math.prod(piece.mesh)
+            for coordinate, size in zip(piece.coordinate, piece.mesh, strict=True):
+                number = number * size + coordinate
+        recorded.setdefault(number, rank)
+    if sorted(recorded) != list(range(world)) or len(ranks) != world:
+        raise RankFilesError(
+            f"{', '.join(r.source for r in ranks)}: they record rank(s) {sorted(recorded)} of a job of {world}; pass "
+            f"every rank's file exactly once"
+        )
+    return [recorded[number] for number in range(world)]
 
 
 def reassembled(ranks: list[Rank]) -> dict[str, str]:

@@ -107,11 +107,9 @@ def test_weights_give_the_weighted_mean_in_the_cli_and_the_library(tmp_path: Pat
     assert sorted(report.averaged) == sorted(k for k, v in want.items() if v.is_floating_point())
     _assert_equal(dict(ckptfix.load(tmp_path / "soup.pt")["model"]), want)
     _assert_equal(dict(ckptfix.merge([_ckpt(4), _ckpt(5)], weights=[0.3, 0.7])["model"]), want)
-    # weights are divided by their sum; a negative one (extrapolation) is allowed while the sum is positive
+    # weights are divided by their sum (a negative one is refused: see below)
     scaled = ckptfix.merge([_ckpt(4), _ckpt(5)], weights=[3, 7])["model"]
     torch.testing.assert_close(scaled["w_float64"], want["w_float64"], rtol=1e-15, atol=0)
-    _assert_equal(dict(ckptfix.merge([_ckpt(4), _ckpt(5)], weights=[-0.5, 1.5])["model"]),
-                  _expected([_state(4), _state(5)], [-0.5, 1.5]))  # fmt: skip
 
 
 def test_average_reads_folders_safetensors_and_other_layouts(tmp_path: Path) -> None:
@@ -170,7 +168,7 @@ def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path: Path) -> None:
          f"{tmp_path / 'wide.pt'}['model']; checkpoints of one model hold the same shapes and dtypes"),
         ((*files, "--weights", "1"), "weights: 1 weight(s) for 2 input(s); give one weight per input, in order"),
         ((*files, "--weights", "1,nan"), "weights: nan is not a finite number; give one finite weight per input"),
-        ((*files, "--weights", "1,-1"), "weights: they sum to 0; their sum must be positive (they are divided by it)"),
+        ((*files, "--weights", "1,-1"), "weights: -1 is negative; give weights of zero or more, at least one of them "),
         ((*files, "--average", "--buffers", "mean"), "buffers applies to merging ranks, not to averaging"),
     ]  # fmt: skip
     for args, message in cases:
@@ -226,3 +224,51 @@ def _loaded(state: dict[str, torch.Tensor]) -> torch.nn.Module:
     model = build_model()
     model.load_state_dict(state)
     return model.eval()
+
+
+def test_weights_are_normalised_before_they_multiply(tmp_path: Path) -> None:
+    """Weights at the ends of float64 (subnormal, near the maximum) give the mean, not 0.0, inf or an error."""
+    files = [tmp_path / "a.pt", tmp_path / "b.pt"]
+    torch.save({"w": torch.tensor([1e-5], dtype=torch.float64)}, files[0])
+    torch.save({"w": torch.tensor([3e-5], dtype=torch.float64)}, files[1])
+    plain = tmp_path / "plain.pt"
+    assert run("merge", *files, "-o", plain, "--average").exit_code == 0
+    want = ckptfix.load(plain)["w"]
+    torch.testing.assert_close(want, torch.tensor([2e-5], dtype=torch.float64), rtol=1e-15, atol=0)
+    for weights, expected in [
+        ("5e-324,5e-324", want),
+        ("1e308,1e308", want),
+        ("1e308,1", torch.tensor([1e-5], dtype=torch.float64)),
+    ]:
+        out = tmp_path / f"w{weights}.pt"
+        result = run("merge", *files, "-o", out, "--weights", weights)
+        assert result.exit_code == 0, (weights, result.output)
+        got = ckptfix.load(out)["w"]
+        assert torch.isfinite(got).all(), weights
+        torch.testing.assert_close(got, expected.to(got.dtype), rtol=1e-15, atol=0)
+        if expected is want:
+            assert torch.equal(got, want), weights  # equal weights, however small or large: the plain mean
+    assert merge_files(files, tmp_path / "r.pt", weights=[5e-324, 5e-324]).weights == [0.5, 0.5]
+    merged = ckptfix.merge([{"w": torch.tensor([1e-5])}, {"w": torch.tensor([3e-5])}], weights=[1e308, 1e308])
+    assert torch.equal(merged["w"], ((torch.tensor([1e-5]).double() + torch.tensor([3e-5]).double()) / 2).float())
+
+
+def test_weights_that_cannot_be_normalised_are_refused_naming_the_option(tmp_path: Path) -> None:
+    files = _files(tmp_path, [1, 2])
+    out = tmp_path / "avg.pt"
+    before = sorted(tmp_path.iterdir())
+    some = "give weights of zero or more, at least one of them above zero (each is divided by their sum)"
+    cases = [
+        ("1,inf", "weights: inf is not a finite number; give one finite weight per input"),
+        ("-inf,1", "weights: -inf is not a finite number; give one finite weight per input"),
+        ("1,-1", f"weights: -1 is negative; {some}"),
+        ("-0.5,1.5", f"weights: -0.5 is negative; {some}"),
+        ("0,0", f"weights: all are zero; {some}"),
+    ]
+    for weights, message in cases:
+        result = run("merge", *files, "-o", out, "--weights", weights)
+        assert result.exit_code == 2, (weights, result.output)
+        assert result.stderr.splitlines() == [f"ckptfix: error: {message}"], weights
+    assert sorted(tmp_path.iterdir()) == before
+    with pytest.raises(AverageError, match="weights: all are zero"):
+        ckptfix.merge([_ckpt(1), _ckpt(2)], weights=[0.0, -0.0])

@@ -94,3 +94,55 @@ def test_verbose_names_a_legacy_input(tmp_path: Path) -> None:
     result = run("convert", str(src), str(tmp_path / "out.pt"), "-v")
     assert result.exit_code == 0, result.output
     assert "path: torch; fast path not taken: the input is a legacy (pre-1.6, not zip) torch file" in result.output
+
+
+@pytest.mark.parametrize("no_color", [None, "1"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "torch"])
+def test_convert_prints_hostile_entry_names_escaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_color: str | None, fast: bool
+) -> None:
+    """Top-level entry names on the "kept unchanged:" and "dropped (--model-only):" lines (and the entry a layout
+    change names) print escaped: a newline, CR, BEL or ESC can neither forge a line nor reach the terminal."""
+    if no_color is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    names = ["a\nwrote forged.pt", "b\rwrote", "c\x07", "d\x1b[2J\x1b]0;pwned\x07"]
+    src = tmp_path / "in.pt"
+    torch.save({"model": {"module.w": torch.zeros(2)}, **{name: 1 for name in names}}, src)
+    escaped = ", ".join(repr(name)[1:-1] for name in names)
+    no_fast = [] if fast else ["--no-fast"]
+    for flags, label in [([], "kept unchanged"), (["--model-only"], "dropped (--model-only)")]:
+        out = tmp_path / f"out{len(flags)}.pt"
+        result = CliRunner().invoke(cli, ["convert", str(src), str(out), *flags, *no_fast], color=True)
+        assert result.exit_code == 0, result.output
+        assert not any(c in result.output for c in "\r\x07\x1b"), result.output
+        lines = result.stdout.splitlines()
+        assert lines == ["'model': ddp -> single, 1 keys (1 renamed)", f"{label}: {escaped}", f"wrote {out}"]
+
+
+@pytest.mark.parametrize("key", ["", "a\0b", "\ud800"], ids=["empty", "nul", "lone-surrogate"])
+def test_keys_safetensors_cannot_hold_are_refused_before_writing(tmp_path: Path, key: str) -> None:
+    """What ckptfix writes it reads back: a key .safetensors cannot store is refused on every path (fast, torch,
+    sharded, merge), one line naming the output and the key, nothing written; a .pt output keeps it."""
+    src = tmp_path / "in.pt"
+    torch.save({"model": {key: torch.zeros(2), "w": torch.ones(2)}, "epoch": 1}, src)
+    before = sorted(tmp_path.iterdir())
+    where = {"fast": tmp_path / "o.safetensors", "torch": tmp_path / "o.safetensors", "shards": f"{tmp_path / 'hf'}/"}
+    for how, out in where.items():
+        flags = {"fast": [], "torch": ["--no-fast"], "shards": ["--shard-size", "1KB"]}[how]
+        result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--model-only", *flags])
+        assert result.exit_code == 2, (how, result.output)
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ckptfix: error: "), (how, lines)
+        assert f"key {key!r} " in lines[0] and lines[0].endswith("; rename it (--rename) or write a .pt file")
+        assert sorted(tmp_path.iterdir()) == before, how
+    merged = CliRunner().invoke(cli, ["merge", str(src), str(src), "-o", str(tmp_path / "m.safetensors")])
+    assert merged.exit_code == 2 and "rename it (--rename) or write a .pt file" in merged.stderr, merged.output
+    assert sorted(tmp_path.iterdir()) == before
+    if key != "\ud800":  # .pt stores any key, and ckptfix reads it back
+        for flags in ([], ["--no-fast"]):
+            out = tmp_path / f"o{len(flags)}.pt"
+            assert CliRunner().invoke(cli, ["convert", str(src), str(out), *flags]).exit_code == 0
+            assert CliRunner().invoke(cli, ["inspect", str(out)]).exit_code == 0
+            assert list(ckptfix.load(out)["model"]) == [key, "w"]

@@ -173,14 +173,28 @@ def test_merge_json_of_ranks_that_disagree(tmp_path: Path) -> None:
     assert not (tmp_path / "m.pt").exists()
 
 
-def test_json_is_strict_where_a_tolerance_is_not_a_finite_number(tmp_path: Path) -> None:
-    # JSON has no Infinity: spelt "inf", as diff spells a difference that is not a finite number (docs/json.md)
+def test_a_tolerance_that_is_not_a_finite_number_is_refused_so_json_stays_strict(tmp_path: Path) -> None:
+    # JSON has no NaN or Infinity: a tolerance that is not finite (or is negative) is refused at the option, exit 2
     strict = {"parse_constant": lambda name: pytest.fail(f"{name} is not JSON")}
-    result = run("diff", FIXTURES / "single.pt", FIXTURES / "single.pt", "--atol", "inf", "--json")
-    assert result.exit_code == 0 and json.loads(result.stdout, **strict)["atol"] == "inf"
     ranks = [FIXTURES / "ddp_rank0.pt", FIXTURES / "ddp_rank1.pt"]
-    result = run("merge", *ranks, "-o", tmp_path / "m.pt", "--atol", "inf", "--json")
-    assert result.exit_code == 0 and json.loads(result.stdout, **strict)["atol"] == "inf"
+    commands = {"diff": ("diff", FIXTURES / "single.pt", FIXTURES / "single.pt"),
+                "merge": ("merge", *ranks, "-o", tmp_path / "m.pt")}  # fmt: skip
+    cases = [("diff", "--atol", "inf"), ("diff", "--atol", "nan"), ("diff", "--rtol", "1e400"),
+             ("diff", "--rtol", "-1e-6"), ("merge", "--atol", "inf"), ("merge", "--atol", "nan"),
+             ("merge", "--atol", "-0.5")]  # fmt: skip
+    for command, option, value in cases:
+        result = run(*commands[command], option, value, "--json")
+        assert result.exit_code == 2, (command, option, value, result.output)
+        assert result.stdout == ""
+        assert result.stderr == (
+            f"ckptfix: error: {option} {value}: a tolerance is a finite number, zero or more; give one such as "
+            f"{option} 1e-6\n"
+        )
+    assert not (tmp_path / "m.pt").exists()
+    result = run(*commands["diff"], "--atol", "1e-6", "--rtol", "0", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout, **strict)["atol"] == 1e-6
+    result = run(*commands["merge"], "--atol", "0.5", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout, **strict)["atol"] == 0.5
 
 
 def test_validate_json_is_the_text() -> None:

@@ -203,3 +203,34 @@ def test_the_streamed_merge_writes_what_merging_in_memory_writes(
     assert_same(ckptfix.load(out), ckptfix.load(reference))
     if out.suffix == ".pt":
         assert_same(torch.load(out, weights_only=True, mmap=True), torch.load(reference, weights_only=True))
+
+
+def test_ddp_files_that_record_their_rank_are_taken_as_those_ranks(tmp_path: Path) -> None:
+    """The trainer's per-rank files hold ``rank`` and ``world_size``: given rank 1's first, ``--buffers rank0``
+    still keeps rank 0's statistics and the other entries are rank 0's; files that record no rank keep the order
+    given (the first is rank 0)."""
+    files = [FIXTURES / "ddp_rank0.pt", FIXTURES / "ddp_rank1.pt"]
+    result = run("merge", *files, "-o", tmp_path / "in_order.pt", "--buffers", "rank0")
+    assert result.exit_code == 0, result.output
+    assert "not in the order given" not in result.output
+    result = run("merge", *files[::-1], "-o", tmp_path / "reversed.pt", "--buffers", "rank0")
+    assert result.exit_code == 0, result.output
+    assert f"took the rank files as the ranks they record (rank 0: {files[0]}), not in the order given" in result.stdout
+    assert f"taken from {files[0]}: epoch, step, world_size, mode, rank" in result.stdout
+    in_order, reversed_ = ckptfix.load(tmp_path / "in_order.pt"), ckptfix.load(tmp_path / "reversed.pt")
+    assert reversed_["rank"] == 0 and list(reversed_) == list(in_order)
+    assert_same(reversed_["model"], in_order["model"])
+    rank0 = ckptfix.load(files[0])["model"]
+    assert torch.equal(reversed_["model"]["features.1.running_var"], rank0["module.features.1.running_var"])
+    unranked = []
+    for path in files[::-1]:  # the same files without the entries that say their rank
+        obj = ckptfix.load(path)
+        del obj["rank"]
+        unranked.append(tmp_path / path.name)
+        ckptfix.save(obj, unranked[-1])
+    result = run("merge", *unranked, "-o", tmp_path / "listed.pt", "--buffers", "rank0", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["notes"] == []
+    listed = ckptfix.load(tmp_path / "listed.pt")["model"]
+    rank1 = ckptfix.load(files[1])["model"]
+    assert torch.equal(listed["features.1.running_var"], rank1["module.features.1.running_var"])  # the first given

@@ -333,3 +333,42 @@ def test_a_sharded_tensor_in_a_list_is_refused_not_copied_as_one_rank_s_shards(
             f"FULL_STATE_DICT instead\n"
         )
         assert not out.exists()
+
+
+def _merged_rank0(files: list[Path], out: Path, *extra: str) -> Any:
+    result = CliRunner().invoke(cli, ["merge", *map(str, files), "-o", str(out), "--buffers", "rank0", *extra])
+    assert result.exit_code == 0, result.output
+    return result.output, torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("kind", ["local", "sharded", "train", "fsdp2"])
+def test_rank_files_given_out_of_order_are_taken_as_the_ranks_they_record(
+    run: Path, fsdp1_runs: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
+    """``--buffers rank0`` keeps the statistics of the file saved by rank 0, and the other entries come from it,
+    whatever order the files are given in: the files record their rank (FSDP1) or mesh coordinate (FSDP2)."""
+    folder = {"local": fsdp1_runs["orig"], "fsdp2": run}.get(kind, fsdp1_runs["adamw"])
+    name = {"fsdp2": "rank"}.get(kind, kind)
+    files = [folder / f"{name}{r}.pt" for r in range(sharded_writers.WORLD)]
+    extra = ["--model", "tests.models:SmallNet", "--kwargs", '{"width": 5}'] if kind == "local" else []
+    if kind == "train":  # rank 1's file says so in its other entries too: they must come from rank 0's
+        state = _load_kept(files[1])
+        state["epoch"] = 2
+        files[1] = tmp_path / "train1.pt"
+        torch.save(state, files[1])
+    text, in_order = _merged_rank0(files, tmp_path / "in_order.pt", *extra)
+    assert "not in the order given" not in text
+    text, reversed_ = _merged_rank0(files[::-1], tmp_path / "reversed.pt", *extra)
+    assert f"took the rank files as the ranks they record (rank 0: {files[0]}), not in the order given" in text
+    assert list(reversed_) == list(in_order)
+    for got, want in [(reversed_, in_order), (reversed_.get("model", {}), in_order.get("model", {}))]:
+        for key, value in want.items():
+            assert torch.equal(got[key], value) if torch.is_tensor(value) else isinstance(value, dict) or \
+                got[key] == value, key  # fmt: skip
+    full = torch.load(folder / "full.pt", weights_only=True)  # rank 0's FULL_STATE_DICT: rank 0's statistics
+    model = full["model"] if kind == "fsdp2" else full
+    merged = in_order["model"] if kind == "train" else in_order
+    stats = [k for k in model if "running" in k]
+    assert stats and all(torch.equal(merged[k], model[k]) for k in stats)
+    if kind == "train":
+        assert in_order["epoch"] == 1 and f"taken from {files[0]}: epoch" in text

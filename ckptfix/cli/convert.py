@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from ckptfix.cli.options import force_option, json_option, safety_options, to_option
-from ckptfix.cli.render import Output
+from ckptfix.cli.render import Output, echo
 from ckptfix.layouts import Layout
 
 if TYPE_CHECKING:
@@ -115,24 +115,24 @@ def convert(
 def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> None:
     for change in result.changes:
         where = f"'{change.entry}'" if change.entry else "state dict"
-        click.echo(
+        echo(
             f"{where}: {change.layout_from} -> {change.layout_to}, {change.keys} keys ({change.renamed} renamed)"
             + (f", cast to {dtype}" if dtype else "")
         )
     if result.kept:
-        click.echo(f"kept unchanged: {', '.join(result.kept)}")
+        echo(f"kept unchanged: {', '.join(result.kept)}")
     if result.dropped:
-        click.echo(f"dropped (--model-only): {', '.join(result.dropped)}")
+        echo(f"dropped (--model-only): {', '.join(result.dropped)}")
     if verbose:
-        click.echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
+        echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
     else:  # entries copied unbuilt are said whatever the verbosity: the output holds what the input held
         from ckptfix.conversion import DCP_STRING_KEYS
         from ckptfix.formats.torchio.opaque import KEPT
 
         for note in result.notes:  # and keys a DCP folder turns into strings: a value read back differs
             if note.startswith((KEPT, DCP_STRING_KEYS)):
-                click.echo(f"ckptfix: {note}", err=True)
-    click.echo(f"wrote {dst}")
+                echo(f"ckptfix: {note}", err=True)
+    echo(f"wrote {dst}")
 
 
 def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, no_verify: bool) -> None:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptfix.cli.options import json_option, safety_options
+from ckptfix.cli.options import json_option, safety_options, tolerance_option
 from ckptfix.cli.render import LIST_LIMIT, Output, by_change, echo, lines, section, verdict
 
 if TYPE_CHECKING:
@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("a", metavar="A", type=click.Path())
 @click.argument("b", metavar="B", type=click.Path())
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance for values.")
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance for values.")
+@tolerance_option("--atol", "Absolute tolerance for values.")
+@tolerance_option("--rtol", "Relative tolerance for values.")
 @click.option("--entry", metavar="NAME", help="Compare only this model entry (of each side that has it).")
 @click.option(
     "--strip-prefix",

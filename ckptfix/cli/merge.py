@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptfix.cli.options import force_option, json_option, model_from_options, safety_options, to_option
+from ckptfix.cli.options import (
+    force_option,
+    json_option,
+    model_from_options,
+    safety_options,
+    to_option,
+    tolerance_option,
+)
 from ckptfix.cli.render import LIST_LIMIT, Output, echo, section, warn
 from ckptfix.keytree import group_keys
 
@@ -29,7 +36,7 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
     show_default=True,
     help="BatchNorm statistics: pooled (mean of means; mean of variances plus variance of means), mean, rank0.",
 )
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Allowed |Δ| between ranks' parameters.")
+@tolerance_option("--atol", "Allowed |Δ| between ranks' parameters.")
 @click.option(
     "--model",
     "model_spec",
@@ -85,6 +92,9 @@ def merge(
     --buffers (pooled and mean both average them). Non-model entries (epoch, optimizer, …) come from RANK0
     (--model-only drops them). Key by key, each read from every file and written at once: memory holds a few
     tensors, not the files. Inputs may be folders or index files (per-rank transformers or accelerate folders).
+    Files that record their rank (FSDP rank files; DDP files holding "rank" and "world_size" entries, as ckptfix's
+    trainer saves them) are taken as those ranks, in any order given; otherwise RANK0 is the first given (DDP
+    itself records no rank). --buffers rank0 keeps the statistics of rank 0's file.
 
     FSDP2 rank files (each rank's torch.save(model.state_dict()), DTensor shards) are reassembled, not averaged:
     every rank's file must be given, and the shards must tile each tensor exactly (Shard(dim) on a 1-D or 2-D
@@ -159,7 +169,7 @@ def _text(
     if result.diverged:
         echo(f"{len(result.diverged)} key(s) differ across ranks (atol {atol:g}):")
         for d in result.diverged[:LIST_LIMIT]:
-            echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {inputs[0]})")
+            echo(f"  {d.key}  max |Δ| {d.max_abs:.3g}  on {', '.join(d.ranks)} (vs {result.base or inputs[0]})")
         section("  and", [d.key for d in result.diverged[LIST_LIMIT:]])
     elif averaging:
         _average_summary(result, inputs, out, to=to)
@@ -184,7 +194,7 @@ def _summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str,
         echo(f"other buffers ({buffers}): {'; '.join(group_keys(result.buffers_merged))}")
     if result.entries:  # else the files hold optimizer state alone (merge --optimizer)
         echo("parameters: equal on every rank")
-    _tail(result, out, to=to, source=inputs[0])
+    _tail(result, out, to=to, source=result.base or inputs[0])
 
 
 def _average_summary(result: MergeResult, inputs: tuple[str, ...], out: str, *, to: str) -> None:
@@ -207,7 +217,7 @@ def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
 
 
 def _parse_weights(value: str | None) -> list[float] | None:
-    """``0.3,0.7`` as numbers; whether they fit the files (count, finite, positive sum) is the library's check."""
+    """``0.3,0.7`` as numbers; whether they fit (count, finite, not negative, not all zero) is the library's check."""
     if value is None:
         return None
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptfix.cli.render import Output
-from ckptfix.errors import CkptfixError
+from ckptfix.errors import CkptfixError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,24 @@ def json_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]
     return click.option(
         "--json", "output", is_flag=True, help=what, callback=lambda ctx, param, value: Output(bool(value))
     )
+
+
+def tolerance_option(name: str, what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--atol`` or ``--rtol``: a finite number, zero or more, 0 by default. ``nan`` makes every comparison fail
+    (or pass) unseen, ``inf`` (or ``1e400``, which reads as it) is no tolerance, and neither is a JSON number
+    (``--json`` is strict JSON): refused here, naming the option, exit 2."""
+
+    def tolerance(ctx: click.Context, param: click.Parameter, value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (math.isfinite(number) and number >= 0.0):
+            raise UsageError(f"{name} {value}: a tolerance is a finite number, zero or more; give one such as "
+                             f"{name} 1e-6")  # fmt: skip
+        return number
+
+    return click.option(name, metavar="FLOAT", default="0.0", show_default=True, help=what, callback=tolerance)
 
 
 force_option = click.option(

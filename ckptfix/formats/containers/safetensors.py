@@ -19,7 +19,7 @@ import operator
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +110,7 @@ def _check(parsed: dict[str, Any], *, source: str, data_start: int, data_size: i
 
 def _entry(name: str, value: Any, *, source: str, data_size: int) -> TensorInfo:
     where = f"{source}: tensor '{name}'"
-    if "\x00" in name or not name or not _encodable(name):
+    if _unstorable(name):
         raise FormatError(
             f"{source}: a tensor name is empty, contains a NUL byte or is not valid Unicode ({name!r}); refusing"
         )
@@ -149,13 +149,23 @@ def _encodable(name: str) -> bool:
     return True
 
 
-def _all_encodable(keys: Iterable[str]) -> bool:
+def _all_storable(keys: Collection[str]) -> bool:
     # one encode for every key (a lone surrogate stays one when joined): a million keys without a call each
     try:
-        "/".join(keys).encode("utf-8")
+        joined = "/".join(keys)
+        joined.encode("utf-8")
     except (UnicodeEncodeError, TypeError):
         return False
-    return True
+    return "\0" not in joined and "" not in keys
+
+
+def _unstorable(name: str) -> str:
+    """Why a tensor name cannot be stored in a .safetensors header (that ckptfix reads), or ``""``."""
+    if not name:
+        return "is empty"
+    if "\0" in name:
+        return "holds a NUL"
+    return "" if _encodable(name) else "is not valid Unicode"
 
 
 def _itemsize(code: str) -> int:
@@ -226,12 +236,12 @@ def split_checkpoint(obj: Any, *, out: str) -> tuple[Mapping[str, Any], dict[str
         entries = model_entries(obj)
         if len(entries) == 1:
             state = obj[entries[0]]
-    if state and not _all_encodable(state):
+    if state and not _all_storable(state):  # what the reader refuses (_entry): ckptfix reads back what it writes
         for key in state:
-            if not _encodable(key):
+            if isinstance(key, str) and (problem := _unstorable(key)):
                 raise OutputError(
-                    f"{out}: key {key!r} is not valid Unicode, which .safetensors cannot store; rename it "
-                    f"(renames=) or write a .pt file"
+                    f"{out}: key {key!r} {problem}, which .safetensors cannot store; rename it (renames=) or write a "
+                    f".pt file"
                 )
     if bare:
         return obj, {"entry": ""}

@@ -313,9 +313,11 @@ def staged(out: PathLike, *, overwrite: bool = False) -> Iterator[str]:
     is set aside first (its index first) and removed once the new set is in; a failure puts it back.
     """
     folder = os.path.dirname(os.path.abspath(os.fspath(out)))
+    created = not os.path.isdir(folder)
     os.makedirs(folder, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".ckptfix-shards.", suffix=".ckptfix-tmp", dir=folder)
     moved: list[str] = []
+    done = False
     try:
         yield tmp
         old = check_shards_output(out, overwrite=overwrite)  # as it was when the command began
@@ -336,8 +338,12 @@ def staged(out: PathLike, *, overwrite: bool = False) -> Iterator[str]:
                 f"{os.fspath(out)}: cannot put the new shards in place ({e.strerror or e}); nothing changed"
             ) from e
         fsync_dir(folder)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if created and not done:  # a refusal leaves no trace: not even the folder made for the shards
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
 
 
 def index_json(weight_map: Mapping[str, str], *, total_size: int) -> bytes:
