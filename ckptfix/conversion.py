@@ -1,15 +1,15 @@
 """Convert one checkpoint file into another: read, transform, write; every check before the first byte out.
 
-The streaming path (:mod:`ckptfix.stream`) is tried first: it rewrites only the pickle or header and copies
-tensor bytes. Where it does not apply (a dtype cast, a legacy file, a view safetensors cannot hold), the torch
-path loads and saves. Both read the input through the same format readers, so they accept and refuse the same
-files.
+The route is decided once, by :func:`ckptfix.plan.plan_conversion`: a stream (:mod:`ckptfix.stream`) rewrites
+only the pickle or header and copies tensor bytes; where it does not apply (a cast into a .pt, a legacy file, a
+view safetensors cannot hold: said by the plan, or by the stream as it reads), the torch path loads and saves.
+Both read the input through the same format readers, so they accept and refuse the same files.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +17,11 @@ from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_
 from ckptfix.errors import UsageError
 from ckptfix.formats.containers.safetensors import losses_note
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
-from ckptfix.formats.registry import detect_format, output_format, read, write
+from ckptfix.formats.registry import detect_format, output_format, rank_file_note, read, refuse_rank_file, write
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
 from ckptfix.layouts import Layout, parse_layout, parse_rename
+from ckptfix.plan import STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, Plan, plan_conversion
 from ckptfix.signature import strict_keywords
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -66,15 +67,11 @@ class ConvertOptions:
 
     def apply(self, obj: Any, *, source: str) -> Conversion:
         """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
-        from ckptfix.formats.folders.deepspeed import lone_module_note, refuse_optimizer_partition, refuse_placeholders
-        from ckptfix.formats.folders.fsdp import refuse_flat_params
         from ckptfix.formats.torchio.opaque import require
 
         require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
-        refuse_flat_params(obj, source=source)
-        refuse_placeholders(obj, source=source)  # a lone ZeRO-3 module file: [0] placeholders, never weights
-        if self.entries is None:  # an entry named explicitly is taken as asked
-            refuse_optimizer_partition(obj, source=source)
+        # an entry named explicitly is taken as asked, even in a lone ZeRO optimizer file
+        refuse_rank_file(obj, source=source, flat=True, model=self.entries is None)
         conversion = convert_checkpoint(
             obj,
             to=self.to,
@@ -85,7 +82,7 @@ class ConvertOptions:
             entries=self.entries,
             source=source,
         )
-        if note := lone_module_note(obj, source=source):
+        if note := rank_file_note(obj, source=source):
             conversion.notes.append(note)
         return conversion
 
@@ -158,63 +155,20 @@ def convert_file(
     in_fmt = detect_format(src)
     allow = tuple(allow_globals)
     notes: list[str] = []
-    why_not = _torch_path_reason(
-        fast=fast, dtype=dtype, unsafe=unsafe, in_fmt=in_fmt, out_fmt=out_fmt, sharded=shard_size is not None
-    )
-    if why_not is not None:
-        notes.append(f"fast path not taken: {why_not}")
-    elif out_fmt == "dcp":
-        from ckptfix.stream import Fallback
-        from ckptfix.stream.to_dcp import convert_to_dcp
-
-        try:
-            streamed = convert_to_dcp(
-                source,
-                os.fspath(dst),
-                in_fmt=in_fmt,
-                dtype=dtype,
-                transform=lambda tree: options.apply(tree, source=source),
-                allow_globals=allow,
-                overwrite=overwrite,
-            )
-            streamed.method = "stream"
-            _note_losses(streamed, out_fmt)
-            return streamed
-        except Fallback as e:
-            notes.append(f"fast path not taken: {e}")
-    elif in_fmt == "folder" or (in_fmt in ("safetensors", "torch-zip") and (dtype, shard_size) != (None, None)):
-        from ckptfix.stream import Fallback
-        from ckptfix.stream.folder_torch import convert_folder_to_torch
-        from ckptfix.stream.folders import convert_folder
-
-        try:
-            transform = lambda tree: options.apply(tree, source=source)  # noqa: E731
-            if out_fmt == "torch":  # optimizer=True, or a cast into one .pt
-                streamed = convert_folder_to_torch(
-                    source, os.fspath(dst), transform=transform, allow_globals=allow, optimizer=optimizer, dtype=dtype
-                )
-            else:
-                streamed = convert_folder(source, os.fspath(dst), transform=transform, allow_globals=allow,
-                                          dtype=dtype, shard_size=shard_size, overwrite=overwrite)  # fmt: skip
-            streamed.method = "stream"
-            return streamed
-        except Fallback as e:
-            notes.append(f"fast path not taken: {e}")
+    plan = plan_conversion(in_fmt=in_fmt, out_fmt=out_fmt, fast=fast, dtype=dtype, unsafe=unsafe,
+                           sharded=shard_size is not None)  # fmt: skip
+    if not plan.streams:
+        notes.append(f"fast path not taken: {plan.reason}")
     else:
-        from ckptfix.stream import Fallback, fast_convert
+        from ckptfix.formats.copyable import Fallback
 
         try:
-            result: Conversion = fast_convert(
-                src,
-                dst,
-                in_fmt=in_fmt,
-                out_fmt=out_fmt,
-                transform=lambda tree: options.apply(tree, source=source),
-                allow_globals=allow,
-                verify=verify,
-            )
-            result.method = "stream"  # it noted what a .safetensors output does not keep, as it went
-            return result
+            streamed = _stream(plan, source, os.fspath(dst), in_fmt=in_fmt, out_fmt=out_fmt, dtype=dtype,
+                               transform=lambda tree: options.apply(tree, source=source), allow_globals=allow,
+                               verify=verify, shard_size=shard_size, overwrite=overwrite,
+                               optimizer=optimizer)  # fmt: skip
+            streamed.method = "stream"
+            return streamed
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
     with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
@@ -257,23 +211,35 @@ def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bo
                          f"optimizer=True (a .pt input keeps its optimizer entry as it is)")  # fmt: skip
 
 
-def _torch_path_reason(
-    *, fast: bool, dtype: str | None, unsafe: bool, in_fmt: str, out_fmt: str, sharded: bool
-) -> str | None:
-    """Why the fast path is not even tried, for ``-v`` (None: it is tried)."""
-    # their tensors are byte ranges: cast or sharded as they stream (a .pt into .safetensors only)
-    streams = in_fmt in ("folder", "safetensors") or (in_fmt == "torch-zip" and out_fmt == "safetensors")
-    if sharded and (not streams or out_fmt != "safetensors"):
-        return "shards are written one by one from the loaded checkpoint"
-    if not fast:
-        return "the torch path was asked for"
-    if dtype is not None and not streams and out_fmt != "dcp":  # into DCP each tensor is read, then cast
-        return f"casting to {dtype} needs torch"
-    if unsafe:
-        return "the unsafe option runs the file's pickle, which only torch.load does"
-    if in_fmt == "torch-legacy":
-        return "the input is a legacy (pre-1.6, not zip) torch file"
-    return None
+def _stream(
+    plan: Plan, source: str, out: str, *, in_fmt: str, out_fmt: str, dtype: str | None,
+    transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...], verify: bool, shard_size: int | None,
+    overwrite: bool, optimizer: bool,
+) -> Conversion:  # fmt: skip
+    """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
+    it does not apply."""
+    if plan.route == TO_DCP:
+        from ckptfix.stream.to_dcp import convert_to_dcp
+
+        streamed: Conversion = convert_to_dcp(source, out, in_fmt=in_fmt, dtype=dtype, transform=transform,
+                                              allow_globals=allow_globals, overwrite=overwrite)  # fmt: skip
+        _note_losses(streamed, out_fmt)
+        return streamed
+    if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt
+        from ckptfix.stream.folder_torch import convert_folder_to_torch
+
+        return convert_folder_to_torch(source, out, transform=transform, allow_globals=allow_globals,
+                                       optimizer=optimizer, dtype=dtype)  # fmt: skip
+    if plan.route == STREAM_TENSORS:
+        from ckptfix.stream.folders import convert_folder
+
+        return convert_folder(source, out, transform=transform, allow_globals=allow_globals, dtype=dtype,
+                              shard_size=shard_size, overwrite=overwrite)  # fmt: skip
+    from ckptfix.stream import fast_convert
+
+    # it notes what a .safetensors output does not keep, as it goes
+    return fast_convert(source, out, in_fmt=in_fmt, out_fmt=out_fmt, transform=transform,  # type: ignore[no-any-return]
+                        allow_globals=allow_globals, verify=verify)  # fmt: skip
 
 
 def _note_losses(conversion: Conversion, out_fmt: str) -> None:

@@ -216,10 +216,10 @@ def compare(
     strip_prefixes: Iterable[str] = (),
 ) -> DiffReport:
     """The comparison behind :func:`diff` and :func:`diff_files`, on two opened checkpoints."""
-    from ckptfix.formats.folders.deepspeed import refuse_placeholders
+    from ckptfix.formats.registry import refuse_rank_file
 
     for side in (a, b):  # a lone ZeRO-3 module file: [0] placeholders would compare as weights
-        refuse_placeholders(side.tree, source=side.source)
+        refuse_rank_file(side.tree, source=side.source, model=False)
     report = DiffReport(a=a.source, b=b.source, atol=atol, rtol=rtol, others_compared=entry is None)
     pairs = _pairs(a, b, entry=entry)
     strips = _strips(a, b, pairs, list(strip_prefixes))

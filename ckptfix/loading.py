@@ -107,14 +107,12 @@ def model_state_of(obj: Any, *, source: str, entry: str | None = None) -> Mappin
     Raises :class:`LayoutError` when there is none: the input cannot be checked at all, which is not a mismatch;
     :class:`~ckptfix.formats.folders.fsdp.ShardedCheckpointError` for FSDP1 flat parameters (one rank's slices).
     """
-    from ckptfix.formats.folders.deepspeed import refuse_optimizer_partition, refuse_placeholders
     from ckptfix.formats.folders.fsdp import refuse_flat_params
+    from ckptfix.formats.registry import refuse_rank_file
 
-    refuse_placeholders(obj, source=source)  # a lone ZeRO-3 module file: its parameters are [0] placeholders
-    if not entry:
-        refuse_optimizer_partition(obj, source=source)  # one rank's ZeRO optimizer file: flat slices, no model
+    refuse_rank_file(obj, source=source, model=not entry)
     state = _model_state(obj, source=source, entry=entry)
-    refuse_flat_params(state, source=source)
+    refuse_flat_params(state, source=source)  # the chosen state's own: FSDP1 slices are no model
     return state
 
 

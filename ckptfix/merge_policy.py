@@ -282,11 +282,11 @@ class Merger:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
             )
-        from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN, refuse_optimizer_partition, refuse_placeholders
+        from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN
+        from ckptfix.formats.registry import refuse_rank_file
 
         for opened in inputs:  # lone ZeRO rank files: [0] placeholders, flat slices; the run's folder is the whole
-            refuse_placeholders(opened.tree, source=opened.source, instead=CONVERT_THE_RUN)
-            refuse_optimizer_partition(opened.tree, source=opened.source)
+            refuse_rank_file(opened.tree, source=opened.source, instead=CONVERT_THE_RUN)
         pairs = _entry_pairs([i.tree for i in inputs], labels)
         self.result.entries = list(pairs)
         self.entries = [self._entry(name, states, to=to) for name, states in pairs.items()]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import model_entries
 from ckptfix.errors import AverageError, UsageError
+from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.folders.flatparams import FlatSliceRecord
 from ckptfix.formats.folders.fsdp import (
     DTENSOR_GLOBALS,
@@ -250,7 +251,7 @@ def reassembled(ranks: list[Rank]) -> dict[str, str]:
 
 
 def check_little_endian(ranks: list[Rank]) -> None:
-    if any(rank.zip is None or rank.zip.byteorder != "little" for rank in ranks):
+    if any(rank.zip is None or foreign_byte_order(rank.zip) for rank in ranks):
         raise CannotStream("a big-endian rank file, whose bytes torch swaps")
 
 

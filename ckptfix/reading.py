@@ -27,6 +27,7 @@ from ckptfix.formats.containers.legacy import check_legacy
 from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
+from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.deepspeed import ZeroTensor
@@ -36,10 +37,11 @@ from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor
 from ckptfix.formats.records import is_record, layout, map_tree, spec, torch_dtype
-from ckptfix.formats.registry import detect_format, read
+from ckptfix.formats.registry import detect, detect_format, read
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
+from ckptfix.plan import plan_reading
 
 if TYPE_CHECKING:
     import torch
@@ -223,11 +225,12 @@ def open_checkpoint(
     instead of a refusal (see :mod:`ckptfix.formats.torchio.opaque`).
     """
     source = os.fspath(path)
-    fmt = detect_format(path)
+    found = detect(path)
+    fmt = found.name
     if fmt == "folder" and not unsafe:
-        return _open_folder(source, allow_globals=tuple(allow_globals), need_bytes=need_bytes, verify=verify,
-                            opaque=opaque)  # fmt: skip
-    reason = _torch_needed(fmt, unsafe=unsafe)
+        return _open_folder(source, kind=found.kind, allow_globals=tuple(allow_globals), need_bytes=need_bytes,
+                            verify=verify, opaque=opaque)  # fmt: skip
+    reason = plan_reading(fmt, unsafe=unsafe).reason
     if reason is None:
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -246,16 +249,6 @@ def open_checkpoint(
     if fmt == "torch-legacy" and not unsafe:  # its pickles again (not its storages): the device tags they name
         locations = check_legacy(source, allowed=allowlist.allowed_names(list(allow_globals), source=source))
     return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations, crc_stored=crc_stored)
-
-
-def _torch_needed(fmt: str, *, unsafe: bool) -> str | None:
-    if unsafe:
-        return "--unsafe-pickle runs the full unpickler"
-    if fmt == "torch-legacy":
-        return "a legacy (pre-1.6) torch file, whose storages only torch reads"
-    if fmt not in ("torch-zip", "safetensors"):
-        return f"a {fmt}"
-    return None
 
 
 def _describe(
@@ -288,8 +281,8 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
     """Why the description cannot stand in for the loaded checkpoint, if it cannot."""
     if opened.zip is None:
         return None
-    if need_bytes and opened.zip.byteorder != "little":
-        return f"a {opened.zip.byteorder}-endian file, whose bytes torch swaps"
+    if need_bytes and (order := foreign_byte_order(opened.zip)):
+        return f"a {order} file, whose bytes torch swaps"
     for obj in inert.walk(opened.tree):
         if isinstance(obj, inert.InertTensor) and not obj.plain:
             return "a tensor with backward hooks or extra state"
@@ -370,18 +363,19 @@ class OpenedFolder(Opened):
         return self.tensor(value)  # a DCP chunk (its reader uses torch), a real tensor
 
 
-def _open_folder(source: str, *, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
+def _open_folder(source: str, *, kind: str, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
                  opaque: bool) -> Opened:  # fmt: skip
-    """A folder or index file as an :class:`OpenedFolder`, every file checked as it would be on its own and the
-    folder's own rules (:mod:`ckptfix.formats.folders.hf`) on top."""
-    from ckptfix.formats.folders.dcp import is_dcp
-    from ckptfix.formats.folders.deepspeed import is_deepspeed
+    """A folder or index file of the registry's ``kind`` as an :class:`OpenedFolder`, every file checked as it
+    would be on its own and the folder's own rules (:mod:`ckptfix.formats.folders.hf`) on top."""
     from ckptfix.formats.folders.hf import describe as describe_folder
 
-    if is_dcp(source):
+    if kind == "dcp":
         return _open_dcp(source, allow_globals=allow_globals, verify=verify)
-    if is_deepspeed(source):
+    if kind == "deepspeed":
         return _open_deepspeed(source, allow_globals=allow_globals, verify=verify)
+    if kind != "hf":  # a format with no description here: its loader reads it, tensors and all
+        tree = read(source, fmt="folder", allow_globals=allow_globals)
+        return Opened(source=source, fmt="folder", tree=tree, note=f"a {kind} checkpoint, read by its loader")
     folder = describe_folder(source)
     files = folder.files + ([folder.index] if folder.index else [])
     opened = OpenedFolder(source=source, fmt="folder", tree=None, kind="shards" if folder.flat else "accelerate",

@@ -108,8 +108,8 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
     >>> result = ckptfix.sanitize("epoch_12.pth", "epoch_12.clean.pth")
     >>> [str(d) for d in result.dropped]   # ["message_hub['log_scalars']['train/loss']: mmengine... (...)"]
     """
-    from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN, refuse_placeholders
-    from ckptfix.formats.registry import output_format
+    from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN
+    from ckptfix.formats.registry import output_format, refuse_rank_file
 
     source = os.fspath(src)
     fmt = detect_format(src)
@@ -124,7 +124,7 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
         before = file_identity(fd)
         z = read_torch_zip(fd, source, allowed=allowlist.TORCH_DEFAULT, verify=True, refused=[])
         # a lone ZeRO-3 module file loads with weights_only as it is: a copy would only pass its placeholders on
-        refuse_placeholders(z.tree, source=source, instead=CONVERT_THE_RUN)
+        refuse_rank_file(z.tree, source=source, model=False, instead=CONVERT_THE_RUN)
         budget = _TEXT_NODES_BASE + _TEXT_NODES_PER_BYTE * os.fstat(fd).st_size
         try:
             tree = _Cleaner(result, budget=budget).clean(z.tree, "")

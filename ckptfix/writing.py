@@ -6,7 +6,8 @@ it is ready; memory holds one tensor, not the checkpoint. The output tree holds 
 tensors kept as they are, and :class:`Placeholder` records for the ones to compute. Records of a torch zip input
 that the writer is not handed (a view into a larger storage, the optimizer state of the other entries) are copied
 from that input, their CRCs checked. A tree it cannot write this way (real tensors, objects only torch pickles)
-raises :class:`CannotStream` before anything is written, and the caller writes with ``ckptfix.save``.
+raises :class:`~ckptfix.formats.copyable.Fallback` before anything is written, and the caller writes with
+``ckptfix.save``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ckptfix.checkpoint import is_tensor
 from ckptfix.formats.containers.safetensors import StTensor, plan_safetensors, tensor_bytes
 from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
 from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
+from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike, atomic_output
@@ -46,8 +48,7 @@ class Placeholder(TensorRecord):
     shape: tuple[int, ...]
 
 
-class CannotStream(Exception):  # noqa: N818 - a signal to the caller, not an error
-    """The tree cannot be written a tensor at a time; ``str(e)`` says why."""
+CannotStream = Fallback  # merging's name for it (one signal: the stream does not apply, ``str(e)`` says why)
 
 
 class StreamedWriter:
@@ -95,7 +96,7 @@ class StreamedWriter:
 def streamed_writer(tree: Any, out: PathLike, *, fmt: str, base: Opened) -> StreamedWriter:
     """A writer of ``tree`` to ``out`` in format ``fmt``; records of ``base`` (a described input) are copied.
 
-    Raises :class:`CannotStream` when the tree holds something only ``ckptfix.save`` writes.
+    Raises :class:`Fallback` when the tree holds something only ``ckptfix.save`` writes.
     """
     if fmt == "safetensors":
         return _Safetensors(tree, out)
@@ -116,11 +117,11 @@ class _Safetensors(StreamedWriter):
         def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
             if not isinstance(value, (Placeholder, StTensor, inert.InertTensor, inert.InertParameter, FolderTensor,
                                       DcpTensor)):  # fmt: skip
-                raise CannotStream("a tensor already in memory")
+                raise Fallback("a tensor already in memory")
             found = spec(value)
             return found.dtype, found.shape, 0, found.nbytes, identity(value)
 
-        self.plan = plan_safetensors(tree, out=self.out, locate=locate, refuse=CannotStream)
+        self.plan = plan_safetensors(tree, out=self.out, locate=locate)
         # where each stored tensor's bytes go: header, then the data in the order of the header
         self.offsets: dict[Any, int] = {}
         self.pending: set[Any] = set()
@@ -169,7 +170,7 @@ class _TorchZip(StreamedWriter):
             if isinstance(value, (inert.InertTensor, inert.InertParameter)) and self.base is not None:
                 return value  # kept: its storage record is copied, or written from the tensor handed in
             if not isinstance(value, (Placeholder, StTensor, FolderTensor, DcpTensor)):
-                raise CannotStream(f"a {type(value).__name__} value")
+                raise Fallback(f"a {type(value).__name__} value")
             return self.new(value)
 
         # a container reached twice stays one, as the pickle written shares it
@@ -177,7 +178,7 @@ class _TorchZip(StreamedWriter):
         try:
             self.pickle = pickling.dump(self.tree)
         except TypeError as e:
-            raise CannotStream(str(e)) from e
+            raise Fallback(str(e)) from e
         self.storages = {ref.key: ref for ref in inert.walk(self.tree) if isinstance(ref, inert.StorageRef)}
         self.written: set[str] = set()
 

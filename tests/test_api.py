@@ -51,6 +51,7 @@ def test_options_are_checked_once_before_any_file_is_opened(tmp_path: Path) -> N
 LAYERS = [
     "ckptfix.cli",
     "ckptfix.conversion",
+    "ckptfix.plan",  # the route, decided above the streams it picks among
     "ckptfix.stream",
     "ckptfix.formats",
     "ckptfix.checkpoint",
@@ -89,7 +90,7 @@ FORMATS_FLOORS = [
     ["ckptfix.formats.registry"],
     ["ckptfix.formats.folders"],
     ["ckptfix.formats.torchio"],
-    ["ckptfix.formats.containers"],
+    ["ckptfix.formats.containers", "ckptfix.formats.copyable"],  # copyable: when a container's bytes are values
     ["ckptfix.formats.pickles"],
     ["ckptfix.formats.output"],
     ["ckptfix.formats.safety", "ckptfix.formats.folders.hf_index"],

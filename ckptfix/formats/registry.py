@@ -1,20 +1,19 @@
-"""Safe readers and atomic writers for .pt/.pth/.bin and .safetensors: one module per format.
+"""Which format a path is, and the one entry point to read and write each: :data:`FORMATS` is the registry.
 
-- :mod:`ziparchive`: the zip container and its rules; :mod:`torchzip`: torch's zip checkpoint;
-  :mod:`legacy`: the pre-1.6 torch format; :mod:`safetensors`: header reader, writer, load and save.
-- :mod:`inert`: the one pickle reader (nothing executed); :mod:`allowlist`: which globals a pickle may name;
-  :mod:`dtypes`: the one dtype table; :mod:`atomic`: crash-safe output.
-
-The input format is decided by content (magic bytes), the output format by OUT's extension.
+Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
+it; :func:`detect` asks them in order. The output format is decided by OUT's extension (:func:`output_format`).
+Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader) and its tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError
@@ -25,20 +24,75 @@ TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 SAFETENSORS_EXTENSIONS = (".safetensors",)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What formats are told apart by: the path and, for a file, its first 32 bytes and its size, read once
+    whatever the number of formats asking."""
+
+    path: str
+    folder: bool
+    head: bytes = b""
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How :func:`read` reads: the options of :func:`load`, given once to whichever format's loader."""
+
+    unsafe: bool = False
+    allow_globals: Iterable[str] = ()
+    mmap: bool = True
+    verify: bool = True
+    model_only: bool = False
+    opaque: bool = False  # a torch zip's entries needing globals outside the allowlist kept unbuilt
+
+
+@dataclass(frozen=True)
+class Format:
+    """One input format: ``name`` is the family that code and ``--json`` use (``torch-zip``, ``torch-legacy``,
+    ``safetensors``, ``folder``), ``kind`` the format itself (``dcp``, ``deepspeed``, ``hf`` …).
+
+    ``claims`` answers from the :class:`Probe` alone (a folder's listing at most, as DCP's storage readers'
+    ``validate_checkpoint_id`` does); it may refuse a path that looks like the format but cannot be read as
+    one. ``load`` reads it into torch tensors."""
+
+    name: str
+    kind: str
+    claims: Callable[[Probe], bool]
+    load: Callable[[PathLike, ReadOptions], Any]
+
+
+def detect(path: PathLike) -> Format:
+    """The format of ``path``: the first of :data:`FORMATS` that claims it (a file by its first bytes, a folder
+    by what it holds); :class:`FormatError` naming the path when none does."""
+    source = os.fspath(path)
+    refuse_remote(source)
+    probe = _probe(source)
+    for fmt in FORMATS:
+        if fmt.claims(probe):
+            return fmt
+    raise FormatError(
+        f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
+        f"found bytes {probe.head[:8]!r})"
+    )
+
+
 def detect_format(path: PathLike) -> str:
     """``torch-zip``, ``torch-legacy``, ``safetensors`` or ``folder``, from the first bytes of the file.
 
     ``folder`` is a folder of shards or training state, or a shard index file (JSON) in one.
     """
-    source = os.fspath(path)
-    refuse_remote(source)
+    return detect(path).name
+
+
+def _probe(source: str) -> Probe:
     if os.path.isdir(source):
-        return "folder"
+        return Probe(source, folder=True)
     try:
         mode = os.stat(source).st_mode
         if not stat.S_ISREG(mode):  # never opened: reading a FIFO waits for a writer, a device never ends
             raise FormatError(f"{source}: not a regular file (a FIFO, socket or device); pass a checkpoint file")
-        with open(path, "rb") as f:
+        with open(source, "rb") as f:
             head = f.read(32)
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError as e:
@@ -49,38 +103,151 @@ def detect_format(path: PathLike) -> str:
         raise FormatError(f"{source}: cannot read it ({e.strerror})") from e
     if not head:
         raise FormatError(f"{source}: file is empty; re-download or re-save it")
-    if head.startswith(b"PK\x03\x04"):
-        _not_a_dcp_shard(source)
-        return "torch-zip"
-    if head[:1] == b"\x80":
-        from ckptfix.formats.containers.legacy import MAGIC  # here: the legacy reader is for the rare old file only
-
-        if MAGIC in head:
-            return "torch-legacy"
-    json_text = head.lstrip().startswith(b"{")
-    if len(head) >= 9 and head[8:9] in (b"{", b"[", b" "):
-        # safetensors: an 8-byte little-endian header length, then the JSON header. Text never passes for one:
-        # eight bytes of text read as a length are over 2**61.
-        (header_len,) = struct.unpack("<Q", head[:8])
-        if header_len + 8 <= size:
-            return "safetensors"
-        if not json_text:
-            raise FormatError(f"{source}: safetensors header runs past the end of the file; it is truncated")
-    if json_text:
-        return "folder"  # a shard index (JSON): folder.describe checks that it is one
-    raise FormatError(
-        f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
-        f"found bytes {head[:8]!r})"
-    )
+    return Probe(source, folder=False, head=head, size=size)
 
 
-def _not_a_dcp_shard(source: str) -> None:
-    folder = os.path.dirname(os.path.abspath(source))
-    if source.endswith(".distcp") and os.path.isfile(os.path.join(folder, ".metadata")):
+# -- each format's claim and loader (the modules are imported only when a probe may be theirs) ----------------
+
+
+def _dcp_claims(probe: Probe) -> bool:
+    if not probe.folder:
+        return False
+    from ckptfix.formats.folders.dcp import is_dcp
+
+    return is_dcp(probe.path)
+
+
+def _dcp_load(path: PathLike, options: ReadOptions) -> Any:
+    from ckptfix.formats.folders.dcp import load_dcp
+
+    return load_dcp(os.fspath(path), allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify)
+
+
+def _deepspeed_claims(probe: Probe) -> bool:
+    if not probe.folder:
+        return False
+    from ckptfix.formats.folders.deepspeed_files import is_deepspeed
+
+    return is_deepspeed(probe.path)
+
+
+def _deepspeed_load(path: PathLike, options: ReadOptions) -> Any:
+    from ckptfix.formats.folders.deepspeed import load_run
+
+    # the consolidated fp32 master weights, each partition's bytes read once
+    return load_run(os.fspath(path), allow_globals=options.allow_globals, verify=options.verify)
+
+
+def _torch_zip_claims(probe: Probe) -> bool:
+    if not probe.head.startswith(b"PK\x03\x04"):
+        return False
+    folder = os.path.dirname(os.path.abspath(probe.path))
+    if probe.path.endswith(".distcp") and os.path.isfile(os.path.join(folder, ".metadata")):
         raise FormatError(
-            f"{source}: is one data file of a torch.distributed.checkpoint folder, not a checkpoint on its own; "
+            f"{probe.path}: is one data file of a torch.distributed.checkpoint folder, not a checkpoint on its own; "
             f"pass the folder {folder}"
         )
+    return True
+
+
+def _legacy_claims(probe: Probe) -> bool:
+    if probe.head[:1] != b"\x80":
+        return False
+    from ckptfix.formats.containers.legacy import MAGIC  # here: the legacy reader is for the rare old file only
+
+    return MAGIC in probe.head
+
+
+def _torch_load(name: str) -> Callable[[PathLike, ReadOptions], Any]:
+    def load_torch_file(path: PathLike, options: ReadOptions) -> Any:
+        from ckptfix.formats.torchio.torchfile import load_torch
+
+        return load_torch(path, fmt=name, source=os.fspath(path), unsafe=options.unsafe,
+                          allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify,
+                          opaque=options.opaque)  # fmt: skip
+
+    return load_torch_file
+
+
+def _safetensors_claims(probe: Probe) -> bool:
+    head = probe.head
+    if len(head) < 9 or head[8:9] not in (b"{", b"[", b" "):
+        return False
+    # an 8-byte little-endian header length, then the JSON header. Text never passes for one: eight bytes of text
+    # read as a length are over 2**61.
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len + 8 <= probe.size:
+        return True
+    if not _json_text(probe):
+        raise FormatError(f"{probe.path}: safetensors header runs past the end of the file; it is truncated")
+    return False
+
+
+def _safetensors_load(path: PathLike, options: ReadOptions) -> Any:
+    from ckptfix.formats.containers.safetensors import load_safetensors
+
+    return load_safetensors(path, source=os.fspath(path))
+
+
+def _hf_claims(probe: Probe) -> bool:
+    # any other folder, or a shard index (JSON): hf.describe checks that it is one
+    return probe.folder or _json_text(probe)
+
+
+def _hf_load(path: PathLike, options: ReadOptions) -> Any:
+    from ckptfix.formats.folders.hf import load_folder
+
+    def shard(file: str) -> Any:
+        return detect(file).load(file, dataclasses.replace(options, model_only=False, opaque=False))
+
+    return load_folder(path, read=shard, model_only=options.model_only)
+
+
+def _json_text(probe: Probe) -> bool:
+    return probe.head.lstrip().startswith(b"{")
+
+
+FORMATS: tuple[Format, ...] = (  # in the order they are asked; the first to claim a path reads it
+    Format("folder", "dcp", _dcp_claims, _dcp_load),
+    Format("folder", "deepspeed", _deepspeed_claims, _deepspeed_load),
+    Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),
+    Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
+    Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load),
+    Format("folder", "hf", _hf_claims, _hf_load),  # transformers shards with their index, accelerate folders
+)
+
+
+# -- one rank's file of a sharded run, told by its content --------------------------------------------------
+
+
+def refuse_rank_file(
+    obj: Any, *, source: str, model: bool = True, flat: bool = False, instead: str | None = None
+) -> None:
+    """One rank's share of a sharded run, read where a whole checkpoint is wanted: refused, naming what to pass.
+
+    Its content says so, not its container (any torch file, even a .safetensors file's keys, may be one), so every
+    input read whole is asked, here: with ``flat``, FSDP1 flat parameters in a model entry; a lone DeepSpeed ZeRO-3
+    module file (``[0]`` placeholders); with ``model`` (a model is wanted, no entry named), a lone ZeRO optimizer
+    file. ``instead`` is what DeepSpeed's refusal advises, ``{folder}`` standing for the run's folder."""
+    from ckptfix.formats.folders.deepspeed_files import refuse_optimizer_partition, refuse_placeholders
+
+    if flat:
+        from ckptfix.formats.folders.fsdp import refuse_flat_params
+
+        refuse_flat_params(obj, source=source)
+    if instead is None:
+        refuse_placeholders(obj, source=source)
+    else:
+        refuse_placeholders(obj, source=source, instead=instead)
+    if model:
+        refuse_optimizer_partition(obj, source=source)
+
+
+def rank_file_note(obj: Any, *, source: str) -> str | None:
+    """What to say of a rank's file converted on its own (a ZeRO-1/2 module file: the training dtype's weights)."""
+    from ckptfix.formats.folders.deepspeed_files import lone_module_note
+
+    return lone_module_note(obj, source=source)
 
 
 def refuse_remote(path: str) -> None:
@@ -130,15 +297,8 @@ def load(
 
     >>> ckpt = ckptfix.load("run/last.pt")
     """
-    return read(
-        path,
-        fmt=detect_format(path),
-        unsafe=unsafe,
-        allow_globals=allow_globals,
-        mmap=mmap,
-        verify=verify,
-        model_only=model_only,
-    )
+    options = ReadOptions(unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only)
+    return detect(path).load(path, options)
 
 
 def read(
@@ -152,32 +312,14 @@ def read(
     model_only: bool = False,
     opaque: bool = False,
 ) -> Any:
-    """:func:`load` for a file whose format was already detected; ``opaque``: see :func:`.torchfile.load_torch`."""
-    source = os.fspath(path)
-    if fmt == "folder":
-        from ckptfix.formats.folders.dcp import is_dcp, load_dcp
-        from ckptfix.formats.folders.hf import load_folder
-
-        if is_dcp(source):
-            return load_dcp(source, allow_globals=allow_globals, mmap=mmap, verify=verify)
-        from ckptfix.formats.folders.deepspeed import is_deepspeed, load_run
-
-        if is_deepspeed(source):  # the consolidated fp32 master weights, each partition's bytes read once
-            return load_run(source, allow_globals=allow_globals, verify=verify)
-
-        def shard(file: str) -> Any:
-            return read(file, fmt=detect_format(file), unsafe=unsafe, allow_globals=allow_globals, mmap=mmap,
-                        verify=verify)  # fmt: skip
-
-        return load_folder(path, read=shard, model_only=model_only)
-    if fmt == "safetensors":
-        from ckptfix.formats.containers.safetensors import load_safetensors
-
-        return load_safetensors(path, source=source)
-    from ckptfix.formats.torchio.torchfile import load_torch
-
-    return load_torch(path, fmt=fmt, source=source, unsafe=unsafe, allow_globals=allow_globals, mmap=mmap,
-                      verify=verify, opaque=opaque)  # fmt: skip
+    """:func:`load` for a file whose format was already detected (``folder``: which folder, the registry says);
+    ``opaque``: see :func:`.torchfile.load_torch`."""
+    found = detect(path) if fmt == "folder" else next((f for f in FORMATS if f.name == fmt), None)
+    if found is None:  # a caller's slip: fmt comes from detect_format
+        raise ValueError(f"fmt={fmt!r}: not a format name; use detect_format(path)")
+    options = ReadOptions(unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only,
+                          opaque=opaque)  # fmt: skip
+    return found.load(path, options)
 
 
 @deep
@@ -226,4 +368,18 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
         save_torch(obj, path)
 
 
-__all__ = ["detect_format", "load", "output_format", "read", "save", "write"]
+__all__ = [
+    "FORMATS",
+    "Format",
+    "Probe",
+    "ReadOptions",
+    "detect",
+    "detect_format",
+    "load",
+    "output_format",
+    "rank_file_note",
+    "read",
+    "refuse_rank_file",
+    "save",
+    "write",
+]

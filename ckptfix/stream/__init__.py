@@ -27,6 +27,7 @@ from ckptfix.formats.containers.safetensors import (
 from ckptfix.formats.containers.torchsave import NewStorages
 from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc, verify_records
+from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, math_bit_view
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.output.crc import Check
@@ -113,7 +114,7 @@ def fast_convert(
 def _check_writable(tree: Any) -> None:
     for obj in inert.records(tree):
         # a conj or neg bit is kept as it is in a .pt output (the .safetensors locator refuses it)
-        if type(obj) is inert.InertTensor and not obj.plain and obj.math_bits is None:
+        if type(obj) is inert.InertTensor and hooks_or_state(obj):
             raise Fallback("a tensor carries backward hooks or extra metadata")
         if type(obj) is inert.Inert and obj.func.full not in _WRITABLE:
             raise Fallback(f"the checkpoint holds {obj.func.full}(...), which the torch path rebuilds")
@@ -143,7 +144,7 @@ def _write(
         locate = _PtLocator(inp) if inp is not None else _st_locate
         try:
             # a .pt input's records are not laid out like a data buffer: keep the torch path's bytes instead
-            plan = plan_safetensors(tree, out=out, locate=locate, refuse=Fallback, keep_offsets=inp is None)
+            plan = plan_safetensors(tree, out=out, locate=locate, keep_offsets=inp is None)
         except OutputError:
             if inp is not None:  # a damaged input is reported before what the output cannot hold, as torch does
                 verify_records(fd, source, inp.archive.records)
@@ -205,8 +206,8 @@ class _PtLocator:
     """Finds each tensor's bytes in the input's records; remembers which storages it was asked about."""
 
     def __init__(self, inp: TorchZip) -> None:
-        if inp.byteorder != "little":
-            raise Fallback(f"input is {inp.byteorder}-endian; safetensors is little-endian")
+        if order := foreign_byte_order(inp):
+            raise Fallback(f"input is {order}; safetensors is little-endian")
         self.inp, self.keys = inp, set[str]()
         self.params = self.grads = 0  # what a .safetensors output cannot keep (a view makes the fast path step aside)
 
@@ -218,8 +219,8 @@ class _PtLocator:
         self.params += param
         self.grads += value.requires_grad
         shape, stride, dtype = t.shape, t.stride, t.dtype
-        if t.math_bits:
-            raise Fallback(f"a tensor is a {' and '.join(t.math_bits)} view: its bytes are not its values")
+        if bits := math_bit_view(t):
+            raise Fallback(f"a tensor is a {bits} view: its bytes are not its values")
         if not inert.contiguous(shape, stride):
             raise Fallback("a tensor is a non-contiguous view")
         width = DTYPES[dtype].itemsize

@@ -1,7 +1,8 @@
-"""The signal that the streaming path does not apply (it is not an error: the torch path takes over)."""
+"""The signal that a stream does not apply: :class:`ckptfix.formats.copyable.Fallback`, under the name the stream
+modules and callers import it by."""
 
 from __future__ import annotations
 
+from ckptfix.formats.copyable import Fallback
 
-class Fallback(Exception):  # noqa: N818 - the name is the contract with ckptfix.conversion
-    """The fast path does not apply to this input; ``str(e)`` says why, for ``--verbose``."""
+__all__ = ["Fallback"]

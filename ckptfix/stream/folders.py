@@ -26,16 +26,17 @@ from ckptfix.formats.containers.safetensors import (
     split_checkpoint,
     tree_from_header,
 )
+from ckptfix.formats.copyable import math_bit_view
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_region, is_dcp
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_region
 from ckptfix.formats.folders.dcp_chunks import chunk_record, dcp_tree, rows
-from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, is_deepspeed, read_zero_tensor
+from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, read_zero_tensor
 from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
 from ckptfix.formats.output.atomic import atomic_output
 from ckptfix.formats.output.crc import Check, Verifier
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.registry import detect_format
+from ckptfix.formats.registry import detect, detect_format
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
@@ -295,14 +296,17 @@ def open_tree(
     allowed = allowlist.allowed_names(allow_globals, source=src)
     files = DataFiles()
     try:
-        if is_dcp(src):
+        found = detect(src)
+        if found.kind == "dcp":
             tree, kind = _dcp_tree(src, files, allowed=allowed)
-        elif is_deepspeed(src):
+        elif found.kind == "deepspeed":
             tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
-        elif not os.path.isdir(src) and (fmt := detect_format(src)) in ("safetensors", "torch-zip"):
+        elif found.name in ("safetensors", "torch-zip"):
             from ckptfix.stream.single import file_tree  # one file: cast or sharded a tensor at a time
 
-            tree, kind = file_tree(src, fmt, files, allowed=allowed)
+            tree, kind = file_tree(src, found.name, files, allowed=allowed)
+        elif found.name == "folder" and found.kind != "hf":  # a folder no stream here describes: its loader reads it
+            raise Fallback(f"a {found.kind} checkpoint is read by its loader")
         else:
             tree, kind = _shards_tree(src)
     except BaseException:
@@ -364,8 +368,8 @@ def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed
     """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
     (row-major, contiguous) are."""
     z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
-    if t.math_bits:  # dcp.save pickles a conj or neg view as torch.save does: bit and all
-        raise Fallback(f"chunk of '{key}' is a {' and '.join(t.math_bits)} view: its bytes are not its values")
+    if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
+        raise Fallback(f"chunk of '{key}' is a {bits} view: its bytes are not its values")
     rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
     files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
     files.checks.setdefault(c.span.path, []).extend(

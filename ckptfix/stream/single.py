@@ -12,6 +12,7 @@ from typing import Any
 
 from ckptfix.formats.containers.safetensors import StTensor, losses_note, read_header, tree_from_header
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
+from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, math_bit_view
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.output.crc import Check
@@ -27,8 +28,8 @@ def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) 
     if fmt == "safetensors":
         return tree_from_header(read_header(src), source=src), "safetensors"
     z = describe(files.fd(src), src, allowed=allowed)  # an entry of refused globals kept opaque: carry() refuses it
-    if z.byteorder != "little":
-        raise Fallback(f"input is {z.byteorder}-endian; safetensors is little-endian")
+    if order := foreign_byte_order(z):
+        raise Fallback(f"input is {order}; safetensors is little-endian")
     files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
     located = _PtRecords(src, z)
     tree = map_tree(z.tree, located, leaf=(inert.InertTensor, inert.InertParameter))
@@ -48,7 +49,7 @@ def copyable_tensor(value: inert.InertTensor | inert.InertParameter) -> inert.In
     ):
         raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
     t = inert.tensor_of(value)
-    if not isinstance(t, inert.InertTensor) or t.math_bits is None or t.math_bits:
+    if not isinstance(t, inert.InertTensor) or hooks_or_state(t) or math_bit_view(t):
         raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
     return t
 

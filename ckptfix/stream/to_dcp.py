@@ -27,6 +27,7 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
+from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, save_dcp
@@ -112,8 +113,8 @@ def _open(
         if in_fmt == "safetensors":
             return tree_from_header(read_header(src), source=src), "safetensors", files, None
         z = describe(fd, src, allowed=allowed)
-        if z.byteorder != "little":
-            raise Fallback(f"input is {z.byteorder}-endian")
+        if order := foreign_byte_order(z):
+            raise Fallback(f"input is {order}")
         files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
         return z.tree, "pt", files, z
     except BaseException:

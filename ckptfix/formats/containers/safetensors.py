@@ -26,6 +26,7 @@ from typing import Any
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.containers.ziparchive import BLOCK
+from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.pickles.inert import gc_paused
@@ -509,11 +510,9 @@ class StOutput:
 
 
 @gc_paused()  # a range and a header entry per tensor: nothing to collect, only to rescan
-def plan_safetensors(
-    obj: Any, *, out: str, locate: Any, refuse: type[Exception], keep_offsets: bool = False
-) -> StOutput:
-    """Header and data ranges for ``obj`` (a state dict or a checkpoint with one model entry); ``refuse(why)`` is
-    raised for what the caller's writer does not write (a value that is not a tensor, a dtype without a code).
+def plan_safetensors(obj: Any, *, out: str, locate: Any, keep_offsets: bool = False) -> StOutput:
+    """Header and data ranges for ``obj`` (a state dict or a checkpoint with one model entry); :class:`Fallback` for
+    what the caller's writer does not write (a value that is not a tensor, a dtype without a code).
 
     ``locate(value) -> (dtype, shape, source_offset, nbytes, identity)`` finds a tensor's bytes or raises.
     Mirrors ``save_safetensors``: tied tensors stored once and recorded as aliases. With
@@ -527,10 +526,10 @@ def plan_safetensors(
     seen: dict[Any, str] = {}
     for key, value in state.items():
         if not is_tensor(value):
-            raise refuse(f"key '{key}' holds a {type(value).__name__}, not a tensor")
+            raise Fallback(f"key '{key}' holds a {type(value).__name__}, not a tensor")
         dtype, shape, src, nbytes, ident = locate(value)
         if safetensors_code(dtype) is None:
-            raise refuse(f"key '{key}' has dtype {dtype}, which the fast path does not write to safetensors")
+            raise Fallback(f"key '{key}' has dtype {dtype}, which the fast path does not write to safetensors")
         if nbytes > 0 and ident in seen:
             aliases[key] = seen[ident]
             continue

@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.torchzip import TorchZip
+from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio import devices
@@ -45,8 +46,8 @@ def materialize(
     """
     import torch
 
-    if z.byteorder != "little":
-        raise NotBuilt(f"a {z.byteorder}-endian file")
+    if order := foreign_byte_order(z):
+        raise NotBuilt(f"a {order} file")
     builder = _Builder(torch, _storages(torch, z, fd, mmap=mmap, mapped=mapped), leaf)
     return builder.build(z.tree if tree is None else tree)
 

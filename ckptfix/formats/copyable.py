@@ -1,0 +1,45 @@
+"""When a tensor's stored bytes are not its values: the rules every reader and writer that copies bytes asks, and
+:class:`Fallback`, the one signal that a copy does not apply.
+
+The streaming writers copy records byte for byte, the readers hand records to torch as they are, and
+:mod:`~ckptfix.formats.torchio.materialize` maps storages as they lie in the file. Each steps aside for torch (which
+swaps, applies the bits, or copies the view) where one of these rules says the bytes are not the values; each says
+so in its own words, from the reason returned here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckptfix.formats.containers.torchzip import TorchZip
+    from ckptfix.formats.pickles.inert import InertTensor
+
+
+class Fallback(Exception):  # noqa: N818 - a signal, not an error: the name is its contract with its callers
+    """A stream does not apply to this input or output tree; ``str(e)`` says why, for ``--verbose``.
+
+    Raised before anything is written, by the stream readers and writers (:mod:`ckptfix.stream`) and by
+    :func:`ckptfix.writing.streamed_writer` for a tree only ``ckptfix.save`` writes; the caller then takes the torch
+    path (``convert``) or writes with ``ckptfix.save`` (``merge``)."""
+
+
+def foreign_byte_order(z: TorchZip) -> str | None:
+    """``big-endian`` for a file torch.save wrote on a big-endian machine (torch swaps its bytes as it loads);
+    None for the little-endian files every copy and map reads as they are."""
+    return None if z.byteorder == "little" else f"{z.byteorder}-endian"
+
+
+def hooks_or_state(t: InertTensor) -> bool:
+    """Whether ``t`` was saved with backward hooks or extra state (``__dict__``, a subclass's metadata), which only
+    torch's unpickler rebuilds; a conj or neg bit is not this (see :func:`math_bit_view`)."""
+    return t.math_bits is None
+
+
+def math_bit_view(t: InertTensor) -> str | None:
+    """``conj``, ``neg`` or ``conj and neg`` for a view whose storage holds the values before those bits apply
+    (``torch.conj``, ``torch._neg_view``: only a torch pickle records them); None otherwise."""
+    return " and ".join(t.math_bits) if t.math_bits else None
+
+
+__all__ = ["Fallback", "foreign_byte_order", "hooks_or_state", "math_bit_view"]
