@@ -8,7 +8,7 @@ tensor with hooks, a big-endian file): it raises :class:`~ckptfix.formats.copyab
 before anything is written, and the torch route runs. Either reason is a note, shown under ``convert -v``.
 Reading (``inspect``, ``diff``, ``merge``) decides the same way between describing a file and loading it.
 
-Nothing here imports anything: the rules are about the formats' names and the options only.
+It imports nothing of ckptfix: the rules are about the formats' names and the options only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _RANGES = ("folder", "safetensors")
 
 @dataclass(frozen=True)
 class Plan:
-    """The route of one conversion; ``reason`` says why it is ``torch`` (None for a stream route)."""
+    """The route of one conversion or read; ``reason`` says why it is ``torch`` (None for the others)."""
 
     route: str
     reason: str | None = None
