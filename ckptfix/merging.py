@@ -30,6 +30,7 @@ from typing import Any
 
 from ckptfix import rank_files
 from ckptfix.errors import MergeError
+from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.folders.fsdp import refuse_flat_params
 from ckptfix.formats.output.atomic import PathLike, check_output
 from ckptfix.formats.registry import detect_format, output_format, read, write
@@ -39,7 +40,7 @@ from ckptfix.merge_policy import BUFFER_STRATEGIES as BUFFER_STRATEGIES
 from ckptfix.merge_policy import Divergence as Divergence
 from ckptfix.merge_policy import Merger, MergeResult, check_options, merged_in_memory, stream_merged, weights_of
 from ckptfix.reading import Opened, in_memory
-from ckptfix.writing import CannotStream, streamed_writer
+from ckptfix.writing import streamed_writer
 
 __all__ = ["BUFFER_STRATEGIES", "Divergence", "MergeResult", "merge", "merge_files", "plan_merge"]
 
@@ -183,7 +184,7 @@ def merge_files(
             # the input the other entries come from: the first, or the last when averaging
             tree = opaque.carry(tree, out_fmt=fmt, source=merger.labels[0], notes=merger.result.notes)
             writer = streamed_writer(tree, out, fmt=fmt, base=merger.inputs[0])
-        except CannotStream:  # real tensors, records of folders, entries only ckptfix.save writes: in memory
+        except Fallback:  # real tensors, records of folders, entries only ckptfix.save writes: in memory
             loaded = [_loaded(i, allow_globals=allowed, unsafe=unsafe, model_only=model_only) for i in inputs]
             left_out = merger.finish().left_out  # what the description holds beyond the model (the load has less)
             result = merged_in_memory(Merger(loaded, labels, **options))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import model_entries
 from ckptfix.errors import AverageError, UsageError
-from ckptfix.formats.copyable import foreign_byte_order
+from ckptfix.formats.copyable import Fallback, foreign_byte_order
 from ckptfix.formats.folders.flatparams import FlatSliceRecord
 from ckptfix.formats.folders.fsdp import (
     DTENSOR_GLOBALS,
@@ -60,7 +60,7 @@ from ckptfix.sharded_optim import (
     outside_entries,
     without,
 )
-from ckptfix.writing import CannotStream, Placeholder, streamed_writer
+from ckptfix.writing import Placeholder, streamed_writer
 
 if TYPE_CHECKING:
     import torch
@@ -157,7 +157,7 @@ def _merge_ranks(
     if optim is not None and optim.alone:
         try:
             return optim.write_alone(full, out, fmt=fmt)
-        except CannotStream as e:
+        except Fallback as e:
             raise unstreamable(paths[0], e) from e
     merger = Merger(list(ranks), paths, **options)
     merger.twins_warn = False  # reassembled tensors are one object in every tree: that is no duplicate rank
@@ -165,7 +165,7 @@ def _merge_ranks(
         check_little_endian(ranks)
         tree = merger.assemble(merger.template)
         writer = streamed_writer(optim.output(tree) if optim else tree, out, fmt=fmt, base=ranks[0])
-    except CannotStream as e:
+    except Fallback as e:
         if fsdp1:
             raise unstreamable(paths[0], e) from e
         stack.close()
@@ -252,10 +252,10 @@ def reassembled(ranks: list[Rank]) -> dict[str, str]:
 
 def check_little_endian(ranks: list[Rank]) -> None:
     if any(rank.zip is None or foreign_byte_order(rank.zip) for rank in ranks):
-        raise CannotStream("a big-endian rank file, whose bytes torch swaps")
+        raise Fallback("a big-endian rank file, whose bytes torch swaps")
 
 
-def unstreamable(path: str, e: CannotStream) -> RankFilesError:
+def unstreamable(path: str, e: Fallback) -> RankFilesError:
     # FSDP1 files are torch.save's own little-endian zips: nothing else happens in practice
     return RankFilesError(f"{path}: these FSDP1 rank files cannot be streamed ({e}); re-save them")
 

@@ -48,9 +48,6 @@ class Placeholder(TensorRecord):
     shape: tuple[int, ...]
 
 
-CannotStream = Fallback  # merging's name for it (one signal: the stream does not apply, ``str(e)`` says why)
-
-
 class StreamedWriter:
     """Context manager: the header on entry, :meth:`put` for each tensor, the rest and the rename on exit."""
 
