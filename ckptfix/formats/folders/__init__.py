@@ -1,1 +1,1 @@
-"""folders"""
+"""What training frameworks write: transformers/accelerate folders, DCP, FSDP rank files, DeepSpeed ZeRO runs."""

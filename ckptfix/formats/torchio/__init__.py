@@ -1,1 +1,1 @@
-"""torchio"""
+"""The torch path: real tensors built from a checked description, ``torch.load`` of the rest, ``torch.save``."""
