@@ -370,7 +370,7 @@ def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed
     z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
     if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
         raise Fallback(f"chunk of '{key}' is a {bits} view: its bytes are not its values")
-    rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
+    rec = z.archive.storage(t.storage.key)
     files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
     files.checks.setdefault(c.span.path, []).extend(
         Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)
