@@ -326,7 +326,7 @@ def tensor_bytes(t: Any) -> memoryview:
         return memoryview(t.data).cast("B")
     import ctypes
 
-    flat = resolved(t).contiguous()
+    flat: Any = resolved(t).contiguous()
     nbytes = flat.numel() * flat.element_size()
     raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
     view = memoryview(raw).cast("B")
