@@ -12,7 +12,7 @@ from ckptfix.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, 
 from ckptfix.errors import LayoutError
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.raw import RawTensor, as_tensor
+from ckptfix.formats.raw import RawTensor, as_tensor, resolved
 from ckptfix.formats.records import is_record, spec
 from ckptfix.formats.registry import read
 from ckptfix.formats.safety.depth import deep
@@ -339,13 +339,14 @@ def same_bytes(x: Any, y: Any) -> bool:
     """True when two tensors of one dtype and shape hold the same bytes (NaNs included), without converting them.
 
     ``memcmp`` on CPU: ``torch.equal`` compares values (NaN never equals itself) and on bytes is several times
-    slower than the memory itself. Two :class:`~ckptfix.formats.raw.RawTensor` are compared without torch.
+    slower than the memory itself. Two :class:`~ckptfix.formats.raw.RawTensor` are compared without torch. A neg
+    or conj view is compared by its values' bytes (:func:`~ckptfix.formats.raw.resolved`), as torch.load gives it.
     """
     if isinstance(x, RawTensor) and isinstance(y, RawTensor):
         return x.same_bytes(y)
     import torch
 
-    x, y = as_tensor(x), as_tensor(y)
+    x, y = resolved(as_tensor(x)), resolved(as_tensor(y))  # a neg or conj view's bytes are not its values
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
     if x.device.type != "cpu" or y.device.type != "cpu":
@@ -389,6 +390,8 @@ def tensor_diff(x: Any, y: Any, *, atol: float, rtol: float) -> tuple[float, flo
     import torch
 
     x, y = as_tensor(x), as_tensor(y)
+    if not (x.is_floating_point() or x.is_complex() or y.is_floating_point() or y.is_complex()):
+        return _integer_diff(x.reshape(-1), y.reshape(-1), atol=atol, rtol=rtol)
     wide = torch.complex128 if (x.is_complex() or y.is_complex()) else torch.float64
     flat_x, flat_y = x.reshape(-1), y.reshape(-1)
     within, worst, worst_rel = True, 0.0, 0.0
@@ -408,6 +411,43 @@ def tensor_diff(x: Any, y: Any, *, atol: float, rtol: float) -> tuple[float, flo
         worst = _nan_max(worst, float(delta.max().item()))
         worst_rel = _nan_max(worst_rel, float(rel.max().item()))
     return None if within else (worst, worst_rel)
+
+
+def _integer_diff(x: torch.Tensor, y: torch.Tensor, *, atol: float, rtol: float) -> tuple[float, float] | None:
+    """:func:`tensor_diff` of integer (or bool) tensors, as integers: a cast to float64 would make 2^53 and
+    2^53 + 1 one value. |Δ| is exact (computed from halves, so int64's extremes do not overflow); only the
+    tolerance test and the relative difference are in float64."""
+    import torch
+
+    within, worst, worst_rel = True, 0, 0.0
+    for start in range(0, x.numel(), _CHUNK):
+        (xa, x0), (ya, y0) = (_as_int64(t[start : start + _CHUNK].to(x.device)) for t in (x, y))
+        if x0 != y0:  # uint64 against a signed type: no common int64, Python's ints instead
+            pairs = zip(x[start : start + _CHUNK].tolist(), y[start : start + _CHUNK].tolist(), strict=True)
+            found = [abs(a - b) for a, b in pairs]
+            delta = torch.tensor([float(d) for d in found], dtype=torch.float64, device=xa.device)
+            worst = max(worst, *found)
+        else:
+            hi, lo = torch.maximum(xa, ya), torch.minimum(xa, ya)
+            half, odd = (hi >> 1) - (lo >> 1), (hi & 1) - (lo & 1)  # hi - lo == 2 * half + odd
+            top = half.max()
+            worst = max(worst, 2 * int(top) + int(odd[half == top].max()))
+            delta = half.to(torch.float64) * 2 + odd.to(torch.float64)
+        scale = (ya.to(torch.float64) + y0).abs()
+        within = within and bool((delta <= atol + rtol * scale).all())
+        rel = torch.where(delta == 0, torch.zeros_like(delta), delta / scale)
+        worst_rel = max(worst_rel, float(rel.max()))
+    return None if within else (float(worst), worst_rel)
+
+
+def _as_int64(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``t`` as int64 and the offset its values are stored less: uint64 as its bits with the top one flipped
+    (``v - 2^63``, in the same order and at the same distances), every other integer type as itself."""
+    import torch
+
+    if t.dtype == getattr(torch, "uint64", None):
+        return t.view(torch.int64) ^ torch.iinfo(torch.int64).min, 2.0**63
+    return t.to(torch.int64), 0.0
 
 
 def _nan_max(a: float, b: float) -> float:

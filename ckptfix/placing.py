@@ -27,6 +27,7 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.containers.safetensors import StTensor
 from ckptfix.formats.containers.ziparchive import verify_records
 from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.output.atomic import Worker, wait_all
 from ckptfix.formats.pickles import inert
 from ckptfix.reading import Opened
 
@@ -167,10 +168,11 @@ def copy_jobs(
     todo = iter(pieces)
     lock = threading.Lock()
     errors: list[BaseException] = []
+    stopped: list[bool] = []  # a signal in the caller's thread: the pieces at work are the last
 
     def take() -> tuple[Job, int, int] | None:
         with lock:
-            return None if errors else next(todo, None)
+            return None if errors or stopped else next(todo, None)
 
     def work(copy: Callable[[Callable[[], tuple[Job, int, int] | None]], None]) -> None:
         try:
@@ -182,11 +184,10 @@ def copy_jobs(
     if staged is None:
         staged = any(job.target.device.type != "cpu" for job in jobs)
     copiers = [_Staged(fd, source, jobs) if staged else _direct(fd, source) for _ in range(count)]
-    threads = [threading.Thread(target=work, args=(c,), name="ckptfix-place", daemon=True) for c in copiers]
+    threads = [Worker(work, args=(c,), name="ckptfix-place") for c in copiers]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    wait_all(threads, lambda: stopped.append(True))
     if errors:
         raise errors[0]
 

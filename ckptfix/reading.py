@@ -137,7 +137,7 @@ class Opened:
     def record(self, value: Any) -> Record:
         """The zip record holding a tensor record's storage."""
         assert self.zip is not None  # only InertTensors, which only zips hold, get here
-        return self.zip.archive.by_name[f"{self.zip.archive.prefix}data/{inert.tensor_of(value).storage.key}"]
+        return self.zip.archive.storage(inert.tensor_of(value).storage.key)
 
     def record_bytes(self, rec: Record, start: int = 0, length: int | None = None) -> bytearray:
         """Bytes ``[start, start + length)`` of a storage record; the record's CRC is checked once."""

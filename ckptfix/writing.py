@@ -219,7 +219,7 @@ class _TorchZip(StreamedWriter):
         """Copy a storage record of the base input, in chunks, checking its CRC on the way."""
         if self.base is None or self.base.zip is None or self.base.fd is None:
             raise RuntimeError(f"{self.out}: storage '{key}' has no source")  # a bug: every record has one
-        source: Record = self.base.zip.archive.by_name[f"{self.base.zip.archive.prefix}data/{key}"]
+        source: Record = self.base.zip.archive.storage(key)
         offset = self.writer.begin(storage_name(key), source.size)
         crc, done = 0, 0
         while done < source.size:

@@ -157,3 +157,41 @@ def test_a_program_s_own_handler_is_left_alone(tmp_path: Path) -> None:
         "assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupt
+
+
+def test_a_signal_during_the_wait_for_a_worker_still_waits_for_it() -> None:
+    # A worker thread left running in torch code when the interpreter exits is ended inside it: "terminate called
+    # without an active exception", exit 134 instead of 143. An interrupted Thread.join marks the thread ended while
+    # it runs on (CPython 3.11), so the wait after the signal must not trust it.
+    import threading
+
+    from ckptfix.stream.folders import InOrder
+
+    release, ended = threading.Event(), []
+
+    def work(item: int) -> None:
+        release.wait()
+        time.sleep(0.05)
+        ended.append(item)
+
+    copier = InOrder(work)
+    copier.put(1)
+    old = signal.signal(signal.SIGUSR1, _interrupt)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        threading.Timer(0.4, release.set).start()
+        with pytest.raises(_Interrupt):
+            copier.finish()
+        copier.cancel()
+        assert ended == [1], "cancel() returned while the worker was still at work"
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        release.set()

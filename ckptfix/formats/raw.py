@@ -50,6 +50,13 @@ class RawTensor(TensorRecord):
         return torch.frombuffer(self.data, dtype=torch.uint8).view(dtype).reshape(self.shape)
 
 
+def resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its conjugate and negative bits applied (``t.conj()``, ``torch._neg_view(t)``): a tensor whose
+    storage holds its values, which is ``t`` itself when neither bit is set. A view with a bit shares the
+    storage of the tensor it views, whose bytes are the values before the bit."""
+    return t.detach().resolve_conj().resolve_neg()
+
+
 def as_tensor(value: Any) -> Any:
     """``value`` as a torch tensor when it is a :class:`RawTensor`; anything else as it is."""
     return value.to_torch() if isinstance(value, RawTensor) else value

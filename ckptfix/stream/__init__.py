@@ -226,7 +226,7 @@ class _PtLocator:
         width = DTYPES[dtype].itemsize
         key, offset = t.storage.key, t.offset
         self.keys.add(key)
-        rec = self.inp.archive.by_name[self.inp.archive.prefix + "data/" + key]  # present and in bounds
+        rec = self.inp.archive.storage(key)  # present and in bounds
         return (
             dtype,
             shape,

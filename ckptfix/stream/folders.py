@@ -33,7 +33,7 @@ from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_reg
 from ckptfix.formats.folders.dcp_chunks import chunk_record, dcp_tree, rows
 from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, read_zero_tensor
 from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
-from ckptfix.formats.output.atomic import atomic_output
+from ckptfix.formats.output.atomic import Worker, atomic_output
 from ckptfix.formats.output.crc import Check, Verifier
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.registry import detect, detect_format
@@ -195,7 +195,7 @@ class VerifyInTurn:
         self.error: BaseException | None = None
         self.stopped = False
         self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="ckptfix-verify", daemon=True)
+        self.thread = Worker(self._run, name="ckptfix-verify")
 
     def start(self) -> None:
         self.thread.start()
@@ -220,19 +220,21 @@ class VerifyInTurn:
                 return
 
     def join(self) -> dict[str, list[int]]:
-        self.thread.join()
+        self.thread.wait(self.cancel_current)
         if self.error is not None:
             raise self.error
         return self.crcs
 
     def cancel(self) -> None:
         """Stop reading (the caller is failing, or done); idempotent."""
+        self.cancel_current()
+        self.thread.wait()
+
+    def cancel_current(self) -> None:
         with self.lock:
             self.stopped = True
             if self.current is not None:
                 self.current.cancel()
-        if self.thread.is_alive():
-            self.thread.join()
 
 
 class InOrder:
@@ -246,7 +248,7 @@ class InOrder:
         self.results: list[Any] = []
         self.error: BaseException | None = None
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="ckptfix-copy", daemon=True)
+        self.thread = Worker(self._run, name="ckptfix-copy")
         self.thread.start()
 
     def _run(self) -> None:
@@ -264,17 +266,20 @@ class InOrder:
 
     def finish(self) -> list[Any]:
         self.todo.put(None)
-        self.thread.join()
+        self.thread.wait(self._stop)
         if self.error is not None:
             raise self.error
         return self.results
 
     def cancel(self) -> None:
         """Stop after the item at work (a refusal or a signal in the caller); idempotent."""
-        if self.thread.is_alive():
-            self.stopped = True
-            self.todo.put(None)
-            self.thread.join()
+        if not self.thread.ended.is_set():
+            self._stop()
+            self.thread.wait()
+
+    def _stop(self) -> None:
+        self.stopped = True
+        self.todo.put(None)
 
 
 def folder_tree(src: str, *, allow_globals: tuple[str, ...] = ()) -> tuple[Any, str]:
@@ -370,7 +375,7 @@ def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed
     z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
     if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
         raise Fallback(f"chunk of '{key}' is a {bits} view: its bytes are not its values")
-    rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
+    rec = z.archive.storage(t.storage.key)
     files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
     files.checks.setdefault(c.span.path, []).extend(
         Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)

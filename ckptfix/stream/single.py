@@ -70,7 +70,7 @@ class _PtRecords:
         if not t.is_contiguous():
             raise Fallback("a tensor is a non-contiguous view, which the torch path makes contiguous")
         width, nbytes = DTYPES[t.dtype].itemsize, math.prod(t.shape) * DTYPES[t.dtype].itemsize
-        rec = self.z.archive.by_name[f"{self.z.archive.prefix}data/{t.storage.key}"]  # present and in bounds
+        rec = self.z.archive.storage(t.storage.key)  # present and in bounds
         ident = t.identity()
         if ident not in self.made:
             start = rec.data_offset + t.offset * width

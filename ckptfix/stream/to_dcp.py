@@ -179,7 +179,7 @@ class _Reader:
             )
         t = inert.tensor_of(record)
         assert self.z is not None  # a .pt record comes from a .pt input
-        rec = self.z.archive.by_name[f"{self.z.archive.prefix}data/{t.storage.key}"]
+        rec = self.z.archive.storage(t.storage.key)
         item = DTYPES[t.dtype].itemsize
         n = item
         for d in t.shape:

@@ -30,7 +30,7 @@ from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.pickles.inert import gc_paused
-from ckptfix.formats.raw import RawTensor
+from ckptfix.formats.raw import RawTensor, resolved
 from ckptfix.formats.records import TensorRecord
 from ckptfix.formats.strict_json import Said, json_object
 
@@ -326,7 +326,7 @@ def tensor_bytes(t: Any) -> memoryview:
         return memoryview(t.data).cast("B")
     import ctypes
 
-    flat = t.detach().resolve_conj().resolve_neg().contiguous()
+    flat: Any = resolved(t).contiguous()
     nbytes = flat.numel() * flat.element_size()
     raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
     view = memoryview(raw).cast("B")

@@ -75,10 +75,32 @@ class Archive:
         first = self.records[0].name if self.records else ""
         self.prefix = first.split("/")[0] + "/" if "/" in first else ""
         self.by_name: dict[str, Record] = dict(zip(map(attrgetter("name"), self.records), self.records, strict=True))
+        self._as_torch: dict[str, Record] | None = None
 
     def get(self, name: str) -> Record | None:
-        """The record named ``prefix + name``, if any."""
-        return self.by_name.get(self.prefix + name)
+        """The record torch's reader finds for ``name`` (``prefix + name``, ASCII case ignored), if any."""
+        found = self.by_name.get(self.prefix + name)
+        if found is not None:
+            return found
+        if self._as_torch is None:  # only a name spelled otherwise than torch.save writes it gets here
+            self._as_torch = {torch_name(r.name): r for r in self.records}
+        return self._as_torch.get(torch_name(self.prefix + name))
+
+    def storage(self, key: str) -> Record:
+        """The record of a torch zip's storage ``key`` (``data/<key>``), found as :meth:`get` finds it."""
+        found = self.get(f"data/{key}")
+        if found is None:
+            raise KeyError(f"data/{key}")  # a bug: read_torch_zip found every storage's record
+        return found
+
+
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def torch_name(name: str) -> str:
+    """The name as torch's reader matches it: miniz's ``mz_zip_reader_locate_file`` without
+    ``MZ_ZIP_FLAG_CASE_SENSITIVE`` (how ``PyTorchStreamReader`` finds every record) folds ASCII letters only."""
+    return name.translate(_ASCII_LOWER)
 
 
 def _pread(fd: int, n: int, offset: int, *, path: str, what: str) -> bytes:
@@ -160,7 +182,7 @@ def _check_tiling(records: list[Record], cd_offset: int, *, path: str, start: in
     at = start
     seen: dict[str, str] = {}
     for rec in records:
-        folded = rec.name.casefold()
+        folded = torch_name(rec.name)
         if folded in seen:
             raise damaged(path, f"record names '{seen[folded]}' and '{rec.name}' are the same to torch's reader")
         seen[folded] = rec.name

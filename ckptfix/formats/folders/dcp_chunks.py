@@ -65,7 +65,7 @@ def read_dcp_tensor(t: DcpTensor, fd_of: Callable[[str], int], *, allowed: froze
     full = None
     for c in entry.chunks:
         z, record = chunk_record(c, fd_of, entry=entry, key=t.key, allowed=allowed)
-        rec = z.archive.by_name[f"{z.archive.prefix}data/{record.storage.key}"]
+        rec = z.archive.storage(record.storage.key)
         data = bytearray(rec.size)
         if os.preadv(fd_of(c.span.path), [data], rec.data_offset) != rec.size:
             raise FormatError(f"{c.span.path}: ends inside chunk of '{t.key}'; it is truncated: copy the folder again")

@@ -162,7 +162,7 @@ class ZeroRun:
 
 def _piece(t: inert.InertTensor, z: Any, *, path: str, start: int, count: int) -> Piece:
     """Elements ``[start, start + count)`` of contiguous tensor record ``t`` as a byte range of ``path``."""
-    rec = z.archive.by_name[f"{z.archive.prefix}data/{t.storage.key}"]
+    rec = z.archive.storage(t.storage.key)
     width = DTYPES[t.dtype].itemsize
     return Piece(path, rec.data_offset + (t.offset + start) * width, count * width, rec)
 

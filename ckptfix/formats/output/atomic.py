@@ -14,7 +14,7 @@ import re
 import signal
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import BinaryIO
 
@@ -224,6 +224,47 @@ def unwinding_signals() -> Iterator[None]:
     finally:
         for sig, handler in taken.items():
             signal.signal(sig, handler)
+
+
+class Worker(threading.Thread):
+    """A daemon thread whose end the caller can wait for through signals (:meth:`wait`).
+
+    ``Thread.join`` cannot serve: one that a signal's exception (:class:`Terminated`, ``KeyboardInterrupt``)
+    interrupts marks the thread ended while it runs on (CPython 3.11's ``_wait_for_tstate_lock``), and a worker
+    still inside torch when the interpreter exits is ended there: "terminate called without an active
+    exception", exit 134 instead of 143."""
+
+    def __init__(self, target: Callable[..., object], *, name: str, args: tuple[object, ...] = ()) -> None:
+        super().__init__(target=target, args=args, name=name, daemon=True)
+        self.ended = threading.Event()
+
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            self.ended.set()
+
+    def wait(self, stop: Callable[[], object] | None = None) -> None:
+        """:func:`wait_all` of this one thread."""
+        wait_all([self], stop)
+
+
+def wait_all(workers: Iterable[Worker], stop: Callable[[], object] | None = None) -> None:
+    """Return once every worker has run its target (at once for one never started). A signal's exception raised
+    meanwhile calls ``stop`` (which tells the work to end early), the wait goes on, and the first such exception
+    is raised once all have ended: the main thread unwinds with no worker left running."""
+    caught: BaseException | None = None
+    for worker in list(workers):
+        while worker.ident is not None and not worker.ended.is_set():
+            try:
+                worker.ended.wait()
+            except BaseException as e:
+                if caught is None:
+                    caught = e
+                    if stop is not None:
+                        stop()
+    if caught is not None:
+        raise caught
 
 
 @contextlib.contextmanager

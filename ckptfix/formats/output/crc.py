@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.output.atomic import Worker, wait_all
 from ckptfix.formats.output.linux import libc
 
 BUFFER = 1 << 20  # a span not in the page cache is read this much at a time
@@ -181,7 +182,7 @@ class Verifier:
         self._first_bad = len(checks)
         self._errors: dict[int, BaseException] = {}
         count = min(workers or (1 if FAST_CRC else min(os.cpu_count() or 1, 4)), len(spans))
-        self._threads = [threading.Thread(target=self._work, name="ckptfix-crc", daemon=True) for _ in range(count)]
+        self._threads = [Worker(self._work, name="ckptfix-crc") for _ in range(count)]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -197,7 +198,7 @@ class Verifier:
             return
         first = min(c.offset for c in self.checks)
         if cached(self.fd, first, max(c.offset + c.length for c in self.checks)):
-            thread = threading.Thread(target=self._work, name="ckptfix-crc", daemon=True)
+            thread = Worker(self._work, name="ckptfix-crc")
             self._threads.append(thread)
             thread.start()
 
@@ -209,13 +210,14 @@ class Verifier:
 
     def cancel(self) -> None:
         """Stop reading and wait for the threads (the caller is already failing)."""
-        self._first_bad = -1
+        self._stop()
         self._wait()
 
     def _wait(self) -> None:
-        for thread in self._threads:
-            if thread.ident is not None:
-                thread.join()
+        wait_all(self._threads, self._stop)
+
+    def _stop(self) -> None:
+        self._first_bad = -1
 
     def _work(self) -> None:
         buf: memoryview | None = None

@@ -63,7 +63,7 @@ def _storages(torch: Any, z: TorchZip, fd: int, *, mmap: bool, mapped: mmap_modu
         mapped = map_file(fd)
     out: dict[str, Any] = {}
     for key in z.storages:
-        rec = z.archive.by_name[f"{z.archive.prefix}data/{key}"]  # present and of the right size: the reader
+        rec = z.archive.storage(key)  # present and of the right size: the reader
         if rec.size == 0:
             out[key] = torch.UntypedStorage(0)
         elif mapped is not None:
