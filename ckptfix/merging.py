@@ -169,12 +169,12 @@ def merge_files(
     options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": keys,
                                "model_only": model_only, "weights": scale}  # fmt: skip
     with contextlib.ExitStack() as stack:
-        inputs, kind = rank_files.open_inputs(labels, stack, allow_globals=allowed, unsafe=unsafe,
-                                              averaging=scale is not None, optimizer=optimizer)  # fmt: skip
-        if kind:
-            stack.close()
+        inputs, kind, read = rank_files.open_inputs(labels, stack, allow_globals=allowed, unsafe=unsafe,
+                                                    averaging=scale is not None, optimizer=optimizer)  # fmt: skip
+        if kind:  # each rank file's read goes on there (the files not taken over are closed here)
             return rank_files.merge_rank_files(labels, out, fmt=fmt, allow_globals=allowed, options=options,
-                                               fsdp1=kind != "dtensor", optimizer=optimizer, model=model)  # fmt: skip
+                                               fsdp1=kind != "dtensor", optimizer=optimizer, model=model,
+                                               read=read)  # fmt: skip
         for opened in inputs:
             refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
             opaque.require(opened.tree, wanted=None, source=opened.source)

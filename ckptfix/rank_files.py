@@ -34,8 +34,9 @@ from ckptfix.formats.folders.fsdp import (
     check_pieces,
     describe_rank,
     load_ranks,
+    rank_records,
 )
-from ckptfix.formats.folders.fsdp1 import assemble_sharded, check_sharded, describe_fsdp1_rank
+from ckptfix.formats.folders.fsdp1 import assemble_sharded, check_sharded, describe_fsdp1_rank, fsdp1_records
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.registry import write
 from ckptfix.formats.safety import allowlist
@@ -77,21 +78,30 @@ def open_inputs(
     unsafe: bool,
     averaging: bool,
     optimizer: bool,
-) -> tuple[list[Opened], str]:
-    """Each input opened (into ``stack``), or the kind of rank files they all are: ``(inputs, "")`` for full
-    checkpoints, ``([], kind)`` for rank files of one sharded run (``"dtensor"``, ``"sharded-tensor"``). Rank files
-    mixed with full checkpoints, files of both kinds, averaged rank files and ``optimizer`` without FSDP1 rank files
-    are refused here."""
+) -> tuple[list[Opened], str, list[Opened | None]]:
+    """Each input opened (into ``stack``) once, and the kind of rank files they all are: ``(inputs, "", [])`` for
+    full checkpoints, ``([], kind, read)`` for rank files of one sharded run (``"dtensor"``, ``"sharded-tensor"``),
+    ``read`` holding each one's read (None for a file read no further). The kind is the registry's
+    (:func:`.registry.rank_kind`), from that one read of each pickle. Rank files mixed with full checkpoints, files
+    of both kinds, averaged rank files and ``optimizer`` without FSDP1 rank files are refused here."""
     inputs: list[Opened] = []
     sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
+    read: list[Opened | None] = []
     for path in paths:
         try:
-            inputs.append(stack.enter_context(open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe,
-                                                              opaque=True)))  # fmt: skip
-        except ShardedCheckpointError as e:
+            opened = stack.enter_context(open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe,
+                                                         opaque=True, ranks=True))  # fmt: skip
+        except ShardedCheckpointError as e:  # a rank file read otherwise (legacy, in a folder): refused there
             if e.kind not in RANK_FILES:
                 raise
             sharded[path] = e.kind
+            read.append(None)
+            continue
+        if opened.rank_kind:
+            sharded[path] = opened.rank_kind
+            read.append(opened)
+        else:
+            inputs.append(opened)
     first, kind = next(iter(sharded.items()), ("", ""))
     what = RANK_FILES.get(kind, "")
     if sharded and inputs:
@@ -110,7 +120,7 @@ def open_inputs(
         )
     if optimizer and kind != "sharded-tensor":
         raise UsageError(no_optimizer_message(first or paths[0]))
-    return inputs, kind
+    return inputs, kind, read if sharded else []
 
 
 def merge_rank_files(
@@ -123,14 +133,15 @@ def merge_rank_files(
     fsdp1: bool = False,
     optimizer: bool = False,
     model: Any = None,
+    read: list[Opened | None] | None = None,
 ) -> MergeResult:
     """FSDP2 rank files (or FSDP1 ones: ``fsdp1``) merged as DDP files are, each shard read as its full tensor
     (a :class:`Rank` input), one tensor at a time, and written at once. FSDP2 files the streaming writer cannot
     take are reassembled in memory. FSDP1 sharded optimizer state is left out, or consolidated (``optimizer``).
     FSDP1 LOCAL_STATE_DICT flat parameters are split by ``model``: one joined flat parameter is held at a time, each
-    parameter cut from it."""
+    parameter cut from it. ``read``: each file's read by :func:`open_inputs` (its pickle not read again)."""
     with contextlib.ExitStack() as stack:
-        ranks, full = open_ranks(paths, stack, allow_globals=allow_globals, fsdp1=fsdp1, model=model)
+        ranks, full = open_ranks(paths, stack, allow_globals=allow_globals, fsdp1=fsdp1, model=model, read=read)
         result = _merge_ranks(ranks, full, stack, out, fmt=fmt, allow_globals=allow_globals, options=options,
                               fsdp1=fsdp1, optimizer=optimizer)  # fmt: skip
     result.base = full.paths[0]
@@ -203,7 +214,13 @@ def check_optimizer(out: PathLike, *, fmt: str, model_only: bool) -> None:
 
 
 def open_ranks(
-    paths: list[str], stack: contextlib.ExitStack, *, allow_globals: tuple[str, ...], fsdp1: bool, model: Any
+    paths: list[str],
+    stack: contextlib.ExitStack,
+    *,
+    allow_globals: tuple[str, ...],
+    fsdp1: bool,
+    model: Any,
+    read: list[Opened | None] | None = None,
 ) -> tuple[list[Rank], Ranks]:
     """The rank files of one run opened (into ``stack``), their pieces checked to tile every tensor before anything
     is written, and the :class:`Ranks` that reads each full tensor from them."""
@@ -211,8 +228,8 @@ def open_ranks(
     extra = SHARDED_TENSOR_GLOBALS if fsdp1 else DTENSOR_GLOBALS
     allowed = allowlist.allowed_names(allow_globals, source=paths[0]) | extra
     ranks: list[Rank] = []
-    for path in paths:
-        ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1, model=model))
+    for path, opened in zip(paths, read or [None] * len(paths), strict=True):
+        ranks.append(_open_rank(path, allowed=allowed, fsdp1=fsdp1, model=model, opened=opened))
         stack.enter_context(ranks[-1])
     pieces = [{k: r.piece for k, r in rank.records.items()} for rank in ranks]
     (check_sharded if fsdp1 else check_pieces)(pieces, paths)  # before any write
@@ -351,15 +368,21 @@ class Rank(Opened):
         return super().tensor(value)
 
 
-def _open_rank(path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None) -> Rank:
-
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+def _open_rank(
+    path: str, *, allowed: frozenset[str], fsdp1: bool = False, model: Any = None, opened: Opened | None = None
+) -> Rank:
+    """One rank file described: from ``opened`` (the merge's read of it, whose file it takes over), or read now."""
+    if opened is not None and opened.fd is not None and opened.zip is not None:
+        (fd, opened.fd), z, before = (opened.fd, None), opened.zip, opened.before
+    else:
+        fd, z = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)), None
     try:
-        before = file_identity(fd)
-        if fsdp1:
-            z, tree = describe_fsdp1_rank(fd, path, allowed=allowed, model=model)
+        if z is None:
+            before = file_identity(fd)
+            z, tree = (describe_fsdp1_rank(fd, path, allowed=allowed, model=model) if fsdp1
+                       else describe_rank(fd, path, allowed=allowed))  # fmt: skip
         else:
-            z, tree = describe_rank(fd, path, allowed=allowed)
+            tree = fsdp1_records(z.tree, path, model=model) if fsdp1 else rank_records(z.tree, path)
     except BaseException:
         os.close(fd)
         raise

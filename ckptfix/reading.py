@@ -25,7 +25,7 @@ from ckptfix.checkpoint import is_tensor
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.containers.legacy import check_legacy
 from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
-from ckptfix.formats.containers.torchzip import TorchZip
+from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
 from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
 from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.dtypes import DTYPES
@@ -37,9 +37,9 @@ from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import RawTensor
 from ckptfix.formats.records import is_record, layout, map_tree, spec, torch_dtype
-from ckptfix.formats.registry import detect, detect_format, read
+from ckptfix.formats.registry import RANK_GLOBALS, detect, detect_format, rank_kind, read
 from ckptfix.formats.safety import allowlist
-from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap
+from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap, wrapped
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.plan import plan_reading
 
@@ -80,6 +80,8 @@ class Opened:
     # torch zips: how many storages each location tag names (``{"cuda:0": 120, "cpu": 3}``), kept when torch loads
     locations: dict[str, int] | None = None
     crc_stored: bool = True  # False: a torch zip saved without CRCs, read unchecked
+    # read for a merge (``ranks``): one rank's file of a sharded run, its tree the inert pickle (registry.rank_kind)
+    rank_kind: str = ""
 
     def __enter__(self) -> Opened:
         return self
@@ -215,6 +217,7 @@ def open_checkpoint(
     need_bytes: bool = True,
     verify: bool = False,
     opaque: bool = False,
+    ranks: bool = False,
 ) -> Opened:
     """Open ``path`` as its checked description; fall back to loading it with torch where that cannot serve.
     ``path`` may be a folder or its index file: an :class:`OpenedFolder`, each of its files opened this way.
@@ -223,6 +226,8 @@ def open_checkpoint(
     every record and checks its CRC now (a safetensors file, which has no checksums, is read through).
     ``opaque``: entries needing globals outside the allowlist come back as unbuilt ``OpaqueEntry`` records
     instead of a refusal (see :mod:`ckptfix.formats.torchio.opaque`).
+    ``ranks`` (a merge's inputs, with ``opaque``): a torch zip holding one rank's shards comes back described, its
+    ``rank_kind`` said, from the same read of its pickle (not refused, as it is otherwise).
     """
     source = os.fspath(path)
     found = detect(path)
@@ -234,8 +239,9 @@ def open_checkpoint(
     if reason is None:
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify, opaque=opaque)
-            reason = _torch_only(opened, need_bytes=need_bytes)
+            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify, opaque=opaque,
+                               ranks=ranks)  # fmt: skip
+            reason = None if opened.rank_kind else _torch_only(opened, need_bytes=need_bytes)
         except BaseException:
             os.close(fd)
             raise
@@ -252,7 +258,14 @@ def open_checkpoint(
 
 
 def _describe(
-    fd: int, source: str, fmt: str, *, allow_globals: Iterable[str], verify: bool, opaque: bool = False
+    fd: int,
+    source: str,
+    fmt: str,
+    *,
+    allow_globals: Iterable[str],
+    verify: bool,
+    opaque: bool = False,
+    ranks: bool = False,
 ) -> Opened:
     before = file_identity(fd)
     if fmt == "safetensors":
@@ -264,17 +277,38 @@ def _describe(
         tree = tree_from_header(header, source=source)
         return Opened(source=source, fmt=fmt, tree=tree, fd=fd, before=before)
     allowed = allowlist.allowed_names(allow_globals, source=source)
-    z = describe(fd, source, allowed=allowed, verify=verify, keep=opaque)
-    if opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
-        from ckptfix.formats.folders.fsdp import explain
-        from ckptfix.formats.torchio.opaque import entries
+    kind = ""
+    if (first := _read_once(fd, source, allowed=allowed, verify=verify) if ranks else None) is not None:
+        z, kind = first
+    else:
+        z = describe(fd, source, allowed=allowed, verify=verify, keep=opaque)
+        if opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
+            from ckptfix.formats.folders.fsdp import explain
+            from ckptfix.formats.torchio.opaque import entries
 
-        if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
-            raise sharded
+            if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
+                raise sharded
     verified = {r.name for r in z.archive.records} if verify else set()
     locations = dict(Counter(ref.location for ref in z.storages.values()))
     return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified,
-                  locations=locations, crc_stored=z.archive.crc_stored)  # fmt: skip
+                  locations=locations, crc_stored=z.archive.crc_stored, rank_kind=kind)  # fmt: skip
+
+
+def _read_once(fd: int, source: str, *, allowed: frozenset[str], verify: bool) -> tuple[TorchZip, str] | None:
+    """A merge input's one read of its pickle, the sharded-tensor classes read as records: the archive described
+    (a rank file's tree left as its pickle, any other's entries wrapped as :func:`describe` wraps them) and the kind
+    of file it is (:func:`.registry.rank_kind`). None when the plain read must say it instead: this read failed
+    (the plain read gives the refusal), or a file that is no rank file names getattr (read otherwise there)."""
+    refused: list[str] = []
+    try:
+        z = read_torch_zip(fd, source, allowed=allowed, verify=verify, refused=refused, records=RANK_GLOBALS)
+    except Exception:  # the plain read's refusal and message, as without ``ranks``
+        return None
+    if kind := rank_kind(refused, source=source):
+        return z, kind
+    if "builtins.getattr" in refused:  # resolved as the FSDP1 reader resolves it: not what the plain read builds
+        return None
+    return wrapped(z, refused, source=source), ""
 
 
 def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,19 @@ def single(tmp_path: Path) -> Path:
     state = {"model": models.SmallNet().state_dict(), "step": 3, "opt": {"lr": 0.1, "betas": (0.9, 0.99)}}
     dcp_save_local(state, checkpoint_id=str(tmp_path / "dcp"))  # one process, whatever group exists
     return tmp_path / "dcp"
+
+
+@pytest.fixture
+def pickle_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times ckptfix's pickle reader reads each file's pickle (by path), from now on."""
+    from ckptfix.formats.pickles import unpickling
+
+    counts: Counter[str] = Counter()
+    real = unpickling.load
+
+    def counted(data: Any, *, source: str, **kwargs: Any) -> Any:
+        counts[source] += 1
+        return real(data, source=source, **kwargs)
+
+    monkeypatch.setattr(unpickling, "load", counted)
+    return counts

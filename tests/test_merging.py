@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,10 @@ def test_inputs_that_cannot_be_merged() -> None:
         ckptfix.merge([a, {"w": torch.ones(3)}])
     with pytest.raises(ckptfix.UsageError, match="buffers='median': unknown buffer strategy; choose one of pooled"):
         ckptfix.merge([a, a], buffers="median")
+
+
+def test_merge_reads_each_ddp_file_s_pickle_once(tmp_path: Path, pickle_reads: Counter[str]) -> None:
+    fixtures = Path(__file__).resolve().parent.parent / "fixtures"
+    ranks = [str(fixtures / "ddp_rank0.pt"), str(fixtures / "ddp_rank1.pt")]
+    ckptfix.merging.merge_files(ranks, tmp_path / "m.pt")
+    assert pickle_reads == {path: 1 for path in ranks}

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,13 @@ def test_merge_streams_rank_files_a_tensor_at_a_time(
     full = torch.load(run / "full.pt", weights_only=True)["model"]
     merged = torch.load(tmp_path / "m.pt", weights_only=True)
     assert list(merged) == list(full) and all(torch.equal(merged[k], v) for k, v in full.items())
+
+
+def test_merge_reads_each_rank_file_s_pickle_once(run: Path, tmp_path: Path, pickle_reads: Counter[str]) -> None:
+    reads = pickle_reads
+    result = _cli("merge", *_ranks(run), "-o", tmp_path / "m.pt", "--buffers", "rank0")
+    assert result.exit_code == 0, result.output
+    assert reads == {path: 1 for path in _ranks(run)}
 
 
 def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Path) -> None:

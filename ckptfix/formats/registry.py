@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain
 from ckptfix.formats.safety.depth import deep
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -243,6 +244,18 @@ def refuse_rank_file(
         refuse_optimizer_partition(obj, source=source)
 
 
+def rank_kind(needs: Iterable[str], *, source: str) -> str:
+    """Which kind of file a torch file is, from the globals its pickle needs outside the allowlist (its one read,
+    with the sharded-tensor classes read as records: :data:`RANK_GLOBALS`): ``dtensor`` (one rank's file of an
+    FSDP2 or tensor-parallel run), ``sharded-tensor`` (an FSDP1 rank file: SHARDED_STATE_DICT, or LOCAL_STATE_DICT's
+    flat parameters) or ``""`` (full tensors). A rank file's first bytes are any torch zip's: its pickle says."""
+    sharded = explain(needs, source=source)
+    return sharded.kind if sharded is not None else ""
+
+
+RANK_GLOBALS = DTENSOR_GLOBALS | SHARDED_TENSOR_GLOBALS  # what a merge's first read takes as records, for rank_kind
+
+
 def rank_file_note(obj: Any, *, source: str) -> str | None:
     """What to say of a rank's file converted on its own (a ZeRO-1/2 module file: the training dtype's weights)."""
     from ckptfix.formats.folders.deepspeed_files import lone_module_note
@@ -370,6 +383,7 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
 
 __all__ = [
     "FORMATS",
+    "RANK_GLOBALS",
     "Format",
     "Probe",
     "ReadOptions",
@@ -378,6 +392,7 @@ __all__ = [
     "load",
     "output_format",
     "rank_file_note",
+    "rank_kind",
     "read",
     "refuse_rank_file",
     "save",

@@ -55,16 +55,17 @@ def read_torch_zip(
     as_data: frozenset[str] = frozenset(),
     refused: list[str] | None = None,
     plain: bool = True,
+    records: frozenset[str] = frozenset(),
 ) -> TorchZip:
     """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
-    every record's CRC. ``as_data``, ``refused``, ``plain``: see :func:`.unpickling.load`."""
+    every record's CRC. ``as_data``, ``refused``, ``plain``, ``records``: see :func:`.unpickling.load`."""
     with inert.gc_paused():  # a record per storage, then the tree: nothing to collect, only to rescan
         archive = read_archive(fd, path, start=start, end=end)
         pkl = _pickle_record(archive, path)
         data = os.pread(fd, pkl.size, pkl.data_offset)
         _check_pickle_crc(archive, pkl, data, path=path)
         (tree,), storages = unpickling.load(
-            data, source=path, allowed=allowed, as_data=as_data, refused=refused, plain=plain
+            data, source=path, allowed=allowed, as_data=as_data, refused=refused, plain=plain, records=records
         )
     for key, ref in storages.items():
         rec = archive.get(f"data/{key}")

@@ -272,11 +272,17 @@ def describe_rank(fd: int, path: str, *, allowed: frozenset[str], verify: bool =
     from ckptfix.formats.containers.torchzip import read_torch_zip
 
     z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=DTENSOR_GLOBALS)
+    return z, rank_records(z.tree, path)
+
+
+def rank_records(tree: Any, path: str) -> Any:
+    """A rank file's inert checkpoint (its pickle read with :data:`DTENSOR_GLOBALS` as records) with each DTensor
+    as a :class:`DTensorRecord`."""
     pieces: dict[str, Piece] = {}
-    tree = _swap_pieces(z.tree, pieces, source=path)
+    tree = _swap_pieces(tree, pieces, source=path)
     for key, p in pieces.items():
         owner(tree, key)[key.split("\0")[-1]] = DTensorRecord(p.dtype, p.shape, _how(p), p.coordinate, key, p)
-    return z, tree
+    return tree
 
 
 def assemble(parts: list[Piece], paths: Sequence[str], *, key: str) -> Any:
@@ -441,6 +447,7 @@ __all__ = [
     "explain",
     "flat_param_keys",
     "load_ranks",
+    "rank_records",
     "rank_tree",
     "refuse_flat_params",
 ]

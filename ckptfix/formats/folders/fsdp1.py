@@ -96,9 +96,15 @@ def describe_fsdp1_rank(
     from ckptfix.formats.containers.torchzip import read_torch_zip
 
     z = read_torch_zip(fd, path, allowed=allowed, verify=verify, as_data=SHARDED_TENSOR_GLOBALS)
+    return z, fsdp1_records(z.tree, path, model=model)
+
+
+def fsdp1_records(tree: Any, path: str, *, model: Any = None) -> Any:
+    """An FSDP1 rank file's inert checkpoint (its pickle read with :data:`SHARDED_TENSOR_GLOBALS` as records) as
+    :func:`describe_fsdp1_rank` gives it: ShardedTensorRecords, a LOCAL_STATE_DICT split by ``model``."""
     records: dict[str, ShardedTensorRecord] = {}
     flat_in: dict[str, Any] = {}  # the state dicts holding flat parameters, by path (parts joined by NUL)
-    stack: list[tuple[str, Any]] = [("", z.tree)]
+    stack: list[tuple[str, Any]] = [("", tree)]
     while stack:  # the ShardedTensors sit in the (nested) dicts of the checkpoint
         path_so_far, node = stack.pop()
         for k, v in node.items() if isinstance(node, dict) else ():
@@ -112,8 +118,8 @@ def describe_fsdp1_rank(
                     _refuse_local(path, key.replace("\0", "."), found)
                 flat_in[path_so_far] = node
             node[k] = records[key] = ShardedTensorRecord(found.dtype, found.shape, found.sharding, key, found)
-    _refuse_sharded_elsewhere(z.tree, source=path)
-    return z, _split_local(z.tree, flat_in, model, source=path)
+    _refuse_sharded_elsewhere(tree, source=path)
+    return _split_local(tree, flat_in, model, source=path)
 
 
 def _refuse_sharded_elsewhere(tree: Any, *, source: str) -> None:

@@ -82,9 +82,12 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
         for code, func in pickle._Unpickler.dispatch.items()
     }
 
-    def __init__(self, stream: IO[bytes], *, allowed: frozenset[str], legacy: bool) -> None:
+    def __init__(
+        self, stream: IO[bytes], *, allowed: frozenset[str], legacy: bool, records: frozenset[str] = frozenset()
+    ) -> None:
         super().__init__(stream)
-        self.allowed = allowed
+        self.allowed = allowed | records
+        self.records = records  # read as records, yet listed in refused: the caller decides (see load)
         self.legacy = legacy
         self.refused: list[str] = []
         self.foreign: dict[int, None] = {}  # opcodes torch's weights-only loader does not read
@@ -108,9 +111,10 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
 
     def find_class(self, module: str, name: str) -> Any:
         full = allowlist.canonical(f"{module}.{name}")
-        if full not in self.allowed or full in allowlist.UNSUPPORTED:
+        refused = full not in self.allowed or full in allowlist.UNSUPPORTED
+        if refused or full in self.records:
             self.refused.append(full)  # keep reading: the refusal lists every global the file needs
-        elif full == "builtins.getattr":  # allowed only by the sharded-tensor reader: a nested class's name
+        if full == "builtins.getattr" and not refused:  # allowed only by the sharded-tensor reader: a nested class
             return nested_class(self.globals, self.allowed)
         if full == "collections.OrderedDict":
             return OrderedDict
@@ -332,6 +336,7 @@ def load(
     as_data: frozenset[str] = frozenset(),
     refused: list[str] | None = None,
     plain: bool = True,
+    records: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], dict[str, StorageRef]]:
     """The inert trees of ``count`` consecutive pickles and their storages by key, every rule checked.
 
@@ -342,6 +347,9 @@ def load(
     instead of a refusal: their records stay inert stand-ins, and the caller decides (formats/torchio/opaque.py).
     ``plain=False`` may leave OrderedDicts as the subclass the C unpickler built them as, for a caller that only
     writes the tree back (the fast path): replacing them is a pass over the tree, 0.7 s for a million tensors.
+    ``records`` (with ``refused``) names globals outside ``allowed`` that the reference reader reads as records
+    (the sharded-tensor classes, for a merge telling rank files apart): still listed in ``refused``, so the
+    caller sees what the file needs, and the tree is what an ``as_data`` read of them gives.
     """
     if isinstance(data, bytes) and count == 1 and not legacy and not protocol4 and not as_data:
         fast = _fast_load(data, allowed=allowed)
@@ -354,7 +362,9 @@ def load(
     names: list[str] = []
     foreign: dict[int, None] = {}
     for _ in range(count):
-        unpickler = (_Protocol4Unpickler if protocol4 else _Unpickler)(stream, allowed=allowed, legacy=legacy)
+        unpickler = (_Protocol4Unpickler if protocol4 else _Unpickler)(
+            stream, allowed=allowed, legacy=legacy, records=records - allowed
+        )
         try:
             trees.append(unpickler.load())
         except CkptfixError as e:

@@ -78,6 +78,11 @@ def describe(
     """
     refused: list[str] = []
     z = read_torch_zip(fd, source, allowed=allowed, verify=verify, refused=refused, plain=plain)
+    return wrapped(z, refused, source=source, keep=keep)
+
+
+def wrapped(z: TorchZip, refused: list[str], *, source: str, keep: bool = True) -> TorchZip:
+    """:func:`describe` of an archive already read, its pickle naming ``refused`` outside the allowlist."""
     if not refused:
         return z
     tree = wrap(z.tree, refused, source=source)
