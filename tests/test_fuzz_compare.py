@@ -15,28 +15,19 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptfix.diffing import diff_files
 from ckptfix.merging import merge_files
 from tests import hostile
-
-EXAMPLES = int(os.environ.get("CKPTFIX_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize="CKPTFIX_FUZZ_EXAMPLES" not in os.environ,
-    suppress_health_check=list(HealthCheck),
-    database=None,
-)
+from tests.test_fuzz import FUZZ  # one campaign size for every fuzz target (CKPTFIX_FUZZ_EXAMPLES)
 
 _NAMES = ["float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
           "float8_e5m2fnuz", "complex64", "complex128", "bool", "uint8", "int8", "int16", "int32", "int64", "uint16",
