@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -430,23 +430,30 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
 
 
 def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
-    dtype = getattr(torch, entry.dtype)
-    whole = None if len(entry.chunks) != 1 else entry.chunks[0]
+    return gather(torch, entry, ((c, _checked(torch, key, entry, c, item(c.span))) for c in entry.chunks))
+
+
+def _checked(torch: Any, key: str, entry: TensorEntry, c: Chunk, part: Any) -> Any:
+    if not isinstance(part, torch.Tensor) or tuple(part.shape) != c.sizes or part.dtype != getattr(torch, entry.dtype):
+        what = f"{part.dtype} {list(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
+        raise FormatError(
+            f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} holds {what}, expected {entry.dtype} "
+            f"{list(c.sizes)}; the folder mixes two checkpoints: copy it again"
+        )
+    return part
+
+
+def gather(torch: Any, entry: TensorEntry, parts: Iterable[tuple[Chunk, Any]]) -> Any:
+    """The full tensor of ``entry`` from its chunks' parts, taken one at a time as they are read: a tensor stored
+    whole is its one part; the others are copied into place."""
     out = None
-    for c in entry.chunks:
-        part = item(c.span)
-        if not isinstance(part, torch.Tensor) or tuple(part.shape) != c.sizes or part.dtype != dtype:
-            what = f"{part.dtype} {list(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
-            raise FormatError(
-                f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} holds {what}, expected {entry.dtype} "
-                f"{list(c.sizes)}; the folder mixes two checkpoints: copy it again"
-            )
-        if c is whole:
+    for c, part in parts:
+        if len(entry.chunks) == 1:
             return part
         if out is None:
-            out = torch.empty(entry.shape, dtype=dtype)
+            out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         chunk_region(out, c).copy_(part)
-    return out if out is not None else torch.empty(entry.shape, dtype=dtype)
+    return out if out is not None else torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
 
 
 def _first_failure(e: Any) -> BaseException:

@@ -12,7 +12,7 @@ from typing import Any
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_region, nest, read_dcp
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, gather, nest, read_dcp
 from ckptfix.formats.folders.hf import room_for_files
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
@@ -62,8 +62,8 @@ def read_dcp_tensor(t: DcpTensor, fd_of: Callable[[str], int], *, allowed: froze
     entry = t.entry
     dtype = getattr(torch, entry.dtype)
     item = DTYPES[entry.dtype].itemsize
-    full = None
-    for c in entry.chunks:
+
+    def part(c: Chunk) -> Any:
         z, record = chunk_record(c, fd_of, entry=entry, key=t.key, allowed=allowed)
         rec = z.archive.storage(record.storage.key)
         data = bytearray(rec.size)
@@ -72,19 +72,16 @@ def read_dcp_tensor(t: DcpTensor, fd_of: Callable[[str], int], *, allowed: froze
         check_crc(c.span.path, rec.name, rec.crc, zlib.crc32(data))
         n = math.prod(c.sizes)
         start = record.offset * item
-        part = (
+        out = (
             torch.frombuffer(data, dtype=torch.uint8)[start : start + n * item].view(dtype).reshape(c.sizes)
             if n
             else torch.empty(c.sizes, dtype=dtype)
         )
-        if record.math_bits:  # a conj or neg view: copy_ below (or the caller) sees its values
-            torch._utils.set_tensor_metadata(part, record.math_bits)  # type: ignore[no-untyped-call]
-        if len(entry.chunks) == 1:
-            return part
-        if full is None:
-            full = torch.empty(entry.shape, dtype=dtype)
-        chunk_region(full, c).copy_(part)
-    return full if full is not None else torch.empty(entry.shape, dtype=dtype)
+        if record.math_bits:  # a conj or neg view: copy_ (or the caller) sees its values
+            torch._utils.set_tensor_metadata(out, record.math_bits)  # type: ignore[no-untyped-call]
+        return out
+
+    return gather(torch, entry, ((c, part(c)) for c in entry.chunks))
 
 
 def chunking(t: DcpTensor) -> str:
