@@ -63,6 +63,7 @@ from ckptfix.formats.folders.deepspeed_layout import Segment, layout_partitioned
 from ckptfix.formats.folders.deepspeed_pickles import (
     OptimFile,
     check_partitions,
+    check_saved_names,
     group_state,
     module_trees,
     optimizer_ranks,
@@ -187,6 +188,7 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     layout = _layout(groups, ranks, source=tag_dir)
     if stage <= 2:
         check_partitions(ranks, groups)
+    check_saved_names(models, trees, ranks)
     master = first.groups[0][0].dtype
     # zero_to_fp32's order: buffers, frozen parameters, trainable parameters, tied names
     buffer_names = [str(n) for n in main["buffer_names"] if n in module]

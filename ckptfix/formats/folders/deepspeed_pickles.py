@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.folders.deepspeed_files import MODEL_FILE, OPTIM_FILE
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 
@@ -79,6 +80,7 @@ class OptimFile:
     mappings: Any = None  # ZeRO-1/2's param_slice_mappings: which slice of which parameter this rank's partition holds
     group_paddings: Any = None  # ZeRO-1/2: each group's padding cut from this rank's partition (the last rank's)
     config: Any = None  # ds_config, as the run was configured (stage, precision)
+    saved_as: str | None = None  # the file name torch.save was given, where its archive keeps one (saved_name)
 
 
 def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
@@ -101,7 +103,11 @@ def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
     base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
     return OptimFile(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
                   osd.get("param_alignment_paddings"), base, osd.get("dynamic_loss_scale"),
-                  osd.get("param_slice_mappings"), osd.get("group_paddings"), tree.get("ds_config"))  # fmt: skip
+                  osd.get("param_slice_mappings"), osd.get("group_paddings"), tree.get("ds_config"),
+                  saved_name(z))  # fmt: skip
+
+
+RENAMED = "the rank files were renamed or swapped: give each file its own rank's name"
 
 
 def same(path: str, what: str, value: Any, expected: Any, first: str) -> None:
@@ -208,7 +214,28 @@ def module_trees(models: Mapping[int | None, str], first: OptimFile, *, tag_dir:
         same_config(path, tree.get("ds_config"), first)
         if "dp_world_size" in tree:
             same(path, "data-parallel world size", tree["dp_world_size"], world, first.path)
+    if stage == 3:
+        check_tied_names_rank(trees, models)
     return trees
+
+
+def check_tied_names_rank(trees: Mapping[int | None, tuple[Any, Any]], models: Mapping[int | None, str]) -> None:
+    """ZeRO-3: what a module file's pickle says of its rank. All it holds is the same on every rank but for values
+    (buffers, each rank's fragment of the frozen parameters) and one field: DeepSpeed's
+    ``_get_shared_params`` fills ``shared_params`` (the tied names) on the job's rank 0 alone, whose file is
+    ``zero_pp_rank_0`` (rank 0 is first in its data-parallel group). So in a model with tied parameters the file
+    that names them is rank 0's; in a model without any, nothing is claimed. A swap of rank 0's file with another
+    would otherwise drop the tied names (read from rank 0's file) and join the frozen parameters out of order."""
+    tied = [
+        r for r, (tree, _) in trees.items() if isinstance(tree.get("shared_params"), dict) and tree["shared_params"]
+    ]
+    for r in tied:
+        if r != 0 and 0 in models:
+            has = "names them too" if 0 in tied else "names none"
+            raise FormatError(
+                f"{models[r]}: its shared_params name tied parameters, which DeepSpeed saves in rank 0's module file "
+                f"alone, but its name says rank {r} ({os.path.basename(models[0])} {has}); {RENAMED}"
+            )
 
 
 def param_groups(main: Mapping[str, Any], first: OptimFile, *, path: str) -> list[list[tuple[str, tuple[int, ...]]]]:
@@ -248,7 +275,6 @@ def check_partitions(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
     and its partition lengths (every rank's the same but the last's, cut by its padding): a file renamed or
     swapped with another rank's would otherwise be joined in the wrong order."""
     world = len(ranks)
-    renamed = "the rank files were renamed or swapped: give each file its own rank's name"
     for g, params in enumerate(groups):
         sizes = [o.groups[g][0].numel() for o in ranks]
         offsets = _offsets(params, ranks[0].paddings, g)
@@ -265,15 +291,51 @@ def check_partitions(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
                                if c == _expected(offsets, o.rank, full)), None)  # fmt: skip
                 also = f" ({os.path.basename(holder)} holds rank {o.rank}'s)" if holder else ""
                 raise FormatError(f"{o.path}: its param_slice_mappings are rank {other}'s partition, but its name says "
-                                  f"rank {o.rank}{also}; {renamed}")  # fmt: skip
+                                  f"rank {o.rank}{also}; {RENAMED}")  # fmt: skip
         for o, n in zip(ranks[1:], sizes[1:], strict=True):
             last = o.rank == world - 1
             if n > sizes[0] or (n != sizes[0] and not last):
                 raise FormatError(
                     f"{o.path}: group {g}'s partition holds {n} elements, {'more than' if n > sizes[0] else 'not'} "
                     f"the {sizes[0]} of {os.path.basename(ranks[0].path)}; only the last rank's partition is shorter: "
-                    f"{renamed}"
+                    f"{RENAMED}"
                 )
+
+
+def saved_name(z: Any) -> str | None:
+    """The rank file name ``torch.save`` was given, where the archive keeps it: torch names the archive's one
+    folder after the file it saves to (``zero_pp_rank_1_mp_rank_00_optim_states/data.pkl``; a save to
+    ``NAME.pt.tmp`` keeps ``NAME.pt``), and ``archive`` when it saves through a file object (DeepSpeed's fast
+    checkpoint writer). None where the folder is not a DeepSpeed rank file's name: nothing is claimed then."""
+    name = z.archive.prefix.rstrip("/").removesuffix(".pt") + ".pt"
+    return name if _identity(name) is not None else None
+
+
+def _identity(name: str) -> tuple[str, str | None, str] | None:
+    """What a rank file's name says it is: module or optimizer file, of which rank (None: ZeRO-1/2's one module
+    file) and model-parallel rank; a ``bf16_`` prefix says nothing of the rank."""
+    if m := MODEL_FILE.match(name):
+        return "module", m.group(1), m.group(2)
+    if m := OPTIM_FILE.match(name):
+        return "optimizer", m.group(1), m.group(2)
+    return None
+
+
+def check_saved_names(models: Mapping[int | None, str], trees: Mapping[int | None, tuple[Any, Any]],
+                      ranks: list[OptimFile]) -> None:  # fmt: skip
+    """Every stage: each rank file is the file its name says, where its archive says which it was saved as. Its
+    rank is in its name and, where torch.save was given its path (DeepSpeed's default checkpoint engine), in its
+    archive too; a ZeRO-3 file records nothing else of its rank (but rank 0's tied names), so a swap of its
+    optimizer files would otherwise be joined in the wrong order."""
+    saved = {**{models[r]: saved_name(z) for r, (_, z) in trees.items()}, **{o.path: o.saved_as for o in ranks}}
+    for path, was in saved.items():
+        name = os.path.basename(path)
+        if was is None or _identity(was) == _identity(name):
+            continue
+        holder = next((p for p, w in saved.items() if w is not None and _identity(w) == _identity(name)), None)
+        also = f" ({os.path.basename(holder)} was saved as {name})" if holder else ""
+        raise FormatError(f"{path}: torch.save wrote it as {was} (its archive keeps the name), but it is named "
+                          f"{name}{also}; {RENAMED}")  # fmt: skip
 
 
 def _offsets(params: list[tuple[str, tuple[int, ...]]], paddings: Any, g: int) -> list[tuple[str, int, int]] | None:
