@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.safetensors import StTensor
 from ckptfix.formats.containers.ziparchive import verify_records
+from ckptfix.formats.copyable import values_as_stored
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import Worker, wait_all
 from ckptfix.formats.pickles import inert
@@ -131,7 +132,7 @@ def _span(value: Any, opened: Opened) -> tuple[int, int] | None:
     if not isinstance(value, (inert.InertTensor, inert.InertParameter)) or opened.zip is None:
         return None
     t = inert.tensor_of(value)
-    if not t.plain or not t.is_contiguous() or t.dtype not in DTYPES:
+    if not values_as_stored(t) or not t.is_contiguous() or t.dtype not in DTYPES:
         return None
     width = DTYPES[t.dtype].itemsize
     rec = opened.record(value)

@@ -24,19 +24,17 @@ from typing import TYPE_CHECKING, Any
 from ckptfix.checkpoint import is_tensor
 from ckptfix.errors import FormatError, UnsafeCheckpointError
 from ckptfix.formats.containers.legacy import check_legacy
-from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
+from ckptfix.formats.containers.safetensors import read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
 from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
-from ckptfix.formats.copyable import foreign_byte_order
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.copyable import foreign_byte_order, values_as_stored
 from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.raw import RawTensor
-from ckptfix.formats.records import is_record, layout, map_tree, spec, torch_dtype
+from ckptfix.formats.records import is_record, layout, map_tree, spec
 from ckptfix.formats.registry import RANK_GLOBALS, detect, detect_format, rank_kind, read
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap, wrapped
@@ -82,6 +80,7 @@ class Opened:
     crc_stored: bool = True  # False: a torch zip saved without CRCs, read unchecked
     # read for a merge (``ranks``): one rank's file of a sharded run, its tree the inert pickle (registry.rank_kind)
     rank_kind: str = ""
+    allowed: frozenset[str] = frozenset()  # the globals a pickle read on demand may name (a DCP chunk's)
 
     def __enter__(self) -> Opened:
         return self
@@ -106,35 +105,16 @@ class Opened:
         return self.note is None
 
     def tensor(self, value: Any) -> torch.Tensor:
-        """The tensor ``value`` stands for, in memory of its own (a real tensor is returned as it is)."""
-        if isinstance(value, (inert.InertTensor, inert.InertParameter)):
-            return self._zip_tensor(inert.tensor_of(value))
-        if isinstance(value, StTensor):
-            return self._st_tensor(value)
-        return value  # type: ignore[no-any-return]
+        """The tensor ``value`` stands for, in memory of its own (a real tensor is returned as it is): the record
+        reads itself (:meth:`~ckptfix.formats.records.TensorRecord.read`) through this file."""
+        return value.read(self) if is_record(value) else value  # type: ignore[no-any-return]
 
     def raw(self, value: Any) -> Any:
         """The tensor ``value`` stands for as a :class:`~ckptfix.formats.raw.RawTensor`, its bytes read without
         torch, where the record's bytes are its values as they are (a plain contiguous tensor record); else as
         :meth:`tensor` gives it (a strided view, a record only torch reads, a real tensor)."""
-        found = self._raw(value)
+        found = value.read_raw(self) if is_record(value) else None
         return found if found is not None else self.tensor(value)
-
-    def _raw(self, value: Any) -> RawTensor | None:
-        if isinstance(value, (inert.InertTensor, inert.InertParameter)):
-            t = inert.tensor_of(value)
-            if not (t.plain and t.is_contiguous() and t.dtype in DTYPES and DTYPES[t.dtype].per_item == 1):
-                return None
-            if t.numel() == 0:
-                return RawTensor(t.dtype, t.shape, bytearray(), self.source)
-            width = DTYPES[t.dtype].itemsize
-            data = self.record_bytes(self.record(t), t.offset * width, t.numel() * width)
-            return RawTensor(t.dtype, t.shape, data, self.source)
-        if isinstance(value, StTensor):
-            assert self.fd is not None  # records exist only while the file is open
-            data = _pread(self.fd, value.start, value.end - value.start, source=self.source)
-            return RawTensor(value.dtype, tuple(value.shape), data, self.source)
-        return None
 
     def record(self, value: Any) -> Record:
         """The zip record holding a tensor record's storage."""
@@ -160,30 +140,15 @@ class Opened:
         assert self.fd is not None  # records exist only while the file is open
         return _pread(self.fd, offset, length, source=self.source)
 
-    def _zip_tensor(self, t: inert.InertTensor) -> torch.Tensor:
-        import torch
+    def storage_bytes(self, key: str, start: int, length: int) -> bytearray:
+        assert self.zip is not None  # only InertTensors, which only zips hold, ask
+        return self.record_bytes(self.zip.archive.storage(key), start, length)
 
-        dtype = torch_dtype(torch, t.dtype, source=self.source)
-        rec = self.record(t)
-        width = DTYPES[t.dtype].itemsize
-        out = torch.empty((0,), dtype=dtype)
-        if t.numel() == 0:
-            return out.reshape(t.shape)
-        # only the bytes the view reaches (a state dict of views into one flat buffer reads each view once)
-        extent = t.offset + 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride, strict=True))
-        data = self.record_bytes(rec, t.offset * width, (extent - t.offset) * width)
-        out.set_(torch.frombuffer(data, dtype=torch.uint8).untyped_storage(), 0, t.shape, t.stride)
-        return out
+    def file_fd(self, path: str) -> int:
+        raise AssertionError(f"{self.source}: a file of its own has no data files")  # only folders' records ask
 
-    def _st_tensor(self, value: StTensor) -> torch.Tensor:
-        import torch
-
-        dtype = torch_dtype(torch, value.dtype, source=self.source)
-        if value.end == value.start:
-            return torch.empty(value.shape, dtype=dtype)
-        assert self.fd is not None  # records exist only while the file is open
-        data = _pread(self.fd, value.start, value.end - value.start, source=self.source)
-        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(value.shape)
+    def part(self, index: int) -> Opened:
+        raise AssertionError(f"{self.source}: a file of its own has no parts")  # only folders' records ask
 
 
 def _pread(fd: int, offset: int, length: int, *, source: str) -> bytearray:
@@ -318,7 +283,7 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
     if need_bytes and (order := foreign_byte_order(opened.zip)):
         return f"a {order} file, whose bytes torch swaps"
     for obj in inert.walk(opened.tree):
-        if isinstance(obj, inert.InertTensor) and not obj.plain:
+        if isinstance(obj, inert.InertTensor) and not values_as_stored(obj):
             return "a tensor with backward hooks or extra state"
         if type(obj) is inert.Inert and obj.func.module.startswith(("torch._utils", "torch._tensor")):
             return f"{obj.func.full}(...): a quantized, sparse or subclass tensor"
@@ -353,7 +318,6 @@ class OpenedFolder(Opened):
     zero: Any = None  # DeepSpeed: the run (ckptfix.formats.folders.deepspeed.ZeroRun)
     zero_fds: dict[str, int] = field(default_factory=dict)  # DeepSpeed: each rank file opened once, when first read
     zero_verified: set[tuple[str, str]] | None = None  # DeepSpeed: (file, record) CRC-checked, when verifying
-    allowed: frozenset[str] = frozenset()
     owner: dict[int, int] = field(default_factory=dict)  # id of a record not wrapped (inside objects) -> part
 
     def close(self, *, check: bool = True) -> None:
@@ -370,31 +334,29 @@ class OpenedFolder(Opened):
                     stack.callback(dcp.check_unchanged)
 
     def tensor(self, value: Any) -> torch.Tensor:
-        if isinstance(value, FolderTensor):
-            return self.parts[value.part].tensor(value.inner)
-        if isinstance(value, DcpTensor):
-            from ckptfix.formats.folders.dcp_chunks import read_dcp_tensor
-
-            return read_dcp_tensor(value, self.dcp.fd, allowed=self.allowed)  # type: ignore[no-any-return]
-        if isinstance(value, ZeroTensor):
+        if id(value) in self.owner:  # a record not wrapped (inside an opaque entry): its part reads it
+            return self.parts[self.owner[id(value)]].tensor(value)
+        if isinstance(value, ZeroTensor):  # its read stays with the DeepSpeed reader, whose module is not this one's
             from ckptfix.formats.folders.deepspeed import read_zero_tensor
 
             return read_zero_tensor(value, self._zero_fd, verified=self.zero_verified)
+        return super().tensor(value)
+
+    def raw(self, value: Any) -> Any:
         if id(value) in self.owner:
-            return self.parts[self.owner[id(value)]].tensor(value)
-        return value  # type: ignore[no-any-return]
+            return self.parts[self.owner[id(value)]].raw(value)
+        return super().raw(value)  # a DCP chunk's (its reader uses torch), a real tensor: as tensor() gives it
+
+    def part(self, index: int) -> Opened:
+        return self.parts[index]
+
+    def file_fd(self, path: str) -> int:
+        return self.dcp.fd(path) if self.dcp is not None else self._zero_fd(path)
 
     def _zero_fd(self, path: str) -> int:
         if path not in self.zero_fds:
             self.zero_fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return self.zero_fds[path]
-
-    def raw(self, value: Any) -> Any:
-        if isinstance(value, FolderTensor):
-            return self.parts[value.part].raw(value.inner)
-        if id(value) in self.owner:
-            return self.parts[self.owner[id(value)]].raw(value)
-        return self.tensor(value)  # a DCP chunk (its reader uses torch), a real tensor
 
 
 def _open_folder(source: str, *, kind: str, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,

@@ -90,12 +90,12 @@ FORMATS_FLOORS = [
     ["ckptfix.formats.registry"],
     ["ckptfix.formats.folders"],
     ["ckptfix.formats.torchio"],
-    ["ckptfix.formats.containers", "ckptfix.formats.copyable"],  # copyable: when a container's bytes are values
+    ["ckptfix.formats.containers"],
     ["ckptfix.formats.pickles"],
     ["ckptfix.formats.output"],
     ["ckptfix.formats.safety", "ckptfix.formats.folders.hf_index"],
     ["ckptfix.formats.dtypes", "ckptfix.formats.records", "ckptfix.formats.raw", "ckptfix.formats.strict_json",
-     "ckptfix.formats.safety.depth", "ckptfix.formats.folders.deepspeed_files"],
+     "ckptfix.formats.safety.depth", "ckptfix.formats.folders.deepspeed_files", "ckptfix.formats.copyable"],
 ]  # fmt: skip
 
 

@@ -4,16 +4,16 @@
 The streaming writers copy records byte for byte, the readers hand records to torch as they are, and
 :mod:`~ckptfix.formats.torchio.materialize` maps storages as they lie in the file. Each steps aside for torch (which
 swaps, applies the bits, or copies the view) where one of these rules says the bytes are not the values; each says
-so in its own words, from the reason returned here.
+so in its own words, from the reason returned here. A torch zip's tensor (a file's, a DCP chunk's) is asked both
+questions: its archive's byte order (:func:`foreign_byte_order`) and its record's (:func:`values_as_stored`).
+
+It imports nothing of ckptfix (a record and an archive are asked for the attributes named here), so the tensor
+records themselves (:mod:`~ckptfix.formats.pickles.inert`) answer by these rules.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ckptfix.formats.containers.torchzip import TorchZip
-    from ckptfix.formats.pickles.inert import InertTensor
+from typing import Protocol
 
 
 class Fallback(Exception):  # noqa: N818 - a signal, not an error: the name is its contract with its callers
@@ -24,22 +24,40 @@ class Fallback(Exception):  # noqa: N818 - a signal, not an error: the name is i
     path (``convert``) or writes with ``ckptfix.save`` (``merge``)."""
 
 
-def foreign_byte_order(z: TorchZip) -> str | None:
-    """``big-endian`` for a file torch.save wrote on a big-endian machine (torch swaps its bytes as it loads);
-    None for the little-endian files every copy and map reads as they are."""
+class _Archive(Protocol):
+    @property
+    def byteorder(self) -> str: ...  # a torch zip's byteorder record (``little`` when it has none)
+
+
+class _Tensor(Protocol):
+    @property
+    def math_bits(self) -> dict[str, bool] | None: ...  # pickles.inert.InertTensor's
+
+
+def foreign_byte_order(z: _Archive) -> str | None:
+    """``big-endian`` for a file (or DCP chunk) torch.save wrote on a big-endian machine (torch swaps its bytes as
+    it loads); None for the little-endian files every copy and map reads as they are."""
     return None if z.byteorder == "little" else f"{z.byteorder}-endian"
 
 
-def hooks_or_state(t: InertTensor) -> bool:
+def hooks_or_state(t: _Tensor) -> bool:
     """Whether ``t`` was saved with backward hooks or extra state (``__dict__``, a subclass's metadata), which only
     torch's unpickler rebuilds; a conj or neg bit is not this (see :func:`math_bit_view`)."""
     return t.math_bits is None
 
 
-def math_bit_view(t: InertTensor) -> str | None:
+def math_bit_view(t: _Tensor) -> str | None:
     """``conj``, ``neg`` or ``conj and neg`` for a view whose storage holds the values before those bits apply
     (``torch.conj``, ``torch._neg_view``: only a torch pickle records them); None otherwise."""
     return " and ".join(t.math_bits) if t.math_bits else None
 
 
-__all__ = ["Fallback", "foreign_byte_order", "hooks_or_state", "math_bit_view"]
+def values_as_stored(t: _Tensor) -> bool:
+    """Whether ``t``'s storage, read through its view, holds the values torch.load gives it (in the file's byte
+    order): no hooks or extra state, no conj or neg bit. What reads or copies a record's bytes as its values asks
+    this (and the archive's :func:`foreign_byte_order`); a .pt-to-.pt copy keeps the bits and asks only
+    :func:`hooks_or_state`."""
+    return t.math_bits == {}
+
+
+__all__ = ["Fallback", "foreign_byte_order", "hooks_or_state", "math_bit_view", "values_as_stored"]

@@ -18,7 +18,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import nbytes as _nbytes
@@ -42,6 +42,41 @@ class Spec:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.dtype, self.numel)  # sub-byte dtypes (quint4x2) round up
+
+
+class Holder(Protocol):
+    """What a record's bytes are read through: the opened checkpoint that holds it (``ckptfix.reading.Opened``),
+    which owns the open files and remembers which zip records' CRCs were checked."""
+
+    @property
+    def source(self) -> str: ...  # the file or folder, for messages
+
+    @property
+    def allowed(self) -> frozenset[str]: ...  # the globals a pickle read on demand (a DCP chunk's) may name
+
+    def storage_bytes(self, key: str, start: int, length: int) -> bytearray:
+        """Bytes ``[start, start + length)`` of a torch zip's storage ``key``, its record's CRC checked once."""
+        ...
+
+    def pread(self, offset: int, length: int) -> bytearray:
+        """Bytes ``[offset, offset + length)`` of the file, unchecked (a safetensors file has no checksums)."""
+        ...
+
+    def file_fd(self, path: str) -> int:
+        """A folder's data file ``path``, opened once."""
+        ...
+
+    def part(self, index: int) -> Holder:
+        """A folder's file ``index``, opened as a checkpoint of its own."""
+        ...
+
+    def tensor(self, value: Any) -> Any:
+        """The tensor ``value`` (a record of this holder, or a real tensor) stands for."""
+        ...
+
+    def raw(self, value: Any) -> Any:
+        """As :meth:`tensor`, a :class:`~ckptfix.formats.raw.RawTensor` where its bytes are its values."""
+        ...
 
 
 class TensorRecord:
@@ -84,6 +119,16 @@ class TensorRecord:
     def byte_ranges(self) -> list[tuple[str, int, int]] | None:
         """The runs ``(path, offset, length)`` of file bytes that are its values in order, as stored (a DeepSpeed
         buffer before its cast); None when its bytes are not runs of files as they are (to compute, to gather)."""
+        return None
+
+    def read(self, holder: Holder) -> Any:
+        """The tensor it stands for, in memory of its own (a torch tensor), its bytes read through ``holder``; a
+        record with no bytes behind it (a tensor still to write) is given back as it is."""
+        return self
+
+    def read_raw(self, holder: Holder) -> TensorRecord | None:
+        """The tensor as a :class:`~ckptfix.formats.raw.RawTensor`, its bytes read without torch, where they are
+        its values as they lie (a plain contiguous tensor); None where only :meth:`read` gives it."""
         return None
 
 
@@ -178,6 +223,7 @@ def map_tree(
 
 
 __all__ = [
+    "Holder",
     "Spec",
     "TensorRecord",
     "identity",

@@ -26,11 +26,11 @@ from ckptfix.formats.containers.safetensors import (
     split_checkpoint,
     tree_from_header,
 )
-from ckptfix.formats.copyable import math_bit_view
+from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_region
-from ckptfix.formats.folders.dcp_chunks import chunk_record, dcp_tree, rows
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region
+from ckptfix.formats.folders.dcp_chunks import dcp_tree, rows
 from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, read_zero_tensor
 from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
 from ckptfix.formats.output.atomic import Worker, atomic_output
@@ -373,6 +373,8 @@ def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed
     """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
     (row-major, contiguous) are."""
     z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
+    if order := foreign_byte_order(z):  # torch's DCP reader torch.loads each chunk, which swaps its bytes
+        raise Fallback(f"chunk of '{key}' is {order}: its bytes are not its values")
     if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
         raise Fallback(f"chunk of '{key}' is a {bits} view: its bytes are not its values")
     rec = z.archive.storage(t.storage.key)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptfix.formats.containers.safetensors import StTensor, losses_note, read_header, tree_from_header
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
-from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, math_bit_view
+from ckptfix.formats.copyable import foreign_byte_order, values_as_stored
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.output.crc import Check
@@ -49,7 +49,7 @@ def copyable_tensor(value: inert.InertTensor | inert.InertParameter) -> inert.In
     ):
         raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
     t = inert.tensor_of(value)
-    if not isinstance(t, inert.InertTensor) or hooks_or_state(t) or math_bit_view(t):
+    if not isinstance(t, inert.InertTensor) or not values_as_stored(t):
         raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
     return t
 

@@ -31,7 +31,7 @@ from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, s
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.pickles.inert import gc_paused
 from ckptfix.formats.raw import RawTensor, resolved
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
 from ckptfix.formats.strict_json import Said, json_object
 
 MAX_HEADER = 100 * 1024 * 1024
@@ -484,6 +484,18 @@ class StTensor(TensorRecord):
 
     def byte_ranges(self) -> list[tuple[str, int, int]]:
         return [(self.path, self.start, self.nbytes)] if self.nbytes else []
+
+    def read(self, holder: Holder) -> Any:
+        import torch
+
+        dtype = torch_dtype(torch, self.dtype, source=holder.source)
+        if self.end == self.start:
+            return torch.empty(self.shape, dtype=dtype)
+        data = holder.pread(self.start, self.end - self.start)
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(self.shape)
+
+    def read_raw(self, holder: Holder) -> RawTensor:
+        return RawTensor(self.dtype, tuple(self.shape), holder.pread(self.start, self.end - self.start), holder.source)
 
 
 def tree_from_header(header: Header, *, source: str) -> Any:

@@ -9,17 +9,22 @@ chunk's archive with the same reader and rules as a ``.pt`` file.
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import os
+import zlib
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
+from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
+from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, unpickling
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.records import Holder, TensorRecord
 from ckptfix.formats.safety import allowlist
 
 METADATA = ".metadata"
@@ -89,6 +94,9 @@ class DcpTensor(TensorRecord):
 
     def _storage(self) -> Hashable:
         return ("dcp", self.key)
+
+    def read(self, holder: Holder) -> Any:
+        return read_dcp_tensor(self, holder.file_fd, allowed=holder.allowed)
 
 
 @dataclass(frozen=True)
@@ -392,7 +400,6 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
     """
     import torch
 
-    from ckptfix.formats.containers.torchzip import read_torch_zip
     from ckptfix.formats.folders.hf import room_for_files
     from ckptfix.formats.torchio.materialize import map_file, materialize
     from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
@@ -409,6 +416,8 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
         fd, identity, mapped = files[span.path]
         z = read_torch_zip(fd, span.path, allowed=allowed, verify=verify, start=span.offset,
                            end=span.offset + span.length)  # fmt: skip
+        if z.storages and foreign_byte_order(z):  # torch's DCP reader torch.loads the chunk, which swaps bytes
+            return torch.load(io.BytesIO(os.pread(fd, span.length, span.offset)), map_location="cpu", weights_only=True)
         if mmap and mapped is None and z.storages:  # one mapping per file, shared by its chunks' tensors
             mapped = map_file(fd)
             files[span.path] = (fd, identity, mapped)
@@ -454,6 +463,56 @@ def gather(torch: Any, entry: TensorEntry, parts: Iterable[tuple[Chunk, Any]]) -
             out = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         chunk_region(out, c).copy_(part)
     return out if out is not None else torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+
+
+def chunk_record(
+    c: Chunk, fd_of: Callable[[str], int], *, entry: TensorEntry, key: str, allowed: frozenset[str]
+) -> tuple[TorchZip, inert.InertTensor]:
+    """The chunk's parsed archive and tensor record (its pickle checked); refused unless it is the tensor the
+    metadata says."""
+    z = read_torch_zip(fd_of(c.span.path), c.span.path, allowed=allowed, start=c.span.offset,
+                       end=c.span.offset + c.span.length)  # fmt: skip
+    t = z.tree
+    if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
+        raise FormatError(
+            f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} is not a contiguous {entry.dtype} tensor of "
+            f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
+        )
+    return z, t
+
+
+def read_dcp_tensor(t: DcpTensor, fd_of: Callable[[str], int], *, allowed: frozenset[str]) -> Any:
+    """The full tensor ``t`` stands for, in memory of its own: each chunk's record read and CRC-checked, the
+    chunks copied into place (a tensor stored whole is its one chunk). Each chunk's values are what torch's DCP
+    reader (``torch.load`` of the chunk) gives: big-endian bytes swapped, a conj or neg bit applied."""
+    import torch
+
+    entry = t.entry
+    dtype = getattr(torch, entry.dtype)
+    item = DTYPES[entry.dtype].itemsize
+
+    def part(c: Chunk) -> Any:
+        z, record = chunk_record(c, fd_of, entry=entry, key=t.key, allowed=allowed)
+        rec = z.archive.storage(record.storage.key)
+        data = bytearray(rec.size)
+        if os.preadv(fd_of(c.span.path), [data], rec.data_offset) != rec.size:
+            raise FormatError(f"{c.span.path}: ends inside chunk of '{t.key}'; it is truncated: copy the folder again")
+        check_crc(c.span.path, rec.name, rec.crc, zlib.crc32(data))
+        n = math.prod(c.sizes)
+        start = record.offset * item
+        stored = torch.frombuffer(data, dtype=torch.uint8) if n else None
+        if stored is not None and foreign_byte_order(z):  # swapped as torch.load swaps a storage
+            stored.untyped_storage().byteswap(dtype)  # type: ignore[no-untyped-call]
+        out = (
+            stored[start : start + n * item].view(dtype).reshape(c.sizes)
+            if stored is not None
+            else torch.empty(c.sizes, dtype=dtype)
+        )
+        if math_bit_view(record):  # a conj or neg view: copy_ (or the caller) sees its values
+            torch._utils.set_tensor_metadata(out, record.math_bits)  # type: ignore[no-untyped-call]
+        return out
+
+    return gather(torch, entry, ((c, part(c)) for c in entry.chunks))
 
 
 def _first_failure(e: Any) -> BaseException:

@@ -3,18 +3,13 @@ archive accepted only when it is the contiguous tensor the metadata says."""
 
 from __future__ import annotations
 
-import math
 import os
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-from ckptfix.errors import FormatError
-from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
-from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, gather, nest, read_dcp
+from ckptfix.formats.containers.torchzip import read_torch_zip
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, nest, read_dcp
 from ckptfix.formats.folders.hf import room_for_files
-from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 
 
@@ -33,55 +28,9 @@ def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) 
     return nest(flat, d.paths), None
 
 
-def chunk_record(
-    c: Chunk, fd_of: Callable[[str], int], *, entry: TensorEntry, key: str, allowed: frozenset[str]
-) -> tuple[TorchZip, inert.InertTensor]:
-    """The chunk's parsed archive and tensor record (its pickle checked); refused unless it is the tensor the
-    metadata says."""
-    z = read_torch_zip(fd_of(c.span.path), c.span.path, allowed=allowed, start=c.span.offset,
-                       end=c.span.offset + c.span.length)  # fmt: skip
-    t = z.tree
-    if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
-        raise FormatError(
-            f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} is not a contiguous {entry.dtype} tensor of "
-            f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
-        )
-    return z, t
-
-
 def rows(entry: TensorEntry, c: Chunk) -> bool:
     """True when the chunk is a whole range of rows: a contiguous byte range of the full tensor."""
     return all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == entry.shape[1:]
-
-
-def read_dcp_tensor(t: DcpTensor, fd_of: Callable[[str], int], *, allowed: frozenset[str]) -> Any:
-    """The full tensor ``t`` stands for, in memory of its own: each chunk's record read and CRC-checked, the
-    chunks copied into place (a tensor stored whole is its one chunk)."""
-    import torch
-
-    entry = t.entry
-    dtype = getattr(torch, entry.dtype)
-    item = DTYPES[entry.dtype].itemsize
-
-    def part(c: Chunk) -> Any:
-        z, record = chunk_record(c, fd_of, entry=entry, key=t.key, allowed=allowed)
-        rec = z.archive.storage(record.storage.key)
-        data = bytearray(rec.size)
-        if os.preadv(fd_of(c.span.path), [data], rec.data_offset) != rec.size:
-            raise FormatError(f"{c.span.path}: ends inside chunk of '{t.key}'; it is truncated: copy the folder again")
-        check_crc(c.span.path, rec.name, rec.crc, zlib.crc32(data))
-        n = math.prod(c.sizes)
-        start = record.offset * item
-        out = (
-            torch.frombuffer(data, dtype=torch.uint8)[start : start + n * item].view(dtype).reshape(c.sizes)
-            if n
-            else torch.empty(c.sizes, dtype=dtype)
-        )
-        if record.math_bits:  # a conj or neg view: copy_ (or the caller) sees its values
-            torch._utils.set_tensor_metadata(out, record.math_bits)  # type: ignore[no-untyped-call]
-        return out
-
-    return gather(torch, entry, ((c, part(c)) for c in entry.chunks))
 
 
 def chunking(t: DcpTensor) -> str:

@@ -26,7 +26,7 @@ from ckptfix.formats.containers.safetensors import stored_identity
 from ckptfix.formats.folders.deepspeed_files import missing_run
 from ckptfix.formats.folders.hf_index import INDEX_SUFFIX, inside, is_index, looks_like_json, read_index, shards
 from ckptfix.formats.output.atomic import PathLike, check_apart, completing, fsync_dir, set_aside
-from ckptfix.formats.records import Spec, TensorRecord, identity, spec, storage_of
+from ckptfix.formats.records import Holder, Spec, TensorRecord, identity, spec, storage_of
 
 # accelerate's save_state names (accelerate.utils.constants): model files first, then the training state.
 _MODEL_FILE = re.compile(r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$")
@@ -447,3 +447,9 @@ class FolderTensor(TensorRecord):
 
     def _storage(self) -> Hashable:
         return (self.part, storage_of(self.inner))
+
+    def read(self, holder: Holder) -> Any:
+        return holder.part(self.part).tensor(self.inner)
+
+    def read_raw(self, holder: Holder) -> Any:
+        return holder.part(self.part).raw(self.inner)

@@ -18,8 +18,10 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.copyable import values_as_stored
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.raw import RawTensor
+from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import MAX_DEPTH
 
@@ -275,14 +277,6 @@ class InertTensor(Inert, TensorRecord):
         return STORAGE_DTYPES[self.storage.storage_type.name]
 
     @property
-    def plain(self) -> bool:
-        """No backward hooks and no extra metadata: exactly what torch.save writes for a tensor."""
-        if len(self.args) == 6:  # _rebuild_tensor_v2 without metadata (v3 has at least 7)
-            return not self.args[5]
-        extra = self.args[7:] if self.func.name.endswith("v3") else self.args[6:]
-        return not self.args[5] and not any(extra)
-
-    @property
     def math_bits(self) -> dict[str, bool] | None:
         """The conjugate and negative bits (``torch.conj``, ``torch._neg_view``) that torch.save records after the
         hooks: ``{}`` for a plain tensor, ``None`` for one with backward hooks or any other extra state. The
@@ -306,6 +300,29 @@ class InertTensor(Inert, TensorRecord):
 
     def is_contiguous(self) -> bool:
         return contiguous(self.shape, self.stride)
+
+    def read(self, holder: Holder) -> Any:
+        """Only the bytes the view reaches (a state dict of views into one flat buffer reads each view once)."""
+        import torch
+
+        dtype = torch_dtype(torch, self.dtype, source=holder.source)
+        out = torch.empty((0,), dtype=dtype)
+        if self.numel() == 0:
+            return out.reshape(self.shape)
+        width = DTYPES[self.dtype].itemsize
+        extent = self.offset + 1 + sum((d - 1) * s for d, s in zip(self.shape, self.stride, strict=True))
+        data = holder.storage_bytes(self.storage.key, self.offset * width, (extent - self.offset) * width)
+        out.set_(torch.frombuffer(data, dtype=torch.uint8).untyped_storage(), 0, self.shape, self.stride)
+        return out
+
+    def read_raw(self, holder: Holder) -> RawTensor | None:
+        dtype = DTYPES.get(self.dtype)
+        if not (values_as_stored(self) and self.is_contiguous() and dtype is not None and dtype.per_item == 1):
+            return None
+        if self.numel() == 0:
+            return RawTensor(self.dtype, self.shape, bytearray(), holder.source)
+        data = holder.storage_bytes(self.storage.key, self.offset * dtype.itemsize, self.numel() * dtype.itemsize)
+        return RawTensor(self.dtype, self.shape, data, holder.source)
 
 
 @functools.lru_cache(maxsize=4096)  # shapes repeat (a state dict has a few dozen); bounded for hostile files
@@ -389,6 +406,12 @@ class InertParameter(Inert, TensorRecord):
     @property
     def dtype(self) -> str:
         return self.data.dtype
+
+    def read(self, holder: Holder) -> Any:
+        return self.data.read(holder)  # the tensor, as reading it has always given (not a Parameter)
+
+    def read_raw(self, holder: Holder) -> RawTensor | None:
+        return self.data.read_raw(holder)
 
 
 def tensor_of(value: Any) -> InertTensor:
