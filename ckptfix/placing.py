@@ -24,12 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.safetensors import StTensor
 from ckptfix.formats.containers.ziparchive import verify_records
-from ckptfix.formats.copyable import values_as_stored
-from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import Worker, wait_all
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import is_record
 from ckptfix.reading import Opened
 
 if TYPE_CHECKING:
@@ -127,19 +124,7 @@ def _fits(target: torch.Tensor, value: Any) -> bool:
 
 def _span(value: Any, opened: Opened) -> tuple[int, int] | None:
     """Where a record's bytes lie in the file when they are the contiguous tensor itself, else None."""
-    if isinstance(value, StTensor):
-        return value.start, value.end - value.start
-    if not isinstance(value, (inert.InertTensor, inert.InertParameter)) or opened.zip is None:
-        return None
-    t = inert.tensor_of(value)
-    if not values_as_stored(t) or not t.is_contiguous() or t.dtype not in DTYPES:
-        return None
-    width = DTYPES[t.dtype].itemsize
-    rec = opened.record(value)
-    start, nbytes = t.offset * width, t.numel() * width
-    if start + nbytes > rec.size:  # the reader refused such views already; never copy past a record
-        raise FormatError(f"{opened.source}: a tensor reaches past its storage record {rec.name}; corrupt or crafted")
-    return rec.data_offset + start, nbytes
+    return value.file_span(opened) if is_record(value) else None
 
 
 def _verify(opened: Opened, state: Mapping[str, Any]) -> None:
@@ -148,7 +133,7 @@ def _verify(opened: Opened, state: Mapping[str, Any]) -> None:
         return  # safetensors files carry no checksums
     records = {}
     for value in state.values():
-        if isinstance(value, (inert.InertTensor, inert.InertParameter)) and inert.tensor_of(value).numel():
+        if is_record(value) and value.storage_key() is not None:  # a zip's tensor records: not an empty one
             rec = opened.record(value)
             records[rec.name] = rec
     todo = [r for name, r in records.items() if name not in opened.verified]

@@ -27,7 +27,6 @@ from ckptfix.formats.folders.fsdp import (
     DTENSOR_GLOBALS,
     SHARDED_TENSOR_GLOBALS,
     RankFilesError,
-    ShardedCheckpointError,
     ShardedPiece,
     ShardedTensorRecord,
     assemble,
@@ -81,22 +80,15 @@ def open_inputs(
 ) -> tuple[list[Opened], str, list[Opened | None]]:
     """Each input opened (into ``stack``) once, and the kind of rank files they all are: ``(inputs, "", [])`` for
     full checkpoints, ``([], kind, read)`` for rank files of one sharded run (``"dtensor"``, ``"sharded-tensor"``),
-    ``read`` holding each one's read (None for a file read no further). The kind is the registry's
+    ``read`` holding each one's read. The kind is the registry's
     (:func:`.registry.rank_kind`), from that one read of each pickle. Rank files mixed with full checkpoints, files
     of both kinds, averaged rank files and ``optimizer`` without FSDP1 rank files are refused here."""
     inputs: list[Opened] = []
     sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
     read: list[Opened | None] = []
     for path in paths:
-        try:
-            opened = stack.enter_context(open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe,
-                                                         opaque=True, ranks=True))  # fmt: skip
-        except ShardedCheckpointError as e:  # a rank file read otherwise (legacy, in a folder): refused there
-            if e.kind not in RANK_FILES:
-                raise
-            sharded[path] = e.kind
-            read.append(None)
-            continue
+        opened = stack.enter_context(open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe,
+                                                     opaque=True, ranks=True))  # fmt: skip
         if opened.rank_kind:
             sharded[path] = opened.rank_kind
             read.append(opened)

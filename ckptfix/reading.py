@@ -118,8 +118,7 @@ class Opened:
 
     def record(self, value: Any) -> Record:
         """The zip record holding a tensor record's storage."""
-        assert self.zip is not None  # only InertTensors, which only zips hold, get here
-        return self.zip.archive.storage(inert.tensor_of(value).storage.key)
+        return self.storage_record(inert.tensor_of(value).storage.key)
 
     def record_bytes(self, rec: Record, start: int = 0, length: int | None = None) -> bytearray:
         """Bytes ``[start, start + length)`` of a storage record; the record's CRC is checked once."""
@@ -140,9 +139,12 @@ class Opened:
         assert self.fd is not None  # records exist only while the file is open
         return _pread(self.fd, offset, length, source=self.source)
 
-    def storage_bytes(self, key: str, start: int, length: int) -> bytearray:
+    def storage_record(self, key: str) -> Record:
         assert self.zip is not None  # only InertTensors, which only zips hold, ask
-        return self.record_bytes(self.zip.archive.storage(key), start, length)
+        return self.zip.archive.storage(key)
+
+    def storage_bytes(self, key: str, start: int, length: int) -> bytearray:
+        return self.record_bytes(self.storage_record(key), start, length)
 
     def file_fd(self, path: str) -> int:
         raise AssertionError(f"{self.source}: a file of its own has no data files")  # only folders' records ask

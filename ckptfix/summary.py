@@ -21,6 +21,7 @@ from ckptfix.formats.folders.fsdp import DTensorRecord, flat_param_keys
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import spec, storage_of
+from ckptfix.formats.registry import rank_file_refusal
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.keytree import groups as key_groups
@@ -143,25 +144,14 @@ def summarize(
     (a ZeRO-3 one's ``placeholders``: the keys whose ``[0]`` tensors are no weights, and the ``folder`` to pass).
     """
     from ckptfix.formats.folders.deepspeed import lone_module_summary
-    from ckptfix.formats.folders.fsdp import ShardedCheckpointError, rank_tree
 
     source = os.fspath(path)
-    try:
-        with open_checkpoint(
-            path, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, verify=verify, opaque=True
-        ) as ckpt:
-            summary = _summary(ckpt.tree, source=source, fmt=ckpt.fmt)
-    except ShardedCheckpointError as e:
-        if e.kind != "dtensor" or unsafe:
-            raise
-        tree = rank_tree(source, allow_globals=allow_globals, verify=verify)  # the DTensors as records
-        summary = _summary(tree, source=source, fmt="torch-zip")
-        first = next((v for v in _values(tree) if isinstance(v, DTensorRecord)), None)
-        if first is not None:
-            summary["dtensor"] = {"coordinate": list(first.coordinate), "sharding": first.sharding}
-        if verify:
-            summary["verified"] = "crc"
-        return summary
+    with open_checkpoint(
+        path, allow_globals=allow_globals, unsafe=unsafe, need_bytes=False, verify=verify, opaque=True, ranks=True
+    ) as ckpt:
+        if ckpt.rank_kind:  # one rank's file, told by the registry from this one read of its pickle
+            return _rank_summary(ckpt, verify=verify)
+        summary = _summary(ckpt.tree, source=source, fmt=ckpt.fmt)
     folder = ckpt if isinstance(ckpt, OpenedFolder) else None
     if folder is not None:
         summary["file_bytes"] = sum(map(os.path.getsize, folder.files))
@@ -186,6 +176,23 @@ def summarize(
         parts = folder.parts if folder else [ckpt]
         zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)
         summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
+    return summary
+
+
+def _rank_summary(ckpt: Any, *, verify: bool) -> dict[str, Any]:
+    """One rank's file of an FSDP2 or tensor-parallel run, its DTensors as records; an FSDP1 rank file is refused
+    as a full checkpoint's reader refuses it."""
+    from ckptfix.formats.folders.fsdp import rank_records
+
+    if ckpt.rank_kind != "dtensor":
+        raise rank_file_refusal(ckpt.rank_kind, source=ckpt.source)
+    tree = rank_records(ckpt.zip.tree, ckpt.source)
+    summary = _summary(tree, source=ckpt.source, fmt="torch-zip")
+    first = next((v for v in _values(tree) if isinstance(v, DTensorRecord)), None)
+    if first is not None:
+        summary["dtensor"] = {"coordinate": list(first.coordinate), "sharding": first.sharding}
+    if verify:
+        summary["verified"] = "crc"
     return summary
 
 

@@ -16,19 +16,17 @@ import os
 import zlib
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckptfix.checkpoint import is_tensor
-from ckptfix.formats.containers.safetensors import StTensor, plan_safetensors, tensor_bytes
+from ckptfix.formats.containers.safetensors import plan_safetensors, tensor_bytes
 from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
 from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
 from ckptfix.formats.copyable import Fallback
-from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, pickling
-from ckptfix.formats.records import TensorRecord, identity, map_tree, spec
+from ckptfix.formats.records import TensorRecord, identity, is_record, map_tree, spec
 from ckptfix.reading import Opened
 
 if TYPE_CHECKING:
@@ -43,6 +41,8 @@ _CHUNK = 1 << 24
 class Placeholder(TensorRecord):
     """A tensor of the output that is still to be computed: its dtype and shape, known in advance (a tensor of its
     own: :meth:`~ckptfix.formats.records.TensorRecord.identity` is the record's)."""
+
+    on_demand: ClassVar[bool] = True
 
     dtype: str
     shape: tuple[int, ...]
@@ -112,8 +112,7 @@ class _Safetensors(StreamedWriter):
         super().__init__(out)
 
         def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-            if not isinstance(value, (Placeholder, StTensor, inert.InertTensor, inert.InertParameter, FolderTensor,
-                                      DcpTensor)):  # fmt: skip
+            if not (is_record(value) and value.on_demand):
                 raise Fallback("a tensor already in memory")
             found = spec(value)
             return found.dtype, found.shape, 0, found.nbytes, identity(value)
@@ -164,9 +163,10 @@ class _TorchZip(StreamedWriter):
                                size=lambda value: spec(value).nbytes)  # fmt: skip
 
         def record(value: Any) -> Any:
-            if isinstance(value, (inert.InertTensor, inert.InertParameter)) and self.base is not None:
+            torch_zip = isinstance(value, (inert.InertTensor, inert.InertParameter))  # the format this writes
+            if torch_zip and self.base is not None:
                 return value  # kept: its storage record is copied, or written from the tensor handed in
-            if not isinstance(value, (Placeholder, StTensor, FolderTensor, DcpTensor)):
+            if torch_zip or not (is_record(value) and value.on_demand):
                 raise Fallback(f"a {type(value).__name__} value")
             return self.new(value)
 
@@ -208,10 +208,10 @@ class _TorchZip(StreamedWriter):
             if key in self.written:
                 continue
             value = self.new.stored.get(key)
-            if isinstance(value, (FolderTensor, DcpTensor)):  # a folder's other entries: read one tensor at a time
+            if value is None:
+                self._copy(key)  # a storage of the base input
+            else:  # a record not handed in (a folder's other entries): read from its input, one tensor at a time
                 self._record(key, tensor_bytes(self.opened.raw(value)))
-            else:
-                self._copy(key)
         write_tail(self.writer)
         self.writer.finish()
 

@@ -58,6 +58,10 @@ class Holder(Protocol):
         """Bytes ``[start, start + length)`` of a torch zip's storage ``key``, its record's CRC checked once."""
         ...
 
+    def storage_record(self, key: str) -> Any:
+        """A torch zip's zip record of storage ``key`` (``data_offset``, ``size``, ``name``)."""
+        ...
+
     def pread(self, offset: int, length: int) -> bytearray:
         """Bytes ``[offset, offset + length)`` of the file, unchecked (a safetensors file has no checksums)."""
         ...
@@ -86,6 +90,9 @@ class TensorRecord:
     __slots__ = ()
     # what ckptfix.checkpoint.is_tensor looks for: the transforms sit below formats/, so they cannot import this
     __ckptfix_tensor__: ClassVar[bool] = True
+    # its tensor is made when a writer asks for it (read from the opened input that holds it, or computed and handed
+    # over), not held: what writing.streamed_writer takes; a record of a format it does not read yet is not
+    on_demand: ClassVar[bool] = False
     dtype: Any
     shape: Any
 
@@ -129,6 +136,11 @@ class TensorRecord:
     def read_raw(self, holder: Holder) -> TensorRecord | None:
         """The tensor as a :class:`~ckptfix.formats.raw.RawTensor`, its bytes read without torch, where they are
         its values as they lie (a plain contiguous tensor); None where only :meth:`read` gives it."""
+        return None
+
+    def file_span(self, holder: Holder) -> tuple[int, int] | None:
+        """``(offset, length)`` of the bytes of ``holder``'s file that are its values as they lie (a plain
+        contiguous tensor, unchecked: the caller checks CRCs), for a copy straight into place; else None."""
         return None
 
 

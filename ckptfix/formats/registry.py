@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.output.atomic import PathLike, check_output
-from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain
+from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain, sharded_error
 from ckptfix.formats.safety.depth import deep
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -256,6 +256,12 @@ def rank_kind(needs: Iterable[str], *, source: str) -> str:
 RANK_GLOBALS = DTENSOR_GLOBALS | SHARDED_TENSOR_GLOBALS  # what a merge's first read takes as records, for rank_kind
 
 
+def rank_file_refusal(kind: str, *, source: str) -> FormatError:
+    """The refusal of a file :func:`rank_kind` calls ``kind``, read where full tensors are wanted (what the plain
+    read raises for it), naming how to reassemble the run."""
+    return sharded_error(kind, source=source)
+
+
 def rank_file_note(obj: Any, *, source: str) -> str | None:
     """What to say of a rank's file converted on its own (a ZeRO-1/2 module file: the training dtype's weights)."""
     from ckptfix.formats.folders.deepspeed_files import lone_module_note
@@ -392,6 +398,7 @@ __all__ = [
     "load",
     "output_format",
     "rank_file_note",
+    "rank_file_refusal",
     "rank_kind",
     "read",
     "refuse_rank_file",

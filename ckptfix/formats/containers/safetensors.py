@@ -21,7 +21,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.checkpoint import is_state_dict, is_tensor, model_entries
 from ckptfix.errors import FormatError, OutputError
@@ -466,6 +466,8 @@ class StTensor(TensorRecord):
     """A tensor whose bytes are ``[start, end)`` of file ``path`` as they are: a safetensors tensor (a plain
     contiguous tensor of a ``.pt`` file, read as one by the streaming path)."""
 
+    on_demand: ClassVar[bool] = True
+
     dtype: str
     shape: tuple[int, ...]
     start: int
@@ -496,6 +498,9 @@ class StTensor(TensorRecord):
 
     def read_raw(self, holder: Holder) -> RawTensor:
         return RawTensor(self.dtype, tuple(self.shape), holder.pread(self.start, self.end - self.start), holder.source)
+
+    def file_span(self, holder: Holder) -> tuple[int, int]:
+        return self.start, self.end - self.start
 
 
 def tree_from_header(header: Header, *, source: str) -> Any:

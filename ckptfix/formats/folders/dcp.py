@@ -16,7 +16,7 @@ import os
 import zlib
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
@@ -73,6 +73,8 @@ class TensorEntry:
 @dataclass(eq=False)
 class DcpTensor(TensorRecord):
     """A full tensor of a DCP folder, known from the metadata: its bytes come from its chunks."""
+
+    on_demand: ClassVar[bool] = True
 
     key: str
     entry: TensorEntry

@@ -19,7 +19,7 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats.containers.safetensors import stored_identity
@@ -423,6 +423,8 @@ def _unique(sizes: list[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]
 class FolderTensor(TensorRecord):
     """A tensor (record) of file ``part`` of a folder: two files' records (storage ``0`` of two ``.bin`` shards, two
     safetensors shards' first tensors) never pass for one tensor."""
+
+    on_demand: ClassVar[bool] = True
 
     part: int
     inner: Any

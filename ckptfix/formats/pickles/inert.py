@@ -215,6 +215,8 @@ def _check_view(func: str, args: tuple[Any, ...], *, dtype: str | None) -> None:
 class InertTensor(Inert, TensorRecord):
     """``_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks[, dtype])``."""
 
+    on_demand: ClassVar[bool] = True
+
     __slots__ = ()
 
     def identity(self) -> Hashable:
@@ -324,6 +326,18 @@ class InertTensor(Inert, TensorRecord):
         data = holder.storage_bytes(self.storage.key, self.offset * dtype.itemsize, self.numel() * dtype.itemsize)
         return RawTensor(self.dtype, self.shape, data, holder.source)
 
+    def file_span(self, holder: Holder) -> tuple[int, int] | None:
+        if not values_as_stored(self) or not self.is_contiguous() or self.dtype not in DTYPES:
+            return None
+        width = DTYPES[self.dtype].itemsize
+        rec = holder.storage_record(self.storage.key)
+        start, length = self.offset * width, self.numel() * width
+        if start + length > rec.size:  # the reader refused such views already; never copy past a record
+            raise FormatError(
+                f"{holder.source}: a tensor reaches past its storage record {rec.name}; corrupt or crafted"
+            )
+        return rec.data_offset + start, length
+
 
 @functools.lru_cache(maxsize=4096)  # shapes repeat (a state dict has a few dozen); bounded for hostile files
 def contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -378,6 +392,8 @@ def _fits(ref: StorageRef, offset: int, shape: tuple[Any, ...], stride: tuple[An
 class InertParameter(Inert, TensorRecord):
     """``_rebuild_parameter(data, requires_grad, hooks[, state])``: a Parameter around an InertTensor."""
 
+    on_demand: ClassVar[bool] = True
+
     __slots__ = ()
 
     def identity(self) -> Hashable:
@@ -412,6 +428,9 @@ class InertParameter(Inert, TensorRecord):
 
     def read_raw(self, holder: Holder) -> RawTensor | None:
         return self.data.read_raw(holder)
+
+    def file_span(self, holder: Holder) -> tuple[int, int] | None:
+        return self.data.file_span(holder)
 
 
 def tensor_of(value: Any) -> InertTensor:

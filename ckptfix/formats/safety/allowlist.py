@@ -284,6 +284,16 @@ def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | No
     if not names:
         return None
     if names <= DTENSOR_GLOBALS and any("DTensor" in n for n in names):
+        return sharded_error("dtensor", source=source)
+    if names <= SHARDED_TENSOR_GLOBALS and any(n.startswith(_SHARDED_TENSOR) for n in names):  # nothing else named
+        return sharded_error("sharded-tensor", source=source)
+    return None
+
+
+def sharded_error(kind: str, *, source: str) -> ShardedCheckpointError:
+    """The refusal of one rank's file of ``kind`` (``dtensor``, ``sharded-tensor``) read where full tensors are
+    wanted, saying what it is and how to reassemble it."""
+    if kind == "dtensor":
         return ShardedCheckpointError(
             f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
             f"tensors; reassemble them from every rank's file with `ckptfix merge rank0.pt … rankN.pt -o "
@@ -291,12 +301,10 @@ def explain(names: Iterable[str], *, source: str) -> ShardedCheckpointError | No
             f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
             kind="dtensor",
         )
-    if names <= SHARDED_TENSOR_GLOBALS and any(n.startswith(_SHARDED_TENSOR) for n in names):  # nothing else named
-        return ShardedCheckpointError(
-            f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
-            f"part), not full tensors; reassemble a SHARDED_STATE_DICT from every rank's file with `ckptfix merge "
-            f"rank0.pt … rankN.pt -o full.pt`, or save a FULL_STATE_DICT "
-            f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))",
-            kind="sharded-tensor",
-        )
-    return None
+    return ShardedCheckpointError(
+        f"{source}: holds ShardedTensor shards (an FSDP1 LOCAL_STATE_DICT or SHARDED_STATE_DICT: one rank's "
+        f"part), not full tensors; reassemble a SHARDED_STATE_DICT from every rank's file with `ckptfix merge "
+        f"rank0.pt … rankN.pt -o full.pt`, or save a FULL_STATE_DICT "
+        f"(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))",
+        kind="sharded-tensor",
+    )
