@@ -13,7 +13,7 @@ records themselves (:mod:`~ckptfix.formats.pickles.inert`) answer by these rules
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Fallback(Exception):  # noqa: N818 - a signal, not an error: the name is its contract with its callers
@@ -34,6 +34,14 @@ class _Tensor(Protocol):
     def math_bits(self) -> dict[str, bool] | None: ...  # pickles.inert.InertTensor's
 
 
+class _Parameter(Protocol):
+    @property
+    def func(self) -> Any: ...  # the rebuild function's global (``.name``)
+
+    @property
+    def args(self) -> tuple[Any, ...]: ...
+
+
 def foreign_byte_order(z: _Archive) -> str | None:
     """``big-endian`` for a file (or DCP chunk) torch.save wrote on a big-endian machine (torch swaps its bytes as
     it loads); None for the little-endian files every copy and map reads as they are."""
@@ -44,6 +52,12 @@ def hooks_or_state(t: _Tensor) -> bool:
     """Whether ``t`` was saved with backward hooks or extra state (``__dict__``, a subclass's metadata), which only
     torch's unpickler rebuilds; a conj or neg bit is not this (see :func:`math_bit_view`)."""
     return t.math_bits is None
+
+
+def parameter_hooks_or_state(p: _Parameter) -> bool:
+    """Whether a Parameter record was saved with backward hooks or state (``_rebuild_parameter_with_state``),
+    which only torch's unpickler rebuilds; its tensor is asked :func:`hooks_or_state` on its own."""
+    return p.func.name != "_rebuild_parameter" or (len(p.args) > 2 and bool(p.args[2]))
 
 
 def math_bit_view(t: _Tensor) -> str | None:
@@ -60,4 +74,11 @@ def values_as_stored(t: _Tensor) -> bool:
     return t.math_bits == {}
 
 
-__all__ = ["Fallback", "foreign_byte_order", "hooks_or_state", "math_bit_view", "values_as_stored"]
+__all__ = [
+    "Fallback",
+    "foreign_byte_order",
+    "hooks_or_state",
+    "math_bit_view",
+    "parameter_hooks_or_state",
+    "values_as_stored",
+]

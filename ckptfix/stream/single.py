@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptfix.formats.containers.safetensors import StTensor, losses_note, read_header, tree_from_header
 from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
-from ckptfix.formats.copyable import foreign_byte_order, values_as_stored
+from ckptfix.formats.copyable import foreign_byte_order, parameter_hooks_or_state, values_as_stored
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.output.crc import Check
@@ -44,9 +44,7 @@ def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) 
 def copyable_tensor(value: inert.InertTensor | inert.InertParameter) -> inert.InertTensor:
     """The tensor record of ``value`` when its bytes are what the torch path would build: a Parameter without
     hooks or state, a tensor without hooks, extra state or a conj/neg bit; else :class:`Fallback`."""
-    if isinstance(value, inert.InertParameter) and (
-        value.func.name != "_rebuild_parameter" or (len(value.args) > 2 and value.args[2])
-    ):
+    if isinstance(value, inert.InertParameter) and parameter_hooks_or_state(value):
         raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
     t = inert.tensor_of(value)
     if not isinstance(t, inert.InertTensor) or not values_as_stored(t):

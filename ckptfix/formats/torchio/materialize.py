@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.copyable import foreign_byte_order
+from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, parameter_hooks_or_state
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio import devices
@@ -132,9 +132,9 @@ class _Builder:
         return out
 
     def _tensor(self, t: inert.InertTensor) -> Any:
-        bits = t.math_bits
-        if bits is None:
+        if hooks_or_state(t):
             raise NotBuilt("a tensor with backward hooks or extra state")
+        bits = t.math_bits
         torch = self.torch
         dtype = getattr(torch, t.dtype)
         tensor = torch.empty((0,), dtype=dtype)
@@ -146,7 +146,7 @@ class _Builder:
         return tensor
 
     def _parameter(self, p: inert.InertParameter) -> Any:
-        if p.func.name != "_rebuild_parameter" or (len(p.args) > 2 and p.args[2]):
+        if parameter_hooks_or_state(p):
             raise NotBuilt("a Parameter with hooks or state")
         return self.torch.nn.Parameter(self._tensor(p.data), requires_grad=bool(p.args[1]))
 
