@@ -1,5 +1,5 @@
-"""A DCP folder read a tensor at a time, without torch's reader: each tensor a :class:`~.dcp.DcpTensor`, each chunk's
-archive accepted only when it is the contiguous tensor the metadata says."""
+"""A DCP folder read a tensor at a time, without torch's reader: each tensor a :class:`~.dcp.DcpTensor` (which reads
+itself, each chunk's archive accepted by :func:`~.dcp.chunk_record`), its small values read now."""
 
 from __future__ import annotations
 
