@@ -96,6 +96,13 @@ def test_convert_writes_the_values_not_the_swapped_bytes(
     _assert_values(ckptfix.load(out), _values())
 
 
+def test_convert_into_a_dcp_folder_writes_the_values(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    _, be = folders
+    out = tmp_path / "out"
+    ckptfix.convert_file(be, f"{out}/")
+    _assert_values(_torch_reads(out), _values())
+
+
 def test_convert_cli_says_why_the_stream_steps_aside(folders: tuple[Path, Path], tmp_path: Path) -> None:
     _, be = folders
     out = tmp_path / "cli.safetensors"
