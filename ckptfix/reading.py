@@ -27,7 +27,7 @@ from ckptfix.formats.containers.legacy import check_legacy
 from ckptfix.formats.containers.safetensors import read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
 from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
-from ckptfix.formats.copyable import foreign_byte_order, values_as_stored
+from ckptfix.formats.copyable import foreign_byte_order, torch_rebuilt, values_as_stored
 from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.folders.hf import FolderTensor
@@ -287,7 +287,7 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
     for obj in inert.walk(opened.tree):
         if isinstance(obj, inert.InertTensor) and not values_as_stored(obj):
             return "a tensor with backward hooks or extra state"
-        if type(obj) is inert.Inert and obj.func.module.startswith(("torch._utils", "torch._tensor")):
+        if type(obj) is inert.Inert and torch_rebuilt(obj.func.module):
             return f"{obj.func.full}(...): a quantized, sparse or subclass tensor"
         kids = list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
         if any(isinstance(k, inert.StorageRef) for k in kids):

@@ -66,6 +66,13 @@ def math_bit_view(t: _Tensor) -> str | None:
     return " and ".join(t.math_bits) if t.math_bits else None
 
 
+def torch_rebuilt(module: str) -> bool:
+    """Whether a pickle's call to a global of ``module`` is one of torch's own tensor rebuilds that are not a plain
+    tensor's or a Parameter's (quantized, sparse, subclass and device tensors: ``torch._utils``, ``torch._tensor``),
+    which only torch builds."""
+    return module.startswith(("torch._utils", "torch._tensor"))
+
+
 def values_as_stored(t: _Tensor) -> bool:
     """Whether ``t``'s storage, read through its view, holds the values torch.load gives it (in the file's byte
     order): no hooks or extra state, no conj or neg bit. What reads or copies a record's bytes as its values asks
@@ -80,5 +87,6 @@ __all__ = [
     "hooks_or_state",
     "math_bit_view",
     "parameter_hooks_or_state",
+    "torch_rebuilt",
     "values_as_stored",
 ]

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, parameter_hooks_or_state
+from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, parameter_hooks_or_state, torch_rebuilt
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio import devices
@@ -151,7 +151,7 @@ class _Builder:
         return self.torch.nn.Parameter(self._tensor(p.data), requires_grad=bool(p.args[1]))
 
     def _call(self, obj: inert.Inert) -> Any:
-        if obj.func.module.startswith("torch._utils") or obj.func.module.startswith("torch._tensor"):
+        if torch_rebuilt(obj.func.module):
             raise NotBuilt(f"{obj.func.full}(...)")  # quantized, sparse, subclass and device tensors
         func = _resolve(obj.func)
         args = self.build(obj.args)
