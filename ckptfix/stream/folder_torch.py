@@ -24,18 +24,17 @@ from ckptfix.formats.containers.ziparchive import ZipWriter
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.deepspeed import ZeroTensor, read_zero_tensor
+from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.atomic import atomic_output
 from ckptfix.formats.output.crc import Check, crc32_combine
 from ckptfix.formats.pickles import pickling
 from ckptfix.formats.records import map_tree
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.copy import Copier, Job
-from ckptfix.stream.folders import InOrder, VerifyInTurn, _gather, byte_ranges, open_tree, prepare, write_cast_record
+from ckptfix.stream.folders import InOrder, Stored, VerifyInTurn, copied_ranges, open_tree, prepare, write_made
 
 # A piece of an output storage: (source file, offset, length) of the bytes copied into it.
 Piece = tuple[str, int, int]
-Stored = DcpTensor | StTensor | ZeroTensor | CastTensor
 
 
 def convert_folder_to_torch(
@@ -93,21 +92,11 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
     pieces: dict[int, list[Piece]] = {}  # record slot -> its pieces in order
     gathers: list[int] = []  # record slots of gathered storages, in order: their CRCs come from the copy thread
 
-    def work(item: tuple[list[Piece], int] | tuple[DcpTensor | ZeroTensor | CastTensor, int]) -> int | None:
+    def work(item: tuple[list[Piece], int] | tuple[Stored, int]) -> int | None:
         what, at = item
-        if isinstance(what, CastTensor):  # --dtype: cast a block at a time on its way out
+        if not isinstance(what, list):  # --dtype's cast, a ZeRO buffer's cast, a DCP tensor gathered: from memory
             sink = _Sink(fd, at)
-            write_cast_record(sink.write, what, files)
-            return sink.crc
-        if isinstance(what, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
-            from ckptfix.formats.containers.safetensors import tensor_bytes
-
-            sink = _Sink(fd, at)
-            sink.write(tensor_bytes(read_zero_tensor(what, files.fd)))
-            return sink.crc
-        if isinstance(what, DcpTensor):
-            sink = _Sink(fd, at)
-            _gather(sink, what, files)  # type: ignore[arg-type]
+            write_made(sink, what, files)
             return sink.crc
         for path, offset, length in what:
             if path not in copiers:
@@ -121,7 +110,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
     try:
         for slot, at, t in zip(slots, places, stored, strict=True):
             prepare(t, files, allowed=allowed)  # a DCP tensor's chunk archives parsed (pickle checked) first
-            parts = _pieces(t, files)
+            parts = copied_ranges(t, files)
             if parts is None:
                 gathers.append(slot)
             else:
@@ -165,13 +154,6 @@ def _checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[
         checks += [Check(f"bytes {o}-{o + n}", o, n, None) for o, n in sorted(wanted.get(path, set()) - known)]
         out[path] = checks
     return out
-
-
-def _pieces(t: Stored, files: DataFiles) -> list[Piece] | None:
-    """The byte ranges that make up ``t`` in order; None when it is written from memory (cast, gathered)."""
-    if isinstance(t, CastTensor) or (isinstance(t, ZeroTensor) and t.cast is not None):
-        return None
-    return byte_ranges(t, files)
 
 
 class _Sink:

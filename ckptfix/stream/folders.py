@@ -45,6 +45,7 @@ from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.single import copyable_tensor
 
 _COPY = 1 << 26
+Stored = DcpTensor | StTensor | ZeroTensor | CastTensor  # a record whose bytes a folder stream writes
 
 
 def convert_folder(
@@ -385,22 +386,36 @@ def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed
     )
 
 
-def _write_tensor(out: BinaryIO, t: DcpTensor | StTensor | ZeroTensor | CastTensor, files: DataFiles) -> str:
+def _write_tensor(out: BinaryIO, t: Stored, files: DataFiles) -> str:
+    ranges = copied_ranges(t, files)
+    if ranges is None:
+        return write_made(out, t, files)
+    for path, at, n in ranges:  # whole tensors, DeepSpeed partitions' slices, DCP row chunks: file to file
+        _copy(files.fd(path), at, n, out)
+    return "copied"
+
+
+def copied_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
+    """The byte ranges whose copy, in order, is ``t``'s bytes in the output; None when they are made in memory
+    (:func:`write_made`): a cast, a ZeRO buffer cast as zero_to_fp32 casts, a DCP tensor of blocks."""
+    if isinstance(t, CastTensor) or (isinstance(t, ZeroTensor) and t.cast is not None):
+        return None
+    return byte_ranges(t, files)
+
+
+def write_made(out: Any, t: Stored, files: DataFiles) -> str:
+    """``t``'s bytes, made in memory where :func:`copied_ranges` says so, written through ``out.write``; what was
+    done: ``cast`` (a block at a time) or ``gathered``."""
     if isinstance(t, CastTensor):
         write_cast_record(out.write, t, files)
         return "cast"
-    if isinstance(t, ZeroTensor) and t.cast is not None:
+    if isinstance(t, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
         from ckptfix.formats.containers.safetensors import tensor_bytes
 
-        out.write(tensor_bytes(read_zero_tensor(t, files.fd)))  # a half-precision buffer, cast as zero_to_fp32 does
+        out.write(tensor_bytes(read_zero_tensor(t, files.fd)))
         return "gathered"
-    pieces = byte_ranges(t, files)
-    if pieces is None:
-        _gather(out, t, files)  # type: ignore[arg-type]  # only a DCP tensor of blocks has no byte ranges
-        return "gathered"
-    for path, at, n in pieces:  # whole tensors, DeepSpeed partitions' slices, DCP row chunks: file to file
-        _copy(files.fd(path), at, n, out)
-    return "copied"
+    _gather(out, t, files)  # type: ignore[arg-type]  # only a DCP tensor of blocks has no byte ranges
+    return "gathered"
 
 
 def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[tuple[str, int, int]] | None:
