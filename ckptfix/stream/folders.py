@@ -359,7 +359,7 @@ def _shards_tree(src: str) -> tuple[Any, str]:
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
-    if not isinstance(t, (DcpTensor, StTensor, ZeroTensor, CastTensor)):
+    if not isinstance(t, Stored):
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
