@@ -34,7 +34,7 @@ from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import is_record, layout, map_tree, spec
+from ckptfix.formats.records import Holder, is_record, layout, map_tree, spec
 from ckptfix.formats.registry import RANK_GLOBALS, detect, detect_format, rank_kind, read
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap, wrapped
@@ -107,7 +107,8 @@ class Opened:
     def tensor(self, value: Any) -> torch.Tensor:
         """The tensor ``value`` stands for, in memory of its own (a real tensor is returned as it is): the record
         reads itself (:meth:`~ckptfix.formats.records.TensorRecord.read`) through this file."""
-        return value.read(self) if is_record(value) else value  # type: ignore[no-any-return]
+        holder: Holder = self  # what a record reads through (mypy checks that this file is one)
+        return value.read(holder) if is_record(value) else value  # type: ignore[no-any-return]
 
     def raw(self, value: Any) -> Any:
         """The tensor ``value`` stands for as a :class:`~ckptfix.formats.raw.RawTensor`, its bytes read without
