@@ -95,7 +95,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
     def work(item: tuple[list[Piece], int] | tuple[Stored, int]) -> int | None:
         what, at = item
         if not isinstance(what, list):  # --dtype's cast, a ZeRO buffer's cast, a DCP tensor gathered: from memory
-            sink = _Sink(fd, at)
+            sink = Sink(fd, at)
             write_made(sink, what, files)
             return sink.crc
         for path, offset, length in what:
@@ -116,7 +116,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
             else:
                 pieces[slot] = parts
             copy.put((t, at) if parts is None else (parts, at))
-        checks = _checks(files, pieces)
+        checks = piece_checks(files, pieces)
         verifier = VerifyInTurn(files, checks)
         verifier.start()  # every record's CRC, and those of pieces that are not records, while the copy goes on
         gathered = [crc for crc in copy.finish() if crc is not None]
@@ -139,7 +139,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
     return len(pieces), len(gathers)
 
 
-def _checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:
+def piece_checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:
     """Per file: its records' checks, and a check to compute for each copied piece that is not exactly a record
     (a piece that is takes that record's checked CRC)."""
     wanted: dict[str, set[tuple[int, int]]] = {}
@@ -156,7 +156,7 @@ def _checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[
     return out
 
 
-class _Sink:
+class Sink:
     """Where a gathered tensor's bytes go: written at the record's data offset, their CRC computed on the way."""
 
     def __init__(self, fd: int, at: int) -> None:
@@ -170,4 +170,4 @@ class _Sink:
             view, self.at = view[n:], self.at + n
 
 
-__all__ = ["convert_folder_to_torch"]
+__all__ = ["Sink", "convert_folder_to_torch", "piece_checks"]

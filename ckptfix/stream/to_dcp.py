@@ -1,4 +1,8 @@
-"""A checkpoint into a DCP folder in bounded memory: torch's own DCP writer, handed ``meta`` tensors.
+"""A checkpoint into a DCP folder in bounded memory.
+
+Without a cast, the folder is written without torch, each tensor's bytes copied as byte ranges
+(:mod:`ckptfix.stream.dcp_writer`). With ``--dtype``, each tensor is read and cast, and torch's own DCP writer,
+handed ``meta`` tensors, writes the folder:
 
 DCP's planner needs of a tensor only its shape, dtype and properties, so it plans from a state dict of ``meta``
 tensors, and torch writes the folder exactly as for the loaded checkpoint: the same ``.metadata``, the same
@@ -36,10 +40,11 @@ from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import torch_dtype
+from ckptfix.formats.records import map_tree, torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.stream.casting import CastTensor, cast_records
+from ckptfix.stream.dcp_writer import dcp_items, write_dcp_folder
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import VerifyInTurn, open_tree, prepare
 
@@ -60,41 +65,61 @@ def convert_to_dcp(
     dtype: str | None = None,
 ) -> Conversion:
     """Write checkpoint ``src`` (a folder, ``.pt`` or ``.safetensors``) after ``transform`` as DCP folder ``dst``,
-    one tensor in memory at a time. Raises :class:`Fallback` before anything is written where it does not apply
-    (``dtype``: each floating-point tensor of the model entries read, then cast, one at a time)."""
+    one tensor in memory at a time (none without ``dtype``: byte ranges copied). Raises :class:`Fallback` before
+    anything is written where it does not apply (``dtype``: each floating-point tensor of the model entries read,
+    then cast, one at a time, and written by torch's DCP writer)."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
     tree, kind, files, z = _open(src, in_fmt=in_fmt, allow_globals=allow_globals, allowed=allowed)
     try:
         conversion = transform(tree)
         conversion.obj = carry(conversion.obj, out_fmt="dcp", source=src, notes=conversion.notes)  # refuses opaque
-        cast = cast_records(conversion, dtype) if dtype is not None else 0
-        obj = conversion.obj
-        reader = _Reader(src, files, z)
-        metas, records = _meta_tree(obj, source=src)
-        for record in {id(r): r for r in records.values()}.values():
-            prepare(record, files, allowed=allowed)  # chunk archives parsed and their CRCs queued, before any write
-        verifier = VerifyInTurn(files, files.checks)
-        planner = streaming_planner(records, reader.read)
-
-        def written() -> None:  # before the folder is put in place: a bad CRC or a changed input leaves nothing
-            verifier.join()
-            files.check_unchanged()
-
-        verifier.start()
-        try:
-            save_dcp(metas, dst, overwrite=overwrite, planner=planner, written=written)
-        finally:
-            verifier.cancel()
+        if dtype is None:  # bytes as they are: written without torch, each tensor copied as byte ranges
+            objects, copied, gathered = write_dcp_folder(conversion.obj, dst, files=files, z=z, source=src,
+                                                         allowed=allowed, overwrite=overwrite)  # fmt: skip
+            said = f", {gathered} gathered in memory" if gathered else ""
+            note = (
+                f"{kind} -> dcp: {copied + gathered} tensors ({copied} copied as byte ranges{said}) and {objects} "
+                "objects, without torch, CRCs checked"
+            )
+        else:
+            note = _torch_writer(conversion, dst, src=src, kind=kind, files=files, z=z, allowed=allowed, dtype=dtype,
+                                 overwrite=overwrite)  # fmt: skip
     finally:
         files.close()
     conversion.notes.extend(files.notes)
     if z is not None and not z.archive.crc_stored:
         conversion.notes.append(f"{NO_CRC} in the input")
-    said = f", {cast} cast to {dtype} as read" if dtype is not None else ""
-    conversion.notes.append(
-        f"{kind} -> dcp: {planner.count} tensors, each read when torch's DCP writer asked for it{said}"
-    )
+    conversion.notes.append(note)
     return conversion
+
+
+def _torch_writer(
+    conversion: Conversion, dst: str, *, src: str, kind: str, files: DataFiles, z: TorchZip | None,
+    allowed: frozenset[str], dtype: str, overwrite: bool,
+) -> str:  # fmt: skip
+    """Write the folder with torch's own writer, each tensor read (and cast to ``dtype``) when it asks for it;
+    returns the note."""
+    cast = cast_records(conversion, dtype)
+    obj = conversion.obj
+    metas, records = _meta_tree(obj, source=src)
+    for record in {id(r): r for r in records.values()}.values():
+        prepare(record, files, allowed=allowed)  # chunk archives parsed and their CRCs queued, before any write
+    verifier = VerifyInTurn(files, files.checks)
+    planner = streaming_planner(records, _Reader(src, files, z).read)
+
+    def written() -> None:  # before the folder is put in place: a bad CRC or a changed input leaves nothing
+        verifier.join()
+        files.check_unchanged()
+
+    verifier.start()
+    try:
+        save_dcp(metas, dst, overwrite=overwrite, planner=planner, written=written)
+    finally:
+        verifier.cancel()
+    return (
+        f"{kind} -> dcp: {planner.count} tensors, each read when torch's DCP writer asked for it, {cast} cast to "
+        f"{dtype} as read"
+    )
 
 
 def _open(
@@ -125,9 +150,10 @@ def _open(
 def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
     """``obj`` with a ``meta`` tensor (shape, dtype, requires_grad) for each tensor record, and the record of each
     meta tensor by id. DCP flattens dicts and lists only: a tensor anywhere else would be pickled whole, which
-    the torch path does with the tensor itself (Fallback)."""
+    the torch path does with the tensor itself (Fallback, from the items DCP writes)."""
     import torch
 
+    dcp_items(obj, tensors=_RECORDS)
     records: dict[int, Any] = {}
     made: dict[int, Any] = {}  # one meta tensor per record: a tied tensor stays one object, as it was loaded
 
@@ -140,19 +166,7 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
             records[id(m)] = record
         return made[id(record)]
 
-    def walk(value: Any) -> Any:
-        if isinstance(value, _RECORDS):
-            return meta(value)
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if any(isinstance(o, (*_RECORDS, inert.Inert, inert.StorageRef)) for o in inert.walk(value)):
-            raise Fallback(f"the checkpoint holds a {type(value).__name__} of tensors or objects, which the torch "
-                           f"path builds")  # fmt: skip
-        return value
-
-    return walk(obj), records
+    return map_tree(obj, meta, leaf=_RECORDS), records
 
 
 class _Reader:

@@ -337,11 +337,13 @@ def verify_records(fd: int, path: str, records: list[Record]) -> None:
 class ZipWriter:
     """Write records torch's way at explicit offsets of an open file descriptor, then the central directory."""
 
-    def __init__(self, fd: int, *, data_after_finish: bool = False) -> None:
+    def __init__(self, fd: int, *, data_after_finish: bool = False, base: int = 0) -> None:
         """``data_after_finish``: every record's data is written after :meth:`finish` (as the pt→pt plan does), so
         the gaps left for small records may be filled with zeros meanwhile and the headers around them go out in
-        one write instead of one each."""
+        one write instead of one each. ``base``: where the archive starts in the file (a DCP ``.distcp`` file holds
+        one archive per tensor, one after the other); every offset here, and in the archive, is from there."""
         self.fd = fd
+        self.base = base
         self.offset = 0
         self.records: list[Record] = []
         # headers, descriptors and the central directory are small and mostly back to back: they are gathered
@@ -435,6 +437,14 @@ class ZipWriter:
 
     def finish(self, comment: bytes = b"") -> int:
         """Write the central directory (zip64 where needed) and the end records; returns the file size."""
+        self._write(self.central(comment))
+        self.flush()
+        return self.offset
+
+    def central(self, comment: bytes = b"") -> bytes:
+        """The central directory and end records :meth:`finish` writes at the current offset (its length is known
+        before the CRCs are: they change no length)."""
+        out = bytearray()
         cd_offset = self.offset
         for rec in self.records:
             raw_name = rec.name.encode("utf-8")
@@ -445,7 +455,7 @@ class ZipWriter:
                 zip64 = struct.pack(f"<HH{len(values)}Q", _ZIP64_ID, 8 * len(values), *values)
             usize = _U32 if wide_size else rec.size
             offset = _U32 if rec.header_offset >= _U32 else rec.header_offset
-            self._write(
+            out += (
                 _CENTRAL.pack(
                     _SIG_CENTRAL,
                     rec.version_made,
@@ -469,13 +479,13 @@ class ZipWriter:
                 + zip64
                 + rec.comment
             )
-        cd_size = self.offset - cd_offset
+        cd_size = len(out)
         count = len(self.records)
         if cd_offset >= _U32 or cd_size >= _U32 or count >= _U16:
-            eocd64_offset = self.offset
-            self._write(_EOCD64.pack(_SIG_EOCD64, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset))
-            self._write(_LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1))
-        self._write(
+            eocd64_offset = cd_offset + cd_size
+            out += _EOCD64.pack(_SIG_EOCD64, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
+            out += _LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1)
+        out += (
             _EOCD.pack(
                 _SIG_EOCD,
                 0,
@@ -488,8 +498,7 @@ class ZipWriter:
             )
             + comment
         )
-        self.flush()
-        return self.offset
+        return bytes(out)
 
     def _write(self, data: bytes) -> None:
         gap = self.offset - self._pending_at - len(self._pending)
@@ -505,7 +514,7 @@ class ZipWriter:
         """Write the gathered bytes (``finish`` does; others only before reading the file back)."""
         view, at = memoryview(self._pending), self._pending_at
         while view:
-            n = os.pwrite(self.fd, view, at)
+            n = os.pwrite(self.fd, view, self.base + at)
             at += n
             view = view[n:]
         view.release()

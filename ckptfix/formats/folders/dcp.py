@@ -9,6 +9,7 @@ chunk's archive with the same reader and rules as a ``.pt`` file.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import math
@@ -557,23 +558,13 @@ def save_dcp(
     the folder is written, before it is put in place (what it raises leaves nothing behind). The writer takes one
     tensor at a time, in plan order, on every machine (:func:`serial_writer`).
     """
-    import shutil
-    import tempfile
     import warnings
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ckptfix.errors import OutputError
-    from ckptfix.formats.output.atomic import check_output_folder, completing, folder_mode, set_aside
     from ckptfix.torchcompat import dcp_save_local
 
-    out = os.path.abspath(out.rstrip(os.sep) or os.sep)
-    check_output_folder(out, overwrite=overwrite)
-    parent = os.path.dirname(out)
-    if not os.path.isdir(parent):
-        raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".ckptfix-tmp", dir=parent)
-    try:
+    with staged_folder(out, overwrite=overwrite) as tmp:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
             try:
@@ -582,11 +573,35 @@ def save_dcp(
                 raise _first_failure(e) from e
         if written is not None:
             written()
+
+
+@contextlib.contextmanager
+def staged_folder(out: str, *, overwrite: bool = False) -> Iterator[str]:
+    """A private temporary folder beside OUT, to write a folder checkpoint into; it becomes OUT when the block
+    completes, and is removed when it raises. OUT must not exist or be empty; with ``overwrite`` it may be a DCP
+    checkpoint folder (nothing else), which is then replaced: the old folder is renamed aside, the new one renamed
+    in, the old one removed, so a failure leaves the old checkpoint as it was."""
+    import shutil
+    import tempfile
+
+    from ckptfix.errors import OutputError
+    from ckptfix.formats.output.atomic import check_output_folder, completing, folder_mode, fsync_dir, set_aside
+
+    out = os.path.abspath(out.rstrip(os.sep) or os.sep)
+    check_output_folder(out, overwrite=overwrite)
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".ckptfix-tmp", dir=parent)
+    try:
+        yield tmp
+        fsync_dir(tmp)  # its entries durable before it is renamed into place
         check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
         try:
             os.chmod(tmp, folder_mode(out))  # private until complete; then the mode mkdir (or OUT itself) gives
             with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
                 os.rename(tmp, out)
+            fsync_dir(parent)
         except OSError as e:
             raise OutputError(f"{out}: cannot put the new folder in place ({e.strerror or e}); nothing changed") from e
     except BaseException:
