@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -437,15 +438,18 @@ class ZipWriter:
 
     def finish(self, comment: bytes = b"") -> int:
         """Write the central directory (zip64 where needed) and the end records; returns the file size."""
-        self._write(self.central(comment))
+        for part in self._central(comment):
+            self._write(part)  # a record's entry at a time: a million records are not one buffer
         self.flush()
         return self.offset
 
     def central(self, comment: bytes = b"") -> bytes:
         """The central directory and end records :meth:`finish` writes at the current offset (its length is known
         before the CRCs are: they change no length)."""
-        out = bytearray()
-        cd_offset = self.offset
+        return b"".join(self._central(comment))
+
+    def _central(self, comment: bytes) -> Iterator[bytes]:
+        cd_offset, cd_size = self.offset, 0
         for rec in self.records:
             raw_name = rec.name.encode("utf-8")
             wide_size = rec.size >= _U32
@@ -455,7 +459,7 @@ class ZipWriter:
                 zip64 = struct.pack(f"<HH{len(values)}Q", _ZIP64_ID, 8 * len(values), *values)
             usize = _U32 if wide_size else rec.size
             offset = _U32 if rec.header_offset >= _U32 else rec.header_offset
-            out += (
+            entry = (
                 _CENTRAL.pack(
                     _SIG_CENTRAL,
                     rec.version_made,
@@ -479,13 +483,14 @@ class ZipWriter:
                 + zip64
                 + rec.comment
             )
-        cd_size = len(out)
+            cd_size += len(entry)
+            yield entry
         count = len(self.records)
         if cd_offset >= _U32 or cd_size >= _U32 or count >= _U16:
             eocd64_offset = cd_offset + cd_size
-            out += _EOCD64.pack(_SIG_EOCD64, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
-            out += _LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1)
-        out += (
+            yield _EOCD64.pack(_SIG_EOCD64, 44, 45, 45, 0, 0, count, count, cd_size, cd_offset)
+            yield _LOCATOR.pack(_SIG_LOCATOR, 0, eocd64_offset, 1)
+        yield (
             _EOCD.pack(
                 _SIG_EOCD,
                 0,
@@ -498,7 +503,6 @@ class ZipWriter:
             )
             + comment
         )
-        return bytes(out)
 
     def _write(self, data: bytes) -> None:
         gap = self.offset - self._pending_at - len(self._pending)
