@@ -273,6 +273,19 @@ def test_a_truncated_input_is_one_line_and_leaves_nothing(tmp_path: Path, monkey
     assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]
 
 
+def test_a_sigterm_while_copying_leaves_nothing_and_still_ends_the_process(tmp_path: Path) -> None:
+    """The process ends by the signal, as it would have, once the half-written folder is removed."""
+    code = (
+        "import os, signal, sys, ckptfix; from ckptfix.stream.copy import Copier; copy = Copier.copy\n"
+        "def stop(self, job):\n    os.kill(os.getpid(), signal.SIGTERM)\n    copy(self, job)\n"
+        f"Copier.copy = stop; ckptfix.convert_file({str(FIXTURES / 'single.pt')!r}, {str(tmp_path / 'out') + '/'!r})"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == -15, done.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def _peak(code: str) -> tuple[int, str]:
     """Peak RSS in bytes of a fresh Python running ``code`` with this checkout importable, and what it printed."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}

@@ -585,25 +585,35 @@ def staged_folder(out: str, *, overwrite: bool = False) -> Iterator[str]:
     import tempfile
 
     from ckptfix.errors import OutputError
-    from ckptfix.formats.output.atomic import check_output_folder, completing, folder_mode, fsync_dir, set_aside
+    from ckptfix.formats.output.atomic import (
+        check_output_folder,
+        completing,
+        folder_mode,
+        fsync_dir,
+        set_aside,
+        unwinding_signals,
+    )
 
     out = os.path.abspath(out.rstrip(os.sep) or os.sep)
     check_output_folder(out, overwrite=overwrite)
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".ckptfix-tmp", dir=parent)
-    try:
-        yield tmp
-        fsync_dir(tmp)  # its entries durable before it is renamed into place
-        check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
+    with unwinding_signals():  # a SIGTERM or SIGHUP unwinds through the clean-up below before it ends the process
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".ckptfix-tmp", dir=parent)
         try:
-            os.chmod(tmp, folder_mode(out))  # private until complete; then the mode mkdir (or OUT itself) gives
-            with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
-                os.rename(tmp, out)
-            fsync_dir(parent)
-        except OSError as e:
-            raise OutputError(f"{out}: cannot put the new folder in place ({e.strerror or e}); nothing changed") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            yield tmp
+            fsync_dir(tmp)  # its entries durable before it is renamed into place
+            check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
+            try:
+                os.chmod(tmp, folder_mode(out))  # private until complete; then the mode mkdir (or OUT itself) gives
+                with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
+                    os.rename(tmp, out)
+                fsync_dir(parent)
+            except OSError as e:
+                raise OutputError(
+                    f"{out}: cannot put the new folder in place ({e.strerror or e}); nothing changed"
+                ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
