@@ -4,6 +4,7 @@
     python bench/bench_to_dcp.py                   # ~1.5 GB: 0.5 GB model, AdamW's two moments; 3 runs each
     python bench/bench_to_dcp.py --quick           # tiny, one run: a smoke test
     python bench/bench_to_dcp.py --before /work/main/.venv/bin/python   # adds an older checkout's row
+    python bench/bench_to_dcp.py --only ckptfix --repeat 5                # cp + sync and ckptfix alone
 
 The input is a real training checkpoint: ``{"model": model.state_dict(), "optimizer": AdamW's state_dict(), "epoch"}``
 after one step, saved by ``torch.save``. Each method runs in its own process (start-up included, as a user sees it)
@@ -57,18 +58,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny checkpoint, one run: a smoke test")
     parser.add_argument("--before", help="a Python whose ckptfix is the one to compare with (another checkout's)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to put the files (default /tmp)")
+    parser.add_argument("--only", action="append", default=[], help="run only methods containing this text")
     args = parser.parse_args()
     layers, width, repeat = (2, 256, 1) if args.quick else (args.layers, args.width, args.repeat)
     work = Path(tempfile.mkdtemp(prefix="bench-to-dcp-", dir=args.dir))
     try:
         src = work / "in.pt"
         subprocess.run([PY, __file__, "--make-input", str(src), str(layers), str(width)], check=True)
-        print(_table(work, src, args.before, repeat))
+        print(_table(work, src, args.before, repeat, only=args.only))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _table(work: Path, src: Path, before: str | None, repeat: int) -> str:
+def _table(work: Path, src: Path, before: str | None, repeat: int, *, only: list[str]) -> str:
     out = work / "out"
     methods = [
         ("`cp` + `sync`", ["sh", "-c", f'cp "{src}" "{out}.pt" && sync "{out}.pt"']),
@@ -78,6 +80,8 @@ def _table(work: Path, src: Path, before: str | None, repeat: int) -> str:
     if before:
         methods.append(("… before (torch's writer, meta tensors)", [before, "-m", "ckptfix", "convert", str(src),
                                                                     f"{out}/"]))  # fmt: skip
+    if only:  # the reference stays
+        methods = [m for m in methods if m[0] == "`cp` + `sync`" or any(t in m[0] for t in only)]
     times: dict[str, list[float]] = {name: [] for name, _ in methods}
     rss = dict.fromkeys(times, 0)
     for round_ in range(repeat + 1):  # the first round warms the page cache and Python's files: not counted
