@@ -30,9 +30,10 @@ from ckptfix.formats.containers.torchzip import TorchZip, stand_ins, tensor_reco
 from ckptfix.formats.containers.ziparchive import ALIGN, BLOCK, ZipWriter
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import DcpTensor, staged_folder
+from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.dcp_metadata import Item, Stored, TensorMeta, flatten, metadata_pickle
 from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.output.atomic import staged_folder
 from ckptfix.formats.output.crc import crc32_combine
 from ckptfix.formats.pickles import inert, pickling
 from ckptfix.stream.copy import SHARE_MIN, Copier, Job

@@ -352,3 +352,37 @@ def fsync_dir(folder: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def staged_folder(out: str, *, overwrite: bool = False) -> Iterator[str]:
+    """A private temporary folder beside OUT, to write a folder checkpoint into; it becomes OUT when the block
+    completes, and is removed when it raises. OUT must not exist or be empty; with ``overwrite`` it may be a DCP
+    checkpoint folder (nothing else), which is then replaced: the old folder is renamed aside, the new one renamed
+    in, the old one removed, so a failure leaves the old checkpoint as it was."""
+    import shutil
+    import tempfile
+
+    out = os.path.abspath(out.rstrip(os.sep) or os.sep)
+    check_output_folder(out, overwrite=overwrite)
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
+    with unwinding_signals():  # a SIGTERM or SIGHUP unwinds through the clean-up below before it ends the process
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".ckptfix-tmp", dir=parent)
+        try:
+            yield tmp
+            fsync_dir(tmp)  # its entries durable before it is renamed into place
+            check_output_folder(out, overwrite=overwrite)  # as it was when the command began: still a checkpoint
+            try:
+                os.chmod(tmp, folder_mode(out))  # private until complete; then the mode mkdir (or OUT itself) gives
+                with completing(out), set_aside([out] if os.path.isdir(out) else [], parent):
+                    os.rename(tmp, out)
+                fsync_dir(parent)
+            except OSError as e:
+                raise OutputError(
+                    f"{out}: cannot put the new folder in place ({e.strerror or e}); nothing changed"
+                ) from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
