@@ -67,7 +67,7 @@ def test_inspect_prints_hostile_key_names_escaped(tmp_path: Path) -> None:
 
 # --- metadata only: no tensor byte read, torch not imported --------------------------------------------------------
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 GIB = 1 << 30
 
 

@@ -28,7 +28,7 @@ from ckptfix.formats.folders.deepspeed import describe_run
 from ckptfix.formats.folders.deepspeed_layout import layout_partitioned, layout_stage3
 from tests.deepspeed_runs import RUNS
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "deepspeed"
 NAMES = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
 TRAIN_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -545,7 +545,7 @@ def test_lone_zero3_module_files_refused_by_merge(tmp_path: Path) -> None:
 
 
 def test_lone_zero3_module_file_refused_by_validate_and_sanitize(tmp_path: Path) -> None:
-    model = ["--model", "tests.test_deepspeed:Net", "--kwargs", '{"half": true}']
+    model = ["--model", "tests.formats.folders.test_deepspeed:Net", "--kwargs", '{"half": true}']
     assert_refused(run_cli("validate", str(LONE), *model))
     folder = run_cli("validate", str(FIXTURES / "zero3_fp16"), *model)  # the folder: every key there, with weights
     assert folder.exit_code == 1 and "missing" not in folder.output, folder.output
@@ -596,7 +596,7 @@ def test_lone_module_file_names_the_folder_it_belongs_to(tmp_path: Path) -> None
 
 def test_lone_optimizer_file_names_the_folder(tmp_path: Path) -> None:
     lone = FIXTURES / "zero2_fp16" / "global_step1" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    model = ["--model", "tests.test_deepspeed:Net", "--kwargs", '{"half": true}']
+    model = ["--model", "tests.formats.folders.test_deepspeed:Net", "--kwargs", '{"half": true}']
     for args in (["convert", str(lone), str(tmp_path / "out.pt")], ["validate", str(lone), *model],
                  ["merge", str(lone), str(lone.with_name("zero_pp_rank_0_mp_rank_00_optim_states.pt")),
                   "-o", str(tmp_path / "out.pt")]):  # fmt: skip

@@ -20,7 +20,7 @@ from ckptfix.errors import AverageError
 from ckptfix.merging import merge_files
 from ckptfix.reading import Opened
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

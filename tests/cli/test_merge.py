@@ -14,7 +14,7 @@ from ckptfix.cli import cli
 from tests.assertions import assert_same
 from tests.models import ScaledHead, SmallNet
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
 TRAINER = "ckptfix.trainer.model:build_model"
 
 

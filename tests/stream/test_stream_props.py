@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ckptfix.stream import Fallback
-from tests.test_stream import _check_torch_output, _fast, _slow
+from tests.stream.test_stream import _check_torch_output, _fast, _slow
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.uint8,
           torch.bool, torch.uint16, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]  # fmt: skip

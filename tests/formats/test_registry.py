@@ -16,7 +16,7 @@ from ckptfix.formats import registry
 from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format
 from tests.models import SmallNet
 
-FIXTURES = Path(__file__).parent.parent / "fixtures"
+FIXTURES = Path(__file__).parents[2] / "fixtures"
 
 
 def test_the_table_keeps_the_names_code_and_json_use() -> None:

@@ -50,7 +50,7 @@ TORCH_OFFSETS = pytest.mark.skipif(
 
 BLOCK = 4096
 SHARE_MIN = 2 * BLOCK
-FIXTURES = Path(__file__).parent.parent / "fixtures"
+FIXTURES = Path(__file__).parents[2] / "fixtures"
 STREAMED = sorted(p.name for p in FIXTURES.glob("*.pt") if p.name not in ("legacy_dp.pt", "namespace_args.pt"))
 
 

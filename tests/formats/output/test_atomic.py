@@ -16,7 +16,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import OutputError
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 SINGLE, DDP = FIXTURES / "single.pt", FIXTURES / "ddp_wrapped.pt"
 
 

@@ -30,7 +30,7 @@ from tests import sharded_writers
 from tests.assertions import assert_equal
 from tests.deepspeed_runs import RUNS
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 ZERO = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
 
 _equal = functools.partial(assert_equal, ordered=False)  # DCP keeps no key order
@@ -252,7 +252,7 @@ def test_an_input_truncated_while_written_is_one_line_and_leaves_nothing(
 def _peak_rss(code: str) -> int:
     """Peak RSS in bytes of a fresh Python running ``code`` with this checkout importable: its VmHWM, which starts
     at exec (wait4's maxrss would count the forked test process)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     tail = "; print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
     done = subprocess.run([sys.executable, "-c", code + tail], env=env, capture_output=True, text=True, check=True)
     return int(done.stdout.split()[-1]) << 10

@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 from ckptfix.cli import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "fixtures"
 TRAINER = "ckptfix.trainer.model:build_model"
 

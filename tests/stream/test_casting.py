@@ -27,7 +27,7 @@ from ckptfix.stream import casting
 from tests.deepspeed_runs import RUNS
 from tests.models import SmallNet
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "deepspeed"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed"
 NAMES = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
 CASES = [
     pytest.param({"shard_size": 300}, id="shards"),

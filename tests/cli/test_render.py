@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 
 from ckptfix.cli import cli
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TRAINER = "ckptfix.trainer.model:build_model"
 GREEN, RED, YELLOW = "\x1b[32m", "\x1b[31m", "\x1b[33m"
 

@@ -17,7 +17,7 @@ from ckptfix.cli import cli
 from ckptfix.trainer.fixtures import CUDA_DIR, MANIFEST, reference_probe, sha256, storage_locations
 from ckptfix.trainer.model import build_model, probe
 
-CUDA_FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / CUDA_DIR
+CUDA_FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / CUDA_DIR
 MANIFEST_DATA: dict[str, Any] = json.loads((CUDA_FIXTURES / MANIFEST).read_text())
 FILES: dict[str, dict[str, Any]] = MANIFEST_DATA["files"]
 PREFIX = {"single": "", "ddp": "module.", "compiled": "_orig_mod."}

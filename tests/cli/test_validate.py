@@ -22,9 +22,9 @@ from tests.models import Refusing, SmallNet, make_net
 from tests.test_loading import Holder, TiedLM
 
 MODEL = "tests.models:SmallNet"
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
 TRAINER = "ckptfix.trainer.model:build_model"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str | Path) -> Result:
@@ -253,7 +253,7 @@ SCENARIOS: dict[str, tuple[Any, str, list[str], str, list[str]]] = {
         ["--to", "single", "--add-prefix", "net."],
     ),
     "add-prefix-compiled": (
-        {"model": _ddp()}, "tests.test_cli_validate:compiled_holder", [], "in.fixed.ckpt",
+        {"model": _ddp()}, "tests.cli.test_validate:compiled_holder", [], "in.fixed.ckpt",
         ["--to", "single", "--add-prefix", "_orig_mod.net."],
     ),
     "ema-entry": (
@@ -334,7 +334,7 @@ def test_validate_reads_no_tensor_byte(tmp_path: Path) -> None:
 
 
 def test_a_refusal_names_the_flag_and_the_unsafe_alternative(tmp_path: Path) -> None:
-    # in the model entry, which is needed (elsewhere it would be left unbuilt: tests/test_opaque.py)
+    # in the model entry, which is needed (elsewhere it would be left unbuilt: tests/formats/torchio/test_opaque.py)
     torch.save({"model": {**_plain(), "root": pathlib.PosixPath("/data")}}, tmp_path / "l.ckpt")
     result = run("validate", tmp_path / "l.ckpt", "--model", MODEL)
     assert result.exit_code == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_deepspeed import FIXTURES, copy_run, edit_rank_file, refusal
+from tests.formats.folders.test_deepspeed import FIXTURES, copy_run, edit_rank_file, refusal
 
 
 def swap(a: Path, b: Path) -> None:
