@@ -377,3 +377,19 @@ def test_tensors_built_from_the_description_equal_torch_load(tmp_path: Path) -> 
     mapped = ckptfix.load(tmp_path / "rich.pt", mmap=True)
     mapped["view"].add_(1)  # copy-on-write: the file is never written through a loaded tensor
     assert torch.equal(torch.load(tmp_path / "rich.pt")["view"], ckpt["view"])
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_malformed_module_versions_are_refused_on_both_paths(tmp_path: Path, fast: bool) -> None:
+    from collections import OrderedDict
+
+    state: Any = OrderedDict(w=torch.zeros(2))
+    state._metadata = OrderedDict({"": [1, 2]})  # torch's load_state_dict expects {"": {"version": 1}}
+    torch.save(state, tmp_path / "md.pt")
+    for out in ("out.pt", "out.safetensors"):
+        with pytest.raises(FormatError, match=r"md\.pt: a state dict's _metadata is not a mapping of module paths"):
+            convert_file(tmp_path / "md.pt", tmp_path / out, fast=fast)
+        assert not (tmp_path / out).exists()

@@ -5,6 +5,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import ckptfix
 from ckptfix import layouts
 from ckptfix.checkpoint import convert, convert_checkpoint
 from ckptfix.errors import LayoutError, UsageError
@@ -79,3 +80,12 @@ def test_unknown_target_lists_choices() -> None:
     with pytest.raises(UsageError, match="to='fsdp': unknown layout; choose one of single, dp, ddp"):
         convert({"a": torch.zeros(1)}, to="fsdp")
     assert issubclass(UsageError, ValueError)
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+def test_prefixes_inside_keys_are_left_alone() -> None:
+    state = {"encoder.module.weight": torch.zeros(1), "decoder._orig_mod.bias": torch.zeros(1)}
+    assert list(ckptfix.convert(state, to="single")) == list(state)
+    assert list(ckptfix.convert(state, to="ddp")) == ["module." + k for k in state]

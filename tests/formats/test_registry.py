@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import ckptfix
+from ckptfix.conversion import convert_file
 from ckptfix.diffing import diff_files
-from ckptfix.errors import FormatError
+from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import registry
 from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format
-from tests.models import SmallNet
+from tests.models import SmallNet, make_file
 
 FIXTURES = Path(__file__).parents[2] / "fixtures"
 
@@ -101,3 +102,30 @@ def test_a_new_format_is_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(ckptfix.load(tmp_path / "out.safetensors")["x"], torch.tensor([1.0, 2.0]))
     assert diff_files(path, tmp_path / "out.safetensors").equal
     assert detect(FIXTURES / "single.pt").kind == "torch-zip"
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
+@pytest.mark.parametrize("percent", [0, 1, 10, 50, 90, 99])
+def test_truncation_anywhere_is_one_line_and_no_output(tmp_path: Path, fmt: str, percent: int) -> None:
+    good = make_file(tmp_path, fmt)
+    data = good.read_bytes()
+    bad = tmp_path / f"cut{good.suffix}"
+    bad.write_bytes(data[: len(data) * percent // 100])
+    out = tmp_path / "out.pt"
+    with pytest.raises(FormatError) as info:
+        convert_file(bad, out)
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)
+    assert not out.exists()
+    assert bad.read_bytes() == data[: len(data) * percent // 100]
+
+
+def test_any_error_is_a_ckptfix_error(tmp_path: Path) -> None:
+    # The CLI contract: a user's bad file never surfaces as a raw Python exception.
+    for data in (b"PK\x03\x04" + b"\0" * 40, b"\x80\x02" + b"\0" * 40, b"\x10" + b"\0" * 7 + b"{}"):
+        path = tmp_path / "x.pt"
+        path.write_bytes(data)
+        with pytest.raises(CkptfixError):
+            ckptfix.load(path)

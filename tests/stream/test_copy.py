@@ -14,6 +14,7 @@ import re
 import shutil
 import struct
 import subprocess
+import time
 import traceback
 import zlib
 from collections import OrderedDict
@@ -381,3 +382,34 @@ def test_a_byte_changed_deep_in_a_large_record_is_refused_cached_or_not(tmp_path
     with pytest.raises(FormatError, match=r"in\.pt: record 'in/data/0' fails its CRC check"):
         convert_file(src, out)
     assert not out.exists()
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+@pytest.mark.parametrize("out", ["out.pt", "out.safetensors"])
+def test_an_input_overwritten_during_the_copy_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, out: str
+) -> None:
+    from ckptfix.stream.copy import Copier, Job
+
+    src = tmp_path / "in.pt"
+    torch.save({"module.w": torch.ones(1000)}, src)
+    original = src.read_bytes()
+    time.sleep(0.05)  # file times tick at a few ms: the rewrite below must land on a later tick than the save
+    real_copy = Copier.copy
+
+    def copy_after_a_rewrite(self: Copier, job: Job) -> None:
+        with open(src, "r+b") as f:  # another process rewrites the record after its CRC was checked
+            f.seek(job.src)
+            f.write(b"\x00" * 16)
+        real_copy(self, job)
+
+    monkeypatch.setattr(Copier, "copy", copy_after_a_rewrite)
+    # the CRC check catches it when it reads the rewritten bytes, the before/after comparison in any case
+    with pytest.raises(
+        FormatError, match=r"in\.pt: (the file changed while it was being read|record .* fails its CRC)"
+    ):
+        convert_file(src, tmp_path / out, to="single")
+    assert not (tmp_path / out).exists()
+    assert src.read_bytes() != original  # the rewrite happened: the refusal is what caught it

@@ -19,6 +19,7 @@ from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.torchcompat import dcp_save_local
 from tests import sharded_writers
 from tests.assertions import assert_equal
+from tests.measured import OUTPUTS, refused
 from tests.models import SmallNet
 
 _equal = functools.partial(assert_equal, ordered=False)  # DCP keeps no key order
@@ -359,3 +360,105 @@ def test_diff_refuses_a_corrupt_chunk_in_one_line(single: Path, tmp_path: Path) 
     result = _cli("diff", single, tmp_path / "same.pt")
     assert result.exit_code == 2 and "CRC" in result.output and "__0_0.distcp" in result.output, result.output
     assert result.output.count("\n") == 1
+
+
+# Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
+# file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).
+
+
+def _dcp(tmp_path: Path, edit: Any) -> Path:
+    """A real one-process DCP folder whose Metadata object ``edit`` changes, pickled back as torch does."""
+    import pickle
+
+    from ckptfix.torchcompat import dcp_save_local
+
+    folder = tmp_path / "dcp"
+    state = {"model": {"a": torch.ones(3), "b": torch.zeros(2, 2), "c": torch.arange(4.0)}, "step": 3}
+    dcp_save_local(state, checkpoint_id=str(folder))
+    meta = folder / ".metadata"
+    with open(meta, "rb") as f:
+        metadata = pickle.load(f)  # our own file
+    edit(metadata)
+    with open(meta, "wb") as f:
+        pickle.dump(metadata, f)
+    return folder
+
+
+def test_dcp_metadata_bounded_by_its_data_files(tmp_path: Path) -> None:
+    def many(m: Any) -> None:
+        m.planner_data = [{} for _ in range(8_000_000)]  # 16 MB of pickle, over 2 GB unpickled
+
+    folder = _dcp(tmp_path, many)
+    assert (folder / ".metadata").stat().st_size > 15 << 20
+    for command in (["inspect", folder], ["convert", folder, tmp_path / "out.safetensors"]):
+        refused(*command, source=folder, cwd=tmp_path, contains="bytes of metadata for", bounded=True)
+
+
+def test_dcp_planner_entries_one_path_each(tmp_path: Path) -> None:
+    def same(m: Any) -> None:
+        m.planner_data["model.b"] = m.planner_data["model.a"]
+
+    folder = _dcp(tmp_path, same)
+    message = refused("convert", folder, tmp_path / "out.safetensors", source=folder, cwd=tmp_path)
+    assert "'model.a'" in message and "'model.b'" in message and "one path per planner entry" in message
+
+
+def test_dcp_planner_entry_under_another_value(tmp_path: Path) -> None:
+    def under(m: Any) -> None:
+        m.planner_data["model.a"] = ("step", "a")
+
+    folder = _dcp(tmp_path, under)
+    message = refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path)
+    assert "'model.a'" in message and "'step'" in message
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp\0x", "__0_0\ud800.distcp"])
+def test_dcp_relative_path_no_file_can_have(tmp_path: Path, name: str) -> None:
+    def rename(m: Any) -> None:
+        for info in m.storage_data.values():
+            info.relative_path = name
+
+    folder = _dcp(tmp_path, rename)
+    refused("inspect", folder, source=folder, cwd=tmp_path, contains="a name no file can have")
+
+
+@pytest.mark.parametrize("glob", ["Size", "FloatStorage", "UntypedStorage"])
+def test_dcp_dtype_not_a_dtype(tmp_path: Path, glob: str) -> None:
+    def dtype(m: Any) -> None:
+        m.state_dict_metadata["model.a"].properties.dtype = getattr(torch, glob)
+
+    folder = _dcp(tmp_path, dtype)
+    message = refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path, contains="dtype torch.")
+    assert f"{glob}, which is not a torch dtype" in message
+
+
+@pytest.mark.parametrize(("size", "says"), [(2**44, "needs 70368744177664 bytes"), (-6, "non-negative")])
+def test_dcp_global_shape_bounded_by_its_bytes(tmp_path: Path, size: int, says: str) -> None:
+    def shape(m: Any) -> None:
+        entry = m.state_dict_metadata["model.a"]
+        entry.size = entry.chunks[0].sizes = torch.Size([size])
+
+    folder = _dcp(tmp_path, shape)
+    for command in (["inspect", folder], ["convert", folder, tmp_path / "out.pt"], ["diff", folder, folder]):
+        refused(*command, source=folder, cwd=tmp_path, contains=says, bounded=True)
+
+
+def test_dcp_items_sharing_bytes(tmp_path: Path) -> None:
+    def share(m: Any) -> None:
+        infos = list(m.storage_data.values())
+        infos[1].offset, infos[1].length = infos[0].offset, infos[0].length
+
+    folder = _dcp(tmp_path, share)
+    refused("convert", folder, tmp_path / "out.pt", source=folder, cwd=tmp_path, contains="stored in the same bytes")
+
+
+@pytest.mark.parametrize("size", [2**64, 2**63])
+def test_empty_tensor_past_64_bits_from_dcp(tmp_path: Path, size: int) -> None:
+    def shape(m: Any) -> None:
+        entry = m.state_dict_metadata["model.b"]
+        entry.size = entry.chunks[0].sizes = torch.Size([0, size])
+
+    folder = _dcp(tmp_path, shape)
+    for out, *options in OUTPUTS:
+        message = refused("convert", folder, out, *options, source=folder, cwd=tmp_path)
+        assert "'model.b'" in message and "past 64 bits" in message

@@ -19,7 +19,7 @@ from ckptfix.formats.folders.fsdp import ShardedCheckpointError, load_ranks
 from tests import sharded_writers
 from tests.models import SmallNet
 
-pytestmark = pytest.mark.slow  # one real 2-process FSDP2 run (gloo) serves the module
+# Slow (each test marked): one real 2-process FSDP2 run (gloo) serves the module
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,13 @@ def _ranks(run: Path) -> list[str]:
     return [str(run / f"rank{r}.pt") for r in range(sharded_writers.WORLD)]
 
 
+@pytest.mark.slow
 def test_one_rank_file_is_said_to_be_shards_not_a_model(run: Path) -> None:
     with pytest.raises(ShardedCheckpointError, match=r"holds DTensor shards .*formats\.folders\.fsdp\.load_ranks"):
         ckptfix.load(run / "rank0.pt")
 
 
+@pytest.mark.slow
 def test_converting_one_rank_file_is_refused_in_one_line(run: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"
     cli = [sys.executable, "-c", "from ckptfix.cli import main; main()"]
@@ -45,6 +47,7 @@ def test_converting_one_rank_file_is_refused_in_one_line(run: Path, tmp_path: Pa
     assert "Traceback" not in done.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_every_ranks_file_reassembles_the_full_model(run: Path) -> None:
     trees = load_ranks(_ranks(run))
     full = torch.load(run / "full.pt", weights_only=True)["model"]
@@ -56,16 +59,19 @@ def test_every_ranks_file_reassembles_the_full_model(run: Path) -> None:
             assert torch.equal(tree[key], expected), (rank, key)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_is_refused(run: Path) -> None:
     with pytest.raises(MergeError, match=r"1 files for a mesh of 2 ranks \[2\].*pass every rank's file exactly once"):
         load_ranks(_ranks(run)[:1])
 
 
+@pytest.mark.slow
 def test_one_rank_twice_is_refused(run: Path) -> None:
     with pytest.raises(MergeError, match="pass every rank's file exactly once"):
         load_ranks([_ranks(run)[0], _ranks(run)[0]])
 
 
+@pytest.mark.slow
 def test_rank_files_of_two_runs_are_refused(run: Path, tmp_path: Path) -> None:
     other = sharded_writers.write(tmp_path / "wide", "fsdp2-wide")
     with pytest.raises(MergeError, match=r"is float32 \[12, 3, 3, 3\] sharded .* the files are from different runs"):
@@ -78,17 +84,20 @@ def fsdp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return sharded_writers.write_fsdp1(tmp_path_factory.mktemp("fsdp1"))
 
 
+@pytest.mark.slow
 def test_fsdp1_flat_parameters_are_never_written_as_a_model(fsdp1: Path, tmp_path: Path) -> None:
     with pytest.raises(ShardedCheckpointError, match=r"'_fsdp_wrapped_module._flat_param' is an FSDP1 flat parameter"):
         ckptfix.convert_file(fsdp1 / "flat0.pt", tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.slow
 def test_fsdp1_local_state_dicts_say_what_they_are(fsdp1: Path) -> None:
     with pytest.raises(ShardedCheckpointError, match=r"holds ShardedTensor shards \(an FSDP1 LOCAL_STATE_DICT"):
         ckptfix.load(fsdp1 / "local0.pt")
 
 
+@pytest.mark.slow
 def test_validate_reports_rank_files_as_shards_with_exit_1(run: Path, fsdp1: Path) -> None:
     from click.testing import CliRunner
 
@@ -111,6 +120,7 @@ def _cli(*args: object) -> Any:
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["full.safetensors", "full.pt"])
 def test_merge_reassembles_fsdp2_rank_files_into_the_full_state_dict(run: Path, tmp_path: Path, name: str) -> None:
     out = tmp_path / name
@@ -124,6 +134,7 @@ def test_merge_reassembles_fsdp2_rank_files_into_the_full_state_dict(run: Path, 
     assert all(torch.equal(merged[k], v) and merged[k].dtype == v.dtype for k, v in full.items())
 
 
+@pytest.mark.slow
 def test_inspect_shows_a_rank_file_as_shards_of_full_tensors(run: Path) -> None:
     text = _cli("inspect", run / "rank1.pt")
     assert text.exit_code == 0, text.output
@@ -140,6 +151,7 @@ def test_inspect_shows_a_rank_file_as_shards_of_full_tensors(run: Path) -> None:
     assert summary["models"][""]["bytes"] == sum(v.numel() * v.element_size() for v in full.values())  # not a half
 
 
+@pytest.mark.slow
 def test_merge_streams_rank_files_a_tensor_at_a_time(
     run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,6 +168,7 @@ def test_merge_streams_rank_files_a_tensor_at_a_time(
     assert list(merged) == list(full) and all(torch.equal(merged[k], v) for k, v in full.items())
 
 
+@pytest.mark.slow
 def test_merge_reads_each_rank_file_s_pickle_once(run: Path, tmp_path: Path, pickle_reads: Counter[str]) -> None:
     reads = pickle_reads
     result = _cli("merge", *_ranks(run), "-o", tmp_path / "m.pt", "--buffers", "rank0")
@@ -163,6 +176,7 @@ def test_merge_reads_each_rank_file_s_pickle_once(run: Path, tmp_path: Path, pic
     assert reads == {path: 1 for path in _ranks(run)}
 
 
+@pytest.mark.slow
 def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Path) -> None:
     from ckptfix.formats.containers.ziparchive import read_archive
 
@@ -177,6 +191,7 @@ def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Pat
     assert result.output.count("\n") == 1 and not (tmp_path / "m.pt").exists()
 
 
+@pytest.mark.slow
 def test_merge_pools_the_ranks_batchnorm_statistics_beside_the_reassembled_weights(run: Path, tmp_path: Path) -> None:
     from ckptfix.merging import plan_merge
 
@@ -192,6 +207,7 @@ def test_merge_pools_the_ranks_batchnorm_statistics_beside_the_reassembled_weigh
         assert torch.equal(merged[key], value) == ("running" not in key), key  # rank 0's alone are not the pool
 
 
+@pytest.mark.slow
 def test_merge_refuses_rank_files_that_are_not_one_whole_run_in_one_line(run: Path, tmp_path: Path) -> None:
     other = sharded_writers.write(tmp_path / "cols", "fsdp2-cols")
     ckptfix.save(torch.load(run / "full.pt", weights_only=True)["model"], tmp_path / "plain.safetensors")
@@ -212,6 +228,7 @@ def test_merge_refuses_rank_files_that_are_not_one_whole_run_in_one_line(run: Pa
     shutil.rmtree(other)
 
 
+@pytest.mark.slow
 def test_merge_says_what_fsdp1_rank_files_are_and_what_to_do(fsdp1: Path, tmp_path: Path) -> None:
     cases = [
         ("flat", "'_fsdp_wrapped_module._flat_param' is an FSDP1 flat parameter", "full_state_dict=True"),
@@ -225,6 +242,7 @@ def test_merge_says_what_fsdp1_rank_files_are_and_what_to_do(fsdp1: Path, tmp_pa
         assert result.output.count("\n") == 1 and not (tmp_path / "m.pt").exists()
 
 
+@pytest.mark.slow
 def test_fsdp1_local_state_dicts_merge_with_the_model_into_the_full_state_dict(fsdp1: Path, tmp_path: Path) -> None:
     ranks = [fsdp1 / f"local{r}.pt" for r in range(sharded_writers.WORLD)]
     full = torch.load(fsdp1 / "full.pt", weights_only=True)  # rank 0's FULL_STATE_DICT in the same job
@@ -249,6 +267,7 @@ def test_fsdp1_local_state_dicts_merge_with_the_model_into_the_full_state_dict(f
     assert not (tmp_path / "m.pt").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out_name", ["full.pt", "full.safetensors"])
 def test_fsdp1_sharded_state_dicts_merge_into_the_full_state_dict(fsdp1: Path, tmp_path: Path, out_name: str) -> None:
     ranks = [fsdp1 / f"sharded{r}.pt" for r in range(sharded_writers.WORLD)]
@@ -274,6 +293,7 @@ def test_fsdp1_sharded_state_dicts_merge_into_the_full_state_dict(fsdp1: Path, t
     assert differ == [f"features.{i}.running_{s}" for i in (1, 4) for s in ("mean", "var")]
 
 
+@pytest.mark.slow
 def test_fsdp1_rank_files_missing_twice_or_of_two_runs_are_refused(fsdp1: Path, run: Path, tmp_path: Path) -> None:
     ranks = [fsdp1 / f"sharded{r}.pt" for r in range(sharded_writers.WORLD)]
     other = sharded_writers.write_fsdp1(tmp_path / "wide", width=12)
@@ -311,6 +331,7 @@ def test_fsdp1_rank_files_missing_twice_or_of_two_runs_are_refused(fsdp1: Path, 
     assert list(merged) == list(full) and all(torch.equal(merged[k], v) for k, v in full.items())
 
 
+@pytest.mark.slow
 def test_a_two_dimensional_mesh_reassembles_exactly(tmp_path: Path) -> None:
     out = sharded_writers.write_2d(tmp_path / "mesh2d")  # 4 gloo processes on a (2, 2) mesh
     ranks = [out / f"rank{r}.pt" for r in range(4)]
@@ -329,6 +350,7 @@ def test_a_two_dimensional_mesh_reassembles_exactly(tmp_path: Path) -> None:
     assert missing.exit_code == 2 and "missing the rank at mesh coordinate(s) [[1, 1]]" in missing.output
 
 
+@pytest.mark.slow
 def test_inspect_says_fsdp1_flat_parameters_are_no_model(fsdp1: Path) -> None:
     result = _cli("inspect", fsdp1 / "flat0.pt")
     assert result.exit_code == 0, result.output
@@ -338,6 +360,7 @@ def test_inspect_says_fsdp1_flat_parameters_are_no_model(fsdp1: Path) -> None:
     assert summary["models"][""]["fsdp1_flat_params"] == ["_fsdp_wrapped_module._flat_param", nested]
 
 
+@pytest.mark.slow
 def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:
     import dataclasses
 
@@ -359,3 +382,21 @@ def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:
     with pytest.raises(RankFilesError, match=r"'head.weight' local shard is torch.float32 \[1, 4\] where rank \[1\]"):
         assemble(short, _ranks(run), key="head.weight")
     assert RankFilesError.exit_code == 2
+
+
+# Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
+# file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "says"),
+    [("Size", (2,), "dtype is Size"), ("FloatStorage", (2,), "dtype is FloatStorage"),
+     ("", (2,), "dtype is not a dtype"), ("float32", (2**61, 2**61, 0), "past 64 bits")],
+)  # fmt: skip
+def test_dtensor_dtype_and_shape_proven(dtype: str, shape: tuple[int, ...], says: str) -> None:
+    from ckptfix.errors import FormatError
+    from ckptfix.formats.folders import fsdp as shards
+
+    with pytest.raises(FormatError, match=rf"^rank1\.pt: key 'w': its DTensor .*{says}"):
+        shards._check_piece("w", dtype=dtype, shape=shape, mesh=(2,), coordinate=(0,), placements=(("replicate", 0),),
+                            source="rank1.pt")  # fmt: skip

@@ -19,7 +19,7 @@ from ckptfix.merging import merge_files
 from tests import sharded_writers
 from tests.models import SmallNet, TiedNet
 
-pytestmark = pytest.mark.slow  # real FSDP1 runs on 2 or 3 gloo processes, one per case for the module
+# Slow (each test marked): real FSDP1 runs on 2 or 3 gloo processes, one per case for the module
 
 # width 5: parameters of 135 and 5 elements, so use_orig_params=True pads before most of them
 RUNS: dict[str, dict[str, Any]] = {
@@ -59,6 +59,7 @@ def _cli(*args: Any) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_local_rank_files_merge_into_the_full_state_dict(jobs: Jobs, name: str, tmp_path: Path) -> None:
     folder, how = jobs(name)
@@ -88,6 +89,7 @@ def test_local_rank_files_merge_into_the_full_state_dict(jobs: Jobs, name: str, 
     assert ckptfix.load_into(model, out).loads_as_is
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_a_model_of_other_sizes_is_refused_with_the_numbers(jobs: Jobs, name: str, tmp_path: Path) -> None:
     folder, how = jobs(name)
@@ -118,6 +120,7 @@ class _SplitOtherwise(SmallNet):
         self.features[0] = conv
 
 
+@pytest.mark.slow
 def test_a_wrong_split_of_the_same_size_is_refused(jobs: Jobs, tmp_path: Path) -> None:
     ranks = _locals(*jobs("orig-3-ranks"))
     real = SmallNet(width=5).features[0].weight.numel()
@@ -140,6 +143,7 @@ def test_a_wrong_split_of_the_same_size_is_refused(jobs: Jobs, tmp_path: Path) -
     )
 
 
+@pytest.mark.slow
 def test_a_missing_rank_or_another_model_is_refused(jobs: Jobs, tmp_path: Path) -> None:
     folder, how = jobs("orig-tied")
     ranks = _locals(folder, how)

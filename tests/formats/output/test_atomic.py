@@ -4,9 +4,11 @@ set) is written beside the old one and swapped in, never onto anything but a che
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
+from ckptfix.conversion import convert_file
 from ckptfix.errors import OutputError
+from tests.models import make_file, make_net
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 SINGLE, DDP = FIXTURES / "single.pt", FIXTURES / "ddp_wrapped.pt"
@@ -196,3 +200,115 @@ def test_a_failed_shard_swap_puts_the_old_set_back(tmp_path: Path, monkeypatch: 
         ckptfix.save(model(SINGLE), folder / "model.safetensors", shard_size=5000, overwrite=True)
     monkeypatch.undo()
     assert tree(tmp_path) == before
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "replace"])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_injected_io_errors_leave_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, code: int
+) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in make_net().state_dict().items()}}, src)
+    before = src.read_bytes()
+    out = tmp_path / "out.pt"
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(code, os.strerror(code))
+
+    if where == "write":
+        import ckptfix.formats.torchio.torchfile as torchfile
+
+        monkeypatch.setattr(torchfile, "save_torch", lambda obj, path: _save_failing(obj, path, fail))
+    else:
+        monkeypatch.setattr(os, where, fail)
+    with pytest.raises(OutputError, match=os.strerror(code)):
+        convert_file(src, out, fast=False)
+    monkeypatch.undo()
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def _save_failing(obj: Any, path: Any, fail: Any) -> None:
+    from ckptfix.formats.output.atomic import atomic_output
+
+    with atomic_output(path) as f:
+        f.write(b"partial")
+        fail()
+
+
+@pytest.mark.slow  # 50 forked writers of 16 MB files
+def test_sigkill_during_writes_never_leaves_a_partial_file(tmp_path: Path) -> None:
+    import random
+    import signal
+    import time
+
+    out = tmp_path / "out.pt"
+    state = {f"w{i}": torch.full((256, 1024), float(i)) for i in range(16)}  # 16 MB per file
+    rng = random.Random(0)
+    complete = 0
+    for trial in range(50):
+        # fork, not a fresh interpreter: the writer must be in the middle of a write, not importing torch
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child only writes until it is killed
+            try:
+                while True:
+                    ckptfix.save(state, out)
+            finally:
+                os._exit(0)
+        time.sleep(rng.uniform(0.0, 0.2))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        if out.exists():
+            loaded = ckptfix.load(out)
+            assert len(loaded) == 16 and torch.equal(loaded["w15"], state["w15"]), trial
+            complete += 1
+    assert complete > 0  # some writes finished; each of them is whole
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["out.pt"]
+
+
+def test_missing_output_folder_fails_before_reading(tmp_path: Path) -> None:
+    with pytest.raises(OutputError, match="does not exist"):
+        convert_file(tmp_path / "also-missing.pt", tmp_path / "no" / "out.pt")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores folder permissions")
+def test_read_only_output_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    src = make_file(tmp_path, "zip")
+    with pytest.raises(OutputError, match="not writable"):
+        convert_file(src, folder / "out.pt")
+
+
+def test_read_only_output_folder_is_refused_before_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root ignores permission bits, so the folder's answer to access(W_OK) is simulated.
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    with pytest.raises(OutputError, match="is not writable; choose another output path"):
+        convert_file(tmp_path / "not-even-read.pt", folder / "out.pt")
+
+
+@pytest.mark.parametrize("where", ["fsync", "replace"])
+def test_injected_io_errors_on_the_streaming_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": {f"module.{k}": v for k, v in make_net().state_dict().items()}}, src)
+    before = src.read_bytes()
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    probe = tmp_path / "probe.pt"
+    assert convert_file(src, probe).method == "stream"  # the input really takes the streaming path
+    probe.unlink()
+    monkeypatch.setattr(os, where, fail)
+    with pytest.raises(OutputError, match="No space left"):
+        convert_file(src, tmp_path / "out.pt")
+    monkeypatch.undo()
+    assert src.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import ckptfix
+from tests.measured import CKPTFIX, ROOT, digest
+
 KEYS = 48  # 1 MiB each: writing takes long enough to be caught in the act, the files stay small
 
 
@@ -195,3 +198,87 @@ def test_a_signal_during_the_wait_for_a_worker_still_waits_for_it() -> None:
     finally:
         signal.signal(signal.SIGUSR1, old)
         release.set()
+
+
+# Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
+# file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).
+
+
+@pytest.fixture(scope="module")
+def big_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two rank files of one run (64 MiB each): equal parameters, BatchNorm statistics that differ."""
+    folder = tmp_path_factory.mktemp("term")
+    gen = torch.Generator().manual_seed(0)
+    state = {f"layer{i}.weight": torch.randn(512, 512, generator=gen) for i in range(64)}
+    files = []
+    for rank in range(2):
+        files.append(folder / f"rank{rank}.pt")
+        torch.save({"model": {**state, "bn.running_mean": torch.full((8,), float(rank))}, "epoch": 1}, files[-1])
+    return files
+
+
+def _busy_with(pid: int, name: str, folder: Path) -> bool:
+    """Whether process ``pid`` has ``name`` open or mapped, or a temp file exists in ``folder``."""
+    try:
+        fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    return any(f.endswith(name) for f in fds) or name in maps or any(folder.glob(".*.ckptfix-tmp"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to know the command is at work")
+@pytest.mark.parametrize(
+    ("command", "wait_for"),
+    [(["merge", "rank0.pt", "rank1.pt", "-o", "out.safetensors"], "rank1.pt"),
+     (["merge", "rank0.pt", "rank1.pt", "-o", "out.pt"], "tmp"),
+     (["sanitize", "rank0.pt", "out.pt"], "tmp"),
+     (["convert", "rank0.pt", "out.pt", "--to", "ddp"], "tmp"),
+     (["convert", "rank0.pt", "out.pt", "--to", "ddp", "--no-fast"], "tmp")],
+    ids=["merge-reading", "merge-writing", "sanitize-writing", "convert-writing", "convert-writing-torch"],
+)  # fmt: skip
+def test_sigterm_ends_a_long_step_within_a_second(big_ranks: list[Path], command: list[str], wait_for: str) -> None:
+    import signal
+
+    folder = big_ranks[0].parent
+    out = command[command.index("-o") + 1] if "-o" in command else command[2]
+    (folder / out).unlink(missing_ok=True)  # an earlier case's complete output (it finished before its signal)
+    before = [digest(p) for p in big_ranks]
+    listing = sorted(os.listdir(folder))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    default = lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)  # noqa: E731 - as from a terminal
+    child = subprocess.Popen([*CKPTFIX, *command], cwd=folder, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, preexec_fn=default)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (
+            any(folder.glob(".*.ckptfix-tmp")) if wait_for == "tmp" else _busy_with(child.pid, wait_for, folder)
+        ):
+            assert child.poll() is None, f"finished before the signal: {child.stderr.read()!r}"
+            assert time.monotonic() < deadline, "never got busy"
+            time.sleep(0.002)
+        time.sleep(0.05)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=30)
+        latency = time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    message = err.decode().strip().splitlines()[-1] if err.strip() else ""
+    assert child.returncode in (0, 128 + signal.SIGTERM, -signal.SIGTERM), (child.returncode, err[-500:])
+    assert latency < 3.0, f"took {latency:.2f} s to end after SIGTERM"
+    assert "Traceback" not in err.decode()
+    left = set(os.listdir(folder)) - set(listing)
+    if message.endswith(" in full"):  # a fast machine finished the rename before the signal came: it says so
+        assert message == f"ckptfix: terminated by SIGTERM after writing {out} in full" and left == {out}
+        assert ckptfix.load(folder / out)
+    elif child.returncode == 0 or (not message and child.returncode == -signal.SIGTERM):
+        # The command had finished (a streamed conversion takes milliseconds) before the signal came, or while
+        # Python shut down, which restores the default handler: the output is in place, complete (after its fsync).
+        assert left == {out} and ckptfix.load(folder / out)
+    else:
+        assert message in ("", "ckptfix: terminated by SIGTERM; no output was written"), message
+        assert not left, f"left behind: {left}"
+    assert [digest(p) for p in big_ranks] == before

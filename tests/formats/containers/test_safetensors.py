@@ -1,0 +1,100 @@
+"""ckptfix.formats.containers.safetensors: the header read and written by the format's rules."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptfix
+from ckptfix.errors import FormatError
+from tests.measured import OUTPUTS, refused
+
+# Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
+# file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).
+
+
+def _safetensors_by_hand(path: Path, shape: list[int]) -> None:
+    import json
+    import struct
+
+    raw = json.dumps({"e": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+@pytest.mark.parametrize("size", [2**64, 2**63])
+def test_empty_tensor_past_64_bits_from_safetensors(tmp_path: Path, size: int) -> None:
+    src = tmp_path / "in.safetensors"
+    _safetensors_by_hand(src, [0, size])
+    for out, *options in OUTPUTS:
+        refused("convert", src, out, *options, source=src, cwd=tmp_path, contains="past 64 bits")
+
+
+def test_written_headers_are_ones_the_library_reads(tmp_path: Path) -> None:
+    from ckptfix.errors import OutputError
+    from ckptfix.formats.containers.safetensors import LIBRARY_MAX_HEADER, encode_header
+
+    with pytest.raises(OutputError, match=r"^x\.safetensors: key 'e' has shape \[0, 18446744073709551616\]"):
+        encode_header({"e": None}, {}, [("e", "float32", (0, 2**64), 0)], {}, out="x.safetensors")
+    many = [(f"k{i:07d}", "float32", (0,), 0) for i in range(LIBRARY_MAX_HEADER // 60)]
+    with pytest.raises(OutputError, match=r"^x\.safetensors: its safetensors header would take \d+ bytes"):
+        encode_header(dict.fromkeys(k for k, *_ in many), {}, many, {}, out="x.safetensors")
+    safetensors = pytest.importorskip("safetensors.torch")
+    fine = [("e", "float32", (0, 2**62), 0)]
+    path = tmp_path / "ok.safetensors"
+    path.write_bytes(encode_header({"e": None}, {}, fine, {}, out=str(path)))
+    assert safetensors.load_file(path)["e"].shape == (0, 2**62)
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+def st_file(tmp_path: Path, header: Any, data: bytes = b"", *, raw: bytes | None = None) -> Path:
+    body = raw if raw is not None else json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return path
+
+
+F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("case", "header", "data", "message"),
+    [
+        ("not_object", [1, 2], b"", "not a JSON object"),
+        ("overlap", {"a": F32, "b": {**F32, "data_offsets": [4, 12]}}, b"\0" * 12, "overlaps"),
+        ("hole", {"a": {**F32, "data_offsets": [4, 12]}}, b"\0" * 12, "gap"),
+        ("trailing", {"a": F32}, b"\0" * 9, "after the last tensor"),
+        ("past_end", {"a": {**F32, "data_offsets": [0, 16]}}, b"\0" * 8, "outside the data buffer"),
+        ("size_mismatch", {"a": {**F32, "shape": [3]}}, b"\0" * 8, "needs 12 bytes"),
+        ("overflow", {"a": {**F32, "shape": [2**62, 2**62]}}, b"\0" * 8, "past 64 bits"),
+        ("too_large", {"a": {**F32, "shape": [2**60, 2]}}, b"\0" * 8, "needs"),
+        ("bad_dtype", {"a": {**F32, "dtype": "F128"}}, b"\0" * 8, "unknown dtype"),
+        ("bad_shape", {"a": {**F32, "shape": [-2]}}, b"\0" * 8, "shape"),
+        ("bad_metadata", {"__metadata__": {"x": 1}, "a": F32}, b"\0" * 8, "metadata"),
+        ("nul_name", {"a\x00b": F32}, b"\0" * 8, "NUL"),
+    ],
+)
+def test_safetensors_header_rules(tmp_path: Path, case: str, header: Any, data: bytes, message: str) -> None:
+    with pytest.raises(FormatError, match=message):
+        ckptfix.load(st_file(tmp_path, header, data))
+
+
+def test_safetensors_header_encoding_and_size(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match="UTF-8 JSON"):
+        ckptfix.load(st_file(tmp_path, None, raw=b'{"a": "\xff\xfe"}'))
+    with pytest.raises(FormatError, match="UTF-8 JSON"):
+        ckptfix.load(st_file(tmp_path, None, raw=b"{not json"))
+    path = tmp_path / "huge.safetensors"
+    path.write_bytes(struct.pack("<Q", 200 * 1024 * 1024) + b"{" + b" " * 100)
+    with pytest.raises(FormatError):
+        ckptfix.load(path)
+    entry = b'{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+    dup = b'{"a": ' + entry + b', "a": ' + entry + b"}"
+    with pytest.raises(FormatError, match="key 'a' appears twice in the header"):
+        ckptfix.load(st_file(tmp_path, None, b"\0" * 8, raw=dup))

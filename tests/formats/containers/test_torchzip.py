@@ -1,0 +1,44 @@
+"""ckptfix.formats.containers.torchzip: a torch zip's storage records checked against the tensors that use them."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfix
+from ckptfix.conversion import convert_file
+from ckptfix.errors import FormatError
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+def with_storage_record(tmp_path: Path, tensor: torch.Tensor, edit: Any, name: str) -> Path:
+    """A checkpoint of ``tensor`` whose first storage record's bytes went through ``edit``."""
+    good = tmp_path / "good.pt"
+    torch.save({"w": tensor}, good)
+    src = zipfile.ZipFile(good)
+    bad = tmp_path / name
+    with zipfile.ZipFile(bad, "w") as zf:
+        for info in src.infolist():
+            data = src.read(info)
+            zf.writestr(info.filename, edit(data) if info.filename.endswith("/data/0") else data)
+    return bad
+
+
+def test_storage_shorter_than_tensor_is_corrupt(tmp_path: Path) -> None:
+    bad = with_storage_record(tmp_path, torch.arange(100.0), lambda data: data[:40], "short.pt")
+    with pytest.raises(FormatError):
+        ckptfix.load(bad)
+
+
+def test_record_longer_than_its_storage_is_refused(tmp_path: Path) -> None:
+    bad = with_storage_record(tmp_path, torch.arange(4.0), lambda data: data + b"\0" * 1_000_000, "padded.pt")
+    with pytest.raises(FormatError, match=r"holds 1000016 bytes but its storage needs 16"):
+        ckptfix.load(bad)
+    with pytest.raises(FormatError):
+        convert_file(bad, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
