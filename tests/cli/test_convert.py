@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.inputs import FOLDERS, _hf, _refused
 from tests.models import PROBE, make_net
 
 
@@ -146,3 +147,29 @@ def test_keys_safetensors_cannot_hold_are_refused_before_writing(tmp_path: Path,
             assert CliRunner().invoke(cli, ["convert", str(src), str(out), *flags]).exit_code == 0
             assert CliRunner().invoke(cli, ["inspect", str(out)]).exit_code == 0
             assert list(ckptfix.load(out)["model"]) == [key, "w"]
+
+
+# Inputs are never outputs: an output that is, or sits inside, anything the command reads is refused with exit 2
+# naming both, before anything is written (hard and symbolic links included).
+
+
+@pytest.mark.parametrize("kind", sorted(FOLDERS))
+def test_an_output_inside_an_input_folder_is_refused(tmp_path: Path, kind: str) -> None:
+    folder = FOLDERS[kind](tmp_path / "in")
+    victims = sorted(p for p in folder.iterdir() if p.is_file())
+    for out in [*(str(p) for p in victims), str(folder / "new.pt"), str(folder / "new.safetensors")]:
+        for extra in ([], ["--model-only"], ["--no-fast"]):
+            message = _refused(["convert", str(folder), out, *extra], reads=folder, out=out)
+            if out.endswith((".pt", ".bin", ".safetensors")):  # others (.metadata, .distcp): a bad extension first
+                assert str(folder) in message and "inside the input folder" in message
+
+
+def test_an_index_files_shards_are_inputs_too(tmp_path: Path) -> None:
+    folder = _hf(tmp_path / "in", "model.safetensors")
+    (index,) = folder.glob("*.index.json")
+    shard = next(p for p in sorted(folder.glob("*.safetensors")))
+    message = _refused(["convert", str(index), str(shard)], reads=folder, out=str(shard))
+    assert "which the input" in message and str(index) in message
+    # beside the shards, a new file reads nothing it overwrites: allowed
+    result = CliRunner().invoke(cli, ["convert", str(index), str(folder / "single.safetensors"), "--to", "single"])
+    assert result.exit_code == 0, result.output

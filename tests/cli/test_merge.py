@@ -12,6 +12,7 @@ from click.testing import CliRunner, Result
 import ckptfix
 from ckptfix.cli import cli
 from tests.assertions import assert_same
+from tests.inputs import _hf, _refused
 from tests.models import ScaledHead, SmallNet
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
@@ -234,3 +235,14 @@ def test_ddp_files_that_record_their_rank_are_taken_as_those_ranks(tmp_path: Pat
     listed = ckptfix.load(tmp_path / "listed.pt")["model"]
     rank1 = ckptfix.load(files[1])["model"]
     assert torch.equal(listed["features.1.running_var"], rank1["module.features.1.running_var"])  # the first given
+
+
+# Inputs are never outputs: an output that is, or sits inside, anything the command reads is refused with exit 2
+# naming both, before anything is written (hard and symbolic links included).
+
+
+def test_merge_into_a_shard_of_an_input_folder_is_refused(tmp_path: Path) -> None:
+    a, b = _hf(tmp_path / "a", "model.safetensors"), _hf(tmp_path / "b", "model.safetensors")
+    shard = str(sorted(b.glob("*.safetensors"))[0])
+    message = _refused(["merge", str(a), str(b), "-o", shard], reads=b, out=shard)
+    assert str(b) in message

@@ -6,6 +6,8 @@ import dataclasses
 import functools
 import os
 import pickle
+import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptfix
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
+from ckptfix.formats.folders import dcp as dcp_folders
 from ckptfix.torchcompat import dcp_save_local
 from tests import sharded_writers
 from tests.assertions import assert_equal
@@ -462,3 +465,35 @@ def test_empty_tensor_past_64_bits_from_dcp(tmp_path: Path, size: int) -> None:
     for out, *options in OUTPUTS:
         message = refused("convert", folder, out, *options, source=folder, cwd=tmp_path)
         assert "'model.b'" in message and "past 64 bits" in message
+
+
+# Edited placements: refused in one line before a byte is placed, in time bounded by the file, never an uninitialized
+# byte in an output.
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_a_tensor_in_65536_chunks_is_checked_in_time_bounded_by_the_file(order: str) -> None:
+    boxes = [((i,), (1,)) for i in range(65536)]
+    if order == "shuffled":
+        random.Random(0).shuffle(boxes)
+    started = time.perf_counter()
+    dcp_folders._check_tiling("w", (65536,), boxes, source="x/.metadata")
+    dcp_folders._check_tiling("w", (256, 256), [((i, j), (1, 1)) for i in range(256) for j in range(256)], source="x")
+    dcp_folders._check_tiling("w", (4, 0), [((0, 0), (4, 0))] * 65536, source="x")  # one empty chunk, referenced often
+    assert time.perf_counter() - started < 5  # pair by pair: minutes
+
+
+@pytest.mark.parametrize(
+    ("boxes", "message"),
+    [
+        ([((0,), (2,)), ((1,), (2,)), ((3,), (1,))], "overlapping chunks at [0] and [1]"),
+        ([((0,), (2,)), ((0,), (2,)), ((2,), (2,))], "overlapping chunks at [0] and [0]"),
+        ([((0,), (2,))], "cover 2 of 4 elements"),
+        ([((i,), (1,)) for i in range(1000)] + [((0,), (1,))] * 600, "overlap or lie off a grid"),
+    ],
+    ids=["overlap", "twice", "gap", "many-overlapping"],
+)
+def test_chunks_that_do_not_tile_are_refused(boxes: list[Any], message: str) -> None:
+    size = 1000 if len(boxes) > 100 else 4
+    with pytest.raises(FormatError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        dcp_folders._check_tiling("w", (size,), boxes, source="x/.metadata")

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptfix
+from ckptfix.cli import cli
 from ckptfix.errors import MergeError
+from ckptfix.formats.folders import fsdp as shards
 from ckptfix.formats.folders.fsdp import ShardedCheckpointError, load_ranks
 from tests import sharded_writers
 from tests.models import SmallNet
@@ -400,3 +406,78 @@ def test_dtensor_dtype_and_shape_proven(dtype: str, shape: tuple[int, ...], says
     with pytest.raises(FormatError, match=rf"^rank1\.pt: key 'w': its DTensor .*{says}"):
         shards._check_piece("w", dtype=dtype, shape=shape, mesh=(2,), coordinate=(0,), placements=(("replicate", 0),),
                             source="rank1.pt")  # fmt: skip
+
+
+# Edited placements: refused in one line before a byte is placed, in time bounded by the file, never an uninitialized
+# byte in an output.
+
+
+def _edited(run: Path, out: Path, edit: Callable[[Any], None]) -> Path:
+    """rank1.pt with ``edit`` applied to its first DTensor, saved by torch (the project's own file: unpickled)."""
+    obj = torch.load(run / "rank1.pt", weights_only=False)
+    edit(next(v for v in obj.values() if type(v).__name__ == "DTensor"))
+    torch.save(obj, out)
+    return out
+
+
+def _coordinate(value: tuple[int, ...]) -> Callable[[Any], None]:
+    return lambda t: object.__setattr__(t._spec.mesh, "_coordinate_on_dim", value)
+
+
+def _placement(dim: int) -> Callable[[Any], None]:
+    def edit(t: Any) -> None:
+        from torch.distributed.tensor import Shard  # torch 2.4 has it as torch.distributed._tensor only
+
+        object.__setattr__(t._spec, "placements", (Shard(dim),))
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_coordinate((-1,)), "mesh coordinate [-1] lies outside its mesh [2]"),
+        (_coordinate((2,)), "mesh coordinate [2] lies outside its mesh [2]"),
+        (_placement(5), "is Shard(5) of a 4-dimensional tensor"),
+    ],
+    ids=["negative-coordinate", "coordinate-past-the-mesh", "shard-dim-past-the-tensor"],
+)
+def test_an_edited_placement_is_refused_before_anything_is_placed(
+    run: Path, tmp_path: Path, edit: Callable[[Any], None], message: str
+) -> None:
+    bad = _edited(run, tmp_path / "rank1.pt", edit)
+    digest = hashlib.sha256(bad.read_bytes()).hexdigest()
+    for out in ("m.safetensors", "m.pt"):
+        result = CliRunner().invoke(cli, ["merge", str(run / "rank0.pt"), str(bad), "-o", str(tmp_path / out)])
+        assert result.exit_code == 2, result.output
+        assert message in result.output and str(bad) in result.output and result.output.count("\n") == 1
+        assert not (tmp_path / out).exists() and sorted(p.name for p in tmp_path.iterdir()) == ["rank1.pt"]
+    assert hashlib.sha256(bad.read_bytes()).hexdigest() == digest
+
+
+def _piece(mesh: tuple[int, ...], coordinate: tuple[int, ...]) -> shards.Piece:
+    return shards.Piece("float32", (4,), mesh, coordinate, (("shard", 0),), torch.zeros(2))
+
+
+def test_a_mesh_of_a_trillion_ranks_is_refused_without_enumerating_it() -> None:
+    started = time.perf_counter()
+    ranks = [{"w": _piece((10**12,), (0,))}, {"w": _piece((10**12,), (1,))}]
+    with pytest.raises(shards.RankFilesError, match=r"2 files for a mesh of 1000000000000 ranks"):
+        shards.check_pieces(ranks, ["rank0.pt", "rank1.pt"])
+    assert time.perf_counter() - started < 5  # 3x margin over a busy machine; enumerating it: forever
+
+
+def test_pieces_that_do_not_cover_the_tensor_leave_no_uninitialized_byte() -> None:
+    # Shard(0) over 2 ranks holds rows [0, 2) and [2, 4): two copies of the first half are refused, not assembled
+    parts = [_piece((2,), (0,)), _piece((2,), (0,))]
+    with pytest.raises(shards.RankFilesError, match=r"its chunks cover 2 of 4 elements"):
+        shards.assemble(parts, ["rank0.pt", "rank1.pt"], key="w")
+    bad = shards.Piece("float32", (4,), (2,), (-1,), (("shard", 0),), torch.zeros(2))
+    with pytest.raises(shards.RankFilesError, match="does not place a piece"):
+        shards.assemble([_piece((2,), (0,)), bad], ["rank0.pt", "rank1.pt"], key="w")
+
+
+def test_a_dtensor_of_a_huge_global_shape_is_refused_before_memory_is_taken() -> None:
+    parts = [shards.Piece("float32", (2**44,), (2,), (c,), (("shard", 0),), torch.zeros(2)) for c in (0, 1)]
+    with pytest.raises(shards.RankFilesError):
+        shards.assemble(parts, ["rank0.pt", "rank1.pt"], key="w")

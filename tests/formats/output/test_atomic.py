@@ -18,7 +18,8 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.conversion import convert_file
 from ckptfix.errors import OutputError
-from tests.models import make_file, make_net
+from tests.inputs import _hf, _tree_hash
+from tests.models import make_file, make_net, wrap
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 SINGLE, DDP = FIXTURES / "single.pt", FIXTURES / "ddp_wrapped.pt"
@@ -312,3 +313,67 @@ def test_injected_io_errors_on_the_streaming_path(tmp_path: Path, monkeypatch: p
     monkeypatch.undo()
     assert src.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+# Inputs are never outputs: an output that is, or sits inside, anything the command reads is refused with exit 2
+# naming both, before anything is written (hard and symbolic links included).
+
+
+@pytest.mark.parametrize("command", ["convert", "sanitize", "merge"])
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_a_link_to_the_input_is_the_input(tmp_path: Path, command: str, link: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": wrap("dp", make_net()).cpu().state_dict()}, src)
+    other = tmp_path / "other.pt"
+    torch.save({"model": wrap("dp", make_net()).cpu().state_dict()}, other)
+    out = tmp_path / "alias.pt"
+    (os.link if link == "hard" else os.symlink)(src, out)
+    args = {"convert": ["convert", str(src), str(out)], "sanitize": ["sanitize", str(src), str(out)],
+            "merge": ["merge", str(other), str(src), "-o", str(out)]}[command]  # fmt: skip
+    before = src.read_bytes()
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert str(out) in result.output and "input" in result.output
+    assert src.read_bytes() == before
+
+
+def test_the_library_refuses_alike(tmp_path: Path) -> None:
+    folder = _hf(tmp_path / "in", "model.safetensors")
+    before = _tree_hash(folder)
+    with pytest.raises(OutputError, match="inside the input folder"):
+        ckptfix.convert_file(folder, folder / "x.pt")
+    with pytest.raises(OutputError, match="inside the input folder"):
+        ckptfix.convert_file(folder, str(folder / "dcp") + "/")  # a DCP folder output
+    with pytest.raises(OutputError, match="inside the input folder"):
+        ckptfix.convert_file(folder, folder / "sub" / "m.safetensors", shard_size=600)
+    with pytest.raises(OutputError, match="holds the input folder"):
+        ckptfix.convert_file(folder, str(tmp_path) + "/")
+    assert _tree_hash(folder) == before
+
+
+@pytest.mark.parametrize("command", ["convert", "sanitize", "merge"])
+def test_an_existing_output_is_replaced_only_when_asked(tmp_path: Path, command: str) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"model": wrap("dp", make_net()).cpu().state_dict()}, src)
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"precious")
+    args = {"convert": ["convert", str(src), str(out)], "sanitize": ["sanitize", str(src), str(out)],
+            "merge": ["merge", str(src), str(src), "-o", str(out)]}[command]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and f"{out}: already exists" in result.output and "--force" in result.output
+    assert out.read_bytes() == b"precious"
+    result = CliRunner().invoke(cli, [*args, "--force"])
+    assert result.exit_code == 0, result.output
+    assert any(k.endswith("head.weight") for k in torch.load(out, weights_only=True)["model"])
+
+
+def test_the_library_refuses_an_existing_output_unless_overwrite(tmp_path: Path) -> None:
+    src, out = tmp_path / "in.pt", tmp_path / "out.safetensors"
+    torch.save(make_net().state_dict(), src)
+    out.write_bytes(b"precious")
+    for call in (lambda **kw: ckptfix.convert_file(src, out, **kw), lambda **kw: ckptfix.sanitize(src, out, **kw)):
+        with pytest.raises(OutputError, match=r"already exists; write to a new path, or pass overwrite=True"):
+            call()
+        assert out.read_bytes() == b"precious"
+    ckptfix.convert_file(src, out, overwrite=True)
+    assert "head.weight" in ckptfix.load(out)
