@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import io
 import os
 import pickle
 import struct
@@ -393,3 +394,63 @@ def test_malformed_module_versions_are_refused_on_both_paths(tmp_path: Path, fas
         with pytest.raises(FormatError, match=r"md\.pt: a state dict's _metadata is not a mapping of module paths"):
             convert_file(tmp_path / "md.pt", tmp_path / out, fast=fast)
         assert not (tmp_path / out).exists()
+
+
+# Hostile files made byte by byte (tests/hostile.py) against every entry point (tests/entry_points.py): both
+# conversion paths, load and inspect refuse them with the right error in one line naming the file, no output left, the
+# input unchanged, no payload run. The case number in a test's name is the class of attack (case1: code globals ..
+# case6: builtin containers).
+
+
+# The console script beside this interpreter when it is installed (a venv), else the module: a checkout on PYTHONPATH.
+_SCRIPT = Path(sys.executable).parent / "ckptfix"
+CKPTFIX = [os.fsencode(_SCRIPT)] if _SCRIPT.exists() else [os.fsencode(sys.executable), b"-m", b"ckptfix"]
+
+
+@pytest.mark.parametrize("content", ["valid", "truncated"])
+def test_case5_non_utf8_file_names(tmp_path: Path, content: str) -> None:
+    """A file name that is not UTF-8: converted on both paths, or refused on both in one line; never a crash."""
+    folder = os.fsencode(tmp_path)
+    src = folder + b"/ck\xffpt.pt"
+    buffer = io.BytesIO()
+    torch.save({"model": {"module.w": torch.arange(4.0)}}, buffer)
+    data = buffer.getvalue() if content == "valid" else buffer.getvalue()[:300]
+    with open(src, "wb") as f:
+        f.write(data)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONUTF8", "PYTHONIOENCODING", "LANG", "LC_ALL")}
+    env["LC_ALL"] = "C.UTF-8"  # a UTF-8 terminal: stdout is strict about surrogates
+    answers: dict[str, int] = {}
+    problems: list[str] = []
+    for flags in ([], [b"--no-fast"]):
+        what = "convert" + (" --no-fast" if flags else "")
+        out = folder + b"/out\xfe" + (b"-nf" if flags else b"") + b".pt"
+        proc = subprocess.run(
+            [*CKPTFIX, b"convert", src, out, *flags],
+            capture_output=True,
+            env=env,
+            timeout=120,
+        )
+        answers[what] = proc.returncode
+        stderr = proc.stderr.decode("utf-8", "replace").strip()
+        if proc.returncode == 2:
+            if "\n" in stderr or "ck" not in stderr or "Traceback" in stderr:
+                problems.append(f"{what}: not a one-line error naming the file: {stderr[:300]!r}")
+            if os.path.exists(out):
+                problems.append(f"{what}: refused, but wrote its output")
+        elif proc.returncode == 0:
+            readable = tmp_path / f"copy-{len(flags)}.pt"  # read back under a plain name: only the output is judged
+            with open(out, "rb") as f:
+                readable.write_bytes(f.read())
+            loaded = ckptfix.load(readable)
+            if list(loaded["model"]) != ["w"] or not torch.equal(loaded["model"]["w"], torch.arange(4.0)):
+                problems.append(f"{what}: wrote {loaded}")
+        else:
+            problems.append(f"{what}: exit {proc.returncode}: {stderr[-300:]!r}")
+    if len(set(answers.values())) != 1:
+        problems.append(f"the paths disagree (exit codes {answers})")
+    if content == "truncated" and set(answers.values()) != {2}:
+        problems.append(f"a truncated file was not refused: {answers}")
+    with open(src, "rb") as f:
+        if f.read() != data:
+            problems.append("the input was modified")
+    assert not problems, "\n".join(problems)

@@ -11,6 +11,8 @@ import pytest
 
 import ckptfix
 from ckptfix.errors import FormatError
+from tests import hostile
+from tests.entry_points import Expect, _consistent, refused_everywhere
 from tests.measured import OUTPUTS, refused
 
 # Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
@@ -98,3 +100,21 @@ def test_safetensors_header_encoding_and_size(tmp_path: Path) -> None:
     dup = b'{"a": ' + entry + b', "a": ' + entry + b"}"
     with pytest.raises(FormatError, match="key 'a' appears twice in the header"):
         ckptfix.load(st_file(tmp_path, None, b"\0" * 8, raw=dup))
+
+
+# Hostile files made byte by byte (tests/hostile.py) against every entry point (tests/entry_points.py): both
+# conversion paths, load and inspect refuse them with the right error in one line naming the file, no output left, the
+# input unchanged, no payload run. The case number in a test's name is the class of attack (case1: code globals ..
+# case6: builtin containers).
+
+
+def test_case5_deep_json_header_is_refused(tmp_path: Path) -> None:
+    refused_everywhere(tmp_path, hostile.deep_json_header(), Expect(FormatError), suffix=".safetensors")
+
+
+def test_case5_surrogate_in_a_safetensors_key(tmp_path: Path) -> None:
+    raw = b'{"a\\ud800b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    src = tmp_path / "surrogate.safetensors"
+    src.write_bytes(hostile.st_file(raw=raw, data=hostile.floats(1.0, 2.0)))
+    problems = _consistent(tmp_path, src, key="a\ud800b")
+    assert not problems, "\n".join(problems)

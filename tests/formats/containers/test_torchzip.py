@@ -12,6 +12,8 @@ import torch
 import ckptfix
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError
+from tests import hostile
+from tests.entry_points import Expect, refused_everywhere
 
 # Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
 
@@ -42,3 +44,17 @@ def test_record_longer_than_its_storage_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FormatError):
         convert_file(bad, tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+# Hostile files made byte by byte (tests/hostile.py) against every entry point (tests/entry_points.py): both
+# conversion paths, load and inspect refuse them with the right error in one line naming the file, no output left, the
+# input unchanged, no payload run. The case number in a test's name is the class of attack (case1: code globals ..
+# case6: builtin containers).
+
+
+BYPASSES = hostile.storage_bypasses()
+
+
+@pytest.mark.parametrize("name", list(BYPASSES))
+def test_case3_storage_bypasses_are_refused(tmp_path: Path, name: str) -> None:
+    refused_everywhere(tmp_path, BYPASSES[name], Expect(FormatError), secret=hostile.SECRET)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import ckptfix
-from ckptfix.errors import FormatError
-from tests.hostile import Payload, torch_zip
+from ckptfix.errors import CkptfixError, FormatError
+from tests import hostile
+from tests.entry_points import Expect, bounded_cli_problems, cli_op, invoke, refused_everywhere, run_ops
+from tests.hostile import P, Payload, torch_zip
 
 # Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
 
@@ -65,3 +69,76 @@ def test_other_archives_named_pt_are_refused(tmp_path: Path) -> None:
     for path in (tar_path, tmp_path / "seven.pt"):
         with pytest.raises(FormatError, match="not a checkpoint ckptfix can read"):
             ckptfix.load(path)
+
+
+# Hostile files made byte by byte (tests/hostile.py) against every entry point (tests/entry_points.py): both
+# conversion paths, load and inspect refuse them with the right error in one line naming the file, no output left, the
+# input unchanged, no payload run. The case number in a test's name is the class of attack (case1: code globals ..
+# case6: builtin containers).
+
+
+@pytest.mark.parametrize("evil_first", [False, True], ids=["pkl-first", "pkL-first"])
+def test_case4_pickle_names_differing_in_case_are_refused(tmp_path: Path, evil_first: bool) -> None:
+    marker = tmp_path / "PWNED"
+    evil = P.proto(2) + P.call(P.glob("os", "system"), P.string(f"touch '{marker}'")) + P.stop()
+    data = hostile.name_confusion(evil, evil_first=evil_first)
+    refused_everywhere(tmp_path, data, Expect(FormatError), marker=marker)
+
+
+def _outcomes(tmp_path: Path, src: Path) -> dict[str, Any]:
+    """What each entry point makes of ``src``: an error class, or the model's values."""
+    seen: dict[str, Any] = {}
+    try:
+        seen["load"] = ckptfix.load(src)["model"]["w"].tolist()
+    except CkptfixError as e:
+        seen["load"] = type(e).__name__
+    for fast in (True, False):
+        out = tmp_path / f"agree-{fast}.pt"
+        try:
+            ckptfix.convert_file(src, out, fast=fast)
+            seen[f"convert(fast={fast})"] = ckptfix.load(out)["model"]["w"].tolist()
+        except CkptfixError as e:
+            seen[f"convert(fast={fast})"] = type(e).__name__
+    result = invoke("inspect", src, "--json")
+    if result.exit_code == 0:
+        summary = json.loads(result.stdout)
+        seen["inspect"] = "ok" if summary else "empty"
+    else:
+        seen["inspect"] = f"exit {result.exit_code}"
+    return seen
+
+
+@pytest.mark.parametrize("absolute", [False, True], ids=["offsets-relative", "offsets-absolute"])
+def test_case4_concatenated_archives_read_the_same_everywhere(tmp_path: Path, absolute: bool) -> None:
+    src = tmp_path / "two.pt"
+    src.write_bytes(hostile.concatenated(absolute=absolute))
+    seen = _outcomes(tmp_path, src)
+    answers = {repr(v) for k, v in seen.items() if k != "inspect"}
+    assert len(answers) == 1, f"entry points disagree on which archive this is: {seen}"
+    assert (seen["inspect"] == "ok") == isinstance(seen["load"], list), f"inspect disagrees with load: {seen}"
+
+
+@pytest.mark.parametrize("absolute", [False, True], ids=["offsets-relative", "offsets-absolute"])
+def test_case4_concatenated_archives_are_refused(tmp_path: Path, absolute: bool) -> None:
+    """The preferred answer to two archives in one file: refuse it rather than pick one."""
+    refused_everywhere(tmp_path, hostile.concatenated(absolute=absolute), Expect(FormatError))
+
+
+def test_case4_many_directory_entries_for_one_record(tmp_path: Path) -> None:
+    src = tmp_path / "many.pt"
+    src.write_bytes(hostile.many_entries())
+    with pytest.raises(FormatError):
+        ckptfix.load(src)
+    outs = [tmp_path / n for n in ("fast.pt", "torch.pt", "fast.safetensors", "torch.safetensors")]
+    ops: list[dict[str, Any]] = [
+        cli_op("convert", src, outs[0]),
+        cli_op("convert", src, outs[1], "--no-fast"),
+        cli_op("convert", src, outs[2]),
+        cli_op("convert", src, outs[3], "--no-fast"),
+        cli_op("inspect", src),
+    ]
+    # 2,000 tensors of 1 MiB each would make a 2 GiB output: the child may write 64 MiB at most.
+    results = run_ops(tmp_path, ops, timeout=180, file_bytes=64 << 20)
+    problems = bounded_cli_problems(results, ops, codes=[2], seconds=30, source=str(src))
+    problems += [f"{o.name} was written" for o in outs if o.exists()]
+    assert not problems, "\n".join(problems)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests import hostile
+from tests.entry_points import bounded_cli_problems, cli_op, run_ops
 from tests.measured import digest, refused, run
 
 # Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
@@ -74,3 +77,41 @@ def test_the_library_walks_deep_nesting_as_the_cli_does(tmp_path: Path) -> None:
     assert ckptfix.summarize(src)["models"]
     assert ckptfix.diff(ckptfix.load(src), ckptfix.load(tmp_path / "cTrue.pt")).equal
     assert sys.getrecursionlimit() == limit
+
+
+# Hostile files made byte by byte (tests/hostile.py) against every entry point (tests/entry_points.py): both
+# conversion paths, load and inspect refuse them with the right error in one line naming the file, no output left, the
+# input unchanged, no payload run. The case number in a test's name is the class of attack (case1: code globals ..
+# case6: builtin containers).
+
+
+@pytest.mark.parametrize("shape", ["self-list", "self-dict", "deep-1e5"])
+def test_case5_cycles_and_deep_nesting_are_refused_in_one_line(tmp_path: Path, shape: str) -> None:
+    makers: dict[str, Callable[[], bytes]] = {
+        "self-list": hostile.self_list_pickle,
+        "self-dict": hostile.self_dict_pickle,
+        "deep-1e5": lambda: hostile.deep_pickle(100_000),
+    }
+    pkl = makers[shape]()
+    src = tmp_path / "x.pt"
+    src.write_bytes(hostile.torch_zip_file(pkl, {"0": hostile.floats(1.0, 2.0)}))
+    ops: list[dict[str, Any]] = [
+        {"kind": "load", "path": str(src)},
+        {"kind": "convert", "src": str(src), "dst": str(tmp_path / "a.pt"), "fast": True},
+        {"kind": "convert", "src": str(src), "dst": str(tmp_path / "b.pt"), "fast": False},
+        {"kind": "convert", "src": str(src), "dst": str(tmp_path / "c.safetensors"), "fast": True},
+        cli_op("convert", src, tmp_path / "d.pt"),
+        cli_op("convert", src, tmp_path / "e.pt", "--no-fast"),
+        cli_op("inspect", src),
+    ]
+    results = run_ops(tmp_path, ops, timeout=120)
+    problems = [
+        f"{op['kind']} {op.get('fast', '')}: {r['error']}: {r.get('message', '')[:200]}"
+        for op, r in zip(ops[:4], results[:4], strict=True)
+        if r["error"] != "FormatError"
+    ]
+    problems += bounded_cli_problems(results[4:], ops[4:], codes=[2], seconds=10, source=str(src))
+    problems += [
+        f"{n} was written" for n in ("a.pt", "b.pt", "c.safetensors", "d.pt", "e.pt") if (tmp_path / n).exists()
+    ]
+    assert not problems, "\n".join(problems)
