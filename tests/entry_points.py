@@ -32,7 +32,7 @@ from ckptfix.cli import cli
 from ckptfix.errors import CkptfixError, UnsafeCheckpointError
 from ckptfix.formats.pickles import inert, unpickling
 from ckptfix.formats.safety import allowlist
-from tests.test_parity import check_parity
+from tests.parity import check_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 1 << 30

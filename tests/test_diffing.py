@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from torch import nn
 
 import ckptfix
+from ckptfix.cli import cli
 from ckptfix.diffing import diff, diff_files, same_bytes, tensor_diff
+from tests.assertions import _bits_state, _values
 from tests.models import SmallNet
+from tests.sharded_writers import _dcp_save
 
 
 def _ckpt(state: dict[str, torch.Tensor], epoch: int = 3) -> dict[str, object]:
@@ -164,3 +168,14 @@ def test_bytes_of_tensors_off_the_cpu_are_compared_as_bits() -> None:
     nan = torch.tensor([float("nan"), 1.0])
     assert torch.equal(_bits(nan), _bits(nan.clone())) and not torch.equal(nan, nan)
     assert _bits(torch.tensor(1.0)).shape == (4,) and _bits(torch.ones(2, 3).t()).shape == (24,)
+
+
+# Faithful to what torch and safetensors write: math bits, container types, key order of empty tensors.
+
+
+def test_diff_reads_the_math_bits_of_a_dcp_folder(tmp_path: Path) -> None:
+    state = _bits_state()
+    _dcp_save(state, tmp_path / "dcp")
+    torch.save(_values(state), tmp_path / "values.pt")
+    result = CliRunner().invoke(cli, ["diff", str(tmp_path / "dcp"), str(tmp_path / "values.pt")])
+    assert result.exit_code == 0 and result.output.rstrip().endswith("equal"), result.output

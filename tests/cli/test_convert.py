@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
+from tests import st_spec
 from tests.inputs import FOLDERS, _hf, _refused
 from tests.models import PROBE, make_net
 
@@ -173,3 +174,27 @@ def test_an_index_files_shards_are_inputs_too(tmp_path: Path) -> None:
     # beside the shards, a new file reads nothing it overwrites: allowed
     result = CliRunner().invoke(cli, ["convert", str(index), str(folder / "single.safetensors"), "--to", "single"])
     assert result.exit_code == 0, result.output
+
+
+# Faithful to what torch and safetensors write: math bits, container types, key order of empty tensors.
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-fast"]], ids=["fast", "torch"])
+def test_cli_convert_resolves_math_bits_and_inspect_reads_them(tmp_path: Path, flag: list[str]) -> None:
+    state = {"w": torch.conj(torch.tensor([1 + 2j, 3 - 4j]))}
+    torch.save(state, tmp_path / "c.pt")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["convert", str(tmp_path / "c.pt"), str(tmp_path / "c.safetensors"), *flag])
+    assert result.exit_code == 0, result.output
+    assert torch.equal(st_spec.load_file(tmp_path / "c.safetensors")["w"], torch.tensor([1 - 2j, 3 + 4j]))
+    for path in ("c.pt", "c.safetensors"):
+        shown = runner.invoke(cli, ["inspect", str(tmp_path / path)])
+        assert shown.exit_code == 0, shown.output
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-fast"]], ids=["fast", "torch"])
+def test_cli_convert_keeps_a_dict(tmp_path: Path, flag: list[str]) -> None:
+    torch.save({"x": torch.randn(2, 2)}, tmp_path / "a.pt")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), *flag])
+    assert result.exit_code == 0, result.output
+    assert type(torch.load(tmp_path / "b.pt", weights_only=True)) is dict

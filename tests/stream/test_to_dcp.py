@@ -29,6 +29,7 @@ from ckptfix.stream import to_dcp
 from tests import sharded_writers
 from tests.assertions import assert_equal
 from tests.deepspeed_runs import RUNS
+from tests.models import SmallNet
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 ZERO = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
@@ -301,3 +302,25 @@ def test_a_dtype_this_torch_lacks_is_refused_in_one_line(tmp_path: Path, monkeyp
         f"represent; upgrade torch"
     )
     assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+# Faithful to what torch and safetensors write: math bits, container types, key order of empty tensors.
+
+
+def test_a_dcp_output_says_which_keys_become_strings(tmp_path: Path) -> None:
+    # DCP stores every key as a string: an optimizer's int-keyed state comes back keyed '0', '1', ...
+    net = SmallNet()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 8, 8)).sum().backward()
+    opt.step()
+    torch.save({"model": net.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "full.pt")
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "full.pt"), str(tmp_path / "dcp") + "/"])
+    assert result.exit_code == 0, result.output
+    count = len(opt.state_dict()["state"])  # its keys; param_groups' lists of ints stay ints
+    assert (
+        f"ckptfix: DCP keeps keys as strings: {count} non-string key(s) become strings (e.g. 'optimizer.state.0')"
+        in result.stderr
+    )
+    assert set(ckptfix.load(tmp_path / "dcp")["optimizer"]["state"]) == {str(k) for k in opt.state_dict()["state"]}
+    plain = CliRunner().invoke(cli, ["convert", str(tmp_path / "full.pt"), str(tmp_path / "m") + "/", "--model-only"])
+    assert plain.exit_code == 0 and "DCP keeps keys as strings" not in plain.stderr

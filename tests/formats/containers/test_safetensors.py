@@ -8,12 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors
+import safetensors.torch
+import torch
+from click.testing import CliRunner
 
 import ckptfix
+from ckptfix.cli import cli
 from ckptfix.errors import FormatError
 from tests import hostile
+from tests.assertions import assert_same
+from tests.dtype_files import BYTE_DTYPES, QUANTIZED, make
 from tests.entry_points import Expect, _consistent, refused_everywhere
 from tests.measured import OUTPUTS, refused
+from tests.parity import PATHS
 
 # Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
 # file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).
@@ -118,3 +126,55 @@ def test_case5_surrogate_in_a_safetensors_key(tmp_path: Path) -> None:
     src.write_bytes(hostile.st_file(raw=raw, data=hostile.floats(1.0, 2.0)))
     problems = _consistent(tmp_path, src, key="a\ud800b")
     assert not problems, "\n".join(problems)
+
+
+# Faithful to what torch and safetensors write: math bits, container types, key order of empty tensors.
+
+
+def _header_keys(path: Path) -> list[str]:
+    """The tensor names in the order the file's JSON header lists them."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return [k for k, _ in json.loads(raw[8 : 8 + n], object_pairs_hook=list) if k != "__metadata__"]
+
+
+@pytest.mark.parametrize("formats", [("pt", "safetensors"), ("safetensors", "safetensors"), ("safetensors", "pt")])
+@pytest.mark.parametrize("fast", PATHS)
+def test_zero_size_tensors_keep_their_key_order(tmp_path: Path, fast: bool, formats: tuple[str, str]) -> None:
+    # z20, z0 and z023 share one offset: their order is the JSON header's alone (sorted by name, it changed)
+    state = {"w": torch.randn(3), "z20": torch.zeros(0), "z0": torch.zeros(0, 3), "z023": torch.zeros(2, 0),
+             "b": torch.ones(2), "a": torch.zeros(0, dtype=torch.int64)}  # fmt: skip
+    src, dst = tmp_path / f"in.{formats[0]}", tmp_path / f"out.{formats[1]}"
+    ckptfix.save(state, src)
+    ckptfix.convert_file(src, dst, fast=fast)
+    assert_same(dict(ckptfix.load(dst)), state)  # key order included (.safetensors records no container type)
+    if formats[1] == "pt":
+        assert list(torch.load(dst, weights_only=True)) == list(state)
+        return
+    assert _header_keys(dst) == list(state)
+    with safetensors.safe_open(dst, "pt") as f:  # the library lists names sorted, whatever the file says
+        assert list(f.keys()) == sorted(state)
+        for key, value in state.items():
+            assert torch.equal(f.get_tensor(key), value), key
+
+
+# Faithful to every file torch can write (dtypes, CRC-less saves, odd keys, layouts, devices), each made by torch
+# itself: carried bit for bit, or refused with exit 2 in one line saying it is not supported yet; never called
+# corrupt.
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "torch-path"])
+@pytest.mark.parametrize("name", (*BYTE_DTYPES, *QUANTIZED, "qint8"))
+def test_a_dtype_safetensors_has_no_code_for_is_refused_in_one_line(tmp_path: Path, name: str, fast: bool) -> None:
+    src, out = tmp_path / f"{name}.pt", tmp_path / "out.safetensors"
+    torch.save({"w": make(name)[next(iter(make(name)))]}, src)
+    result = CliRunner().invoke(cli, ["convert", str(src), str(out), *([] if fast else ["--no-fast"])])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1
+    assert f"not supported yet: dtype {name}" in result.output
+    assert "corrupt" not in result.output
+    assert not out.exists()

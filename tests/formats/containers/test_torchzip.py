@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptfix
+from ckptfix.cli import cli
 from ckptfix.conversion import convert_file
 from ckptfix.errors import FormatError
 from tests import hostile
@@ -58,3 +60,30 @@ BYPASSES = hostile.storage_bypasses()
 @pytest.mark.parametrize("name", list(BYPASSES))
 def test_case3_storage_bypasses_are_refused(tmp_path: Path, name: str) -> None:
     refused_everywhere(tmp_path, BYPASSES[name], Expect(FormatError), secret=hostile.SECRET)
+
+
+# Faithful to every file torch can write (dtypes, CRC-less saves, odd keys, layouts, devices), each made by torch
+# itself: carried bit for bit, or refused with exit 2 in one line saying it is not supported yet; never called
+# corrupt.
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.skipif(
+    not hasattr(torch.serialization, "skip_data"), reason=f"torch {torch.__version__} has no serialization.skip_data"
+)
+def test_a_file_saved_under_skip_data_is_refused_as_what_it_is(tmp_path: Path) -> None:
+    src = tmp_path / "skipped.pt"
+    with torch.serialization.skip_data():
+        torch.save({"w": torch.ones(3), "b": torch.ones(2)}, src)
+    message = "saved with skip_data: no tensor bytes"
+    for args in (["inspect", str(src)], ["convert", str(src), str(tmp_path / "out.pt")], ["convert", "--no-fast",
+                 str(src), str(tmp_path / "out.safetensors")]):  # fmt: skip
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "CRC" not in result.output
+        assert result.output.count("\n") == 1
+    with pytest.raises(ckptfix.FormatError, match=message):
+        ckptfix.load(src)

@@ -7,17 +7,22 @@ import json
 import pickle
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptfix
+from ckptfix.cli import cli
 from ckptfix.errors import CkptfixError, FormatError
 from tests import hostile
+from tests.dtype_files import PATHS, _inspect, _random, assert_bits
 from tests.entry_points import Expect, bounded_cli_problems, cli_op, invoke, refused_everywhere, run_ops
 from tests.hostile import P, Payload, torch_zip
+from tests.writers import save_without_crcs, without_crcs
 
 # Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
 
@@ -142,3 +147,79 @@ def test_case4_many_directory_entries_for_one_record(tmp_path: Path) -> None:
     problems = bounded_cli_problems(results, ops, codes=[2], seconds=30, source=str(src))
     problems += [f"{o.name} was written" for o in outs if o.exists()]
     assert not problems, "\n".join(problems)
+
+
+# Faithful to every file torch can write (dtypes, CRC-less saves, odd keys, layouts, devices), each made by torch
+# itself: carried bit for bit, or refused with exit 2 in one line saying it is not supported yet; never called
+# corrupt.
+
+
+def _zero_crcs(path: Path, names: Callable[[str], bool]) -> None:
+    """Set the central-directory CRC of the records ``names`` picks to 0, as a damaged or altered file might."""
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        length = int.from_bytes(data[at + 28 : at + 30], "little")
+        if names(data[at + 46 : at + 46 + length].decode()):
+            data[at + 16 : at + 20] = bytes(4)
+        at = data.find(b"PK\x01\x02", at + 46)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@without_crcs
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_file_saved_without_crcs_is_read_as_torch_reads_it(tmp_path: Path, path: str) -> None:
+    src = tmp_path / "fast.pt"
+    state = {"w": _random(torch.float32, (3, 5)), "b": _random(torch.bfloat16, (7,))}
+    save_without_crcs(state, src)
+    assert_bits(PATHS[path](src, tmp_path), state)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@without_crcs
+def test_inspect_and_convert_say_no_crc_is_stored(tmp_path: Path) -> None:
+    src = tmp_path / "fast.pt"
+    save_without_crcs({"w": torch.ones(3)}, src)
+    assert _inspect(src, "--json")["crc_stored"] is False
+    assert "no CRC stored: bytes not verified" in _inspect(src)
+    assert "verified: every record read (it stores no CRC to check)" in _inspect(src, "--verify")
+    for fast in ([], ["--no-fast"]):
+        result = CliRunner().invoke(cli, ["convert", "-v", str(src), str(tmp_path / "out.pt"), *fast, "--force"])
+        assert result.exit_code == 0, result.output
+        assert "no CRC stored: bytes not verified" in result.output
+    assert "crc_stored" not in _inspect(tmp_path / "out.pt", "--json")  # torch.save wrote CRCs this time
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@without_crcs
+@pytest.mark.parametrize(
+    "zeroed", ["one storage", "every storage", "all but data.pkl"], ids=lambda z: z.replace(" ", "-")
+)
+def test_only_a_file_with_every_crc_zero_is_read_unchecked(tmp_path: Path, zeroed: str) -> None:
+    state = {"w": torch.ones(3), "b": torch.ones(2)}
+    save_without_crcs(state, tmp_path / "fast.pt")
+    assert_bits(ckptfix.load(tmp_path / "fast.pt"), state)  # every CRC 0, as torch writes it: read unchecked
+    src = tmp_path / "altered.pt"
+    torch.save(state, src)
+    picks = {
+        "one storage": lambda name: name.endswith("/data/1"),
+        "every storage": lambda name: "/data/" in name,
+        "all but data.pkl": lambda name: not name.endswith("data.pkl"),
+    }
+    _zero_crcs(src, picks[zeroed])
+    for args in (["convert", str(src), str(tmp_path / "out.pt")], ["inspect", "--verify", str(src)]):
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 2, result.output
+        assert "fails its CRC check (stored 00000000" in result.output
+    with pytest.raises(ckptfix.FormatError, match="fails its CRC check"):
+        ckptfix.load(src)

@@ -20,10 +20,12 @@ import ckptfix
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats.folders import dcp as dcp_folders
 from ckptfix.torchcompat import dcp_save_local
-from tests import sharded_writers
-from tests.assertions import assert_equal
+from tests import sharded_writers, st_spec
+from tests.assertions import _assert_values, _bits_state, _values, assert_equal, assert_same
 from tests.measured import OUTPUTS, refused
 from tests.models import SmallNet
+from tests.parity import PATHS
+from tests.sharded_writers import _dcp_save, _dcp_truth
 
 _equal = functools.partial(assert_equal, ordered=False)  # DCP keeps no key order
 
@@ -497,3 +499,28 @@ def test_chunks_that_do_not_tile_are_refused(boxes: list[Any], message: str) -> 
     size = 1000 if len(boxes) > 100 else 4
     with pytest.raises(FormatError, match=message.replace("[", r"\[").replace("]", r"\]")):
         dcp_folders._check_tiling("w", (size,), boxes, source="x/.metadata")
+
+
+# Faithful to what torch and safetensors write: math bits, container types, key order of empty tensors.
+
+
+@pytest.mark.parametrize("ext", ["pt", "safetensors"])
+@pytest.mark.parametrize("fast", PATHS)
+def test_math_bits_of_a_dcp_input_are_resolved(tmp_path: Path, fast: bool, ext: str) -> None:
+    state = _bits_state()
+    _dcp_save(state, tmp_path / "dcp")  # dcp.save pickles each tensor as torch.save does: bits and all
+    out = tmp_path / f"out.{ext}"
+    ckptfix.convert_file(tmp_path / "dcp", out, fast=fast)
+    got = torch.load(out, weights_only=True) if ext == "pt" else st_spec.load_file(out)
+    _assert_values(got, _values(state))
+    _assert_values(ckptfix.load(tmp_path / "dcp"), _values(_dcp_truth(tmp_path / "dcp", tmp_path)))
+
+
+@pytest.mark.parametrize("fast", PATHS)
+def test_a_dcp_folder_to_pt_gives_what_dcp_itself_gives(tmp_path: Path, fast: bool) -> None:
+    # DCP records no container type: its reader rebuilds plain dicts, and so does ckptfix
+    _dcp_save({"model": SmallNet().state_dict(), "step": 3}, tmp_path / "dcp")
+    ckptfix.convert_file(tmp_path / "dcp", tmp_path / "out.pt", fast=fast)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert_same(got, _dcp_truth(tmp_path / "dcp", tmp_path))
+    assert type(got) is dict and type(got["model"]) is dict

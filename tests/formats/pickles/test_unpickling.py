@@ -32,7 +32,7 @@ from tests.entry_points import (
 )
 from tests.hostile import PAYLOADS, P, Payload, torch_zip
 from tests.models import make_net
-from tests.test_parity import check_parity
+from tests.parity import check_parity
 
 # Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
 

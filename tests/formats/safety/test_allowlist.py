@@ -22,7 +22,7 @@ from tests.entry_points import Expect, invoke, refused_everywhere
 from tests.hostile import P
 from tests.measured import ROOT
 from tests.models import make_net
-from tests.test_parity import check_parity
+from tests.parity import check_parity
 
 # Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
 # file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).

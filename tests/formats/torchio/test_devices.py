@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.dtype_files import _inspect, _quantized
 from tests.models import make_net, wrap
 from tests.writers import saved_as
 
@@ -115,3 +116,28 @@ def test_a_real_cuda_save_converts_back_to_cuda_tensors(tmp_path: Path, fast: bo
     assert list(got) == list(want)
     for key, value in want.items():
         assert got[key].device == value.device and torch.equal(got[key], value), key
+
+
+# Faithful to every file torch can write (dtypes, CRC-less saves, odd keys, layouts, devices), each made by torch
+# itself: carried bit for bit, or refused with exit 2 in one line saying it is not supported yet; never called
+# corrupt.
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("quantized", [False, True], ids=["described", "loaded-with-torch"])
+def test_inspect_says_which_devices_the_storages_were_saved_on(tmp_path: Path, quantized: bool) -> None:
+    from tests.writers import saved_as
+
+    src = tmp_path / "mixed.pt"
+    on_gpu = [torch.ones(3), torch.ones(4)]
+    state = {"a": on_gpu[0], "b": on_gpu[1], "tied": on_gpu[0], "c": torch.zeros(2)}
+    if quantized:  # a file ckptfix hands to torch.load: the tags still come from its description
+        state["q"] = _quantized("qint8")
+    with saved_as("cuda:0", only=on_gpu):
+        torch.save(state, src)
+    summary = _inspect(src, "--json")
+    assert summary["devices"] == {"cuda:0": 2, "cpu": 1 + quantized}  # storages, not tensors: "tied" is "a"
+    assert f"saved on: cuda:0 ×2, cpu ×{1 + quantized} (the device tags of its storages)" in _inspect(src)

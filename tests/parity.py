@@ -1,10 +1,10 @@
-"""Both conversion paths give the same answer on every input, intact or damaged.
+"""Both conversion paths on one input, and a deterministic corpus of inputs, intact or damaged.
 
-For each file of a deterministic corpus (every fixture, a generated .pt and .safetensors, and mutations of
-each), ``convert_file(fast=True)`` (the streaming path) and ``convert_file(fast=False)`` (the torch path) are
-run to ``.pt`` and to ``.safetensors``. Either both refuse with the same error class and leave no output, or
-both succeed and their outputs, read back with ``ckptfix.load``, hold the same keys in the same order, the
-same values bit for bit (``torch.equal`` and more: NaN payloads too) and the same tied tensors.
+For each file of the corpus (every fixture, a generated .pt and .safetensors, and mutations of each),
+``convert_file(fast=True)`` (the streaming path) and ``convert_file(fast=False)`` (the torch path) are run to
+``.pt`` and to ``.safetensors`` (:func:`check_parity`). Either both refuse with the same error class and leave no
+output, or both succeed and their outputs, read back with ``ckptfix.load``, hold the same keys in the same order,
+the same values bit for bit (``torch.equal`` and more: NaN payloads too) and the same tied tensors.
 
 Two disagreements are known and kept in the corpus on purpose (they fail until the format layer is shared):
 ``known-local-flags-differ`` (a local header whose flags differ from its central directory entry) and
@@ -30,8 +30,6 @@ from ckptfix.errors import CkptfixError
 from tests import hostile
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-# Fixtures whose pickle needs one more global: converted with it allowed, on both paths.
-ALLOW: dict[str, tuple[str, ...]] = {"namespace_args.pt": ("argparse.Namespace",)}
 
 
 def generated_pt() -> bytes:
@@ -101,9 +99,6 @@ def _base_bytes(name: str) -> bytes:
 def case_bytes(base: Base, mutation: str | None) -> bytes:
     data = _base_bytes(base.name)
     return data if mutation is None else base.mutations.items[mutation](data)
-
-
-# --- running and comparing -------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -242,53 +237,4 @@ def check_parity(tmp_path: Path, data: bytes, suffix: str, allow: tuple[str, ...
     return problems
 
 
-@pytest.mark.parametrize(("base", "mutation"), CASES, ids=[f"{b.name}:{m or 'intact'}" for b, m in CASES])
-def test_parity(tmp_path: Path, base: Base, mutation: str | None) -> None:
-    problems = check_parity(tmp_path, case_bytes(base, mutation), base.suffix, ALLOW.get(base.name, ()))
-    assert not problems, "\n".join(problems)
-
-
-def test_corpus_is_deterministic_and_covers_both_known_disagreements() -> None:
-    assert generated_pt() == generated_pt()
-    assert generated_st() == generated_st()
-    ids = [f"{b.name}:{m or 'intact'}" for b, m in CASES]
-    assert len(ids) == len(set(ids))
-    assert "generated.pt:known-local-flags-differ" in ids
-    assert "generated.safetensors:known-header-order-differs" in ids
-    # every mutation really changes its base, so no case silently tests the intact file twice
-    unchanged = [f"{b.name}:{m}" for b, m in CASES if m is not None and case_bytes(b, m) == _base_bytes(b.name)]
-    assert not unchanged
-
-
-def test_known_local_flags_differ(tmp_path: Path) -> None:
-    """Known disagreement (1): the torch path refuses a local header that contradicts the directory; the fast
-    path must too (or both accept it: the same answer either way)."""
-    data = hostile.local_flags_differ(generated_pt())
-    assert not check_parity(tmp_path, data, ".pt")
-
-
-def test_known_header_order_differs(tmp_path: Path) -> None:
-    """Known disagreement (2): header order b, a; data order a, b. Both paths must give the same order."""
-    header = {
-        "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
-        "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-    }
-    src = tmp_path / "order.safetensors"
-    src.write_bytes(hostile.st_file(header, hostile.floats(1.0, 2.0)))
-    orders = {}
-    for target in (".pt", ".safetensors"):
-        for fast in (True, False):
-            out = tmp_path / f"out-{fast}{target}"
-            ckptfix.convert_file(src, out, fast=fast)
-            loaded = ckptfix.load(out)
-            orders[(target, fast)] = list(loaded)
-            assert loaded["a"].item() == 1.0 and loaded["b"].item() == 2.0
-    assert orders[(".pt", True)] == orders[(".pt", False)], orders
-    assert orders[(".safetensors", True)] == orders[(".safetensors", False)], orders
-
-
-@pytest.mark.parametrize("opcode", [*hostile.EXOTIC_OPCODES, "FRAME"])
-def test_parity_on_opcodes_torch_does_not_read(tmp_path: Path, opcode: str) -> None:
-    """The streaming reader must not accept a pickle the torch path refuses (nor the reverse)."""
-    problems = check_parity(tmp_path, hostile.exotic_opcode_file(opcode), ".pt")
-    assert not problems, "\n".join(problems)
+PATHS = [pytest.param(True, id="fast"), pytest.param(False, id="torch")]
