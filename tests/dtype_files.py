@@ -99,3 +99,9 @@ def _quantized_linear() -> torch.nn.Module:
     weight = torch.quantize_per_tensor(torch.randn(3, 4, generator=g), 0.05, 0, torch.qint8)
     m.set_weight_bias(weight, torch.randn(3, generator=g))
     return m
+
+
+MATH_BITS = {
+    "neg": (torch.arange(4.0), lambda x: torch._neg_view(x)),
+    "conj": (torch.tensor([1 + 2j, 3 - 4j]), lambda z: z.conj()),
+}

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.diffing import diff, diff_files, same_bytes, tensor_diff
 from tests.assertions import _bits_state, _values
+from tests.dtype_files import MATH_BITS
 from tests.models import SmallNet
 from tests.sharded_writers import _dcp_save
 
@@ -179,3 +180,74 @@ def test_diff_reads_the_math_bits_of_a_dcp_folder(tmp_path: Path) -> None:
     torch.save(_values(state), tmp_path / "values.pt")
     result = CliRunner().invoke(cli, ["diff", str(tmp_path / "dcp"), str(tmp_path / "values.pt")])
     assert result.exit_code == 0 and result.output.rstrip().endswith("equal"), result.output
+
+
+# diff and merge compare what torch.load gives, never a cheaper stand-in: a neg or conj view's bytes are not its
+# values; a byte-order record torch finds (its lookup ignores case) swaps every storage; integers are compared as
+# integers, never after a cast to float64.
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _save(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize("bit", list(MATH_BITS))
+def test_a_math_bit_view_is_compared_by_its_values(bit: str, tmp_path: Path) -> None:
+    base, view = MATH_BITS[bit]
+    plain = _save(tmp_path / "plain.pt", {"w": base})
+    bits = _save(tmp_path / "bits.pt", {"w": view(base)})
+    assert not torch.equal(torch.load(plain)["w"], torch.load(bits)["w"])
+    report = diff_files(plain, bits)
+    assert not report.equal
+    assert report.entries[0].values[0].max_abs == pytest.approx(
+        float((torch.load(plain)["w"] - torch.load(bits)["w"]).abs().max())
+    )
+    assert run("diff", plain, bits).exit_code == 1
+    # the same values through the bit: equal
+    same = _save(tmp_path / "same.pt", {"w": view(view(base).resolve_neg().resolve_conj())})
+    assert torch.equal(torch.load(same)["w"], base)
+    assert diff_files(plain, same).equal
+
+
+def _int_dtypes() -> list[torch.dtype]:
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"]
+    return [getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)]
+
+
+def _extremes(dtype: torch.dtype) -> tuple[int, int]:
+    if dtype is torch.bool:
+        return 0, 1
+    info = torch.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+@pytest.mark.parametrize("a, b", [(2**53, 2**53 + 1), (2**60, 2**60 + 1), (-(2**63), 2**63 - 1)])
+def test_int64_values_are_compared_as_integers(a: int, b: int, tmp_path: Path) -> None:
+    x = _save(tmp_path / "x.pt", {"w": torch.tensor([a, 0])})
+    y = _save(tmp_path / "y.pt", {"w": torch.tensor([b, 0])})
+    report = diff_files(x, y)
+    assert not report.equal
+    assert report.entries[0].values[0].max_abs == float(abs(a - b))
+    assert run("diff", x, y).exit_code == 1
+    out = tmp_path / "merged.pt"
+    result = run("merge", x, y, "-o", out, "--json")
+    assert result.exit_code == 1 and json.loads(result.stdout)["parameters_match"] is False
+
+
+@pytest.mark.parametrize("dtype", _int_dtypes(), ids=str)
+def test_every_integer_dtype_is_compared_exactly(dtype: torch.dtype, tmp_path: Path) -> None:
+    low, high = _extremes(dtype)
+    for a, b in [(high, high - 1), (low, high), (low, low + 1)]:
+        x = _save(tmp_path / "x.pt", {"w": torch.tensor([a, low, high], dtype=dtype)})
+        y = _save(tmp_path / "y.pt", {"w": torch.tensor([b, low, high], dtype=dtype)})
+        report = diff_files(x, y)
+        assert not report.equal, (dtype, a, b)
+        assert report.entries[0].values[0].max_abs == float(abs(a - b)), (dtype, a, b)
+        assert diff_files(x, x).equal
+        # within a tolerance: integers too
+        assert diff_files(x, y, atol=float(abs(a - b))).equal

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.conversion import convert_file
+from ckptfix.diffing import diff_files
 from ckptfix.errors import FormatError
 from tests import hostile
 from tests.entry_points import Expect, refused_everywhere
@@ -87,3 +90,65 @@ def test_a_file_saved_under_skip_data_is_refused_as_what_it_is(tmp_path: Path) -
         assert result.output.count("\n") == 1
     with pytest.raises(ckptfix.FormatError, match=message):
         ckptfix.load(src)
+
+
+# diff and merge compare what torch.load gives, never a cheaper stand-in: a neg or conj view's bytes are not its
+# values; a byte-order record torch finds (its lookup ignores case) swaps every storage; integers are compared as
+# integers, never after a cast to float64.
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _save(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    torch.save(state, path)
+    return path
+
+
+def _upper_case_big_endian(path: Path) -> Path:
+    """A real torch.save file whose byte-order record is renamed ``BYTEORDER`` and says ``big``."""
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buffer)
+    records = hostile.read_records(buffer.getvalue())
+    renamed = [
+        replace(r, name=r.name[: -len("byteorder")] + "BYTEORDER", data=b"big") if r.name.endswith("/byteorder") else r
+        for r in records
+    ]
+    path.write_bytes(hostile.build_zip(renamed))
+    return path
+
+
+def test_a_byteorder_record_is_found_as_torch_finds_it(tmp_path: Path) -> None:
+    le = _save(tmp_path / "le.pt", {"w": torch.arange(4.0)})
+    be = _upper_case_big_endian(tmp_path / "be.pt")
+    expected = torch.load(be)["w"]
+    assert not torch.equal(expected, torch.arange(4.0))  # torch found the record and swapped the bytes
+    assert not diff_files(le, be).equal
+    assert run("diff", le, be).exit_code == 1
+    assert torch.equal(ckptfix.load(be)["w"], expected)
+    for fast in (True, False):
+        out = tmp_path / f"out{fast}.safetensors"
+        ckptfix.convert_file(be, out, fast=fast)
+        assert torch.equal(ckptfix.load(out)["w"], expected), fast
+    out = tmp_path / "cli.safetensors"
+    assert run("convert", be, out).exit_code == 0
+    assert torch.equal(ckptfix.load(out)["w"], expected)
+    merged = tmp_path / "merged.pt"
+    assert run("merge", le, be, "-o", merged).exit_code == 1 and not merged.exists()
+
+
+def test_a_storage_record_spelled_in_upper_case_is_read_as_torch_reads_it(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0), "v": torch.ones(2)}, buffer)
+    records = [replace(r, name=r.name.replace("/data/0", "/DATA/0")) for r in hostile.read_records(buffer.getvalue())]
+    odd = tmp_path / "odd.pt"
+    odd.write_bytes(hostile.build_zip(records))
+    expected = torch.load(odd)
+    plain = _save(tmp_path / "plain.pt", expected)
+    assert diff_files(plain, odd).equal
+    assert all(torch.equal(ckptfix.load(odd)[k], v) for k, v in expected.items())
+    for fast in (True, False):
+        out = tmp_path / f"out{fast}.safetensors"
+        ckptfix.convert_file(odd, out, fast=fast)
+        assert all(torch.equal(ckptfix.load(out)[k], v) for k, v in expected.items()), fast
