@@ -22,8 +22,8 @@ import torch
 
 import ckptfix
 from ckptfix.errors import FormatError
-from tests.test_deepspeed import _EditUnpickler, _StubPickler, copy_run, expected, refusal, run_cli
-from tests.test_deepspeed_claims import digests, swap
+from tests.formats.folders.test_deepspeed import _EditUnpickler, _StubPickler, copy_run, expected, refusal, run_cli
+from tests.formats.folders.test_deepspeed_claims import digests, swap
 
 DTYPES = ["fp32", "bf16", "fp16"]
 MODULE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
