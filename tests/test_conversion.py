@@ -1,3 +1,7 @@
+"""ckptfix.conversion: ``convert_file`` on both paths (streamed and torch) between every pair of formats, the two
+paths held to one answer on a corpus of intact and damaged files (``test_parity``), and every file of the corpus
+through every operation (``test_corpus``)."""
+
 from __future__ import annotations
 
 import argparse

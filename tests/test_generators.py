@@ -1,5 +1,6 @@
 """The test generators make what the real writers make: each hostile generator minus its attack is a file both
-paths accept, and torch itself reads the archives and legacy files written byte by byte."""
+paths accept, torch itself reads the archives and legacy files written byte by byte, and the corpora
+(tests/parity.py, tests/corpus.py) are deterministic and cover every case class."""
 
 from __future__ import annotations
 

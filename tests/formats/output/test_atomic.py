@@ -1,4 +1,7 @@
-"""``--force`` (``overwrite=True``) is one rule for files and folders: an existing output is refused (exit 2, naming
+"""ckptfix.formats.output.atomic: outputs written whole or not at all, never onto an input, with the mode the umask
+gives.
+
+``--force`` (``overwrite=True``) is one rule for files and folders: an existing output is refused (exit 2, naming
 the flag) unless asked, and then replaced only once the new one is whole; a folder output (a DCP folder, a shard
 set) is written beside the old one and swapped in, never onto anything but a checkpoint, never onto an input."""
 
