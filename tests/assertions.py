@@ -51,3 +51,25 @@ def assert_equal(got: Any, want: Any, where: str = "", *, ordered: bool = True) 
             assert_equal(x, y, f"{where}[{i}]", ordered=ordered)
     else:
         assert got == want, (where, got, want)
+
+
+def _bits_state() -> dict[str, torch.Tensor]:
+    """Conjugate and negative views, one sharing the storage of a plain tensor (they are not tied weights)."""
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j])
+    return {
+        "plain": z,
+        "conj": torch.conj(z),
+        "neg": torch._neg_view(torch.tensor([1.0, -2.0, 3.5])),
+        "both": torch._neg_view(torch.conj(torch.tensor([2 - 1j, -3j]))),
+        "neg_int": torch._neg_view(torch.tensor([7, -8])),
+    }
+
+
+def _values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.resolve_conj().resolve_neg() for k, v in state.items()}
+
+
+def _assert_values(got: Any, want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), (key, got[key], value)

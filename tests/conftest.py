@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests import models
+from tests.corpus import write_corpus
 
 # Before any test touches CUDA: cuBLAS reads it once, and the trainer's --deterministic runs need it (GPU only).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -89,3 +90,8 @@ def pickle_reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     monkeypatch.setattr(unpickling, "load", counted)
     return counts
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))

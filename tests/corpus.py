@@ -4,7 +4,7 @@
 a file: every dtype it saves, views, tied weights, channels_last, stride 0, big-endian bytes, sparse and quantized
 tensors, conj and neg bits, Parameters, dict and OrderedDict containers, pickle protocols 2 to 5, the legacy
 format, CUDA device tags (made without a GPU), CRC-less zips; and .safetensors files of every dtype safetensors
-stores. tests/test_corpus.py runs each one through each operation.
+stores. test_corpus (tests/test_conversion.py) runs each one through each operation.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +240,42 @@ def write_corpus(folder: Path) -> dict[str, Path]:
             paths[name] = folder / f"{name}.safetensors"
             write(paths[name])
     return paths
+
+
+# files torch.load(weights_only=True) refuses, and what ckptfix says of them (on every operation)
+TORCH_REFUSES = {
+    "protocol-4": "opcodes .* which torch's weights-only loader does not read",
+    "protocol-5": "opcodes .* which torch's weights-only loader does not read",
+}
+
+
+def _tensors(obj: Any, where: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a loaded checkpoint by its path."""
+    if isinstance(obj, torch.Tensor):
+        return {where: obj}
+    found: dict[str, torch.Tensor] = {}
+    items = obj.items() if isinstance(obj, Mapping) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found.update(_tensors(v, f"{where}/{k}"))
+    return found
+
+
+def load_pt(path: Path) -> tuple[Any, list[str], dict[str, str]]:
+    """What torch makes of a .pt file: the object, the device tag of each storage in file order, and the tag of
+    each (non-empty, strided) tensor by its path."""
+    seen: list[str] = []
+    tags: dict[int, str] = {}
+
+    def where(storage: Any, location: str) -> Any:
+        seen.append(location)
+        if storage.nbytes():
+            tags[storage.data_ptr()] = location
+        return storage
+
+    obj = torch.load(path, weights_only=True, map_location=where)
+    by_key = {
+        k: tags[t.untyped_storage().data_ptr()]
+        for k, t in _tensors(obj).items()
+        if t.layout == torch.strided and t.untyped_storage().nbytes()
+    }
+    return obj, seen, by_key

@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_distributed.py: each rank runs a list of scenarios on one gloo group.
+"""Worker processes for tests/distributed/test_distributed.py: each rank runs a list of scenarios on one gloo group.
 
 Running many scenarios in one group keeps the suite fast (torch is imported once per process) and checks
 that a failed ``load_for_ddp`` leaves every rank free for the next collective. Checkpoints are written by

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pickle
 import pickletools
 import struct
+import subprocess
+import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -1107,6 +1110,33 @@ def run_ops_main(ops_file: str) -> None:
         result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
+
+
+PAYLOADS = {
+    "os.system": lambda marker: (os.system, (f"touch {marker}",)),
+    "eval": lambda marker: (eval, (f"open({str(marker)!r}, 'w')",)),
+    "subprocess": lambda marker: (subprocess.call, (["touch", str(marker)],)),
+    "importlib": lambda marker: (__import__("importlib").import_module, ("this",)),
+}
+
+
+class Payload:
+    def __init__(self, kind: str, marker: Path) -> None:
+        self.kind, self.marker = kind, marker
+
+    def __reduce__(self) -> Any:
+        return PAYLOADS[self.kind](self.marker)
+
+
+def torch_zip(path: Path, data_pkl: bytes, *, extra: dict[str, bytes] | None = None) -> Path:
+    """A torch-style archive around a hand-made data.pkl (for opcodes torch.save never writes)."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("archive/data.pkl", data_pkl)
+        zf.writestr("archive/byteorder", b"little")
+        zf.writestr("archive/version", b"3\n")
+        for name, data in (extra or {}).items():
+            zf.writestr(name, data)
+    return path
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import ckptfix
+
 
 class SmallNet(nn.Module):
     """A small CNN with two BatchNorm layers, like the models whose checkpoints users fix; seeded, so deterministic."""
@@ -250,3 +252,13 @@ def ddp_rank_files(out: Path) -> list[Path]:
         _ddp_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True, start_method=start_method()
     )
     return [out / f"rank{r}.pt" for r in range(WORLD)]
+
+
+def make_file(tmp_path: Path, fmt: str) -> Path:
+    state = {"model": make_net().state_dict(), "epoch": 1}
+    path = tmp_path / f"good-{fmt}{'.safetensors' if fmt == 'safetensors' else '.pt'}"
+    if fmt == "safetensors":
+        ckptfix.save(state, path)
+    else:
+        torch.save(state, path, _use_new_zipfile_serialization=fmt == "zip")
+    return path

@@ -9,12 +9,15 @@ Each run leaves in its folder: ``dcp/`` (``dcp.save`` of the model and optimizer
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from ckptfix.torchcompat import dcp_save_local
 from tests.models import SmallNet, TiedNet, inputs, start_method
 
 # FSDP2 (fully_shard) on the CPU with gloo: torch 2.6 and older fail inside it (no fully_shard export before 2.6, a
@@ -319,3 +322,15 @@ def corrupt_chunk(folder: Path, fqn: str, *, record: str = "data/0") -> None:
     tensor = next(r for r in records if r.name.endswith(record))
     data[tensor.data_offset + tensor.size // 2] ^= 0xFF
     (folder / "__0_0.distcp").write_bytes(bytes(data))
+
+
+def _dcp_save(state: Any, folder: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process, no process group: the intent here
+        dcp_save_local(state, checkpoint_id=str(folder))
+
+
+def _dcp_truth(folder: Path, tmp: Path) -> Any:
+    """What DCP's own reader makes of a folder."""
+    dcp_to_torch_save(str(folder), str(tmp / "dcp_truth.pt"))
+    return torch.load(tmp / "dcp_truth.pt", weights_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,3 +126,24 @@ def test_fix_command_for_a_prefix_strips_under_the_layout_prefix_or_adds_inside_
     _, report = adapt_to_model(SmallNet().state_dict(), torch.compile(holder))  # type: ignore[arg-type]
     assert report.renamed_prefix == ("", "net.") and report.to_dict()["renamed_prefix"] == ["", "net."]
     assert report.fix_command("a.pt") == "ckptfix convert a.pt a.fixed.pt --to single --add-prefix _orig_mod.net."
+
+
+# Faithful to every file torch can write (dtypes, CRC-less saves, odd keys, layouts, devices), each made by torch
+# itself: carried bit for bit, or refused with exit 2 in one line saying it is not supported yet; never called
+# corrupt.
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize(("value", "kind"), [(3, "int"), (torch.float32, "torch.float32"), ((1, 2), "tuple")])
+def test_a_value_that_is_not_a_tensor_where_the_model_has_one_is_a_wrong_dtype(
+    tmp_path: Path, value: Any, kind: str
+) -> None:
+    src = tmp_path / "odd.pt"
+    torch.save({"weight": value, "bias": torch.zeros(2)}, src)
+    report = ckptfix.check(src, torch.nn.Linear(2, 2))
+    assert report.wrong_dtype == {"weight": (f"{kind} (not a tensor)", "float32")}
+    with pytest.raises(ckptfix.MismatchError, match=f"'weight': {kind} \\(not a tensor\\) vs model float32"):
+        ckptfix.load_into(torch.nn.Linear(2, 2), src)

@@ -362,7 +362,7 @@ def _opcodes_proven(data: bytes) -> bool:
 def test_fuzz_fast_pickle_reader(data: bytes) -> None:
     """opscan proves exactly what a plain opcode walk proves, and unpickling.load answers as the reference reader."""
     from ckptfix.formats.safety import opscan
-    from tests.test_hostile import fast_reader_problem
+    from tests.entry_points import fast_reader_problem
 
     assert opscan.provable(data) == _opcodes_proven(data)
     problem = fast_reader_problem(data)

@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import pytest
 import torch
 
+import ckptfix
 from ckptfix import layouts
 from ckptfix.checkpoint import convert, convert_checkpoint
 from ckptfix.errors import LayoutError, UsageError
-from tests.models import PREFIX, WRAPPERS, make_net
+from tests.assertions import assert_same
+from tests.models import PREFIX, WRAPPERS, SmallNet, make_net
 
 
 @pytest.mark.parametrize("kind", WRAPPERS)
@@ -79,3 +82,27 @@ def test_unknown_target_lists_choices() -> None:
     with pytest.raises(UsageError, match="to='fsdp': unknown layout; choose one of single, dp, ddp"):
         convert({"a": torch.zeros(1)}, to="fsdp")
     assert issubclass(UsageError, ValueError)
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+def test_prefixes_inside_keys_are_left_alone() -> None:
+    state = {"encoder.module.weight": torch.zeros(1), "decoder._orig_mod.bias": torch.zeros(1)}
+    assert list(ckptfix.convert(state, to="single")) == list(state)
+    assert list(ckptfix.convert(state, to="ddp")) == ["module." + k for k in state]
+
+
+# Faithful to what torch and safetensors write: math bits, container types, key order of empty tensors.
+
+
+def test_layout_conversions_keep_the_container() -> None:
+    plain = {"module.fc.weight": torch.ones(2, 2)}
+    assert type(ckptfix.convert(plain, to="single")) is dict
+    assert type(ckptfix.convert(plain, to="ddp", strip_prefixes=["module."])) is dict
+    ordered = SmallNet().state_dict()
+    wrapped = ckptfix.convert(ordered, to="ddp")
+    assert type(wrapped) is OrderedDict and wrapped._metadata["module"] == ordered._metadata[""]
+    back = ckptfix.convert({"model": wrapped, "step": 1}, to="single")
+    assert type(back) is dict and type(back["model"]) is OrderedDict
+    assert_same(back["model"], ordered)

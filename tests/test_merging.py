@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner, Result
 
 import ckptfix
+from ckptfix.cli import cli
 from ckptfix.errors import MergeError
 from ckptfix.loading import load_into
 from ckptfix.merging import plan_merge
 from tests import models
+from tests.dtype_files import MATH_BITS
 from tests.models import SmallNet
 
 BN = ["features.1.", "features.4."]
@@ -163,3 +167,30 @@ def test_merge_reads_each_ddp_file_s_pickle_once(tmp_path: Path, pickle_reads: C
     ranks = [str(fixtures / "ddp_rank0.pt"), str(fixtures / "ddp_rank1.pt")]
     ckptfix.merging.merge_files(ranks, tmp_path / "m.pt")
     assert pickle_reads == {path: 1 for path in ranks}
+
+
+# diff and merge compare what torch.load gives, never a cheaper stand-in: a neg or conj view's bytes are not its
+# values; a byte-order record torch finds (its lookup ignores case) swaps every storage; integers are compared as
+# integers, never after a cast to float64.
+
+
+def run(*args: str | Path) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _save(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize("bit", list(MATH_BITS))
+def test_merge_does_not_call_a_math_bit_view_equal(bit: str, tmp_path: Path) -> None:
+    base, view = MATH_BITS[bit]
+    plain = _save(tmp_path / "plain.pt", {"w": base})
+    bits = _save(tmp_path / "bits.pt", {"w": view(base)})
+    out = tmp_path / "merged.pt"
+    result = run("merge", plain, bits, "-o", out, "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["parameters_match"] is False and not out.exists()
+    assert [d["key"] for d in report["diverged"]] == ["w"]

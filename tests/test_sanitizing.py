@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _codecs
 import argparse
 import builtins
 import datetime
@@ -18,6 +19,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.measured import digest, refused, run
 from tests.models import make_net
 
 
@@ -124,3 +126,74 @@ def test_refusals(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["sanitize", str(src), str(src)])
     assert result.exit_code == 2 and "nothing was written" not in result.stderr and result.stderr.count("\n") == 1
     assert not (tmp_path / "o.pt").exists()
+
+
+# Bounded work: counts that decide work or memory bounded by the file's bytes, refused in one line (exit 2, naming the
+# file), input unchanged, nothing left behind (tests/measured.py runs the command and measures it).
+
+
+class _Encoded:
+    """Pickles as ``_codecs.encode(text, 'latin1')``: the bytes of a protocol-2 pickle."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __reduce__(self) -> Any:
+        return (_codecs.encode, (self.text, "latin1"))
+
+
+class _Array:
+    """Pickles as numpy does an ndarray (``_reconstruct`` then its state), with any shape: numpy not needed."""
+
+    def __init__(self, shape: tuple[int, ...], descr: str, data: str) -> None:
+        self.shape, self.descr, self.data = shape, descr, data
+
+    def __reduce__(self) -> Any:
+        np = pytest.importorskip("numpy")
+        reconstruct = np.ndarray.__reduce__(np.zeros(1))[0]
+        return (reconstruct, (np.ndarray, (0,), _Encoded("b")),
+                (1, self.shape, np.dtype(self.descr), False, _Encoded(self.data)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("shape", "descr"),
+    [((3_000_000, 0), "<U3"), ((10**9, 0), "<U3"), ((10**9,), "<U0"), ((2**64, 0), "<f8"), ((0, 2**63), "<U2")],
+)
+def test_sanitize_array_shape_bounded_by_file(tmp_path: Path, shape: tuple[int, ...], descr: str) -> None:
+    src = tmp_path / "arrays.pt"
+    torch.save({"w": torch.ones(2), "a": _Array(shape, descr, "")}, src)
+    assert src.stat().st_size < 4096
+    refused("sanitize", src, tmp_path / "out.pt", source=src, cwd=tmp_path, contains="key 'a'", bounded=True)
+
+
+def test_sanitize_small_empty_string_arrays_still_convert(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    src = tmp_path / "arrays.pt"
+    torch.save({"a": _Array((3, 0), "<U3", ""), "b": np.array([["x", "yz"]])}, src)
+    code, stderr, _, _ = run("sanitize", src, tmp_path / "out.pt", cwd=tmp_path)
+    assert code == 0, stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out == {"a": [[], [], []], "b": [["x", "yz"]]}
+
+
+class _NamespaceKey:
+    """Hashable here; pickles as an ``argparse.Namespace`` (which sanitize rewrites as a dict: no key)."""
+
+    def __hash__(self) -> int:
+        return 1
+
+    def __reduce__(self) -> Any:
+        import argparse
+
+        return (argparse.Namespace, (), {"lr": 0.1})
+
+
+def test_sanitize_namespace_as_a_dict_key_is_dropped_and_listed(tmp_path: Path) -> None:
+    src = tmp_path / "in.pt"
+    torch.save({"w": torch.ones(2), "cfg": {_NamespaceKey(): 3, "b": 4}}, src)
+    before = digest(src)
+    code, stderr, _, _ = run("sanitize", src, "out.pt", cwd=tmp_path)
+    assert code == 0, stderr
+    assert digest(src) == before
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert out["cfg"] == {"b": 4} and torch.equal(out["w"], torch.ones(2))

@@ -23,7 +23,7 @@ from ckptfix.formats.output.atomic import TERMINATING, Terminated, completed_out
 from ckptfix.torchcompat import without_numpy_warning
 
 # Each command is defined in the module of its name under ckptfix.cli; this is the first sentence of its help, for
-# the list in --help (tests/test_cli.py checks that they agree).
+# the list in --help (tests/cli/test_group.py checks that they agree).
 _COMMANDS = {
     "convert": "Convert checkpoint IN to layout --to and write OUT (format from OUT's extension).",
     "diff": "Compare checkpoints A and B after normalising their layouts.",

@@ -21,7 +21,7 @@ from ckptfix.keytree import group_keys
 if TYPE_CHECKING:
     from ckptfix.merging import MergeResult
 
-# ckptfix.merging's BUFFER_STRATEGIES, spelled out so that --help does not import the merge (tests/test_cli.py)
+# ckptfix.merging's BUFFER_STRATEGIES, spelled out so that --help does not import the merge (tests/cli/test_group.py)
 BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
 
 

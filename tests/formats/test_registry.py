@@ -1,0 +1,131 @@
+"""The format registry (ckptfix.formats.registry): which format a path is, asked of one ordered table."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfix
+from ckptfix.conversion import convert_file
+from ckptfix.diffing import diff_files
+from ckptfix.errors import CkptfixError, FormatError
+from ckptfix.formats import registry
+from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format
+from tests.models import SmallNet, make_file
+
+FIXTURES = Path(__file__).parents[2] / "fixtures"
+
+
+def test_the_table_keeps_the_names_code_and_json_use() -> None:
+    assert {f.name for f in FORMATS} == {"torch-zip", "torch-legacy", "safetensors", "folder"}
+    kinds = [f.kind for f in FORMATS]
+    assert len(kinds) == len(set(kinds))
+    # DCP and DeepSpeed folders are asked before any other folder; safetensors before a JSON index
+    assert kinds.index("dcp") < kinds.index("hf") and kinds.index("deepspeed") < kinds.index("hf")
+    assert kinds.index("safetensors") < kinds.index("hf")
+
+
+@pytest.mark.parametrize(
+    ("path", "name", "kind"),
+    [
+        ("single.pt", "torch-zip", "torch-zip"),
+        ("legacy_dp.pt", "torch-legacy", "torch-legacy"),
+        ("ddp_wrapped.safetensors", "safetensors", "safetensors"),
+        ("deepspeed/zero1_fp32", "folder", "deepspeed"),
+    ],
+)
+def test_fixtures_are_claimed_by_their_format(path: str, name: str, kind: str) -> None:
+    found = detect(FIXTURES / path)
+    assert (found.name, found.kind) == (name, kind)
+    assert detect_format(FIXTURES / path) == name
+
+
+def test_folders_are_told_apart_by_what_they_hold(tmp_path: Path, single: Path) -> None:
+    assert (detect(single).name, detect(single).kind) == ("folder", "dcp")
+    state = SmallNet().state_dict()
+    ckptfix.save(state, f"{tmp_path / 'shards'}/", shard_size=1024)
+    assert detect(tmp_path / "shards").kind == "hf"
+    index = next((tmp_path / "shards").glob("*.index.json"))
+    assert (detect(index).name, detect(index).kind) == ("folder", "hf")
+    loaded = ckptfix.load(index)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_file_is_probed_once_and_refusals_keep_their_words(tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(b"x")
+    shard = tmp_path / "__0_0.distcp"
+    torch.save({"x": torch.zeros(1)}, shard)
+    with pytest.raises(FormatError, match=r"is one data file of a torch\.distributed\.checkpoint folder"):
+        detect(shard)
+    truncated = tmp_path / "t.safetensors"
+    truncated.write_bytes(struct.pack("<Q", 1000) + b'{"x": 1}')
+    with pytest.raises(FormatError, match="safetensors header runs past the end of the file"):
+        detect(truncated)
+    text = tmp_path / "notes.txt"
+    text.write_bytes(b"hello world, not a checkpoint")
+    with pytest.raises(FormatError, match=r"not a checkpoint ckptfix can read .* found bytes b'hello wo'"):
+        detect(text)
+
+
+def _toy_load(p: object, options: ReadOptions) -> dict[str, torch.Tensor]:
+    """A new format's loader: JSON lists as tensors (a file after its 9-byte magic, a folder's toy.json)."""
+    path = Path(str(p))
+    data = json.loads((path / "toy.json").read_bytes() if path.is_dir() else path.read_bytes()[9:])
+    return {k: torch.tensor(v) for k, v in data.items()}
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_new_format_is_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, folder: bool) -> None:
+    """What adding a format takes: a claim, a loader and a row in FORMATS. detect, load, convert, inspect and diff
+    then read it (by its loader, on the torch path); the formats before it are unchanged."""
+    values = {"x": [1.0, 2.0]}
+    if folder:  # a folder format comes before the catch-all folder (hf), as DCP and DeepSpeed do
+        path = tmp_path / "run"
+        path.mkdir()
+        (path / "toy.json").write_text(json.dumps(values))
+        toy = Format("folder", "toy", lambda probe: probe.folder and (Path(probe.path) / "toy.json").is_file(),
+                     _toy_load)  # fmt: skip
+        monkeypatch.setattr(registry, "FORMATS", (*FORMATS[:-1], toy, FORMATS[-1]))
+    else:
+        path = tmp_path / "weights.toy"
+        path.write_bytes(b"TOYFMT01\n" + json.dumps(values).encode())
+        toy = Format("toy", "toy", lambda probe: probe.head.startswith(b"TOYFMT01"), _toy_load)
+        monkeypatch.setattr(registry, "FORMATS", (*FORMATS, toy))
+    assert detect(path) is toy and detect_format(path) == toy.name
+    assert torch.equal(ckptfix.load(path)["x"], torch.tensor([1.0, 2.0]))
+    done = ckptfix.convert_file(path, tmp_path / "out.safetensors")
+    assert done.method == "torch"
+    assert torch.equal(ckptfix.load(tmp_path / "out.safetensors")["x"], torch.tensor([1.0, 2.0]))
+    assert diff_files(path, tmp_path / "out.safetensors").equal
+    assert detect(FIXTURES / "single.pt").kind == "torch-zip"
+
+
+# Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
+@pytest.mark.parametrize("percent", [0, 1, 10, 50, 90, 99])
+def test_truncation_anywhere_is_one_line_and_no_output(tmp_path: Path, fmt: str, percent: int) -> None:
+    good = make_file(tmp_path, fmt)
+    data = good.read_bytes()
+    bad = tmp_path / f"cut{good.suffix}"
+    bad.write_bytes(data[: len(data) * percent // 100])
+    out = tmp_path / "out.pt"
+    with pytest.raises(FormatError) as info:
+        convert_file(bad, out)
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)
+    assert not out.exists()
+    assert bad.read_bytes() == data[: len(data) * percent // 100]
+
+
+def test_any_error_is_a_ckptfix_error(tmp_path: Path) -> None:
+    # The CLI contract: a user's bad file never surfaces as a raw Python exception.
+    for data in (b"PK\x03\x04" + b"\0" * 40, b"\x80\x02" + b"\0" * 40, b"\x10" + b"\0" * 7 + b"{}"):
+        path = tmp_path / "x.pt"
+        path.write_bytes(data)
+        with pytest.raises(CkptfixError):
+            ckptfix.load(path)
