@@ -38,7 +38,7 @@ from ckptfix.stream.copy import Copier
 from tests import sharded_writers
 from tests.assertions import assert_equal
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 GLOBALS_IN_2_4 = {
     *(f"torch.distributed.checkpoint.metadata {n}" for n in ("Metadata", "TensorStorageMetadata", "TensorProperties",
       "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
@@ -280,7 +280,7 @@ def test_a_sigterm_while_copying_leaves_nothing_and_still_ends_the_process(tmp_p
         "def stop(self, job):\n    os.kill(os.getpid(), signal.SIGTERM)\n    copy(self, job)\n"
         f"Copier.copy = stop; ckptfix.convert_file({str(FIXTURES / 'single.pt')!r}, {str(tmp_path / 'out') + '/'!r})"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == -15, done.stderr
     assert os.listdir(tmp_path) == []
@@ -288,7 +288,7 @@ def test_a_sigterm_while_copying_leaves_nothing_and_still_ends_the_process(tmp_p
 
 def _peak(code: str) -> tuple[int, str]:
     """Peak RSS in bytes of a fresh Python running ``code`` with this checkout importable, and what it printed."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     tail = "; print(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])"
     done = subprocess.run([sys.executable, "-c", code + tail], env=env, capture_output=True, text=True, check=True)
     out = done.stdout.split()
