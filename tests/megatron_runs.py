@@ -1,0 +1,267 @@
+"""Real Megatron-Core ``torch_dist`` checkpoints for the tests: a small ``GPTModel`` (RMSNorm, SwiGLU, grouped-query
+attention, rotary embeddings; a mixture-of-experts variant) trained a few steps on 2 gloo ranks on the CPU with
+tensor, pipeline or expert parallelism, then saved with ``dist_checkpointing.save`` (the ``torch_dist`` backend).
+Beside each run folder, ``NAME.expected.safetensors`` is Megatron's own load of it into a TP=1, PP=1 model
+(``model.state_dict()``, ``_extra_state`` entries left out), with the layer spec's own
+``sharded_state_dict_keys_map`` in its metadata: what a conversion must give, once the names are mapped.
+
+It needs megatron-core, which ckptfix's own environment does not hold (megatron-core 0.16.1 is the last release
+for Python 3.11)::
+
+    python3 -m venv mcore-venv && mcore-venv/bin/pip install torch==2.13.0 megatron-core==0.16.1 psutil safetensors
+    mcore-venv/bin/python -m tests.megatron_runs fixtures/megatron --fixtures
+
+Megatron-Core asks CUDA three things on the way, even on gloo: ``torch.cuda.synchronize()`` (nothing to wait for
+on the CPU), ``torch.cuda.current_device()`` (the device of a small flag tensor) and the CUDA RNG state forked
+around attention dropout (0 here); :func:`_cpu_stand_ins` answers them for the CPU. The MoE router of 0.16.1
+reads ``te_general_gemm``, defined only when Transformer Engine imports: it is set to None, what it means
+without Transformer Engine. Nothing else is touched: the model, its sharded state dict and the writer are
+Megatron's own.
+Pipeline stages hand activations and gradients over with ``torch.distributed.send``/``recv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: tensor, pipeline and expert parallel sizes, dtype, mixture of experts, tied embeddings, layers (if not
+# LAYERS: the folders are kept small)
+RUNS: dict[str, dict[str, Any]] = {
+    "tp2_fp32": {"tp": 2, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": True},
+    "pp2_bf16": {"tp": 1, "pp": 2, "ep": 1, "dtype": "bf16", "moe": False, "tied": False},
+    "tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False},
+    "moe_ep2_fp32": {"tp": 1, "pp": 1, "ep": 2, "dtype": "fp32", "moe": True, "tied": False, "layers": 2},
+}
+STEPS = 3
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, EXPERTS = 4, 16, 4, 2, 32, 32, 8, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_stand_ins() -> None:
+    import torch
+
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    from megatron.core import tensor_parallel
+
+    # attention dropout (0 here) runs inside a fork of the CUDA RNG tracker's state: nothing to fork on the CPU
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 names it whether or not Transformer Engine imported
+        moe_utils.te_general_gemm = None
+
+
+def _config(run: dict[str, Any], *, tp: int, pp: int, ep: int) -> Any:
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch.nn.functional import silu
+
+    dtype = torch.bfloat16 if run["dtype"] == "bf16" else torch.float32
+    moe = {"num_moe_experts": EXPERTS, "moe_router_topk": 2, "moe_token_dispatcher_type": "allgather",
+           "moe_aux_loss_coeff": 0.0} if run["moe"] else {}  # fmt: skip
+    return TransformerConfig(
+        num_layers=run.get("layers", LAYERS), hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=silu,
+        add_bias_linear=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0, **moe,
+    )  # fmt: skip
+
+
+def _model(run: dict[str, Any], *, tp: int, pp: int, ep: int) -> Any:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = _config(run, tp=tp, pp=pp, ep=ep)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS if run["moe"] else None, normalization="RMSNorm")
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=run["tied"], position_embedding_type="rope",
+    )  # fmt: skip
+    return model.to(config.params_dtype)
+
+
+def _args(run: dict[str, Any]) -> argparse.Namespace:
+    """The model arguments Megatron-LM's training loop keeps in ``common.pt`` (``args``), by its names."""
+    import torch
+
+    return argparse.Namespace(
+        num_layers=run.get("layers", LAYERS), hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+        group_query_attention=True, num_query_groups=GROUPS, padded_vocab_size=VOCAB, max_position_embeddings=SEQ,
+        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=not run["tied"], tensor_model_parallel_size=run["tp"],
+        pipeline_model_parallel_size=run["pp"], expert_model_parallel_size=run["ep"],
+        num_experts=EXPERTS if run["moe"] else None, bf16=run["dtype"] == "bf16",
+        params_dtype=torch.bfloat16 if run["dtype"] == "bf16" else torch.float32,
+    )  # fmt: skip
+
+
+def _train(model: Any, run: dict[str, Any], *, pp: int) -> None:
+    """A few SGD steps on one fixed batch (the same on every rank, so data-parallel replicas stay equal)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+    labels = torch.roll(tokens, -1, dims=1)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    first = parallel_state.is_pipeline_first_stage()
+    rank = dist.get_rank()
+    dtype = torch.bfloat16 if run["dtype"] == "bf16" else torch.float32
+    for _ in range(STEPS):
+        for p in params:
+            p.grad = None
+        if pp == 1:
+            model(tokens, position_ids, mask, labels=labels).float().mean().backward()
+        elif first:  # stage 0: activations to stage 1, their gradient back
+            hidden = model(tokens, position_ids, mask)
+            dist.send(hidden.detach().contiguous(), rank + 1)
+            grad = torch.empty_like(hidden)
+            dist.recv(grad, rank + 1)
+            hidden.backward(grad)
+        else:
+            hidden = torch.empty(SEQ, 2, HIDDEN, dtype=dtype)
+            dist.recv(hidden, rank - 1)
+            hidden.requires_grad_(True)
+            model.set_input_tensor(hidden)
+            model(None, position_ids, mask, labels=labels).float().mean().backward()
+            dist.send(hidden.grad.contiguous(), rank - 1)
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.add_(p.grad.to(p.dtype), alpha=-0.5)
+
+
+def _worker(out: Path, name: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    _cpu_stand_ins()
+    from megatron.core import dist_checkpointing, parallel_state
+
+    run = RUNS[name]
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(run["tp"], run["pp"], expert_model_parallel_size=run["ep"])
+    torch.manual_seed(1234)
+    model = _model(run, tp=run["tp"], pp=run["pp"], ep=run["ep"])
+    _train(model, run, pp=run["pp"])
+    state = {"model": model.sharded_state_dict(), "args": _args(run), "iteration": STEPS, "checkpoint_version": 3.0}
+    folder = out / name
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(state, str(folder), sharded_strategy=("torch_dist", 1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _expected(out: Path, name: str) -> None:
+    """Megatron's own load of the run into a TP=1, PP=1 model, on one rank: the state dict a conversion must give."""
+    import torch
+    import torch.distributed as dist
+
+    _cpu_stand_ins()
+    from megatron.core import dist_checkpointing, parallel_state
+
+    run = RUNS[name]
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(99)  # other initial values than the run's: every tensor must come from the load
+    model = _model(run, tp=1, pp=1, ep=1)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(out / name))
+    model.load_state_dict(loaded["model"])
+    from safetensors.torch import save_file
+
+    state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    # the layer spec's own map from its state-dict names to the names it saves under (the local spec keeps its
+    # norms apart; the checkpoint names them as Transformer Engine's fused layers do)
+    keys_map = dict(model.decoder.layers[0].submodules_config.sharded_state_dict_keys_map)
+    save_file(
+        state, out / f"{name}.expected.safetensors", metadata={"sharded_state_dict_keys_map": json.dumps(keys_map)}
+    )
+    dist.destroy_process_group()
+
+
+def _spawn(out: Path, name: str, *, role: str, world: int) -> None:
+    port = _free_port()
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               OMP_NUM_THREADS="1", PYTHONPATH=path)  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.megatron_runs", str(out), "--run", name, "--role", role],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+    for p, text in zip(procs, outputs, strict=True):
+        if p.returncode != 0:
+            raise RuntimeError(f"megatron {role} of {name} failed:\n{text[-4000:]}")
+
+
+def make_run(out: Path, name: str) -> Path:
+    """Train and save run ``name`` into ``out/name`` and its TP=1, PP=1 load into ``out/name.expected.safetensors``."""
+    _spawn(out, name, role="train", world=2)
+    _spawn(out, name, role="expected", world=1)
+    return out / name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--run", choices=sorted(RUNS))
+    parser.add_argument("--role", choices=("train", "expected"))
+    parser.add_argument("--fixtures", action="store_true", help="every run, and MANIFEST.json")
+    a = parser.parse_args()
+    if a.role == "train":
+        _worker(a.out, a.run)
+    elif a.role == "expected":
+        _expected(a.out, a.run)
+    elif a.fixtures:
+        import megatron.core
+        import torch
+
+        a.out.mkdir(parents=True, exist_ok=True)
+        for name in RUNS:
+            make_run(a.out, name)
+        manifest = {
+            "command": "mcore-venv/bin/python -m tests.megatron_runs fixtures/megatron --fixtures",
+            "platform": {
+                "torch": torch.__version__,
+                "megatron-core": megatron.core.__version__,
+                "python": sys.version.split()[0],
+            },
+            "runs": {name: dict(RUNS[name], steps=STEPS, world_size=2) for name in RUNS},
+        }
+        (a.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    else:
+        make_run(a.out, a.run)
+
+
+if __name__ == "__main__":
+    main()
