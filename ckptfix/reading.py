@@ -313,12 +313,13 @@ class OpenedFolder(Opened):
     """A folder opened file by file: ``tree`` holds :class:`FolderTensor` records (shards, accelerate folders)
     or :class:`~ckptfix.formats.folders.dcp.DcpTensor` records (DCP), each read on demand from its own file."""
 
-    kind: str = ""  # "shards", "accelerate" or "dcp"
+    kind: str = ""  # "shards", "accelerate", "dcp", "deepspeed" or "megatron"
     files: list[str] = field(default_factory=list)  # every file the checkpoint is made of, index included
     index: str | None = None
     parts: list[Opened] = field(default_factory=list)  # shards and accelerate folders: one per file
     dcp: Any = None  # DCP: the open data files
     zero: Any = None  # DeepSpeed: the run (ckptfix.formats.folders.deepspeed.ZeroRun)
+    megatron: Any = None  # Megatron-Core: the folder (ckptfix.formats.folders.megatron.Megatron)
     zero_fds: dict[str, int] = field(default_factory=dict)  # DeepSpeed: each rank file opened once, when first read
     zero_verified: set[tuple[str, str]] | None = None  # DeepSpeed: (file, record) CRC-checked, when verifying
     owner: dict[int, int] = field(default_factory=dict)  # id of a record not wrapped (inside objects) -> part
@@ -372,6 +373,8 @@ def _open_folder(source: str, *, kind: str, allow_globals: tuple[str, ...], need
         return _open_dcp(source, allow_globals=allow_globals, verify=verify)
     if kind == "deepspeed":
         return _open_deepspeed(source, allow_globals=allow_globals, verify=verify)
+    if kind == "megatron":
+        return _open_dcp(source, allow_globals=allow_globals, verify=verify, megatron=True)
     if kind != "hf":  # a format with no description here: its loader reads it, tensors and all
         tree = read(source, fmt="folder", allow_globals=allow_globals)
         return Opened(source=source, fmt="folder", tree=tree, note=f"a {kind} checkpoint, read by its loader")
@@ -454,16 +457,19 @@ def _wrapped(obj: Any, part: int) -> Any:
     return map_tree(obj, wrap, leaf=lambda v: is_tensor(v) or isinstance(v, OpaqueEntry))
 
 
-def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
+def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool, megatron: bool = False) -> Opened:
+    """A DCP folder (``megatron``: a Megatron-Core ``torch_dist`` one, its layers unstacked) as DcpTensor records."""
     from ckptfix.formats.containers.torchzip import read_torch_zip
     from ckptfix.formats.folders.datafiles import DataFiles
     from ckptfix.formats.folders.dcp import METADATA
     from ckptfix.formats.folders.dcp_chunks import dcp_tree
+    from ckptfix.formats.folders.megatron import describe as describe_megatron
 
     allowed = allowlist.allowed_names(allow_globals, source=source)
     files = DataFiles()
     try:
-        tree, why = dcp_tree(source, files.fd, allowed=allowed)
+        run = describe_megatron(source, allow_globals=allow_globals) if megatron else None
+        tree, why = (run.state, None) if run is not None else dcp_tree(source, files.fd, allowed=allowed)
     except BaseException:
         files.close()
         raise
@@ -474,8 +480,9 @@ def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> O
     records = [v for v in inert.walk(tree) if isinstance(v, DcpTensor)]
     spans = {c.span for t in records for c in t.entry.chunks}
     data = sorted({span.path for span in spans} | set(files.open))
-    opened = OpenedFolder(source=source, fmt="folder", tree=tree, kind="dcp", dcp=files, allowed=allowed,
-                          files=[os.path.join(source, METADATA), *data])  # fmt: skip
+    opened = OpenedFolder(source=source, fmt="folder", tree=tree, kind="megatron" if run else "dcp", dcp=files,
+                          allowed=allowed, files=run.files if run else [os.path.join(source, METADATA), *data],
+                          megatron=run)  # fmt: skip
     try:
         if verify:  # every chunk's records read and CRC-checked (the values were, when they were read)
             for span in sorted(spans, key=lambda s: (s.path, s.offset)):

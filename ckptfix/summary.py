@@ -164,6 +164,8 @@ def summarize(
         }
     if folder is not None and folder.zero is not None:
         summary["deepspeed"] = deepspeed_summary(folder.zero)
+    if folder is not None and folder.megatron is not None:
+        summary["megatron"] = folder.megatron.summary()
     if folder is None and (lone := lone_module_summary(ckpt.tree, source=source)) is not None:
         summary["deepspeed_module_file"] = lone  # its [0] tensors shown, and said to be placeholders
     if ckpt.note is not None:
@@ -174,7 +176,7 @@ def summarize(
         summary["devices"] = ckpt.locations
     if verify:
         parts = folder.parts if folder else [ckpt]
-        zips = (folder is not None and folder.kind == "dcp") or all(p.fmt == "torch-zip" for p in parts)
+        zips = (folder is not None and folder.kind in ("dcp", "megatron")) or all(p.fmt == "torch-zip" for p in parts)
         summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
     return summary
 

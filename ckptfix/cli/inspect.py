@@ -15,6 +15,7 @@ _FOLDERS = {
     "accelerate": "accelerate save_state folder",
     "dcp": "torch.distributed.checkpoint folder",
     "deepspeed": "DeepSpeed ZeRO run folder",
+    "megatron": "Megatron-Core torch_dist folder",
 }
 
 
@@ -22,8 +23,9 @@ def _format(summary: dict[str, Any]) -> str:
     folder = summary.get("folder")
     if folder is None:
         return str(summary["format"])
-    data = [f for f in folder["files"] if f != folder["index"] and f != ".metadata"]
-    what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] == "dcp" else "file"
+    meta = {folder["index"], ".metadata"} | ({"metadata.json", "common.pt"} if folder["kind"] == "megatron" else set())
+    data = [f for f in folder["files"] if f not in meta]
+    what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] in ("dcp", "megatron") else "file"
     if folder["kind"] == "deepspeed":
         ds = summary["deepspeed"]
         return (
@@ -57,6 +59,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         )
     if "deepspeed" in summary:
         lines += _deepspeed_lines(summary["deepspeed"])
+    if "megatron" in summary:
+        lines += _megatron_lines(summary["megatron"])
     if "deepspeed_module_file" in summary:
         lines.append(f"DeepSpeed: {summary['deepspeed_module_file']['note']}")
     if "loaded_with_torch" in summary:
@@ -126,6 +130,18 @@ def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:
     ]
     lines += [f"  {printable(name)}: {holds}" for name, holds in ds["files"].items()]
     lines += [f"  note: {note}" for note in ds["notes"]]
+    return lines
+
+
+def _megatron_lines(mg: dict[str, Any]) -> list[str]:
+    layout = ", ".join(f"{k} parallel {v}" for k, v in mg["layout"].items()) or "parallel sizes not recorded"
+    args = ", ".join(f"{k}={printable(str(v))}" for k, v in mg["args"].items())
+    step = f", iteration {mg['iteration']}" if "iteration" in mg else ""
+    lines = [
+        f"Megatron-Core: {layout}; written by {mg['ranks']} ranks{step}; {mg['tensors']} tensors, layers unstacked"
+    ]
+    lines += [f"  args: {args}"] if args else []
+    lines += [f"  note: {printable(note)}" for note in mg["notes"]]
     return lines
 
 

@@ -124,6 +124,20 @@ def _dcp_load(path: PathLike, options: ReadOptions) -> Any:
     return load_dcp(os.fspath(path), allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify)
 
 
+def _megatron_claims(probe: Probe) -> bool:
+    if not probe.folder:
+        return False
+    from ckptfix.formats.folders.megatron import is_megatron
+
+    return is_megatron(probe.path)
+
+
+def _megatron_load(path: PathLike, options: ReadOptions) -> Any:
+    from ckptfix.formats.folders.megatron import load_megatron
+
+    return load_megatron(os.fspath(path), allow_globals=options.allow_globals)
+
+
 def _deepspeed_claims(probe: Probe) -> bool:
     if not probe.folder:
         return False
@@ -209,6 +223,7 @@ def _json_text(probe: Probe) -> bool:
 
 
 FORMATS: tuple[Format, ...] = (  # in the order they are asked; the first to claim a path reads it
+    Format("folder", "megatron", _megatron_claims, _megatron_load),  # DCP and more: asked before DCP
     Format("folder", "dcp", _dcp_claims, _dcp_load),
     Format("folder", "deepspeed", _deepspeed_claims, _deepspeed_load),
     Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),

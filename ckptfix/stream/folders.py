@@ -307,6 +307,10 @@ def open_tree(
             tree, kind = _dcp_tree(src, files, allowed=allowed)
         elif found.kind == "deepspeed":
             tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
+        elif found.kind == "megatron":
+            from ckptfix.formats.folders.megatron import megatron_tree
+
+            tree, kind = megatron_tree(src, files, allow_globals=allow_globals)
         elif found.name in ("safetensors", "torch-zip"):
             from ckptfix.stream.single import file_tree  # one file: cast or sharded a tensor at a time
 

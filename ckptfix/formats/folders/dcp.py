@@ -40,6 +40,10 @@ _CLASSES = frozenset(
                          "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
     | {"torch.distributed.checkpoint.filesystem._StorageInfo", "pathlib.PosixPath", "pathlib.WindowsPath",
        "pathlib.PurePosixPath", "pathlib.PureWindowsPath", "torch.serialization._get_layout", "torch.Size"}
+    # the save plans a planner may keep in the metadata (``all_local_plans``: Megatron-Core's cached plans); read as
+    # records like the rest, never used
+    | {"torch.distributed.checkpoint.planner." + n for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                              "TensorWriteData")}
 )  # fmt: skip
 
 
@@ -57,6 +61,7 @@ class Chunk:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     span: Span
+    stored: tuple[int, ...] | None = None  # the stored tensor's shape, where it is ``sizes`` after leading 1s
 
 
 @dataclass(frozen=True)
@@ -474,11 +479,11 @@ def chunk_record(
     metadata says."""
     z = read_torch_zip(fd_of(c.span.path), c.span.path, allowed=allowed, start=c.span.offset,
                        end=c.span.offset + c.span.length)  # fmt: skip
-    t = z.tree
-    if not isinstance(t, inert.InertTensor) or t.shape != c.sizes or t.dtype != entry.dtype or not t.is_contiguous():
+    t, shape = z.tree, c.sizes if c.stored is None else c.stored
+    if not isinstance(t, inert.InertTensor) or t.shape != shape or t.dtype != entry.dtype or not t.is_contiguous():
         raise FormatError(
             f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} is not a contiguous {entry.dtype} tensor of "
-            f"shape {list(c.sizes)}; the folder mixes two checkpoints: copy it again"
+            f"shape {list(shape)}; the folder mixes two checkpoints: copy it again"
         )
     return z, t
 

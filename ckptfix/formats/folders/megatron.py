@@ -1,0 +1,251 @@
+"""Megatron-Core ``dist_checkpointing`` folders (the ``torch_dist`` backend; NeMo 2 and Megatron-Bridge write the
+same), read without Megatron, Transformer Engine or CUDA, and without running a pickle.
+
+Such a folder is a DCP folder (``.metadata``, ``__R_S.distcp``) plus ``metadata.json`` (which backend wrote it) and
+``common.pt`` (what every rank holds alike: Megatron-LM's ``args``, the iteration). Its tensors are DCP global
+tensors, already whole whatever the tensor, pipeline or expert parallelism; what differs from a model's own state
+dict is that the transformer layers are stacked along a leading layer axis (``decoder.layers.self_attention.
+linear_qkv.weight`` ``[layers, …]``), and the experts of a mixture-of-experts layer along a second one
+(``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[layers, experts, …]``). Each layer (and expert) is a
+chunk of its own in the metadata, so each unstacked tensor is a :class:`~.dcp.DcpTensor` of the chunks of its
+layer: its bytes are found, checked and copied by the DCP rules, nothing read here.
+
+Names are the checkpoint's own, unstacked (``decoder.layers.0.self_attention.linear_qkv.weight``,
+``decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight``): what a TP=1, PP=1 ``GPTModel`` with Megatron's
+default (Transformer Engine) layer spec holds in its ``state_dict()``, norms fused into ``linear_qkv`` and
+``linear_fc1`` (``layer_norm_weight``). Left out, and said: ``_extra_state`` entries (Transformer Engine's FP8
+metadata, pickled objects), per-rank objects (``rng_state``), and the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptfix.errors import FormatError
+from ckptfix.formats.folders.dcp import METADATA, Chunk, DcpTensor, TensorEntry, read_dcp
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.strict_json import Said, json_object
+
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+BACKEND = "torch_dist"
+_MAX_JSON = 1 << 20
+_MAX_COMMON = 1 << 30
+_LAYERS = "decoder.layers."
+_EXPERTS = "mlp.experts.experts."  # stacked as [layer, expert, …]: SequentialMLP's local_experts.N once unstacked
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+# The model arguments shown by inspect and checked against the tensors, by Megatron-LM's names.
+_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+         "group_query_attention", "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization",
+         "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "num_experts", "moe_router_topk",
+         "params_dtype", "bf16", "fp16")  # fmt: skip
+_LAYOUT = {"tensor": "tensor_model_parallel_size", "pipeline": "pipeline_model_parallel_size",
+           "virtual_pipeline": "virtual_pipeline_model_parallel_size", "expert": "expert_model_parallel_size",
+           "context": "context_parallel_size"}  # fmt: skip
+
+
+@dataclass
+class Megatron:
+    """A checked ``torch_dist`` folder: the model's tensors unstacked, by name; what ``common.pt`` says."""
+
+    root: str
+    state: dict[str, DcpTensor]
+    args: dict[str, Any]  # the model arguments common.pt's args hold (plain values; other objects by their name)
+    layout: dict[str, int]  # parallel sizes, as common.pt's args say them
+    ranks: int  # the ranks that wrote data files
+    common: dict[str, Any]  # common.pt's other plain entries (iteration, checkpoint_version)
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        """``Megatron-Core torch_dist (TP 2, PP 1, EP 1)``: the folder, in the words of ``convert -v``."""
+        sizes = ", ".join(f"{k} {self.layout[v]}" for k, v in (("TP", "tensor"), ("PP", "pipeline"), ("EP", "expert"))
+                          if v in self.layout)  # fmt: skip
+        return f"Megatron-Core {BACKEND}" + (f" ({sizes})" if sizes else f" ({self.ranks} ranks)")
+
+    def summary(self) -> dict[str, Any]:
+        """What ``inspect`` shows: the layout, the model arguments, the tensor count, what is left out."""
+        return {"backend": BACKEND, "layout": dict(self.layout), "ranks": self.ranks, "args": dict(self.args),
+                "tensors": len(self.state), **self.common, "notes": list(self.notes)}  # fmt: skip
+
+
+def is_megatron(path: str) -> bool:
+    """A folder with Megatron's ``metadata.json`` (a ``sharded_backend`` named; which one, :func:`describe` checks).
+    Beside a DCP ``.metadata`` the file must be Megatron's: a damaged one is refused, not read as plain DCP."""
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, METADATA_JSON)):
+        return False
+    try:
+        return "sharded_backend" in _metadata_json(path)
+    except FormatError:
+        if os.path.isfile(os.path.join(path, METADATA)):
+            raise
+        return False  # another tool's metadata.json, in a folder that is no DCP folder
+
+
+def _metadata_json(root: str) -> dict[str, Any]:
+    source = os.path.join(root, METADATA_JSON)
+    with open(source, "rb") as f:
+        raw = f.read(_MAX_JSON + 1)
+    if len(raw) > _MAX_JSON:
+        raise FormatError(f"{source}: over 1 MiB; Megatron's metadata.json is a few lines: it is damaged")
+    said = Said(duplicate="{e}; the file is damaged", invalid="not JSON ({e}); the file is damaged",
+                not_object="not a JSON object; the file is damaged")  # fmt: skip
+    return json_object(raw, source=source, said=said)
+
+
+def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
+    """Read and check the folder: ``metadata.json``, ``common.pt`` and ``.metadata`` (its plan: every chunk inside
+    its tensor, the chunks tiling it, each span inside a data file, as every DCP folder's), then the layer axes
+    unstacked. No tensor byte is read."""
+    meta = _metadata_json(root)
+    source = os.path.join(root, METADATA_JSON)
+    backend = meta.get("sharded_backend")
+    if backend != BACKEND:
+        raise FormatError(f"{source}: a Megatron-Core checkpoint of sharded backend {backend!r}; ckptfix reads "
+                          f"'{BACKEND}': convert it with Megatron (--ckpt-format torch_dist) first")  # fmt: skip
+    if not os.path.isfile(os.path.join(root, METADATA)):
+        raise FormatError(f"{os.path.join(root, METADATA)}: missing; a torch_dist folder has one: copy it again")
+    common = _common(root, allow_globals=allow_globals)
+    args = common.pop("args", {})
+    d = read_dcp(root)
+    notes: list[str] = []
+    extra = [k for k in d.values if k.rpartition("/")[0].endswith("_extra_state")]
+    others = sorted(k for k in d.values if k not in extra)
+    optimizer = [k for k in d.tensors if k.startswith("optimizer.")]
+    if extra:
+        notes.append(f"{len(extra)} _extra_state entries left out (Transformer Engine's FP8 metadata, pickled)")
+    if others:
+        names = ", ".join(sorted({k.split("/")[0] for k in others}))
+        notes.append(f"{len(others)} per-rank objects left out ({names})")
+    if optimizer:
+        notes.append(f"the optimizer's state ({len(optimizer)} tensors) left out: ckptfix converts the model of a "
+                     f"Megatron checkpoint only")  # fmt: skip
+    state: dict[str, DcpTensor] = {}
+    for key, entry in d.tensors.items():
+        if key.startswith("optimizer."):
+            continue
+        for name, part in _unstacked(key, entry, args=args, source=os.path.join(root, METADATA)):
+            if name in state or (name != key and name in d.tensors):
+                raise FormatError(f"{os.path.join(root, METADATA)}: '{name}' is stored both stacked and on its own; "
+                                  f"the metadata is damaged or crafted")  # fmt: skip
+            state[name] = DcpTensor(name, part)
+    ranks = {int(m.group(1)) for f in d.files if (m := _RANK_FILE.fullmatch(os.path.basename(f)))}
+    files = [os.path.join(root, n) for n in (METADATA_JSON, COMMON, METADATA)]
+    layout = {k: v for k, name in _LAYOUT.items() if type(v := args.get(name)) is int}
+    shown = {k: args[k] for k in _ARGS if k in args}
+    return Megatron(root=root, state=state, args=shown, layout=layout, ranks=len(ranks), common=common,
+                    files=[f for f in files if os.path.isfile(f)] + sorted(d.files), notes=notes)  # fmt: skip
+
+
+def _common(root: str, *, allow_globals: Any) -> dict[str, Any]:
+    """``common.pt`` read inertly: its plain entries, and ``args`` (an ``argparse.Namespace``) as a dict of plain
+    values. Objects of other classes (Megatron's enums, dtypes) are kept as their class's name, never built; a
+    pickle naming anything that can run code is refused."""
+    from ckptfix.formats.containers.torchzip import read_torch_zip
+
+    source = os.path.join(root, COMMON)
+    if not os.path.isfile(source):
+        return {}
+    allowed = allowlist.allowed_names(["argparse.Namespace", *allow_globals], source=source)
+    refused: list[str] = []
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size > _MAX_COMMON:
+            raise FormatError(f"{source}: over 1 GiB; Megatron's common.pt holds arguments, not weights")
+        tree = read_torch_zip(fd, source, allowed=allowed, verify=True, refused=refused).tree
+    finally:
+        os.close(fd)
+    if unsafe := sorted({n for n in refused if allowlist.can_run_code(n)}):
+        raise FormatError(f"{source}: its pickle calls {', '.join(unsafe)}, which can run code; refusing the folder")
+    if not isinstance(tree, dict):
+        raise FormatError(f"{source}: holds a {type(tree).__name__}, not Megatron's dict of common values")
+    out: dict[str, Any] = {}
+    for key in ("iteration", "checkpoint_version"):
+        if isinstance(tree.get(key), (int, float, str)):
+            out[key] = tree[key]
+    args = tree.get("args")
+    if isinstance(args, inert.Inert) and args.func.full == "argparse.Namespace" and isinstance(args.state, dict):
+        out["args"] = {str(k): _plain(v) for k, v in args.state.items()}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, type) and issubclass(value, inert.Global):  # a dtype or a class named: its name
+        return value.full.removeprefix("torch.")
+    if isinstance(value, inert.Inert):  # an enum member or an object: its class, not built
+        return value.func.full
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    return type(value).__name__
+
+
+def _unstacked(key: str, entry: TensorEntry, *, args: dict[str, Any], source: str) -> list[tuple[str, TensorEntry]]:
+    """The tensors of ``key`` by name: itself, or one per layer (and expert) of a stacked tensor, each of the chunks
+    of its layer. Megatron writes each layer (and expert) as chunks of extent 1 along the stacked axes; the tiling
+    of the whole was proven by :func:`~.dcp.read_dcp`, so the chunks of one layer tile that layer exactly."""
+    if not key.startswith(_LAYERS) or key[len(_LAYERS) :].split(".", 1)[0].isdigit():
+        return [(key, entry)]
+    rest = key[len(_LAYERS) :]
+    n = 2 if rest.startswith(_EXPERTS) or ("." + _EXPERTS) in rest else 1
+    if len(entry.shape) < n:
+        raise FormatError(f"{source}: '{key}' is {list(entry.shape)}, not stacked by layer{' and expert' * (n - 1)}; "
+                          f"the metadata is damaged")  # fmt: skip
+    for axis, claim in zip(range(n), ("num_layers", "num_experts"), strict=False):
+        said = args.get(claim)
+        if type(said) is int and said != entry.shape[axis]:
+            raise FormatError(f"{source}: '{key}' stacks {entry.shape[axis]} along its {claim} axis but common.pt's "
+                              f"args say {claim}={said}; the folder mixes two checkpoints: copy it again")  # fmt: skip
+    slabs: dict[tuple[int, ...], list[Chunk]] = {}
+    for c in entry.chunks:
+        if any(s != 1 for s in c.sizes[:n]):
+            raise FormatError(f"{source}: '{key}' has a chunk at {list(c.offsets)} of size {list(c.sizes)} "
+                              f"spanning several layers; Megatron stores one layer per chunk: the metadata is "
+                              f"damaged")  # fmt: skip
+        slabs.setdefault(c.offsets[:n], []).append(
+            Chunk(c.offsets[n:], c.sizes[n:], c.span, stored=c.sizes if c.stored is None else c.stored)
+        )
+    out = []
+    for index in itertools.product(*(range(d) for d in entry.shape[:n])):
+        name = f"{_LAYERS}{index[0]}.{rest}"
+        if n == 2:
+            name = name.replace(_EXPERTS, f"mlp.experts.local_experts.{index[1]}.", 1)
+        out.append((name, TensorEntry(entry.dtype, entry.shape[n:], tuple(slabs.get(index, ())))))
+    return out
+
+
+def load_megatron(root: str, *, allow_globals: Any = ()) -> dict[str, Any]:
+    """The model of a ``torch_dist`` folder as torch tensors by Megatron's names (a TP=1, PP=1 state dict), one
+    tensor at a time from its chunks, each chunk's archive checked (its pickle, its CRCs) as a ``.pt`` file's."""
+    from ckptfix.formats.folders.datafiles import DataFiles
+    from ckptfix.formats.folders.dcp import read_dcp_tensor
+    from ckptfix.formats.folders.hf import room_for_files
+
+    run = describe(root, allow_globals=allow_globals)
+    room_for_files(len(run.files), source=root)
+    allowed = allowlist.allowed_names(allow_globals, source=root)
+    files = DataFiles()
+    try:
+        out = {name: read_dcp_tensor(t, files.fd, allowed=allowed) for name, t in run.state.items()}
+        files.check_unchanged()
+    finally:
+        files.close()
+    return out
+
+
+def megatron_tree(root: str, files: Any, *, allow_globals: Any = ()) -> tuple[dict[str, DcpTensor], str]:
+    """The folder's model as :class:`~.dcp.DcpTensor` records for the streaming writers, its notes added to
+    ``files`` (a :class:`~.datafiles.DataFiles`), and its kind in words; no tensor byte read."""
+    from ckptfix.formats.folders.hf import room_for_files
+
+    run = describe(root, allow_globals=allow_globals)
+    room_for_files(len(run.files), source=root)  # each data file stays open until the end
+    files.notes.extend(run.notes)
+    return run.state, run.kind

@@ -1,0 +1,243 @@
+"""Megatron-Core ``torch_dist`` folders (formats/folders/megatron.py): runs saved by megatron-core itself
+(``tests/megatron_runs.py``; TP 2, PP 2, EP 2 MoE; fp32 and bf16) converted without megatron, each compared with
+Megatron's own load of it into a TP=1, PP=1 model; ``inspect``; hostile edits of a real run."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import ckptfix
+from ckptfix.cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures" / "megatron"
+MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
+RUNS = sorted(MANIFEST["runs"])
+
+
+def run(*args: Any) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def expected(name: str, folder: Path = FIXTURES) -> dict[str, torch.Tensor]:
+    """Megatron's own TP=1, PP=1 load of run ``name``, under the names the checkpoint gives them: the layer spec's
+    own ``sharded_state_dict_keys_map`` (recorded by the generator from Megatron) applied to its state-dict names."""
+    path = folder / f"{name}.expected.safetensors"
+    with safe_open(str(path), "pt") as f:
+        keys_map = json.loads(f.metadata()["sharded_state_dict_keys_map"])
+    out = {}
+    for key, value in load_file(str(path)).items():
+        for local, saved in keys_map.items():
+            key = key.replace(f".{local}", f".{saved}")
+        out[key] = value
+    return out
+
+
+def assert_equal_state(got: dict[str, Any], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture
+def copy_of(tmp_path: Path) -> Any:
+    def make(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(FIXTURES / name, dst)
+        return dst
+
+    return make
+
+
+def test_fixtures_cover_tp_pp_ep_and_both_dtypes() -> None:
+    runs = MANIFEST["runs"].values()
+    assert {r["tp"] for r in runs} == {1, 2} and {r["pp"] for r in runs} == {1, 2} and {r["ep"] for r in runs} >= {2}
+    assert {r["dtype"] for r in runs} == {"fp32", "bf16"}
+    assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1024 * 1024
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_load_equals_megatrons_own_tp1_pp1_load(name: str) -> None:
+    assert_equal_state(ckptfix.load(FIXTURES / name), expected(name))
+
+
+@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("out", ["model.safetensors", "model.pt", "shards/", "dcp/"])
+def test_convert_streams_every_run_exactly(tmp_path: Path, name: str, out: str) -> None:
+    src = FIXTURES / name
+    before = digest(src)
+    dst = tmp_path / out
+    extra = ["--shard-size", "10kB"] if out == "shards/" else []
+    result = run("convert", "-v", src, f"{dst}/" if out.endswith("/") else dst, *extra)
+    assert result.exit_code == 0, result.output
+    assert "path: stream" in result.output and "_extra_state entries left out" in result.output
+    layout = MANIFEST["runs"][name]
+    assert f"Megatron-Core torch_dist (TP {layout['tp']}, PP {layout['pp']}, EP {layout['ep']})" in result.output
+    if out == "shards/":
+        assert len(list(dst.glob("model-*.safetensors"))) > 1
+    assert_equal_state(ckptfix.load(dst), expected(name))
+    assert digest(src) == before
+
+
+def test_moe_experts_are_unstacked_by_layer_and_expert() -> None:
+    state = ckptfix.load(FIXTURES / "moe_ep2_fp32")
+    experts = sorted(k for k in state if ".local_experts." in k)
+    assert "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight" in experts
+    assert not any("experts.experts" in k for k in state)
+
+
+def test_inspect_shows_layout_args_and_count_without_reading_tensor_bytes(copy_of: Any) -> None:
+    folder = copy_of("tp2_fp32")
+    for data in folder.glob("*.distcp"):  # zeroed: no byte of them may be needed to describe the folder
+        data.write_bytes(bytes(data.stat().st_size))
+    result = run("inspect", "--json", folder)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    mg = summary["megatron"]
+    assert mg["layout"] == {"tensor": 2, "pipeline": 1, "expert": 1} and mg["ranks"] == 2
+    assert mg["args"]["num_layers"] == 4 and mg["args"]["params_dtype"] == "float32"
+    assert mg["tensors"] == len(expected("tp2_fp32")) == summary["models"][""]["tensors"]
+    assert summary["folder"]["kind"] == "megatron"
+    text = run("inspect", folder)
+    assert text.exit_code == 0 and "tensor parallel 2, pipeline parallel 1, expert parallel 1" in text.output
+    assert run("convert", folder, folder.parent / "out.safetensors").exit_code != 0  # the bytes are needed here
+
+
+def test_no_megatron_transformer_engine_or_cuda_is_imported(tmp_path: Path) -> None:
+    code = (
+        "import sys, torch, ckptfix\n"
+        "from ckptfix.summary import summarize\n"
+        f"summarize({str(FIXTURES / 'moe_ep2_fp32')!r})\n"
+        f"ckptfix.convert_file({str(FIXTURES / 'pp2_bf16')!r}, {str(tmp_path / 'o.safetensors')!r})\n"
+        f"ckptfix.load({str(FIXTURES / 'tp2_fp32')!r})\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformer_engine', 'apex')]\n"
+        "assert not bad and not torch.cuda.is_initialized(), bad\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "o.safetensors").exists()
+
+
+def test_optimizer_is_refused_with_the_reason(tmp_path: Path) -> None:
+    result = run("convert", FIXTURES / "tp2_fp32", tmp_path / "o.pt", "--optimizer")
+    assert result.exit_code != 0 and "not one" in result.output
+    assert not (tmp_path / "o.pt").exists()
+
+
+# -- hostile edits of a real run: one-line refusals, nothing written, the input untouched --------------------
+
+
+def refused(folder: Path, tmp_path: Path, *words: str) -> None:
+    before = digest(folder)
+    for args in (("convert", folder, tmp_path / "o.safetensors"), ("convert", folder, tmp_path / "o.pt")):
+        result = run(*args)
+        assert result.exit_code != 0, result.output
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1, result.output
+        for word in words:
+            assert word in result.output, result.output
+    assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "o.pt").exists()
+    assert digest(folder) == before
+
+
+def rewrite_metadata(folder: Path, edit: Any) -> None:
+    """Edit the plan with torch's own classes (this test's process trusts its own fixture) and write it back."""
+    path = folder / ".metadata"
+    meta = pickle.loads(path.read_bytes())
+    edit(meta)
+    path.write_bytes(pickle.dumps(meta))
+
+
+def test_a_missing_rank_file_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("pp2_bf16")
+    (folder / "__1_0.distcp").unlink()
+    refused(folder, tmp_path, "__1_0.distcp")
+
+
+def test_a_missing_chunk_is_refused_by_the_dcp_coverage_rule(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    key = "decoder.layers.self_attention.linear_qkv.weight"
+    rewrite_metadata(folder, lambda m: m.state_dict_metadata[key].chunks.pop())
+    refused(folder, tmp_path, key, "cover")
+
+
+def test_a_shape_past_its_chunks_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_bf16")
+    key = "decoder.layers.mlp.linear_fc2.weight"
+
+    def grow(meta: Any) -> None:
+        meta.state_dict_metadata[key].size = torch.Size([5, *meta.state_dict_metadata[key].size[1:]])
+
+    rewrite_metadata(folder, grow)
+    refused(folder, tmp_path, key)
+
+
+def test_a_layer_count_other_than_the_args_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    common = torch.load(folder / "common.pt", weights_only=False)
+    common["args"].num_layers = 3
+    torch.save(common, folder / "common.pt")
+    refused(folder, tmp_path, "num_layers=3", "mixes two checkpoints")
+
+
+class _Evil:
+    def __reduce__(self) -> Any:
+        return (os.system, ("true",))
+
+
+def test_common_pt_calling_code_is_refused_unrun(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    common = torch.load(folder / "common.pt", weights_only=False)
+    common["args"].hook = _Evil()
+    torch.save(common, folder / "common.pt")
+    refused(folder, tmp_path, "can run code")
+
+
+def test_another_sharded_backend_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    refused(folder, tmp_path, "zarr", "torch_dist")
+
+
+def test_a_truncated_data_file_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("moe_ep2_fp32")
+    data = folder / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    refused(folder, tmp_path)
+
+
+def test_a_flipped_tensor_byte_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    data = folder / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    at = raw.index(b"data/0") + 200  # inside the first chunk's tensor bytes
+    raw[at] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    refused(folder, tmp_path, "CRC")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (tests/megatron_runs.py)")
+def test_a_fresh_megatron_run_converts_exactly(tmp_path: Path) -> None:
+    from tests.megatron_runs import make_run
+
+    folder = make_run(tmp_path, "tp2_bf16")
+    assert_equal_state(ckptfix.load(folder), expected("tp2_bf16", folder=tmp_path))
