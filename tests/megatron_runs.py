@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,11 +36,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 # name: tensor, pipeline and expert parallel sizes, dtype, mixture of experts, tied embeddings, layers (if not
-# LAYERS: the folders are kept small)
+# LAYERS: the folders are kept small), Adam (else SGD): its state saved beside the model, as Megatron-LM saves it
 RUNS: dict[str, dict[str, Any]] = {
     "tp2_fp32": {"tp": 2, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": True},
     "pp2_bf16": {"tp": 1, "pp": 2, "ep": 1, "dtype": "bf16", "moe": False, "tied": False},
-    "tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False},
+    "tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False, "layers": 2, "adam": True},
     "moe_ep2_fp32": {"tp": 1, "pp": 1, "ep": 2, "dtype": "fp32", "moe": True, "tied": False, "layers": 2},
 }
 STEPS = 3
@@ -114,8 +115,9 @@ def _args(run: dict[str, Any]) -> argparse.Namespace:
     )  # fmt: skip
 
 
-def _train(model: Any, run: dict[str, Any], *, pp: int) -> None:
-    """A few SGD steps on one fixed batch (the same on every rank, so data-parallel replicas stay equal)."""
+def _train(model: Any, run: dict[str, Any], *, pp: int) -> Any:
+    """A few SGD (or Adam) steps on one fixed batch (the same on every rank, so data-parallel replicas stay equal);
+    the Adam optimizer, or None."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -126,6 +128,7 @@ def _train(model: Any, run: dict[str, Any], *, pp: int) -> None:
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
     params = [p for p in model.parameters() if p.requires_grad]
+    adam = torch.optim.Adam(params, lr=1e-2) if run.get("adam") else None
     first = parallel_state.is_pipeline_first_stage()
     rank = dist.get_rank()
     dtype = torch.bfloat16 if run["dtype"] == "bf16" else torch.float32
@@ -147,10 +150,41 @@ def _train(model: Any, run: dict[str, Any], *, pp: int) -> None:
             model.set_input_tensor(hidden)
             model(None, position_ids, mask, labels=labels).float().mean().backward()
             dist.send(hidden.grad.contiguous(), rank - 1)
+        if adam is not None:
+            adam.step()
+            continue
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
                     p.add_(p.grad.to(p.dtype), alpha=-0.5)
+    return adam
+
+
+def _optimizer_and_rng(model_sd: Any, adam: Any) -> dict[str, Any]:
+    """The optimizer state as Megatron-Core's ``FP32Optimizer.sharded_state_dict`` makes it (each moment a sharded
+    tensor like its parameter, the step shared), and the RNG state as Megatron-LM's training loop saves it (one
+    ``ShardedObject`` per pipeline and tensor rank)."""
+    import random
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    optim = adam.state_dict()
+    id_map = get_param_id_to_sharded_param_map(model_sd, [p for g in adam.param_groups for p in g["params"]])
+    steps = [s.pop("step") for s in optim["state"].values()]
+    optim_state_to_sharding_state(optim, id_map, exclude_keys="step")
+    optim["state"]["common_step"] = steps[0]
+    ps = parallel_state
+    pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    rng = [{"random_rng_state": random.getstate(), "torch_rng_state": torch.get_rng_state()}]
+    sizes = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    replica = parallel_state.get_data_parallel_rank()
+    return {"optimizer": optim, "rng_state": ShardedObject("rng_state", rng, sizes, (pp, tp), replica_id=replica)}
 
 
 def _worker(out: Path, name: str) -> None:
@@ -165,8 +199,11 @@ def _worker(out: Path, name: str) -> None:
     parallel_state.initialize_model_parallel(run["tp"], run["pp"], expert_model_parallel_size=run["ep"])
     torch.manual_seed(1234)
     model = _model(run, tp=run["tp"], pp=run["pp"], ep=run["ep"])
-    _train(model, run, pp=run["pp"])
-    state = {"model": model.sharded_state_dict(), "args": _args(run), "iteration": STEPS, "checkpoint_version": 3.0}
+    adam = _train(model, run, pp=run["pp"])
+    model_sd = model.sharded_state_dict()
+    state = {"model": model_sd, "args": _args(run), "iteration": STEPS, "checkpoint_version": 3.0}
+    if adam is not None:
+        state.update(_optimizer_and_rng(model_sd, adam))
     folder = out / name
     if dist.get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
@@ -231,6 +268,19 @@ def make_run(out: Path, name: str) -> Path:
     return out / name
 
 
+def _manifest(out: Path) -> None:
+    import megatron.core
+    import torch
+
+    manifest = {
+        "command": "mcore-venv/bin/python -m tests.megatron_runs fixtures/megatron --fixtures",
+        "platform": {"torch": torch.__version__, "megatron-core": megatron.core.__version__,
+                     "python": sys.version.split()[0]},
+        "runs": {name: dict(RUNS[name], steps=STEPS, world_size=2) for name in RUNS},
+    }  # fmt: skip
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -243,22 +293,11 @@ def main() -> None:
     elif a.role == "expected":
         _expected(a.out, a.run)
     elif a.fixtures:
-        import megatron.core
-        import torch
-
         a.out.mkdir(parents=True, exist_ok=True)
-        for name in RUNS:
+        for name in [a.run] if a.run else RUNS:  # --run NAME: that run again, the manifest rewritten
+            shutil.rmtree(a.out / name, ignore_errors=True)
             make_run(a.out, name)
-        manifest = {
-            "command": "mcore-venv/bin/python -m tests.megatron_runs fixtures/megatron --fixtures",
-            "platform": {
-                "torch": torch.__version__,
-                "megatron-core": megatron.core.__version__,
-                "python": sys.version.split()[0],
-            },
-            "runs": {name: dict(RUNS[name], steps=STEPS, world_size=2) for name in RUNS},
-        }
-        (a.out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        _manifest(a.out)
     else:
         make_run(a.out, a.run)
 

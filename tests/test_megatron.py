@@ -137,6 +137,16 @@ def test_no_megatron_transformer_engine_or_cuda_is_imported(tmp_path: Path) -> N
     assert (tmp_path / "o.safetensors").exists()
 
 
+def test_optimizer_state_and_rng_objects_are_left_out_and_said(tmp_path: Path) -> None:
+    result = run("convert", "-v", FIXTURES / "tp2_bf16", tmp_path / "o.safetensors")
+    assert result.exit_code == 0, result.output
+    assert "2 per-rank objects left out (rng_state)" in result.output
+    assert "the optimizer's state (18 tensors) left out" in result.output  # exp_avg, exp_avg_sq of 9 parameters
+    summary = json.loads(run("inspect", "--json", FIXTURES / "tp2_bf16").output)
+    assert any("optimizer" in note for note in summary["megatron"]["notes"])
+    assert not any(k.startswith("optimizer") for k in ckptfix.load(tmp_path / "o.safetensors"))
+
+
 def test_optimizer_is_refused_with_the_reason(tmp_path: Path) -> None:
     result = run("convert", FIXTURES / "tp2_fp32", tmp_path / "o.pt", "--optimizer")
     assert result.exit_code != 0 and "not one" in result.output
