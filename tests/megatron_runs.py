@@ -44,6 +44,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "moe_ep2_fp32": {"tp": 1, "pp": 1, "ep": 2, "dtype": "fp32", "moe": True, "tied": False, "layers": 2},
 }
 STEPS = 3
+# the benchmark's run (bench/bench_megatron.py), made larger with --size; not a fixture
+BENCH = {"bench_tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False}}
+_SIZE = ""  # --size as given, passed on to the ranks
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, EXPERTS = 4, 16, 4, 2, 32, 32, 8, 2
 
 
@@ -194,7 +197,7 @@ def _worker(out: Path, name: str) -> None:
     _cpu_stand_ins()
     from megatron.core import dist_checkpointing, parallel_state
 
-    run = RUNS[name]
+    run = {**RUNS, **BENCH}[name]
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(run["tp"], run["pp"], expert_model_parallel_size=run["ep"])
     torch.manual_seed(1234)
@@ -221,7 +224,7 @@ def _expected(out: Path, name: str) -> None:
     _cpu_stand_ins()
     from megatron.core import dist_checkpointing, parallel_state
 
-    run = RUNS[name]
+    run = {**RUNS, **BENCH}[name]
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(99)  # other initial values than the run's: every tensor must come from the load
@@ -247,7 +250,7 @@ def _spawn(out: Path, name: str, *, role: str, world: int) -> None:
                OMP_NUM_THREADS="1", PYTHONPATH=path)  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.megatron_runs", str(out), "--run", name, "--role", role],
+            [sys.executable, "-m", "tests.megatron_runs", str(out), "--run", name, "--role", role, "--size", _SIZE],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -268,6 +271,19 @@ def make_run(out: Path, name: str) -> Path:
     return out / name
 
 
+def _resize(spec: str) -> None:
+    """``--size hidden=2048,layers=10``: the model's sizes (and ``steps``) other than the fixtures', for the
+    benchmark; a run's own ``layers`` still wins."""
+    global _SIZE
+    _SIZE = spec
+    names = {"layers", "hidden", "heads", "groups", "ffn", "vocab", "seq", "experts", "steps"}
+    for part in filter(None, spec.split(",")):
+        name, _, value = part.partition("=")
+        if name not in names or not value.isdigit():
+            raise SystemExit(f"--size {spec}: {part!r} is not one of {sorted(names)}=N")
+        globals()[name.upper()] = int(value)
+
+
 def _manifest(out: Path) -> None:
     import megatron.core
     import torch
@@ -284,10 +300,12 @@ def _manifest(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--run", choices=sorted(RUNS))
+    parser.add_argument("--run", choices=sorted({**RUNS, **BENCH}))
     parser.add_argument("--role", choices=("train", "expected"))
     parser.add_argument("--fixtures", action="store_true", help="every run, and MANIFEST.json")
+    parser.add_argument("--size", default="", help="e.g. hidden=2048,layers=10,ffn=5632,vocab=32000,steps=1")
     a = parser.parse_args()
+    _resize(a.size)
     if a.role == "train":
         _worker(a.out, a.run)
     elif a.role == "expected":

@@ -200,6 +200,23 @@ def test_a_shape_past_its_chunks_is_refused(copy_of: Any, tmp_path: Path) -> Non
     refused(folder, tmp_path, key)
 
 
+def test_more_layers_than_chunks_is_refused_before_any_is_listed(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("pp2_bf16")
+    key = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+
+    def empty(meta: Any) -> None:  # a billion layers of nothing: the chunks still tile it (zero elements)
+        entry = meta.state_dict_metadata[key]
+        entry.size = torch.Size([10**9, 0])
+        for c in entry.chunks:
+            c.sizes = torch.Size([1, 0])
+
+    rewrite_metadata(folder, empty)
+    common = torch.load(folder / "common.pt", weights_only=False)
+    del common["args"].num_layers  # no claim to check it against: the chunk count alone bounds it
+    torch.save(common, folder / "common.pt")
+    refused(folder, tmp_path, key, "1000000000 layers in 4 chunks")
+
+
 def test_a_layer_count_other_than_the_args_is_refused(copy_of: Any, tmp_path: Path) -> None:
     folder = copy_of("tp2_fp32")
     common = torch.load(folder / "common.pt", weights_only=False)

@@ -20,6 +20,7 @@ metadata, pickled objects), per-rank objects (``rng_state``), and the optimizer'
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -203,6 +204,10 @@ def _unstacked(key: str, entry: TensorEntry, *, args: dict[str, Any], source: st
         if type(said) is int and said != entry.shape[axis]:
             raise FormatError(f"{source}: '{key}' stacks {entry.shape[axis]} along its {claim} axis but common.pt's "
                               f"args say {claim}={said}; the folder mixes two checkpoints: copy it again")  # fmt: skip
+    if (count := math.prod(entry.shape[:n])) > len(entry.chunks):  # each layer is a chunk at least, even empty
+        raise FormatError(f"{source}: '{key}' stacks {count} layers{' and experts' * (n - 1)} in "
+                          f"{len(entry.chunks)} chunks; Megatron stores one layer per chunk: the metadata is damaged "
+                          f"or crafted")  # fmt: skip
     slabs: dict[tuple[int, ...], list[Chunk]] = {}
     for c in entry.chunks:
         if any(s != 1 for s in c.sizes[:n]):
