@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # LAYERS: the folders are kept small), Adam (else SGD): its state saved beside the model, as Megatron-LM saves it
 RUNS: dict[str, dict[str, Any]] = {
     "tp2_fp32": {"tp": 2, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": True},
-    "pp2_bf16": {"tp": 1, "pp": 2, "ep": 1, "dtype": "bf16", "moe": False, "tied": False},
+    "pp2_vpp2_bf16": {"tp": 1, "pp": 2, "ep": 1, "dtype": "bf16", "moe": False, "tied": False, "vpp": 2},
     "tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False, "layers": 2, "adam": True},
     "moe_ep2_fp32": {"tp": 1, "pp": 1, "ep": 2, "dtype": "fp32", "moe": True, "tied": False, "layers": 2},
 }
@@ -71,7 +71,7 @@ def _cpu_stand_ins() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _config(run: dict[str, Any], *, tp: int, pp: int, ep: int) -> Any:
+def _config(run: dict[str, Any], *, tp: int, pp: int, ep: int, vpp: int | None = None) -> Any:
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
     from torch.nn.functional import silu
@@ -84,23 +84,29 @@ def _config(run: dict[str, Any], *, tp: int, pp: int, ep: int) -> Any:
         ffn_hidden_size=FFN, normalization="RMSNorm", gated_linear_unit=True, activation_func=silu,
         add_bias_linear=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        pipeline_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0, **moe,
+        pipeline_dtype=dtype, hidden_dropout=0.0, attention_dropout=0.0, virtual_pipeline_model_parallel_size=vpp,
+        **moe,
     )  # fmt: skip
 
 
-def _model(run: dict[str, Any], *, tp: int, pp: int, ep: int) -> Any:
+def _model(run: dict[str, Any], *, tp: int, pp: int, ep: int, vpp: int | None = None) -> list[Any]:
+    """This rank's model chunks: one, or one per virtual pipeline stage (``vpp``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = _config(run, tp=tp, pp=pp, ep=ep)
+    config = _config(run, tp=tp, pp=pp, ep=ep, vpp=vpp)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS if run["moe"] else None, normalization="RMSNorm")
-    model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=run["tied"], position_embedding_type="rope",
-    )  # fmt: skip
-    return model.to(config.params_dtype)
+    chunks = []
+    for stage in range(vpp) if vpp else [None]:
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=stage is None, vp_stage=stage)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=stage is None, vp_stage=stage)
+        chunks.append(GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+            pre_process=first, post_process=last, share_embeddings_and_output_weights=run["tied"],
+            position_embedding_type="rope", vp_stage=stage,
+        ).to(config.params_dtype))  # fmt: skip
+    return chunks
 
 
 def _args(run: dict[str, Any]) -> argparse.Namespace:
@@ -113,14 +119,17 @@ def _args(run: dict[str, Any]) -> argparse.Namespace:
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
         untie_embeddings_and_output_weights=not run["tied"], tensor_model_parallel_size=run["tp"],
         pipeline_model_parallel_size=run["pp"], expert_model_parallel_size=run["ep"],
+        virtual_pipeline_model_parallel_size=run.get("vpp"),
         num_experts=EXPERTS if run["moe"] else None, bf16=run["dtype"] == "bf16",
         params_dtype=torch.bfloat16 if run["dtype"] == "bf16" else torch.float32,
     )  # fmt: skip
 
 
-def _train(model: Any, run: dict[str, Any], *, pp: int) -> Any:
+def _train(chunks: list[Any], run: dict[str, Any], *, pp: int) -> Any:
     """A few SGD (or Adam) steps on one fixed batch (the same on every rank, so data-parallel replicas stay equal);
-    the Adam optimizer, or None."""
+    the Adam optimizer, or None. The pipeline's stages (``pp`` ranks × this rank's chunks, virtual stage ``v`` of
+    rank ``r`` being stage ``v * pp + r``) run forward in order, each handing its activations to the next rank's,
+    then backward in reverse, each handing its input's gradient back."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -130,29 +139,38 @@ def _train(model: Any, run: dict[str, Any], *, pp: int) -> Any:
     labels = torch.roll(tokens, -1, dims=1)
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for m in chunks for p in m.parameters() if p.requires_grad]
     adam = torch.optim.Adam(params, lr=1e-2) if run.get("adam") else None
-    first = parallel_state.is_pipeline_first_stage()
-    rank = dist.get_rank()
+    rank = parallel_state.get_pipeline_model_parallel_rank()  # and its global rank: these runs are pp ranks wide
     dtype = torch.bfloat16 if run["dtype"] == "bf16" else torch.float32
+    stages = len(chunks) * pp
     for _ in range(STEPS):
         for p in params:
             p.grad = None
-        if pp == 1:
-            model(tokens, position_ids, mask, labels=labels).float().mean().backward()
-        elif first:  # stage 0: activations to stage 1, their gradient back
-            hidden = model(tokens, position_ids, mask)
-            dist.send(hidden.detach().contiguous(), rank + 1)
-            grad = torch.empty_like(hidden)
-            dist.recv(grad, rank + 1)
-            hidden.backward(grad)
-        else:
-            hidden = torch.empty(SEQ, 2, HIDDEN, dtype=dtype)
-            dist.recv(hidden, rank - 1)
-            hidden.requires_grad_(True)
-            model.set_input_tensor(hidden)
-            model(None, position_ids, mask, labels=labels).float().mean().backward()
-            dist.send(hidden.grad.contiguous(), rank - 1)
+        kept: dict[int, tuple[Any, Any]] = {}  # stage -> (its input, its output)
+        for stage in range(rank, stages, pp):
+            model = chunks[stage // pp]
+            x = None
+            if stage > 0:
+                x = torch.empty(SEQ, 2, HIDDEN, dtype=dtype)
+                dist.recv(x, (stage - 1) % pp)
+                x.requires_grad_(True)
+                model.set_input_tensor(x)
+            last = stage == stages - 1
+            out = model(tokens if stage == 0 else None, position_ids, mask, labels=labels if last else None)
+            if not last:
+                dist.send(out.detach().contiguous(), (stage + 1) % pp)
+            kept[stage] = (x, out)
+        for stage in sorted(kept, reverse=True):
+            x, out = kept[stage]
+            if stage == stages - 1:
+                out.float().mean().backward()
+            else:
+                grad = torch.empty_like(out)
+                dist.recv(grad, (stage + 1) % pp)
+                out.backward(grad)
+            if x is not None:
+                dist.send(x.grad.contiguous(), (stage - 1) % pp)
         if adam is not None:
             adam.step()
             continue
@@ -199,12 +217,16 @@ def _worker(out: Path, name: str) -> None:
 
     run = {**RUNS, **BENCH}[name]
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(run["tp"], run["pp"], expert_model_parallel_size=run["ep"])
+    parallel_state.initialize_model_parallel(run["tp"], run["pp"], virtual_pipeline_model_parallel_size=run.get("vpp"),
+                                             expert_model_parallel_size=run["ep"])  # fmt: skip
     torch.manual_seed(1234)
-    model = _model(run, tp=run["tp"], pp=run["pp"], ep=run["ep"])
-    adam = _train(model, run, pp=run["pp"])
-    model_sd = model.sharded_state_dict()
-    state = {"model": model_sd, "args": _args(run), "iteration": STEPS, "checkpoint_version": 3.0}
+    chunks = _model(run, tp=run["tp"], pp=run["pp"], ep=run["ep"], vpp=run.get("vpp"))
+    adam = _train(chunks, run, pp=run["pp"])
+    # as Megatron-LM saves them: "model", or "model0", "model1" … with virtual pipeline stages
+    parts = {"model": chunks[0].sharded_state_dict()} if len(chunks) == 1 else {
+        f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}  # fmt: skip
+    model_sd = parts.get("model")
+    state = {**parts, "args": _args(run), "iteration": STEPS, "checkpoint_version": 3.0}
     if adam is not None:
         state.update(_optimizer_and_rng(model_sd, adam))
     folder = out / name
@@ -228,7 +250,7 @@ def _expected(out: Path, name: str) -> None:
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(99)  # other initial values than the run's: every tensor must come from the load
-    model = _model(run, tp=1, pp=1, ep=1)
+    (model,) = _model(run, tp=1, pp=1, ep=1)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(out / name))
     model.load_state_dict(loaded["model"])
     from safetensors.torch import save_file

@@ -68,9 +68,10 @@ def copy_of(tmp_path: Path) -> Any:
     return make
 
 
-def test_fixtures_cover_tp_pp_ep_and_both_dtypes() -> None:
+def test_fixtures_cover_tp_pp_vpp_ep_and_both_dtypes() -> None:
     runs = MANIFEST["runs"].values()
     assert {r["tp"] for r in runs} == {1, 2} and {r["pp"] for r in runs} == {1, 2} and {r["ep"] for r in runs} >= {2}
+    assert any(r.get("vpp") == 2 for r in runs) and any(r.get("adam") for r in runs)
     assert {r["dtype"] for r in runs} == {"fp32", "bf16"}
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1024 * 1024
 
@@ -91,7 +92,8 @@ def test_convert_streams_every_run_exactly(tmp_path: Path, name: str, out: str) 
     assert result.exit_code == 0, result.output
     assert "path: stream" in result.output and "_extra_state entries left out" in result.output
     layout = MANIFEST["runs"][name]
-    assert f"Megatron-Core torch_dist (TP {layout['tp']}, PP {layout['pp']}, EP {layout['ep']})" in result.output
+    vpp = f", VPP {layout['vpp']}" if "vpp" in layout else ""
+    assert f"Megatron-Core torch_dist (TP {layout['tp']}, PP {layout['pp']}{vpp}, EP {layout['ep']})" in result.output
     if out == "shards/":
         assert len(list(dst.glob("model-*.safetensors"))) > 1
     assert_equal_state(ckptfix.load(dst), expected(name))
@@ -127,7 +129,7 @@ def test_no_megatron_transformer_engine_or_cuda_is_imported(tmp_path: Path) -> N
         "import sys, torch, ckptfix\n"
         "from ckptfix.summary import summarize\n"
         f"summarize({str(FIXTURES / 'moe_ep2_fp32')!r})\n"
-        f"ckptfix.convert_file({str(FIXTURES / 'pp2_bf16')!r}, {str(tmp_path / 'o.safetensors')!r})\n"
+        f"ckptfix.convert_file({str(FIXTURES / 'pp2_vpp2_bf16')!r}, {str(tmp_path / 'o.safetensors')!r})\n"
         f"ckptfix.load({str(FIXTURES / 'tp2_fp32')!r})\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformer_engine', 'apex')]\n"
         "assert not bad and not torch.cuda.is_initialized(), bad\n"
@@ -177,7 +179,7 @@ def rewrite_metadata(folder: Path, edit: Any) -> None:
 
 
 def test_a_missing_rank_file_is_refused(copy_of: Any, tmp_path: Path) -> None:
-    folder = copy_of("pp2_bf16")
+    folder = copy_of("pp2_vpp2_bf16")
     (folder / "__1_0.distcp").unlink()
     refused(folder, tmp_path, "__1_0.distcp")
 
@@ -201,7 +203,7 @@ def test_a_shape_past_its_chunks_is_refused(copy_of: Any, tmp_path: Path) -> Non
 
 
 def test_more_layers_than_chunks_is_refused_before_any_is_listed(copy_of: Any, tmp_path: Path) -> None:
-    folder = copy_of("pp2_bf16")
+    folder = copy_of("pp2_vpp2_bf16")
     key = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 
     def empty(meta: Any) -> None:  # a billion layers of nothing: the chunks still tile it (zero elements)

@@ -134,9 +134,10 @@ def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:
 
 
 def _megatron_lines(mg: dict[str, Any]) -> list[str]:
-    layout = ", ".join(f"{k} parallel {v}" for k, v in mg["layout"].items()) or "parallel sizes not recorded"
+    layout = ", ".join(f"{k.replace('_', ' ')} parallel {v}" for k, v in mg["layout"].items())
     args = ", ".join(f"{k}={printable(str(v))}" for k, v in mg["args"].items())
     step = f", iteration {mg['iteration']}" if "iteration" in mg else ""
+    layout = layout or "parallel sizes not recorded"
     lines = [
         f"Megatron-Core: {layout}; written by {mg['ranks']} ranks{step}; {mg['tensors']} tensors, layers unstacked"
     ]

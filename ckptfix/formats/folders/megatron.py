@@ -66,8 +66,8 @@ class Megatron:
     @property
     def kind(self) -> str:
         """``Megatron-Core torch_dist (TP 2, PP 1, EP 1)``: the folder, in the words of ``convert -v``."""
-        sizes = ", ".join(f"{k} {self.layout[v]}" for k, v in (("TP", "tensor"), ("PP", "pipeline"), ("EP", "expert"))
-                          if v in self.layout)  # fmt: skip
+        sizes = ", ".join(f"{k} {self.layout[v]}" for k, v in (("TP", "tensor"), ("PP", "pipeline"),
+                          ("VPP", "virtual_pipeline"), ("EP", "expert")) if v in self.layout)  # fmt: skip
         return f"Megatron-Core {BACKEND}" + (f" ({sizes})" if sizes else f" ({self.ranks} ranks)")
 
     def summary(self) -> dict[str, Any]:
