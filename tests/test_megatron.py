@@ -240,6 +240,28 @@ def test_common_pt_calling_code_is_refused_unrun(copy_of: Any, tmp_path: Path) -
     refused(folder, tmp_path, "can run code")
 
 
+def test_a_metadata_pickle_calling_code_is_refused_unrun(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    marker = tmp_path / "ran"
+    (folder / ".metadata").write_bytes(pickle.dumps(_Touch(str(marker))))
+    refused(folder, tmp_path, "can run code")
+    assert not marker.exists()
+
+
+class _Touch:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_metadata_json_with_a_key_twice_is_refused(copy_of: Any, tmp_path: Path) -> None:
+    folder = copy_of("tp2_fp32")
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend": "zarr"}')
+    refused(folder, tmp_path, "metadata.json", "twice")
+
+
 def test_another_sharded_backend_is_refused(copy_of: Any, tmp_path: Path) -> None:
     folder = copy_of("tp2_fp32")
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
