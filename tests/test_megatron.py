@@ -55,7 +55,8 @@ def assert_equal_state(got: dict[str, Any], want: dict[str, torch.Tensor]) -> No
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
 
 
 @pytest.fixture
@@ -137,6 +138,23 @@ def test_no_megatron_transformer_engine_or_cuda_is_imported(tmp_path: Path) -> N
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o.safetensors").exists()
+
+
+def test_megatron_lm_save_folder_reads_the_iteration_its_tracker_names(tmp_path: Path) -> None:
+    save = tmp_path / "checkpoints"
+    shutil.copytree(FIXTURES / "moe_ep2_fp32", save / "iter_0000003")
+    shutil.copytree(FIXTURES / "tp2_fp32", save / "iter_0000001")  # an older iteration, not read
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    result = run("convert", save, tmp_path / "model.safetensors")
+    assert result.exit_code == 0, result.output
+    assert_equal_state(ckptfix.load(tmp_path / "model.safetensors"), expected("moe_ep2_fp32"))
+    inspected = run("inspect", save)
+    assert inspected.exit_code == 0 and "(4 data files)" in inspected.output, inspected.output
+    (save / "latest_checkpointed_iteration.txt").write_text("7")
+    refused(save, tmp_path, "iter_0000007", "not there")
+    (save / "latest_checkpointed_iteration.txt").write_text("1")
+    (save / "iter_0000001" / "metadata.json").unlink()  # as Megatron-LM's legacy per-rank format has none
+    refused(save, tmp_path, "legacy", "torch_dist")
 
 
 def test_optimizer_state_and_rng_objects_are_left_out_and_said(tmp_path: Path) -> None:

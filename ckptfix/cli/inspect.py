@@ -23,8 +23,10 @@ def _format(summary: dict[str, Any]) -> str:
     folder = summary.get("folder")
     if folder is None:
         return str(summary["format"])
-    meta = {folder["index"], ".metadata"} | ({"metadata.json", "common.pt"} if folder["kind"] == "megatron" else set())
-    data = [f for f in folder["files"] if f not in meta]
+    if folder["kind"] == "megatron":  # beside the data files: the plan, metadata.json, common.pt, the tracker file
+        data = [f for f in folder["files"] if f.endswith(".distcp")]
+    else:
+        data = [f for f in folder["files"] if f != folder["index"] and f != ".metadata"]
     what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] in ("dcp", "megatron") else "file"
     if folder["kind"] == "deepspeed":
         ds = summary["deepspeed"]

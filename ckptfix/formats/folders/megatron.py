@@ -34,6 +34,7 @@ from ckptfix.formats.strict_json import Said, json_object
 
 METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's, in its save folder beside the iter_* folders
 BACKEND = "torch_dist"
 _MAX_JSON = 1 << 20
 _MAX_COMMON = 1 << 30
@@ -77,16 +78,42 @@ class Megatron:
 
 
 def is_megatron(path: str) -> bool:
-    """A folder with Megatron's ``metadata.json`` (a ``sharded_backend`` named; which one, :func:`describe` checks).
-    Beside a DCP ``.metadata`` the file must be Megatron's: a damaged one is refused, not read as plain DCP."""
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, METADATA_JSON)):
+    """A folder with Megatron's ``metadata.json`` (a ``sharded_backend`` named; which one, :func:`describe` checks),
+    or Megatron-LM's save folder (its ``latest_checkpointed_iteration.txt`` naming an ``iter_*`` folder). Beside a
+    DCP ``.metadata`` the file must be Megatron's: a damaged one is refused, not read as plain DCP."""
+    if not os.path.isdir(path):
         return False
+    if not os.path.isfile(os.path.join(path, METADATA_JSON)):
+        return os.path.isfile(os.path.join(path, TRACKER))
     try:
         return "sharded_backend" in _metadata_json(path)
     except FormatError:
         if os.path.isfile(os.path.join(path, METADATA)):
             raise
         return False  # another tool's metadata.json, in a folder that is no DCP folder
+
+
+def resolve(path: str) -> str:
+    """The iteration folder Megatron-LM's tracker file names in its save folder (``iter_0000100``, ``release``), or
+    ``path`` itself when it is the checkpoint."""
+    tracker = os.path.join(path, TRACKER)
+    if os.path.isfile(os.path.join(path, METADATA_JSON)) or not os.path.isfile(tracker):
+        return path
+    with open(tracker, "rb") as f:
+        raw = f.read(65)
+    said = raw.decode("ascii", "replace").strip()
+    if len(raw) > 64 or not (said.isdigit() or said == "release"):
+        raise FormatError(f"{tracker}: says {said[:64]!r}, not an iteration number or 'release'; the file is damaged: "
+                          f"pass the iter_* folder itself")  # fmt: skip
+    folder = os.path.join(path, "release" if said == "release" else f"iter_{int(said):07d}")
+    if not os.path.isdir(folder):
+        raise FormatError(f"{tracker}: names iteration {said}, but {folder} is not there; copy it, or pass the "
+                          f"iter_* folder to read")  # fmt: skip
+    if not os.path.isfile(os.path.join(folder, METADATA_JSON)):
+        raise FormatError(f"{folder}: a Megatron-LM checkpoint without metadata.json (the legacy per-rank format, "
+                          f"mp_rank_*/model_optim_rng.pt); ckptfix reads '{BACKEND}' folders: re-save with "
+                          f"--ckpt-format torch_dist")  # fmt: skip
+    return folder
 
 
 def _metadata_json(root: str) -> dict[str, Any]:
@@ -103,7 +130,9 @@ def _metadata_json(root: str) -> dict[str, Any]:
 def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
     """Read and check the folder: ``metadata.json``, ``common.pt`` and ``.metadata`` (its plan: every chunk inside
     its tensor, the chunks tiling it, each span inside a data file, as every DCP folder's), then the layer axes
-    unstacked. No tensor byte is read."""
+    unstacked. No tensor byte is read. ``root`` may be Megatron-LM's save folder: the iteration its tracker file
+    names is read."""
+    top, root = root, resolve(root)
     meta = _metadata_json(root)
     source = os.path.join(root, METADATA_JSON)
     backend = meta.get("sharded_backend")
@@ -138,6 +167,8 @@ def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
             state[name] = DcpTensor(name, part)
     ranks = {int(m.group(1)) for f in d.files if (m := _RANK_FILE.fullmatch(os.path.basename(f)))}
     files = [os.path.join(root, n) for n in (METADATA_JSON, COMMON, METADATA)]
+    if top != root:
+        files.insert(0, os.path.join(top, TRACKER))
     layout = {k: v for k, name in _LAYOUT.items() if type(v := args.get(name)) is int}
     shown = {k: args[k] for k in _ARGS if k in args}
     return Megatron(root=root, state=state, args=shown, layout=layout, ranks=len(ranks), common=common,
