@@ -193,8 +193,8 @@ def _common(root: str, *, allow_globals: Any) -> dict[str, Any]:
         tree = read_torch_zip(fd, source, allowed=allowed, verify=True, refused=refused).tree
     finally:
         os.close(fd)
-    if unsafe := sorted({n for n in refused if allowlist.can_run_code(n)}):
-        raise FormatError(f"{source}: its pickle calls {', '.join(unsafe)}, which can run code; refusing the folder")
+    # the other classes it names stay inert records (Megatron's enums in args); one that can run code is refused
+    allowlist.refuse([n for n in refused if allowlist.can_run_code(n)], source=source)
     if not isinstance(tree, dict):
         raise FormatError(f"{source}: holds a {type(tree).__name__}, not Megatron's dict of common values")
     out: dict[str, Any] = {}
