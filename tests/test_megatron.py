@@ -167,6 +167,18 @@ def test_optimizer_state_and_rng_objects_are_left_out_and_said(tmp_path: Path) -
     assert not any(k.startswith("optimizer") for k in ckptfix.load(tmp_path / "o.safetensors"))
 
 
+def test_inspect_and_its_verify_need_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from ckptfix.summary import summarize\n"
+        f"s = summarize({str(FIXTURES / 'tp2_bf16')!r}, verify=True)\n"
+        "assert s['verified'] == 'crc' and s['megatron']['tensors'] == 15, s\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def test_optimizer_is_refused_with_the_reason(tmp_path: Path) -> None:
     result = run("convert", FIXTURES / "tp2_fp32", tmp_path / "o.pt", "--optimizer")
     assert result.exit_code != 0 and "not one" in result.output
