@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import ckptfix
 from ckptfix.cli import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = ROOT / "fixtures" / "megatron"
 MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
 RUNS = sorted(MANIFEST["runs"])
