@@ -177,6 +177,7 @@ class Conversion:
     dropped: list[str] = field(default_factory=list)
     method: str = "memory"  # "stream" (no tensor loaded), "torch" (load and save) or "memory" (no file)
     notes: list[str] = field(default_factory=list)
+    wrote: str = ""  # what a folder output holds (``DCP folder``, ``3 safetensors shards and their index``)
 
     def to_json(self, src: str, dst: str, *, dtype: str | None = None) -> dict[str, Any]:
         """``convert --json`` (docs/json.md): ``dtype`` is what floating-point tensors were cast to, or None."""

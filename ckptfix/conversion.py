@@ -17,7 +17,15 @@ from ckptfix.checkpoint import Conversion, convert_checkpoint, is_tensor, model_
 from ckptfix.errors import UsageError
 from ckptfix.formats.containers.safetensors import losses_note
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
-from ckptfix.formats.registry import detect_format, output_format, rank_file_note, read, refuse_rank_file, write
+from ckptfix.formats.registry import (
+    describe_output,
+    detect_format,
+    rank_file_note,
+    read,
+    refuse_rank_file,
+    resolve_output,
+    write,
+)
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
 from ckptfix.layouts import Layout, parse_layout, parse_rename
@@ -107,12 +115,15 @@ def convert_file(
     shard_size: int | None = None,
     overwrite: bool = False,
     optimizer: bool = False,
+    format: str | None = None,
 ) -> Conversion:
     """Convert checkpoint ``src`` into ``dst`` (format from its extension); returns what changed.
 
     ``src`` may be a folder (transformers shards, an accelerate ``save_state`` folder, a DCP folder) or its
     index file. ``dst`` ending in ``/`` (or an existing empty folder) gets a DCP folder; ``shard_size`` (bytes)
-    writes transformers shards of at most that size beside ``dst`` (or in it, when it is a folder).
+    writes transformers shards of at most that size beside ``dst`` (or in it, when it is a folder). ``format``
+    (``hf``, ``dcp``, ``safetensors``, ``pt``) chooses a folder ``dst``'s format instead
+    (:func:`~ckptfix.formats.registry.resolve_output`); ``result.wrote`` then says what the folder holds.
 
     An existing output is refused unless ``overwrite=True``, then replaced so that a failure leaves it as it was:
     a file atomically; a DCP folder (only one that holds nothing but a DCP checkpoint) and a shard set (the
@@ -139,11 +150,9 @@ def convert_file(
     )
     dtype = options.dtype  # the canonical name (bf16 is bfloat16)
     source = os.fspath(src)
-    out_fmt = output_format(dst)
+    dst, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
     if optimizer:
         _check_optimizer(source, dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
-    if shard_size is not None and out_fmt == "dcp":
-        dst, out_fmt = os.path.join(dst, "model.safetensors"), "safetensors"  # shards in that folder
     if out_fmt == "dcp":
         check_output_folder(dst, inputs=(src,), overwrite=overwrite)
     elif shard_size is not None:
@@ -168,6 +177,7 @@ def convert_file(
                                verify=verify, shard_size=shard_size, overwrite=overwrite,
                                optimizer=optimizer)  # fmt: skip
             streamed.method = "stream"
+            streamed.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
             return streamed
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
@@ -191,6 +201,7 @@ def convert_file(
         if not stores_crcs(source):  # the output gets CRCs of its own, computed by torch.save
             conversion.notes.append(f"{NO_CRC} in the input")
     _note_losses(conversion, out_fmt)
+    conversion.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
     return conversion
 
 

@@ -45,6 +45,13 @@ if TYPE_CHECKING:
     help="Write transformers shards of at most SIZE (5GB, 500MB, 2GiB) and their index beside OUT (in OUT if it "
     "is a folder).",
 )
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["hf", "dcp", "safetensors", "pt"]),
+    help="What a folder OUT holds: hf (a folder transformers' from_pretrained loads), dcp (a DCP folder, the "
+    "default), safetensors or pt (model.safetensors or model.pt, or their shards with --shard-size).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
 @json_option("Print the result as JSON (schema: docs/json.md).")
 @force_option
@@ -64,6 +71,7 @@ def convert(
     no_fast: bool,
     no_verify: bool,
     shard_size: int | None,
+    out_format: str | None,
     verbose: bool,
     output: Output,
     overwrite: bool,
@@ -75,7 +83,8 @@ def convert(
     \b
     IN may be a folder: transformers shards (or their *.index.json), an accelerate save_state folder, or a
     torch.distributed.checkpoint (DCP) folder. OUT ending in / (or an empty folder) gets a DCP folder that
-    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards. An existing DCP folder or
+    torch.distributed.checkpoint.load reads; with --shard-size, transformers shards; --format chooses (hf: a
+    folder from_pretrained loads). The "wrote" line says what a folder holds. An existing DCP folder or
     shard set is replaced only with --force, and only when it holds nothing but a checkpoint: the new one is
     written beside it and swapped in.
 
@@ -107,6 +116,7 @@ def convert(
         model_only=model_only,
         overwrite=overwrite,
         optimizer=optimizer,
+        format=out_format,
     )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     output.result(result.to_json(src, dst, dtype=dtype), lambda: _text(result, dst, dtype=dtype, verbose=verbose))
@@ -132,7 +142,7 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
         for note in result.notes:  # and keys a DCP folder turns into strings: a value read back differs
             if note.startswith((KEPT, DCP_STRING_KEYS)):
                 echo(f"ckptfix: {note}", err=True)
-    echo(f"wrote {dst}")
+    echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 
 
 def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, no_verify: bool) -> None:

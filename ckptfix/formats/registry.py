@@ -312,6 +312,60 @@ def output_format(path: PathLike) -> str:
     )
 
 
+OUTPUT_FORMATS = ("hf", "dcp", "safetensors", "pt")  # what --format names
+_FOLDER_FILES = {"safetensors": "model.safetensors", "pt": "model.pt"}  # a folder's one file, as transformers names it
+ONE_SHARD = 1 << 62  # a shard size no checkpoint reaches: one file, written by the shard writer (folder made, swapped)
+
+
+def resolve_output(
+    path: PathLike, *, fmt: str | None = None, shard_size: int | None = None
+) -> tuple[str, str, int | None]:
+    """Where and in what format a conversion writes OUT: (the path its writer takes, ``torch``, ``safetensors``,
+    ``dcp`` or ``hf``, the shard size). A folder OUT (ending in ``/`` or existing) gets ``fmt`` (``hf``, ``dcp``,
+    ``safetensors``, ``pt``: ``model.safetensors`` or ``model.pt`` in it, written as one shard, by the shard
+    writer that makes the folder; or their shards); without ``fmt`` a DCP folder, or transformers shards with
+    ``shard_size``. A file OUT's extension must agree with ``fmt``."""
+    from ckptfix.errors import UsageError
+
+    out = os.fspath(path)
+    if fmt is not None and fmt not in OUTPUT_FORMATS:
+        raise UsageError(f"format={fmt!r}: unknown output format; choose one of {', '.join(OUTPUT_FORMATS)}")
+    named_file = out.lower().endswith(SAFETENSORS_EXTENSIONS + TORCH_EXTENSIONS) and not os.path.isdir(out)
+    found = "dcp" if fmt in ("hf", "dcp") and not named_file else output_format(path)
+    if found != "dcp":  # a file
+        if fmt in ("hf", "dcp"):
+            raise UsageError(f"{out}: --format {fmt} writes a folder; end OUT with / (or name an existing folder)")
+        if fmt is not None and {"pt": "torch"}.get(fmt, fmt) != found:
+            raise UsageError(f"{out}: its extension says {found}, --format says {fmt}; change one")
+        return out, found, shard_size
+    if fmt == "dcp" and shard_size is not None:
+        raise UsageError("--shard-size writes transformers shards, --format dcp a DCP folder; drop one")
+    if fmt in (None, "dcp"):
+        shards = os.path.join(out, "model.safetensors"), "safetensors", shard_size
+        return shards if shard_size is not None else (out, "dcp", None)
+    if fmt == "hf":
+        return out, "hf", shard_size
+    return os.path.join(out, _FOLDER_FILES[fmt]), {"pt": "torch"}.get(fmt, fmt), shard_size or ONE_SHARD
+
+
+def describe_output(path: PathLike, *, fmt: str, shard_size: int | None) -> str:
+    """What a conversion wrote, for its "wrote" line (``DCP folder``, ``3 safetensors shards and their index``);
+    ``""`` for one file OUT named by its extension."""
+    if fmt in ("dcp", "hf"):
+        return {"dcp": "DCP folder", "hf": "transformers folder"}[fmt]
+    out, what = os.fspath(path), "safetensors" if fmt == "safetensors" else "torch"
+    if shard_size is None:
+        return ""
+    from ckptfix.formats.folders.hf import shard_set
+
+    files = [f for f in shard_set(out) if not f.endswith(".index.json")]
+    if shard_size == ONE_SHARD:
+        return f"{what} file {os.path.basename(out)} in the folder"
+    if len(files) == 1:
+        return f"1 {what} shard, {os.path.basename(files[0])}: no index needed"
+    return f"{len(files)} {what} shards and their index {os.path.basename(out)}.index.json"
+
+
 @deep
 def load(
     path: PathLike,
@@ -404,10 +458,12 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
 
 __all__ = [
     "FORMATS",
+    "OUTPUT_FORMATS",
     "RANK_GLOBALS",
     "Format",
     "Probe",
     "ReadOptions",
+    "describe_output",
     "detect",
     "detect_format",
     "load",
@@ -417,6 +473,7 @@ __all__ = [
     "rank_kind",
     "read",
     "refuse_rank_file",
+    "resolve_output",
     "save",
     "write",
 ]
