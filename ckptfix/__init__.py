@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "save": "ckptfix.formats.registry",
     "ConvertOptions": "ckptfix.conversion",
     "convert_file": "ckptfix.conversion",
+    "export_hf": "ckptfix.exporting",
     "KeyReport": "ckptfix.compare",
     "check": "ckptfix.loading",
     "load_into": "ckptfix.loading",
@@ -114,6 +115,9 @@ if TYPE_CHECKING:
     )
     from ckptfix.errors import (
         UsageError as UsageError,
+    )
+    from ckptfix.exporting import (
+        export_hf as export_hf,
     )
     from ckptfix.formats.registry import load as load
     from ckptfix.formats.registry import save as save

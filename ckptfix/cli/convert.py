@@ -52,6 +52,19 @@ if TYPE_CHECKING:
     help="What a folder OUT holds: hf (a folder transformers' from_pretrained loads), dcp (a DCP folder, the "
     "default), safetensors or pt (model.safetensors or model.pt, or their shards with --shard-size).",
 )
+@click.option(
+    "--config-from",
+    metavar="DIR",
+    type=click.Path(),
+    help="--format hf: the folder of the model's config.json, generation_config.json and tokenizer files (default: "
+    "IN's folder, then its parent).",
+)
+@click.option(
+    "--verify",
+    "verify_hf",
+    is_flag=True,
+    help="--format hf: load OUT with transformers and compare logits on a fixed input with IN's weights.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Say which path ran, why, and what was shared or copied.")
 @json_option("Print the result as JSON (schema: docs/json.md).")
 @force_option
@@ -72,6 +85,8 @@ def convert(
     no_verify: bool,
     shard_size: int | None,
     out_format: str | None,
+    config_from: str | None,
+    verify_hf: bool,
     verbose: bool,
     output: Output,
     overwrite: bool,
@@ -99,6 +114,10 @@ def convert(
     from ckptfix.conversion import convert_file, float_dtype
 
     _refuse_conflicts(click.get_current_context(), keep_layout=keep_layout, no_fast=no_fast, no_verify=no_verify)
+    if out_format == "hf" or config_from is not None or verify_hf:
+        from ckptfix.cli.export_hf import export
+
+        return export(src, dst, click.get_current_context(), output=output, verbose=verbose)
     result = convert_file(
         src,
         dst,

@@ -1,0 +1,59 @@
+"""``ckptfix convert IN OUT/ --format hf``: which of ``convert``'s options apply to an export, the export, its lines."""
+
+from __future__ import annotations
+
+import click
+
+from ckptfix.cli.render import Output, echo
+from ckptfix.errors import UsageError
+
+# convert's options that an export does not take: the keys are the model's, one state dict, CRCs always checked
+_NOT_FOR_HF = {"to": "--to", "keep_layout": "--keep-layout", "add_prefix": "--add-prefix", "optimizer": "--optimizer",
+               "no_verify": "--no-verify", "model_only": "--model-only"}  # fmt: skip
+
+
+def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: bool) -> None:
+    """Run :func:`ckptfix.exporting.export_hf` with ``convert``'s options, and say what it wrote."""
+    params = ctx.params
+    if params["out_format"] != "hf":
+        given = "--config-from" if params["config_from"] is not None else "--verify"
+        raise UsageError(f"{given} applies to --format hf (a folder from_pretrained loads); add --format hf")
+    for name, flag in _NOT_FOR_HF.items():
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            why = "an export keeps the keys the model's config names" if name != "no_verify" else "CRCs are read"
+            raise UsageError(f"{flag} does not apply to --format hf ({why}); drop it")
+    from ckptfix.exporting import export_hf
+
+    result = export_hf(
+        src,
+        dst,
+        config_from=params["config_from"],
+        dtype=params["dtype"],
+        shard_size=params["shard_size"],
+        verify=params["verify_hf"],
+        overwrite=params["overwrite"],
+        entry=params["entries"][0] if params["entries"] else None,
+        strip_prefixes=params["strip_prefix"],
+        renames=params["rename"],
+        allow_globals=params["allow_globals"],
+        unsafe=params["unsafe_pickle"],
+        fast=not params["no_fast"],
+    )
+
+    def text() -> None:
+        for change in result.changes:
+            echo(f"{change.layout_from} -> transformers keys: {change.keys} keys ({change.renamed} renamed)")
+        for note in result.notes:
+            if verbose or note.startswith(("left out", "copied", "verified")):
+                echo(note if not note.startswith("fast path") else f"path: {result.method}; {note}")
+        if verbose and not any(n.startswith("fast path") for n in result.notes):
+            echo(f"path: {result.method}", err=True)
+        echo(f"wrote {dst} ({result.wrote})")
+
+    output.result(result.to_json(src, dst, dtype=result_dtype(params["dtype"])), text)
+
+
+def result_dtype(dtype: str | None) -> str | None:
+    from ckptfix.conversion import float_dtype
+
+    return float_dtype(dtype)

@@ -1,0 +1,264 @@
+"""``convert SRC OUT/ --format hf``: a folder transformers' ``from_pretrained`` loads, from any checkpoint read.
+
+Everything is checked before a byte is written: transformers is there, the config is found (the source's folder, its
+parent, or ``config_from``), the checkpoint's keys are exactly those of the model the config describes, built on the
+meta device (:mod:`ckptfix.hf_export`). The weights are then streamed as any conversion streams them
+(:func:`ckptfix.stream.folders.convert_folder`: one tensor's bytes at a time, cast a block at a time), or loaded by
+torch where the plan or the stream says so, into ``model.safetensors`` or shards and their index; the config (its
+dtype set to the weights'), ``generation_config.json`` and the tokenizer's files go beside them. The folder is
+written beside OUT and put in place whole, once complete (and, with ``verify``, once transformers has loaded it
+and given the source's logits).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckptfix.checkpoint import Conversion, EntryChange, apply_maps
+from ckptfix.conversion import cast_floating, float_dtype
+from ckptfix.errors import MismatchError, OutputError
+from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
+from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
+from ckptfix.formats.registry import ONE_SHARD, detect_format, read
+from ckptfix.formats.safety.depth import deep
+from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
+from ckptfix.layouts import parse_rename
+from ckptfix.plan import plan_conversion
+from ckptfix.signature import strict_keywords
+
+if TYPE_CHECKING:
+    import torch
+
+WEIGHTS = "model.safetensors"
+
+
+@strict_keywords
+@deep
+def export_hf(
+    src: PathLike,
+    out: PathLike,
+    *,
+    config_from: PathLike | None = None,
+    dtype: str | None = None,
+    shard_size: int | None = None,
+    verify: bool = False,
+    overwrite: bool = False,
+    entry: str | None = None,
+    strip_prefixes: Iterable[str] = (),
+    renames: Iterable[str] = (),
+    allow_globals: Iterable[str] = (),
+    unsafe: bool = False,
+    fast: bool = True,
+) -> Conversion:
+    """Write checkpoint ``src`` as folder ``out`` that ``from_pretrained(out)`` loads with no missing, unexpected or
+    newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path).
+
+    ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``dtype`` casts
+    floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
+    ``model-0000N-of-0000M.safetensors`` and their index. ``verify=True`` loads ``out`` with transformers and
+    compares its logits on a fixed input with the source weights' in the same model: not equal raises
+    :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True`` replaces a folder holding only what an
+    export writes.
+
+    >>> ckptfix.export_hf("run/checkpoint-500/", "hf_model/", dtype="bf16")
+    """
+    dtype = float_dtype(dtype)
+    rules = [parse_rename(r) for r in renames]
+    source, out_s = os.fspath(src), os.fspath(out).rstrip(os.sep) or os.sep
+    found = find_config(src, config_from=config_from)
+    config = load_config(found.folder)
+    model = meta_model(config, config_path=found.config_path)
+    _check_out(out_s, inputs=(src, found.config_path, *found.files), overwrite=overwrite)
+    in_fmt = detect_format(src)
+    allow = tuple(allow_globals)
+    done: list[Exported] = []
+
+    def transform(tree: Any) -> Conversion:
+        from ckptfix.loading import model_state_of, primary_entry
+
+        state = model_state_of(tree, source=source, entry=entry)
+        if rules:
+            state = apply_maps(state, rules, source=source)
+        exported = export_state(state, model, source=source, config_path=found.config_path,
+                                strip_prefixes=strip_prefixes)  # fmt: skip
+        done.append(exported)
+        report = exported.report
+        change = EntryChange(entry or primary_entry(tree), report.layout_from, "transformers", len(exported.state),
+                             sum(k not in state for k in exported.state))  # fmt: skip
+        return Conversion(obj=exported.state, changes=[change], notes=list(exported.notes))
+
+    tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
+    try:
+        result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
+                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast)  # fmt: skip
+        exported = done[-1]
+        written = output_dtype(exported.state, dtype)
+        names = write_side_files(tmp, found, config=config_with_dtype(found.config, written))
+        result.notes.append(f"copied from {found.folder}: {', '.join(names)}" + ("" if written else
+                            " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
+        if verify:
+            result.notes.append(verify_export(tmp, source, found, exported, entry=entry, rules=rules,
+                                              strip_prefixes=strip_prefixes, allow=allow, unsafe=unsafe,
+                                              dtype=written))  # fmt: skip
+        _put_in_place(tmp, out_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shards = len([n for n in os.listdir(out_s) if n.startswith("model") and n.endswith(".safetensors")])
+    result.wrote = "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
+        f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
+    return result
+
+
+def _write_weights(
+    source: str, weights: str, *, in_fmt: str, transform: Any, dtype: str | None, shard_size: int | None,
+    allow: tuple[str, ...], unsafe: bool, fast: bool,
+) -> Conversion:  # fmt: skip
+    """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards."""
+    limit = shard_size or ONE_SHARD  # the shard writer: one file named model.safetensors, or shards and an index
+    plan = plan_conversion(in_fmt=in_fmt, out_fmt="safetensors", fast=fast, dtype=dtype, unsafe=unsafe, sharded=True)
+    why = plan.reason
+    if plan.streams:
+        from ckptfix.formats.copyable import Fallback
+        from ckptfix.stream.folders import convert_folder
+
+        try:
+            streamed = convert_folder(source, weights, transform=transform, allow_globals=allow, dtype=dtype,
+                                      shard_size=limit)  # fmt: skip
+            streamed.method = "stream"
+            return streamed
+        except Fallback as e:
+            why = str(e)
+    from ckptfix.formats.registry import write
+
+    obj = read(source, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=True)
+    result: Conversion = transform(obj)
+    if dtype is not None:
+        cast_floating(result, dtype)
+    write(result.obj, weights, fmt="safetensors", shard_size=limit)
+    result.method = "torch"
+    result.notes.append(f"fast path not taken: {why}")
+    return result
+
+
+_EXPORT_FILE = (CONFIG, *SIDE_FILES, WEIGHTS, WEIGHTS + ".index.json")
+
+
+def _check_out(out: str, *, inputs: tuple[PathLike, ...], overwrite: bool) -> None:
+    """OUT is new, or an empty folder, or (``overwrite``) a folder holding only what an export writes."""
+    check_apart(out, inputs=inputs)
+    _parent(out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise OutputError(f"{out}: exists and is not a folder; --format hf writes a folder")
+    names = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if names and not overwrite:
+        raise OutputError(f"{out}: exists and is not empty; write to a new or empty folder, or pass --force to "
+                          f"replace it")  # fmt: skip
+    for name in names:
+        path = os.path.join(out, name)
+        shard = name.startswith("model-") and name.endswith(".safetensors")
+        if not ((name in _EXPORT_FILE or shard) and stat.S_ISREG(os.lstat(path).st_mode)):
+            raise OutputError(f"{path}: is not a file a transformers export writes, and --force replaces only such a "
+                              f"folder; remove it or write to a new folder")  # fmt: skip
+
+
+def _parent(out: str) -> str:
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise OutputError(f"{out}: folder '{parent}' does not exist; create it first")
+    return parent
+
+
+def _put_in_place(tmp: str, out: str) -> None:
+    """The complete folder ``tmp`` becomes ``out``; an ``out`` already there (empty, or replaced with --force) is set
+    aside first and removed once the new one is in, put back if the rename fails."""
+    parent = _parent(out)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; a folder of ours gets the umask's mode
+    old = [out] if os.path.isdir(out) else []
+    try:
+        with set_aside(old, parent):
+            os.rename(tmp, out)
+    except OSError as e:
+        raise OutputError(f"{out}: cannot put the folder in place ({e.strerror or e}); nothing changed") from e
+    fsync_dir(parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def verify_export(
+    folder: str, source: str, found: ConfigFolder, exported: Exported, *, entry: str | None, rules: list[Any],
+    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None,
+) -> str:  # fmt: skip
+    """Load ``folder`` with transformers and compare its logits on a fixed input with the source's weights loaded
+    into the same model; the note saying the largest difference. Raises :class:`MismatchError` when transformers
+    reports a missing, unexpected or mismatched key, or the logits are not equal."""
+    import torch
+
+    from ckptfix.hf_export import model_class
+    from ckptfix.loading import model_state_of
+
+    config = load_config(folder)
+    cls = model_class(config, config_path=os.path.join(folder, CONFIG))
+    torch_dtype = getattr(torch, dtype) if dtype else torch.float32
+    loaded, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True)
+    wrong = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs" and v}
+    if wrong or info.get("error_msgs"):
+        raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
+    obj = read(source, fmt=detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
+    state = model_state_of(obj, source=source, entry=entry)
+    if rules:
+        state = apply_maps(state, rules, source=source)
+    reference = _reference(cls, load_config(found.folder), state, exported, strip_prefixes=strip_prefixes,
+                           dtype=torch_dtype)  # fmt: skip
+    ids = _fixed_input(config)
+    with torch.no_grad():
+        got, want = _logits(loaded.eval(), ids), _logits(reference.eval(), ids)
+    diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    if not torch.equal(got, want):
+        raise MismatchError(f"{folder}: its logits differ from the source weights' by up to {diff:.3g} on a fixed "
+                            f"input; nothing was written")  # fmt: skip
+    return f"verified: from_pretrained loads every key, logits equal the source's (largest difference {diff:g})"
+
+
+def _reference(
+    cls: Any, config: Any, state: Mapping[str, Any], exported: Exported, *, strip_prefixes: Any, dtype: Any
+) -> Any:
+    """The source weights in a model of ``cls`` made in ``dtype`` as from_pretrained makes it: loaded by
+    :func:`ckptfix.load_into` (keys in the model's form, each cast as it is copied in), or, in save_pretrained's
+    form, converted by transformers as it loads (its ``state_dict`` argument)."""
+    from ckptfix.loading import load_into
+
+    if exported.form == "model":
+        model = cls._from_config(config, dtype=dtype)
+        cast = {k: v.to(dtype) if getattr(v, "is_floating_point", bool)() else v for k, v in state.items()}
+        load_into(model, cast, strip_prefixes=strip_prefixes)
+        return model
+    own = export_state(state, meta_model(config, config_path=CONFIG), source="source", config_path=CONFIG,
+                       strip_prefixes=strip_prefixes)  # fmt: skip
+    return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype)
+
+
+def _fixed_input(config: Any) -> torch.Tensor:
+    import torch
+
+    vocab = int(getattr(config, "vocab_size", 0) or 2)
+    length = min(16, int(getattr(config, "max_position_embeddings", 16) or 16))
+    return (torch.arange(length) * 7 % vocab).reshape(1, length)
+
+
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=ids)
+    found = getattr(out, "logits", None)
+    logits: torch.Tensor = found if found is not None else out[0]
+    return logits
+
+
+__all__ = ["export_hf", "verify_export"]
