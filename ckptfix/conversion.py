@@ -151,6 +151,9 @@ def convert_file(
     dtype = options.dtype  # the canonical name (bf16 is bfloat16)
     source = os.fspath(src)
     dst, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
+    if out_fmt == "hf":
+        raise UsageError(f"format='hf': call ckptfix.export_hf({source!r}, {dst!r}), which takes config_from= and "
+                         f"verify=")  # fmt: skip
     if optimizer:
         _check_optimizer(source, dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
     if out_fmt == "dcp":

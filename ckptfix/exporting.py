@@ -12,11 +12,12 @@ and given the source's logits).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import Conversion, EntryChange, apply_maps
@@ -24,7 +25,7 @@ from ckptfix.conversion import cast_floating, float_dtype
 from ckptfix.errors import MismatchError, OutputError
 from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
-from ckptfix.formats.registry import ONE_SHARD, detect_format, read
+from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
 from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
 from ckptfix.layouts import parse_rename
@@ -69,6 +70,7 @@ def export_hf(
     """
     dtype = float_dtype(dtype)
     rules = [parse_rename(r) for r in renames]
+    resolve_output(out, fmt="hf")  # a file OUT is refused first, as convert refuses it for every folder format
     source, out_s = os.fspath(src), os.fspath(out).rstrip(os.sep) or os.sep
     found = find_config(src, config_from=config_from)
     config = load_config(found.folder)
@@ -200,6 +202,32 @@ def verify_export(
     """Load ``folder`` with transformers and compare its logits on a fixed input with the source's weights loaded
     into the same model; the note saying the largest difference. Raises :class:`MismatchError` when transformers
     reports a missing, unexpected or mismatched key, or the logits are not equal."""
+    with _quiet():
+        return _verify(folder, source, found, exported, entry=entry, rules=rules, strip_prefixes=strip_prefixes,
+                       allow=allow, unsafe=unsafe, dtype=dtype)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' progress bars and warnings off while it loads (ckptfix's lines say the outcome), as they were
+    after."""
+    from transformers.utils import logging
+
+    bars, level = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _verify(
+    folder: str, source: str, found: ConfigFolder, exported: Exported, *, entry: str | None, rules: list[Any],
+    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None,
+) -> str:  # fmt: skip
     import torch
 
     from ckptfix.hf_export import model_class

@@ -42,7 +42,8 @@ def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: b
 
     def text() -> None:
         for change in result.changes:
-            echo(f"{change.layout_from} -> transformers keys: {change.keys} keys ({change.renamed} renamed)")
+            where = f"'{change.entry}'" if change.entry else "state dict"
+            echo(f"{where}: {change.layout_from} -> transformers keys, {change.keys} keys ({change.renamed} renamed)")
         for note in result.notes:
             if verbose or note.startswith(("left out", "copied", "verified")):
                 echo(note if not note.startswith("fast path") else f"path: {result.method}; {note}")

@@ -64,8 +64,8 @@ def find_config(src: PathLike, *, config_from: PathLike | None = None) -> Config
     if config_from is not None:
         places = [os.fspath(config_from)]
     else:
-        here = source.rstrip(os.sep) if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
-        places = [here or ".", os.path.dirname(os.path.abspath(here))]
+        here = (source.rstrip(os.sep) if os.path.isdir(source) else os.path.dirname(source)) or "."
+        places = [os.path.normpath(here), os.path.normpath(os.path.join(here, os.pardir))]
     for place in places:
         path = os.path.join(place, CONFIG)
         if os.path.isfile(path):
