@@ -181,6 +181,7 @@ def convert_file(
                                optimizer=optimizer)  # fmt: skip
             streamed.method = "stream"
             streamed.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
+            _note_tied(streamed, dst, out_fmt=out_fmt, shard_size=shard_size)
             return streamed
         except Fallback as e:
             notes.append(f"fast path not taken: {e}")
@@ -205,7 +206,20 @@ def convert_file(
             conversion.notes.append(f"{NO_CRC} in the input")
     _note_losses(conversion, out_fmt)
     conversion.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
+    _note_tied(conversion, dst, out_fmt=out_fmt, shard_size=shard_size)
     return conversion
+
+
+def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: int | None) -> None:
+    """A tensor under two names that a .safetensors output stores once: said, with what gives both names back."""
+    if out_fmt != "safetensors":
+        return
+    from ckptfix.formats.containers.safetensors import tied_note
+    from ckptfix.formats.folders.hf import shard_set
+
+    paths = [p for p in shard_set(dst) if not p.endswith(".index.json")] if shard_size is not None else [dst]
+    if note := tied_note(paths):
+        conversion.notes.append(note)
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:

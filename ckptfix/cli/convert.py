@@ -156,10 +156,12 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
         echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
     else:  # entries copied unbuilt are said whatever the verbosity: the output holds what the input held
         from ckptfix.conversion import DCP_STRING_KEYS
+        from ckptfix.formats.containers.safetensors import TIED_ONCE
         from ckptfix.formats.torchio.opaque import KEPT
 
-        for note in result.notes:  # and keys a DCP folder turns into strings: a value read back differs
-            if note.startswith((KEPT, DCP_STRING_KEYS)):
+        # and keys a DCP folder turns into strings (a value read back differs), tied keys stored once
+        for note in result.notes:
+            if note.startswith((KEPT, DCP_STRING_KEYS, TIED_ONCE)):
                 echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 

@@ -342,6 +342,26 @@ def losses_note(*, params: int, views: int, grads: int) -> str | None:
     return f".safetensors keeps values only: {', '.join(lost)} not kept" if lost else None
 
 
+TIED_ONCE = "tied keys written once"  # said whatever the verbosity: safetensors' own load_file gives one name
+
+
+def tied_note(paths: Iterable[str]) -> str | None:
+    """What .safetensors files ``paths`` (just written) store once under two names, and what gives both back."""
+    aliases: dict[str, str] = {}
+    for path in paths:
+        raw = read_header(path).metadata.get(META_KEY)
+        found = json.loads(raw).get("aliases", {}) if raw else {}
+        aliases.update(found if isinstance(found, dict) else {})
+    if not aliases:
+        return None
+    pairs = ", ".join(f"'{alias}' = '{key}'" for alias, key in list(aliases.items())[:3])
+    more = f" and {len(aliases) - 3} more" if len(aliases) > 3 else ""
+    return (
+        f"{TIED_ONCE}: {pairs}{more} (one tensor, stored once with the alias in the metadata); ckptfix.load and "
+        f"safetensors.torch.load_model(model, path) give both back, safetensors.torch.load_file only the first"
+    )
+
+
 LIBRARY_MAX_HEADER = 100_000_000  # the safetensors library's own limit (MAX_HEADER_SIZE in its tensor.rs)
 
 
