@@ -307,3 +307,47 @@ def test_the_torch_path_writes_what_the_stream_writes(saved: dict[str, Any], tmp
     a, b = ckptfix.load(streamed / "model.safetensors"), ckptfix.load(loaded / "model.safetensors")
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert (streamed / "config.json").read_bytes() == (loaded / "config.json").read_bytes()
+
+
+# -- sharded training runs on 2 gloo ranks (slow tier) -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
+def test_fsdp2_dcp_run_exports_equal_to_its_full_state_dict(name: str, tmp_path: Path) -> None:
+    from tests.hf_runs import build, write_fsdp2
+    from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
+
+    if not FSDP2_ON_CPU:
+        pytest.skip(NO_FSDP2_REASON)
+    config = _config(name)
+    arch = config.architectures[0]
+    run_dir = write_fsdp2(tmp_path / "run", arch, config.to_dict())
+    config.save_pretrained(tmp_path / "config")
+    out = tmp_path / "out"
+    result = run("convert", run_dir / "dcp", f"{out}/", "--format", "hf", "--config-from", tmp_path / "config",
+                 "--verify")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    truth = build(arch, config.to_dict())
+    truth.load_state_dict(torch.load(run_dir / "full.pt", weights_only=True))
+    _loads_equal(out, {"logits": _logits(truth), "model": truth})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_zero3_run_exports_equal_to_deepspeeds_own_consolidation(name: str, tmp_path: Path) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the deepspeed extra)")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from tests.hf_runs import build, write_zero3
+
+    config = _config(name)
+    arch = config.architectures[0]
+    run_dir = write_zero3(tmp_path / "run", arch, config.to_dict())
+    config.save_pretrained(run_dir)  # where HF Trainer puts it: the checkpoint folder
+    out = tmp_path / "out"
+    result = run("convert", run_dir, f"{out}/", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    truth = build(arch, config.to_dict())
+    truth.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir)), strict=False)  # tied: saved once
+    _loads_equal(out, {"logits": _logits(truth), "model": truth})
