@@ -100,8 +100,14 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
     msd, osd = get_state_dict(model, opt)
     dcp_save_local({"model": msd, "optim": osd}, checkpoint_id=str(run_dir / "dcp"))
+    import accelerate
+
+    acc = accelerate.Accelerator(cpu=True)
+    acc.prepare(model, opt)  # registered for save_state (on the CPU the same objects)
+    acc.save_state(str(run_dir / "accelerate"))  # model.safetensors, optimizer.bin, random states: config in run/
     return {"name": name, "model": model, "logits": _logits(model), "root": root, "hf": root / "hf",
-            "ddp": run_dir / "ddp.pt", "compiled": run_dir / "compiled.pt", "dcp": run_dir / "dcp"}  # fmt: skip
+            "ddp": run_dir / "ddp.pt", "compiled": run_dir / "compiled.pt", "dcp": run_dir / "dcp",
+            "accelerate": run_dir / "accelerate"}  # fmt: skip
 
 
 def _loads_equal(out: Path, saved: dict[str, Any]) -> Any:
@@ -115,7 +121,7 @@ def _loads_equal(out: Path, saved: dict[str, Any]) -> Any:
     return loaded
 
 
-@pytest.mark.parametrize("source", ["hf", "ddp", "compiled", "dcp"])
+@pytest.mark.parametrize("source", ["hf", "ddp", "compiled", "dcp", "accelerate"])
 def test_every_writer_exports_a_folder_from_pretrained_loads_equal(
     saved: dict[str, Any], source: str, tmp_path: Path
 ) -> None:
@@ -124,7 +130,7 @@ def test_every_writer_exports_a_folder_from_pretrained_loads_equal(
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[-1].startswith(f"wrote {out}/ (transformers folder: model.safetensors")
     _loads_equal(out, saved)
-    if saved["name"] == "gpt2" and source != "hf":  # the tied copy is in the training state dicts, and left out
+    if saved["name"] == "gpt2" and source not in ("hf", "accelerate"):  # their writers leave the tied copy out
         assert "left out 'lm_head.weight': the config ties it to 'transformer.wte.weight'" in result.output
     from safetensors import safe_open
 
@@ -351,3 +357,20 @@ def test_zero3_run_exports_equal_to_deepspeeds_own_consolidation(name: str, tmp_
     truth = build(arch, config.to_dict())
     truth.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir)), strict=False)  # tied: saved once
     _loads_equal(out, {"logits": _logits(truth), "model": truth})
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_hf_trainer_checkpoint_folder_exports_with_its_own_config(name: str, tmp_path: Path) -> None:
+    import transformers as tf
+
+    model, _ = _trained(name)
+    data = [{"input_ids": IDS[0], "labels": IDS[0]}] * 2
+    args = tf.TrainingArguments(str(tmp_path / "trainer"), max_steps=2, save_steps=2, per_device_train_batch_size=1,
+                                use_cpu=True, report_to=[], disable_tqdm=True)  # fmt: skip
+    tf.Trainer(model=model, args=args, train_dataset=data).train()
+    checkpoint = tmp_path / "trainer" / "checkpoint-2"  # model.safetensors, config.json, optimizer.pt, rng_state.pth …
+    out = tmp_path / "out"
+    result = run("convert", checkpoint, f"{out}/", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    assert f"copied from {checkpoint}: config.json, generation_config.json" in result.output
+    _loads_equal(out, {"logits": _logits(model), "model": model})
