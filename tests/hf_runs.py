@@ -58,6 +58,46 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
         dist.destroy_process_group()
 
 
+def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: dict[str, Any]) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+    try:
+        net = build(arch, config)
+        blocks = net.model.layers if hasattr(net, "model") else net.transformer.h
+        policy = ModuleWrapPolicy({type(blocks[0])})  # each decoder layer its own FSDP unit: nested prefixes
+        model = FullyShardedDataParallel(net, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(input_ids=IDS, labels=IDS).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(out_dir, "dcp"))
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            full = model.state_dict()
+        if rank == 0:
+            torch.save(full, os.path.join(out_dir, "full.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def write_fsdp1(out: Path, arch: str, config: dict[str, Any]) -> Path:
+    """A DCP folder ``out/dcp`` of a 2-rank FSDP1 run's SHARDED_STATE_DICT, and ``out/full.pt`` (its
+    FULL_STATE_DICT)."""
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out), arch, config), nprocs=WORLD, join=True,
+                       start_method=start_method())  # fmt: skip
+    return out
+
+
 def write_fsdp2(out: Path, arch: str, config: dict[str, Any]) -> Path:
     """A DCP folder ``out/dcp`` of a 2-rank FSDP2 run, and ``out/full.pt`` (the full model state dict)."""
     import torch.multiprocessing as mp

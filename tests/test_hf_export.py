@@ -319,16 +319,18 @@ def test_the_torch_path_writes_what_the_stream_writes(saved: dict[str, Any], tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
-def test_fsdp2_dcp_run_exports_equal_to_its_full_state_dict(name: str, tmp_path: Path) -> None:
-    from tests.hf_runs import build, write_fsdp2
+@pytest.mark.parametrize(("writer", "name"), [("fsdp2", "llama"), ("fsdp2", "gpt2"), ("fsdp2", "mixtral"),
+                                              ("fsdp1", "qwen2"), ("fsdp1", "gpt2")])  # fmt: skip
+def test_fsdp_dcp_run_exports_equal_to_its_full_state_dict(writer: str, name: str, tmp_path: Path) -> None:
+    from tests import hf_runs
+    from tests.hf_runs import build
     from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
 
-    if not FSDP2_ON_CPU:
+    if writer == "fsdp2" and not FSDP2_ON_CPU:
         pytest.skip(NO_FSDP2_REASON)
     config = _config(name)
     arch = config.architectures[0]
-    run_dir = write_fsdp2(tmp_path / "run", arch, config.to_dict())
+    run_dir = getattr(hf_runs, f"write_{writer}")(tmp_path / "run", arch, config.to_dict())
     config.save_pretrained(tmp_path / "config")
     out = tmp_path / "out"
     result = run("convert", run_dir / "dcp", f"{out}/", "--format", "hf", "--config-from", tmp_path / "config",

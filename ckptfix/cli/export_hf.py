@@ -7,9 +7,14 @@ import click
 from ckptfix.cli.render import Output, echo
 from ckptfix.errors import UsageError
 
-# convert's options that an export does not take: the keys are the model's, one state dict, CRCs always checked
-_NOT_FOR_HF = {"to": "--to", "keep_layout": "--keep-layout", "add_prefix": "--add-prefix", "optimizer": "--optimizer",
-               "no_verify": "--no-verify", "model_only": "--model-only"}  # fmt: skip
+# convert's options that an export does not take: the keys are the model's, CRCs always checked
+_NOT_FOR_HF = {
+    "to": "--to",
+    "keep_layout": "--keep-layout",
+    "add_prefix": "--add-prefix",
+    "optimizer": "--optimizer",
+    "no_verify": "--no-verify",
+}  # fmt: skip (--model-only is what an export does anyway)
 
 
 def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: bool) -> None:
