@@ -144,7 +144,23 @@ def export_state(
     for key in [*order, *(k for k in adapted if k not in set(order))]:
         if key in adapted and key not in exported.tied:
             exported.state[key] = adapted[key]
+    _refuse_untied_sharing(exported.state, source=source, config_path=config_path)
     return exported
+
+
+def _refuse_untied_sharing(state: Mapping[str, Any], *, source: str, config_path: str) -> None:
+    """Two keys the config keeps apart that are one tensor in the checkpoint: a safetensors file would store it once,
+    and from_pretrained would find the second key missing. The model was trained tied; its config should say so."""
+    seen: dict[Any, str] = {}
+    for key, value in state.items():
+        if spec(value).numel == 0:  # empty tensors share no bytes, whatever their pointers say
+            continue
+        if (first := seen.setdefault(identity(value), key)) != key:
+            raise MismatchError(
+                f"{source}: '{key}' and '{first}' are one tensor (tied in training), but {config_path} does not "
+                f'tie them; set "tie_word_embeddings": true there (or the model\'s tie option), or pass '
+                f"--config-from the config it was trained with"
+            )
 
 
 def _floating_agrees(report: KeyReport) -> None:

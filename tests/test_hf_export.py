@@ -376,3 +376,15 @@ def test_hf_trainer_checkpoint_folder_exports_with_its_own_config(name: str, tmp
     assert result.exit_code == 0, result.output
     assert f"copied from {checkpoint}: config.json, generation_config.json" in result.output
     _loads_equal(out, {"logits": _logits(model), "model": model})
+
+
+def test_weights_tied_in_training_under_an_untied_config_are_refused(tmp_path: Path) -> None:
+    model, _ = _trained("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied by hand, the config left untied
+    torch.save(model.state_dict(), tmp_path / "tied.pt")
+    model.config.save_pretrained(tmp_path)
+    result = run("convert", tmp_path / "tied.pt", f"{tmp_path / 'out'}/", "--format", "hf")
+    assert result.exit_code == 1, result.output
+    assert "'lm_head.weight' and 'model.embed_tokens.weight' are one tensor (tied in training), but" in result.output
+    assert 'does not tie them; set "tie_word_embeddings": true there' in result.output
+    _nothing_written(tmp_path, tmp_path / "out")
