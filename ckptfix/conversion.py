@@ -215,11 +215,14 @@ def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: in
     if out_fmt != "safetensors":
         return
     from ckptfix.formats.containers.safetensors import tied_note
-    from ckptfix.formats.folders.hf import shard_set
 
-    paths = [p for p in shard_set(dst) if not p.endswith(".index.json")] if shard_size is not None else [dst]
+    paths = [dst]
+    if shard_size is not None:  # the folder module only when shards were written
+        from ckptfix.formats.folders.hf import shard_set
+
+        paths = [p for p in shard_set(dst) if not p.endswith(".index.json")]
     if note := tied_note(paths):
-        conversion.notes.append(note)
+        conversion.notes.insert(0, note)  # the route's note stays the last
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:

@@ -152,17 +152,19 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
         echo(f"kept unchanged: {', '.join(result.kept)}")
     if result.dropped:
         echo(f"dropped (--model-only): {', '.join(result.dropped)}")
-    if verbose:
-        echo(f"path: {result.method}" + "".join(f"; {note}" for note in result.notes), err=True)
-    else:  # entries copied unbuilt are said whatever the verbosity: the output holds what the input held
-        from ckptfix.conversion import DCP_STRING_KEYS
-        from ckptfix.formats.containers.safetensors import TIED_ONCE
-        from ckptfix.formats.torchio.opaque import KEPT
+    from ckptfix.formats.containers.safetensors import TIED_ONCE
 
-        # and keys a DCP folder turns into strings (a value read back differs), tied keys stored once
-        for note in result.notes:
-            if note.startswith((KEPT, DCP_STRING_KEYS, TIED_ONCE)):
-                echo(f"ckptfix: {note}", err=True)
+    if verbose:
+        path = "".join(f"; {note}" for note in result.notes if not note.startswith(TIED_ONCE))
+        echo(f"path: {result.method}{path}", err=True)
+    # said whatever the verbosity: entries copied unbuilt (the output holds what the input held), keys a DCP folder
+    # turns into strings (a value read back differs), tied keys a .safetensors file stores once
+    from ckptfix.conversion import DCP_STRING_KEYS
+    from ckptfix.formats.torchio.opaque import KEPT
+
+    for note in result.notes:
+        if note.startswith(TIED_ONCE) or (not verbose and note.startswith((KEPT, DCP_STRING_KEYS))):
+            echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 
 
