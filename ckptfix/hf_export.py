@@ -58,7 +58,12 @@ def model_class(config: Any, *, config_path: str) -> Any:
 def load_config(folder: str) -> Any:
     """The ``PretrainedConfig`` of ``folder``'s ``config.json``, read locally (nothing downloaded)."""
     transformers = require_transformers()
-    return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a config of remote code, a damaged file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{folder}/config.json: transformers {transformers.__version__} cannot read it ({first}); "
+                         f"pass --config-from the folder of a config it reads") from e  # fmt: skip
 
 
 def meta_model(config: Any, *, config_path: str) -> torch.nn.Module:

@@ -388,3 +388,13 @@ def test_weights_tied_in_training_under_an_untied_config_are_refused(tmp_path: P
     assert "'lm_head.weight' and 'model.embed_tokens.weight' are one tensor (tied in training), but" in result.output
     assert 'does not tie them; set "tie_word_embeddings": true there' in result.output
     _nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_config_transformers_cannot_read_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model", "architectures": ["NoSuchModel"]}')
+    torch.save({"w": torch.zeros(2)}, tmp_path / "w.pt")
+    result = run("convert", tmp_path / "w.pt", f"{tmp_path / 'out'}/", "--format", "hf")
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"ckptfix: error: {tmp_path}/config.json: transformers ")
+    assert "cannot read it" in result.output and len(result.output.splitlines()) == 1
+    _nothing_written(tmp_path, tmp_path / "out")
