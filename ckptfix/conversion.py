@@ -29,6 +29,7 @@ from ckptfix.formats.registry import (
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
 from ckptfix.layouts import Layout, parse_layout, parse_rename
+from ckptfix.optim_form import Parameters, parse_form, reform
 from ckptfix.plan import STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, Plan, plan_conversion
 from ckptfix.signature import strict_keywords
 
@@ -65,16 +66,20 @@ class ConvertOptions:
     entries: tuple[str, ...] | None = None
     model_only: bool = False
     dtype: str | None = None
+    optimizer_form: str | None = None  # names | indices; None: names into a DCP folder where known (optim_form)
+    parameters: Parameters | None = None  # the model's, from --model, where the checkpoint does not say them
 
     def __post_init__(self) -> None:
         # frozen: the names people write (DDP, bf16, half) become the canonical ones once, here
         object.__setattr__(self, "to", parse_layout(self.to))
         object.__setattr__(self, "dtype", float_dtype(self.dtype))
+        object.__setattr__(self, "optimizer_form", parse_form(self.optimizer_form))
         for rename in self.renames:
             parse_rename(rename)  # a bad pattern fails here, before any file is opened
 
-    def apply(self, obj: Any, *, source: str) -> Conversion:
-        """The layout conversion of ``obj`` (a pure transform; the dtype cast is the torch path's)."""
+    def apply(self, obj: Any, *, source: str, out_fmt: str = "torch") -> Conversion:
+        """The layout conversion of ``obj`` and its optimizer state in the form ``out_fmt`` loads (a pure
+        transform; the dtype cast is the torch path's)."""
         from ckptfix.formats.torchio.opaque import require
 
         require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
@@ -92,6 +97,12 @@ class ConvertOptions:
         )
         if note := rank_file_note(obj, source=source):
             conversion.notes.append(note)
+        if not self.model_only:
+            from ckptfix.formats.records import identity
+
+            conversion.notes += reform(conversion.obj, form=self.optimizer_form, dcp_out=out_fmt == "dcp",
+                                       model_entries=[c.entry for c in conversion.changes], parameters=self.parameters,
+                                       identity=identity, source=source)  # fmt: skip
         return conversion
 
 
@@ -116,6 +127,8 @@ def convert_file(
     overwrite: bool = False,
     optimizer: bool = False,
     format: str | None = None,
+    optimizer_form: str | None = None,
+    model: str | None = None,
 ) -> Conversion:
     """Convert checkpoint ``src`` into ``dst`` (format from its extension); returns what changed.
 
@@ -137,6 +150,11 @@ def convert_file(
     ``optimizer=True`` (a DeepSpeed ZeRO run into a ``.pt`` file only) writes ``{"model": the fp32 state dict,
     "optimizer": the full torch optimizer state dict}``: each rank's moments consolidated as the weights are.
 
+    ``optimizer_form``: an optimizer entry keyed by parameter ``"names"`` (what ``set_optimizer_state_dict`` loads)
+    or ``"indices"`` (what ``optimizer.load_state_dict`` loads); by default names into a DCP folder where the
+    model entry says them, indices into a file. ``model`` (``package.module:factory``) gives the parameter names
+    where the checkpoint does not (its buffers, which only the model's code knows).
+
     >>> ckptfix.convert_file("ddp.pt", "model.safetensors", to="single")
     """
     options = ConvertOptions(
@@ -147,6 +165,8 @@ def convert_file(
         entries=None if entries is None else tuple(entries),
         model_only=model_only,
         dtype=dtype,
+        optimizer_form=optimizer_form,
+        parameters=None if model is None else model_parameters(model),
     )
     dtype = options.dtype  # the canonical name (bf16 is bfloat16)
     source = os.fspath(src)
@@ -176,7 +196,8 @@ def convert_file(
 
         try:
             streamed = _stream(plan, source, os.fspath(dst), in_fmt=in_fmt, out_fmt=out_fmt, dtype=dtype,
-                               transform=lambda tree: options.apply(tree, source=source), allow_globals=allow,
+                               transform=lambda tree: options.apply(tree, source=source, out_fmt=out_fmt),
+                               allow_globals=allow,
                                verify=verify, shard_size=shard_size, overwrite=overwrite,
                                optimizer=optimizer)  # fmt: skip
             streamed.method = "stream"
@@ -191,7 +212,7 @@ def convert_file(
             from ckptfix.formats.folders.deepspeed import load_optimizer
 
             obj = {"model": obj, "optimizer": load_optimizer(source, allow_globals=allow)}
-        conversion = options.apply(obj, source=source)
+        conversion = options.apply(obj, source=source, out_fmt=out_fmt)
         opaque.refuse_left(conversion.obj, source=source)
         if dtype is not None:
             cast_floating(conversion, dtype)
@@ -223,6 +244,15 @@ def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: in
         paths = [p for p in shard_set(dst) if not p.endswith(".index.json")]
     if note := tied_note(paths):
         conversion.notes.insert(0, note)  # the route's note stays the last
+
+
+def model_parameters(spec: str) -> Parameters:
+    """The parameters of the model ``spec`` builds (on the meta device: no weights made), as ``named_parameters()``
+    gives them (tied ones once)."""
+    from ckptfix.factory import build_model
+
+    named = list(build_model(spec, device="meta").named_parameters())
+    return Parameters(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), f"--model {spec}")
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:

@@ -30,6 +30,14 @@ if TYPE_CHECKING:
     help="DeepSpeed ZeRO run into a .pt file: write {model, optimizer}, the optimizer's state (Adam moments, step) "
     "consolidated into a full torch optimizer state dict (off by default: it can be several times the model).",
 )
+@click.option(
+    "--optimizer-form",
+    type=click.Choice(["names", "indices"]),
+    help="Key optimizer state by parameter names (set_optimizer_state_dict, FSDP2) or indices "
+    "(optimizer.load_state_dict). Default: names into a DCP folder where the model entry says them, else indices.",
+)
+@click.option("--model", "model_spec", metavar="MOD:FACTORY", help="The model, for --optimizer-form names where the "
+              "checkpoint does not say which tensors are parameters (built on the meta device).")  # fmt: skip
 @click.option("--dtype", metavar="DTYPE", help="Cast floating-point tensors (float16, bfloat16, float32, float64).")
 @click.option("--no-fast", is_flag=True, help="Always load and save through torch (the reference path).")
 @click.option(
@@ -80,6 +88,8 @@ def convert(
     entries: tuple[str, ...],
     model_only: bool,
     optimizer: bool,
+    optimizer_form: str | None,
+    model_spec: str | None,
     dtype: str | None,
     no_fast: bool,
     no_verify: bool,
@@ -136,6 +146,8 @@ def convert(
         overwrite=overwrite,
         optimizer=optimizer,
         format=out_format,
+        optimizer_form=optimizer_form,
+        model=model_spec,
     )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     output.result(result.to_json(src, dst, dtype=dtype), lambda: _text(result, dst, dtype=dtype, verbose=verbose))
@@ -158,12 +170,15 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
         path = "".join(f"; {note}" for note in result.notes if not note.startswith(TIED_ONCE))
         echo(f"path: {result.method}{path}", err=True)
     # said whatever the verbosity: entries copied unbuilt (the output holds what the input held), keys a DCP folder
-    # turns into strings (a value read back differs), tied keys a .safetensors file stores once
+    # turns into strings (a value read back differs), tied keys a .safetensors file stores once, optimizer state a
+    # resume would not bind
     from ckptfix.conversion import DCP_STRING_KEYS
     from ckptfix.formats.torchio.opaque import KEPT
+    from ckptfix.optim_form import RESUME_LOSES
 
     for note in result.notes:
-        if note.startswith(TIED_ONCE) or (not verbose and note.startswith((KEPT, DCP_STRING_KEYS))):
+        if note.startswith(TIED_ONCE) or (not verbose and (note.startswith((KEPT, DCP_STRING_KEYS))
+                                                           or RESUME_LOSES in note)):  # fmt: skip
             echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 

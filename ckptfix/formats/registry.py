@@ -386,7 +386,18 @@ def load(
     >>> ckpt = ckptfix.load("run/last.pt")
     """
     options = ReadOptions(unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only)
-    return detect(path).load(path, options)
+    found = detect(path)
+    obj = found.load(path, options)
+    if found.kind == "dcp":  # DCP stores an optimizer's int keys as strings: put back where param_groups name them
+        import warnings
+
+        from ckptfix.optim_form import RESUME_LOSES, restore_all
+
+        obj, notes = restore_all(obj, source=os.fspath(path))
+        for note in notes:
+            if RESUME_LOSES in note:
+                warnings.warn(note, stacklevel=2)
+    return obj
 
 
 def read(

@@ -1,0 +1,283 @@
+"""Optimizer state in the two forms torch writes it: keyed by parameter index, or by parameter name.
+
+``optimizer.state_dict()`` numbers the parameters in the order of its param groups (group 0's ``params``, then
+group 1's, …, from 0) and keys ``state`` by those ints; ``optimizer.load_state_dict`` binds ``state[i]`` to the
+i-th parameter of the optimizer it is called on. torch.distributed.checkpoint's ``get_optimizer_state_dict`` (what
+an FSDP2 job saves, and what ``set_optimizer_state_dict`` loads) keys both ``state`` and every group's ``params`` by
+the parameter's name instead: its fully qualified name in the unwrapped model (no ``module.``, no ``_orig_mod.``;
+``fully_shard`` keeps the module's own names), a tied parameter once, under the name ``named_parameters()`` gives
+it first. A DCP folder keeps every key as a string, so an index-keyed state comes back keyed ``'0'``, ``'1'``, ….
+
+Pure: no torch, no I/O. Values (tensors or tensor records) are kept as they are; containers are new.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.errors import MismatchError, UsageError
+
+NAMES, INDICES = "names", "indices"
+FORMS = (NAMES, INDICES)
+# Buffers a state dict holds beside the parameters, which no optimizer steps: BatchNorm's running statistics.
+_BUFFER_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
+_FLOATING = ("float16", "bfloat16", "float32", "float64")
+RESUME_LOSES = "a resume loses"  # in a note said whatever the verbosity: the output loads, and binds less
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """A model's parameters in ``named_parameters()`` order (tied ones once): names, shapes, and where they come
+    from (said in notes and errors)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    origin: str
+
+
+def parse_form(form: str | None) -> str | None:
+    """``names`` or ``indices`` (None: the default for the output); :class:`UsageError` otherwise."""
+    if form is None or form in FORMS:
+        return form
+    raise UsageError(f"optimizer_form={form!r}: choose names (get_optimizer_state_dict's form) or indices "
+                     f"(optimizer.state_dict()'s)")  # fmt: skip
+
+
+def is_optimizer_state(value: object) -> bool:
+    """A torch optimizer state dict: ``state`` a mapping, ``param_groups`` a list of dicts each with ``params``."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("state"), Mapping):
+        return False
+    groups = value.get("param_groups")
+    return isinstance(groups, list) and all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    )
+
+
+def optimizer_entries(obj: object) -> list[str]:
+    """The top-level entries of ``obj`` that hold an optimizer state dict; ``[""]`` when ``obj`` is one."""
+    if is_optimizer_state(obj):
+        return [""]
+    if not isinstance(obj, Mapping):
+        return []
+    return [k for k, v in obj.items() if isinstance(k, str) and is_optimizer_state(v)]
+
+
+def order(osd: Mapping[str, Any]) -> list[Any]:
+    """The parameters of ``osd`` in the optimizer's order: the groups' ``params`` one after the other."""
+    return [p for group in osd["param_groups"] for p in group["params"]]
+
+
+def form_of(osd: Mapping[str, Any]) -> str | None:
+    """``indices`` or ``names`` by what the param groups list; None for neither (an empty or mixed optimizer)."""
+    params = order(osd)
+    if params and all(type(p) is int for p in params):
+        return INDICES
+    if params and all(isinstance(p, str) for p in params):
+        return NAMES
+    return None
+
+
+def restore_indices(osd: Mapping[str, Any], *, where: str) -> tuple[dict[str, Any], str | None]:
+    """``osd`` with state keys ``'3'`` (a DCP folder's) put back as the int 3 where its param groups name 3; a
+    note saying so, or, for keys that cannot be proven, what a resume loses. Anything else is kept as it is."""
+    params = order(osd)
+    if not params or not all(type(p) is int for p in params):
+        return dict(osd), None
+    named = set(params)
+    state: dict[Any, Any] = {}
+    restored, unbound = 0, []
+    for key, value in osd["state"].items():
+        if isinstance(key, str) and key.isdecimal() and str(int(key)) == key and int(key) in named:
+            state[int(key)] = value
+            restored += 1
+        else:
+            state[key] = value
+            if key not in named:
+                unbound.append(key)
+    if restored and len(state) != len(osd["state"]):  # '3' and 3 both present: which is the real one is unknown
+        return dict(osd), f"{where}: holds state keys both as strings and as ints; kept as they are"
+    out = {**osd, "state": state}
+    if unbound:
+        return out, (f"{where}: {len(unbound)} state key(s) (e.g. {unbound[0]!r}) are not parameters its "
+                     f"param_groups name; optimizer.load_state_dict binds none of them, so {RESUME_LOSES} their "
+                     f"moments and steps")  # fmt: skip
+    if restored:
+        return out, f"{where}: {restored} state key(s) put back as the ints its param_groups name (DCP stores strings)"
+    return out, None
+
+
+def restore_all(obj: Any, *, source: str) -> tuple[Any, list[str]]:
+    """:func:`restore_indices` for each optimizer entry of ``obj`` (a checkpoint read from a DCP folder), in a new
+    top-level container; the notes."""
+    found = [e for e in optimizer_entries(obj) if e != ""]
+    if not found:
+        return obj, []
+    out, notes = dict(obj), []
+    for entry in found:
+        out[entry], note = restore_indices(obj[entry], where=f"{source}['{entry}']")
+        notes += [note] if note else []
+    return out, notes
+
+
+def to_names(osd: Mapping[str, Any], params: Parameters | None, *, where: str) -> tuple[dict[str, Any], str]:
+    """Index-keyed ``osd`` keyed by parameter name, as ``get_optimizer_state_dict`` returns it; and a note on where
+    the names come from. The names are the groups' own ``param_names`` (an optimizer built from
+    ``named_parameters()``), else ``params``; a count or shape that does not fit is refused by key."""
+    ids = order(osd)
+    if ids != list(range(len(ids))):
+        raise MismatchError(f"{where}: param_groups list {_sample(ids)}, not 0…{len(ids) - 1} as "
+                            f"optimizer.state_dict() numbers them; write it with --optimizer-form indices")  # fmt: skip
+    recorded = [n for g in osd["param_groups"] for n in g.get("param_names", ())]
+    if len(recorded) == len(ids) and all(isinstance(n, str) for n in recorded):
+        names, origin = recorded, "its param_groups' param_names"
+        shapes = _shapes_by_name(params, names)
+    elif params is None:
+        raise MismatchError(f"{where}: neither its param_groups nor a model entry name its {len(ids)} parameters; "
+                            f"pass --model MOD:FACTORY, or write it with --optimizer-form indices")  # fmt: skip
+    elif len(params.names) != len(ids):
+        raise MismatchError(f"{where}: param_groups list {len(ids)} parameters but {params.origin} has "
+                            f"{len(params.names)}; pass --model MOD:FACTORY for the model it was saved with, or "
+                            f"write it with --optimizer-form indices")  # fmt: skip
+    else:
+        names, origin, shapes = list(params.names), params.origin, list(params.shapes)
+    if len(set(names)) != len(names):
+        raise MismatchError(f"{where}: a parameter name appears twice in {origin}; the names are not a mapping")
+    state: dict[str, Any] = {}
+    for key, value in osd["state"].items():
+        if type(key) is not int or not 0 <= key < len(names):
+            raise MismatchError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
+                                f"--optimizer-form indices")  # fmt: skip
+        if shapes is not None:
+            _check_shapes(value, shapes[key], where=f"{where}.state.{key}", name=names[key], origin=origin)
+        state[names[key]] = value
+    groups, at = [], 0
+    for group in osd["param_groups"]:
+        count = len(group["params"])
+        groups.append({**group, "params": names[at : at + count]})
+        at += count
+    return {**osd, "state": state, "param_groups": groups}, (
+        f"{where}: keyed by parameter name (set_optimizer_state_dict's form), names from {origin}"
+    )
+
+
+def to_indices(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """Name-keyed ``osd`` keyed by index, as ``optimizer.state_dict()`` keys it: the i-th name of the groups'
+    ``params`` (in their order, which is the optimizer's) is i."""
+    names = order(osd)
+    index = {name: i for i, name in enumerate(names)}
+    if len(index) != len(names):
+        raise MismatchError(f"{where}: a parameter name appears in two param_groups; the names are not a mapping")
+    state: dict[int, Any] = {}
+    for key, value in osd["state"].items():
+        if key not in index:
+            raise MismatchError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
+                                f"--optimizer-form names")  # fmt: skip
+        state[index[key]] = value
+    groups, at = [], 0
+    for group in osd["param_groups"]:
+        count = len(group["params"])
+        groups.append({**group, "params": list(range(at, at + count))})
+        at += count
+    return {**osd, "state": state, "param_groups": groups}
+
+
+def entry_parameters(state: Mapping[str, Any], *, count: int, identity: Callable[[Any], Hashable],
+                     entry: str) -> Parameters | str:  # fmt: skip
+    """The parameters of a model entry (single-layout keys) in ``named_parameters()`` order, for an optimizer of
+    ``count`` parameters: its keys, a tensor under two names once, BatchNorm's running statistics left out when
+    the count asks; or why they cannot be told (a model holds buffers only its code knows)."""
+    seen: set[Hashable] = set()
+    keys: list[str] = []
+    for key, value in state.items():
+        ident = identity(value)
+        if ident not in seen:
+            seen.add(ident)
+            keys.append(key)
+    origin = f"model entry '{entry}'" if entry else "the state dict"
+    if len(keys) != count:
+        keys = [k for k in keys if not k.endswith(_BUFFER_SUFFIXES) and _dtype(state[k]) in _FLOATING]
+        origin += " (its running statistics left out)"
+    if len(keys) != count:
+        return (f"{origin} has {len(keys)} tensors that may be parameters and the optimizer {count}: which are "
+                f"buffers only the model's code knows; pass --model MOD:FACTORY")  # fmt: skip
+    return Parameters(tuple(keys), tuple(tuple(state[k].shape) for k in keys), origin)
+
+
+def _dtype(value: Any) -> str:
+    return str(value.dtype).removeprefix("torch.")
+
+
+def _shapes_by_name(params: Parameters | None, names: Sequence[str]) -> list[tuple[int, ...]] | None:
+    if params is None:
+        return None
+    by_name = dict(zip(params.names, params.shapes, strict=True))
+    return [by_name[n] for n in names] if all(n in by_name for n in names) else None
+
+
+def _check_shapes(value: Any, shape: tuple[int, ...], *, where: str, name: str, origin: str) -> None:
+    """A moment (``exp_avg``, ``momentum_buffer``) has its parameter's shape; a scalar (``step``) any."""
+    if not isinstance(value, Mapping):
+        return
+    for key, moment in value.items():
+        got = getattr(moment, "shape", None)
+        if got is not None and len(got) > 0 and tuple(got) != shape:
+            raise MismatchError(f"{where}.{key}: shape {list(got)}, but parameter '{name}' ({origin}) has "
+                                f"{list(shape)}; the optimizer's parameter order is not the model's: pass --model "
+                                f"MOD:FACTORY, or write it with --optimizer-form indices")  # fmt: skip
+
+
+def _sample(values: Sequence[Any]) -> str:
+    head = ", ".join(repr(v) for v in values[:4])
+    return f"[{head}{', …' if len(values) > 4 else ''}]"
+
+
+def reform(
+    obj: Any,
+    *,
+    form: str | None,
+    dcp_out: bool,
+    model_entries: Sequence[str],
+    parameters: Parameters | None,
+    identity: Callable[[Any], Hashable],
+    source: str,
+) -> list[str]:
+    """Put each optimizer entry of ``obj`` (a converted checkpoint, a new container: changed in place) in
+    ``form``: by default names for a DCP output when the model's parameter names are known, indices otherwise;
+    the notes say what changed and why. A DCP folder's string keys are put back as ints first."""
+    from ckptfix.checkpoint import convert_checkpoint, get_entry
+    from ckptfix.errors import CkptfixError
+
+    notes: list[str] = []
+    found = [e for e in optimizer_entries(obj) if e != ""]
+    for entry in found:
+        where = f"{source}['{entry}']"
+        osd, note = restore_indices(obj[entry], where=where)
+        notes += [note] if note else []
+        target = form or (NAMES if dcp_out else INDICES)
+        current = form_of(osd)
+        if target == INDICES and current == NAMES:
+            osd = to_indices(osd, where=where)
+            notes.append(f"{where}: keyed by index (optimizer.load_state_dict's form), in its param_groups' order")
+        elif target == NAMES and current == INDICES:
+            try:
+                if len(model_entries) != 1 and parameters is None:
+                    raise MismatchError(f"{where}: the checkpoint holds {len(model_entries)} model entries, and "
+                                        f"which one it steps is not said; pass --model MOD:FACTORY")  # fmt: skip
+                params = parameters
+                if params is None:
+                    state = convert_checkpoint(get_entry(obj, model_entries[0]), to="single", source=where).obj
+                    params_or_why = entry_parameters(state, count=len(order(osd)), identity=identity,
+                                                     entry=model_entries[0])  # fmt: skip
+                    if isinstance(params_or_why, str) and not any("param_names" in g for g in osd["param_groups"]):
+                        raise MismatchError(f"{where}: {params_or_why}")
+                    params = params_or_why if isinstance(params_or_why, Parameters) else None
+                osd, note = to_names(osd, params, where=where)
+                notes.append(note)
+            except CkptfixError as e:
+                if form is not None:
+                    raise
+                notes.append(f"{where}: kept keyed by index (optimizer.load_state_dict's form): {e}")
+        obj[entry] = osd
+    return notes
