@@ -132,7 +132,7 @@ def to_names(osd: Mapping[str, Any], params: Parameters | None, *, where: str) -
     recorded = [n for g in osd["param_groups"] for n in g.get("param_names", ())]
     if len(recorded) == len(ids) and all(isinstance(n, str) for n in recorded):
         names, origin = recorded, "its param_groups' param_names"
-        shapes = _shapes_by_name(params, names)
+        shapes = _shapes_by_name(params, names, where=where)
     elif params is None:
         raise MismatchError(f"{where}: neither its param_groups nor a model entry name its {len(ids)} parameters; "
                             f"pass --model MOD:FACTORY, or write it with --optimizer-form indices")  # fmt: skip
@@ -209,11 +209,30 @@ def _dtype(value: Any) -> str:
     return str(value.dtype).removeprefix("torch.")
 
 
-def _shapes_by_name(params: Parameters | None, names: Sequence[str]) -> list[tuple[int, ...]] | None:
+def _shapes_by_name(params: Parameters | None, names: Sequence[str], *, where: str) -> list[tuple[int, ...]] | None:
     if params is None:
         return None
     by_name = dict(zip(params.names, params.shapes, strict=True))
-    return [by_name[n] for n in names] if all(n in by_name for n in names) else None
+    if missing := [n for n in names if n not in by_name]:
+        raise MismatchError(f"{where}: its param_groups' param_names name '{missing[0]}', which {params.origin} "
+                            f"does not have; pass --model MOD:FACTORY for the model it was saved with")  # fmt: skip
+    return [by_name[n] for n in names]
+
+
+def unwrapped_names(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
+    """``osd`` with its groups' ``param_names`` in the unwrapped model's names (an optimizer built from a DDP or
+    compiled model's ``named_parameters()`` records ``module.`` and ``_orig_mod.``, which torch's FQNs leave out)."""
+    from ckptfix import layouts
+    from ckptfix.checkpoint import apply_maps
+
+    names = [n for g in osd["param_groups"] for n in g.get("param_names", ())]
+    if not names or not all(isinstance(n, str) for n in names):
+        return dict(osd)
+    _, maps = layouts.conversion_maps(names, to="single", source=f"{where} param_names")
+    renamed = iter(apply_maps(dict.fromkeys(names), maps, source=f"{where} param_names"))
+    groups = [{**g, "param_names": [next(renamed) for _ in g["param_names"]]} if "param_names" in g else g
+              for g in osd["param_groups"]]  # fmt: skip
+    return {**osd, "param_groups": groups}
 
 
 def _check_shapes(value: Any, shape: tuple[int, ...], *, where: str, name: str, origin: str) -> None:
@@ -273,7 +292,7 @@ def reform(
                     if isinstance(params_or_why, str) and not any("param_names" in g for g in osd["param_groups"]):
                         raise MismatchError(f"{where}: {params_or_why}")
                     params = params_or_why if isinstance(params_or_why, Parameters) else None
-                osd, note = to_names(osd, params, where=where)
+                osd, note = to_names(unwrapped_names(osd, where=where), params, where=where)
                 notes.append(note)
             except CkptfixError as e:
                 if form is not None:

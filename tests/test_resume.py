@@ -1,0 +1,84 @@
+"""Training goes on after a move: saved on one setup, converted by ``ckptfix convert``, resumed on another.
+
+For each pair (one device, DDP, FSDP2; 1 rank and 2), the optimizer state the resumed run holds is ``torch.equal``
+to what the first run held for every parameter, moment and step, and the next ``MORE`` steps give the first run's
+losses: bit for bit where both runs have the same world size. Where they differ, each step's gradient is a mean
+over the global batch summed in another order (8 rows in one process; 4 rows on each of 2 ranks, then averaged),
+so float32 rounding differs by about one unit in the last place; ten AdamW steps carry that along, so the losses
+are compared within rtol 1e-5 (a step changes the loss by about 1e-2), the tolerance written below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptfix.cli import cli
+from tests.resume_runs import MORE, OPTIMIZERS, launch
+from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON)]
+
+# Another world size sums each gradient in another order (see the module's docstring).
+OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}
+WORLD = {"single": 1, "ddp": 2, "fsdp2": 2}
+
+
+def convert(*args: object) -> str:
+    done = CliRunner().invoke(cli, ["convert", *(str(a) for a in args), "-v"])
+    assert done.exit_code == 0, done.output
+    return done.stderr
+
+
+def _saved(setup: str, folder: Path) -> dict[str, str]:
+    suffix = "/" if setup == "fsdp2" else ".pt"  # a DCP folder's name ends in / for convert
+    return {kind: f"{folder / f'{setup}-{kind}'}{suffix}" for kind in OPTIMIZERS}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, str], dict[str, Any]]]:
+    """Each setup's run: where it saved, and what it recorded (state held at the save, the next losses)."""
+    folder = tmp_path_factory.mktemp("trained")
+    runs = {}
+    for setup in ("single", "ddp", "fsdp2"):
+        paths = _saved(setup, folder)
+        runs[setup] = paths, launch(setup, "train", world=WORLD[setup], paths=paths, out=folder / f"{setup}.pt")
+    return runs
+
+
+def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: bool) -> None:
+    for kind in OPTIMIZERS:
+        held, was = got[kind]["held"], want[kind]["held"]
+        assert sorted(held["state"]) == sorted(was["state"]) == ["mid.bias", "mid.weight", "norm.bias",
+                                                                 "norm.weight", "out.bias", "proj.weight"]  # fmt: skip
+        for name, moments in was["state"].items():
+            assert sorted(held["state"][name]) == sorted(moments), (kind, name)
+            for key, value in moments.items():
+                assert torch.equal(held["state"][name][key], value), (kind, name, key)
+        assert held["groups"] == was["groups"], kind
+        losses, expected = torch.tensor(got[kind]["losses"]), torch.tensor(want[kind]["losses"])
+        assert len(losses) == MORE
+        if same_world:
+            assert torch.equal(losses, expected), kind
+        else:
+            torch.testing.assert_close(losses, expected, **OTHER_WORLD)
+
+
+@pytest.mark.parametrize(("a", "b"), [("single", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "single"), ("fsdp2", "ddp"),
+                                      ("ddp", "single"), ("single", "ddp")])  # fmt: skip
+def test_resume_on_another_setup(a: str, b: str, trained: dict[str, Any], tmp_path: Path) -> None:
+    saved, recorded = trained[a]
+    moved = _saved(b, tmp_path)
+    for kind in OPTIMIZERS:
+        said = convert(saved[kind], moved[kind])
+        if b == "fsdp2":
+            assert "keyed by parameter name (set_optimizer_state_dict's form)" in said
+            assert "names from its param_groups' param_names" in said if kind == "adamw" else "model entry" in said
+        elif a == "fsdp2":
+            assert "keyed by index (optimizer.load_state_dict's form)" in said
+    resumed = launch(b, "resume", world=WORLD[b], paths=moved, out=tmp_path / "resumed.pt")
+    assert_resumed(resumed, recorded, same_world=WORLD[a] == WORLD[b])
