@@ -102,7 +102,7 @@ class ConvertOptions:
 
             conversion.notes += reform(conversion.obj, form=self.optimizer_form, dcp_out=out_fmt == "dcp",
                                        model_entries=[c.entry for c in conversion.changes], parameters=self.parameters,
-                                       identity=identity, source=source)  # fmt: skip
+                                       identity=identity, copy=_own_tensor, source=source)  # fmt: skip
         return conversion
 
 
@@ -244,6 +244,17 @@ def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: in
         paths = [p for p in shard_set(dst) if not p.endswith(".index.json")]
     if note := tied_note(paths):
         conversion.notes.insert(0, note)  # the route's note stays the last
+
+
+def _own_tensor(value: Any) -> Any:
+    """A copy of a torch tensor; for a record (a stream reads no values), the torch path, which copies."""
+    from ckptfix.formats.copyable import Fallback
+
+    if not hasattr(value, "clone"):
+        raise Fallback("an optimizer's step tensor is shared between parameters (FSDP1); torch copies it apart")
+    copied = value.clone()
+    devices.inherit(copied, value)
+    return copied
 
 
 def model_parameters(spec: str) -> Parameters:

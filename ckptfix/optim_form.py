@@ -252,6 +252,34 @@ def _sample(values: Sequence[Any]) -> str:
     return f"[{head}{', …' if len(values) > 4 else ''}]"
 
 
+def unshare_steps(osd: Mapping[str, Any], *, identity: Callable[[Any], Hashable], copy: Callable[[Any], Any],
+                  where: str) -> tuple[dict[str, Any], str | None]:  # fmt: skip
+    """``osd`` with each scalar state (``step``) that is one tensor with another parameter's put in a tensor of its
+    own (``copy``), and a note: FSDP1 keeps one ``step`` per flat parameter, shared by its parameters' entries, and
+    a plain AdamW adds 1 to each in place, so a shared one would count every parameter's step."""
+    seen: set[Hashable] = set()
+    state: dict[Any, Any] = {}
+    copied = 0
+    for key, entry in osd["state"].items():
+        if not isinstance(entry, Mapping):
+            state[key] = entry
+            continue
+        new = dict(entry)
+        for name, value in entry.items():
+            if getattr(value, "shape", None) is None or len(value.shape) != 0:
+                continue
+            ident = identity(value)
+            if ident in seen:
+                new[name], copied = copy(value), copied + 1
+            seen.add(ident)
+        state[key] = new
+    if not copied:
+        return dict(osd), None
+    said = (f"{where}: {copied} scalar state tensor(s) (step) shared between parameters copied apart, so that a "
+            f"plain optimizer counts each parameter's steps once")  # fmt: skip
+    return {**osd, "state": state}, said
+
+
 def reform(
     obj: Any,
     *,
@@ -260,6 +288,7 @@ def reform(
     model_entries: Sequence[str],
     parameters: Parameters | None,
     identity: Callable[[Any], Hashable],
+    copy: Callable[[Any], Any],
     source: str,
 ) -> list[str]:
     """Put each optimizer entry of ``obj`` (a converted checkpoint, a new container: changed in place) in
@@ -298,5 +327,8 @@ def reform(
                 if form is not None:
                     raise
                 notes.append(f"{where}: kept keyed by index (optimizer.load_state_dict's form): {e}")
+        if not dcp_out:  # a DCP folder stores each key apart: nothing stays shared
+            osd, note = unshare_steps(osd, identity=identity, copy=copy, where=where)
+            notes += [note] if note else []
         obj[entry] = osd
     return notes

@@ -1,12 +1,14 @@
-"""Training runs that save on one setup and resume on another: one device, DDP or FSDP2 (``fully_shard``) on gloo.
+"""Training runs that save on one setup and resume on another: one device, DDP, FSDP1 or FSDP2 on gloo.
 
 Each run trains two copies of :class:`ResumeNet` side by side, one with AdamW (two param groups built from
 ``named_parameters()``: weights decayed, norms and biases not) and one with SGD with momentum (two param groups,
-each a run of ``model.parameters()``, the second with its own learning rate). ``train`` takes ``STEPS`` steps,
-saves the way its setup saves (a ``.pt`` of ``model.state_dict()`` and ``optimizer.state_dict()``; under FSDP2
-``dcp.save`` of ``get_state_dict``), records the optimizer state it holds, then takes ``MORE`` steps and records
-their losses. ``resume`` loads the way its setup loads, records the optimizer state it then holds, and takes the
-same ``MORE`` steps. Every step uses one global batch, split evenly across the ranks.
+each a run of ``model.parameters()``, the second with its own learning rate), each with a StepLR schedule.
+``train`` takes ``STEPS`` steps, saves the way its setup saves (a ``.pt`` of ``model.state_dict()`` and
+``optimizer.state_dict()``; under FSDP2 ``dcp.save`` of ``get_state_dict``; under FSDP1 a file per rank of
+SHARDED_STATE_DICT, its optimizer's from ``FSDP.optim_state_dict``; each with the scheduler's state, the RNG state
+and the step count), records what it goes on from, then takes ``MORE`` steps and records their losses.
+``resume`` loads the way its setup loads, records what it then holds, and takes the same ``MORE`` steps. Every
+step uses one global batch, split evenly across the ranks.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from tests.models import start_method
 
 STEPS, MORE, BATCH = 3, 10, 8
 OPTIMIZERS = ("adamw", "sgd")
@@ -46,8 +46,9 @@ def build(seed: int) -> ResumeNet:
 def optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     named = list(model.named_parameters())
     if kind == "adamw":
-        decay = [(n, p) for n, p in named if p.ndim > 1]
-        rest = [(n, p) for n, p in named if p.ndim <= 1]
+        # by name: FSDP1 shows each rank's flat slice of a parameter, whose ndim is 1
+        decay = [(n, p) for n, p in named if n.endswith("weight") and "norm." not in n]
+        rest = [(n, p) for n, p in named if not (n.endswith("weight") and "norm." not in n)]
         return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                                  lr=1e-2)  # fmt: skip
     params = [p for _, p in named]
@@ -86,14 +87,24 @@ def _wrap(setup: str, model: nn.Module, world: int) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    if setup == "fsdp1":  # the original parameters kept, so that the two param groups can be told apart
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
     return model
+
+
+def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # the rate halves while the runs go on
 
 
 def held(setup: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's full state by parameter name, and its groups' hyperparameters (every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    if setup == "fsdp2":
+    if setup == "fsdp1":
+        state = _fsdp1_state(model, opt)
+    elif setup == "fsdp2":
         full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # gathered onto rank 0 alone (cpu_offload), which writes the result
         state = {name: {k: v.clone() for k, v in s.items()} for name, s in full.get("state", {}).items()}
@@ -104,30 +115,64 @@ def held(setup: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     return {"state": state, "groups": groups}
 
 
-def _save(setup: str, model: nn.Module, opt: torch.optim.Optimizer, path: Path, rank: int) -> None:
+def rank_file(path: str, rank: int) -> Path:
+    """Where FSDP1 rank ``rank`` saves (each rank its own file)."""
+    return Path(f"{path}-rank{rank}.pt")
+
+
+def _fsdp1_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """FSDP1's optimizer state gathered from the ranks' own slices (each rank steps its piece of every flattened
+    parameter, in order): not through FULL_STATE_DICT, whose ``exp_avg`` here comes back equal to ``exp_avg_sq``
+    (torch 2.13, CPU, ``use_orig_params``), where the sharded state agrees with the same DDP run's."""
+    import torch.distributed as dist
+
+    local = {name.replace("_fsdp_wrapped_module.", ""): {k: v.clone() for k, v in opt.state[p].items()}
+             for name, p in model.named_parameters() if p in opt.state}  # fmt: skip
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, local)
+    shapes = dict((n, p.shape) for n, p in build(0).named_parameters())
+    state = {}
+    for name, shape in shapes.items():
+        pieces = [r[name] for r in ranks if name in r]
+        state[name] = {k: pieces[0][k] if v.ndim == 0 else torch.cat([p[k].flatten() for p in pieces]).reshape(shape)
+                       for k, v in pieces[0].items()}  # fmt: skip
+    return state
+
+
+def _save(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str, rank: int) -> None:
+    extra = {"scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": STEPS}
     if setup == "fsdp2":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, opt)
-        dcp.save({"model": model_state, "optimizer": optim_state, "step": STEPS}, checkpoint_id=str(path))
+        dcp.save({"model": model_state, "optimizer": optim_state, **extra}, checkpoint_id=path)
+    elif setup == "fsdp1":  # SHARDED_STATE_DICT: each rank its shards (ShardedTensors) of weights and moments
+        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            optim = FullyShardedDataParallel.optim_state_dict(model, opt)
+            torch.save({"model": model.state_dict(), "optimizer": optim, **extra}, rank_file(path, rank))
     elif rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": STEPS}, path)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **extra}, path)
 
 
-def _load(setup: str, model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+def _load(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str) -> None:
     if setup == "fsdp2":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(model, opt)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
+        state = {"model": model_state, "optimizer": optim_state, "scheduler": sched.state_dict(),
+                 "rng": torch.get_rng_state()}  # fmt: skip
+        dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:  # a .pt: loaded into the model before wrapping, as the DDP guides do
-        ckpt = torch.load(path, weights_only=True)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
 
 
 def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[str, str], out: str) -> None:
@@ -141,23 +186,29 @@ def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[s
         result: dict[str, Any] = {}
         for kind in OPTIMIZERS:
             model = build(0 if phase == "train" else 99)  # resumed: every value must come from the checkpoint
-            path = Path(paths[kind])
+            path = paths[kind]
             if phase == "resume" and setup != "fsdp2":
-                wrapped, opt = None, optimizer(kind, model)
-                _load(setup, model, opt, path)
+                opt = optimizer(kind, model)
+                sched = scheduler(opt)
+                _load(setup, model, opt, sched, path)
                 wrapped = _wrap(setup, model, world)
             else:
                 wrapped = _wrap(setup, model, world)
                 opt = optimizer(kind, wrapped)
+                sched = scheduler(opt)
             if phase == "train":
                 for step in range(STEPS):
                     _step(wrapped, opt, step, rank, world)
-                _save(setup, wrapped, opt, path, rank)
-            else:
-                if setup == "fsdp2":
-                    _load(setup, wrapped, opt, path)
-            state = held(setup, wrapped, opt)
-            losses = [_step(wrapped, opt, STEPS + i, rank, world) for i in range(MORE)]
+                    sched.step()
+                _save(setup, wrapped, opt, sched, path, rank)
+            elif setup == "fsdp2":
+                _load(setup, wrapped, opt, sched, path)
+            # what the run goes on from: the optimizer, the schedule, the random stream
+            state = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,))}
+            losses = []
+            for i in range(MORE):
+                losses.append(_step(wrapped, opt, STEPS + i, rank, world))
+                sched.step()
             result[kind] = {"held": state, "losses": losses}
         if rank == 0:
             torch.save(result, out)
@@ -181,5 +232,7 @@ def launch(setup: str, phase: str, *, world: int, paths: dict[str, str], out: Pa
     else:
         import torch.multiprocessing as mp
 
-        mp.start_processes(run, args=args, nprocs=world, join=True, start_method=start_method())
+        # spawn: this process has run threads (convert's copier and verifier, the in-process run), and a forked
+        # child can inherit a lock one of them held
+        mp.start_processes(run, args=args, nprocs=world, join=True, start_method="spawn")
     return torch.load(out, weights_only=True)  # type: ignore[no-any-return]

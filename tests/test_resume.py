@@ -18,24 +18,25 @@ import torch
 from click.testing import CliRunner
 
 from ckptfix.cli import cli
-from tests.resume_runs import MORE, OPTIMIZERS, launch
+from tests.resume_runs import MORE, OPTIMIZERS, launch, rank_file
 from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON)]
 
 # Another world size sums each gradient in another order (see the module's docstring).
 OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}
-WORLD = {"single": 1, "ddp": 2, "fsdp2": 2}
+WORLD = {"single": 1, "ddp": 2, "fsdp2": 2, "fsdp1": 2}
 
 
-def convert(*args: object) -> str:
-    done = CliRunner().invoke(cli, ["convert", *(str(a) for a in args), "-v"])
+def ckptfix(*args: object) -> str:
+    done = CliRunner().invoke(cli, [str(a) for a in args])
     assert done.exit_code == 0, done.output
-    return done.stderr
+    return done.stderr + done.stdout
 
 
 def _saved(setup: str, folder: Path) -> dict[str, str]:
-    suffix = "/" if setup == "fsdp2" else ".pt"  # a DCP folder's name ends in / for convert
+    # a DCP folder's name ends in / for convert; FSDP1's ranks add -rank<R>.pt to theirs
+    suffix = {"fsdp2": "/", "fsdp1": ""}.get(setup, ".pt")
     return {kind: f"{folder / f'{setup}-{kind}'}{suffix}" for kind in OPTIMIZERS}
 
 
@@ -44,7 +45,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[st
     """Each setup's run: where it saved, and what it recorded (state held at the save, the next losses)."""
     folder = tmp_path_factory.mktemp("trained")
     runs = {}
-    for setup in ("single", "ddp", "fsdp2"):
+    for setup in WORLD:
         paths = _saved(setup, folder)
         runs[setup] = paths, launch(setup, "train", world=WORLD[setup], paths=paths, out=folder / f"{setup}.pt")
     return runs
@@ -60,6 +61,8 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
             for key, value in moments.items():
                 assert torch.equal(held["state"][name][key], value), (kind, name, key)
         assert held["groups"] == was["groups"], kind
+        assert held["scheduler"] == was["scheduler"], kind  # the LR schedule goes on where it was
+        assert torch.equal(held["draws"], was["draws"]), kind  # and so does the random stream
         losses, expected = torch.tensor(got[kind]["losses"]), torch.tensor(want[kind]["losses"])
         assert len(losses) == MORE
         if same_world:
@@ -69,16 +72,24 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
 
 
 @pytest.mark.parametrize(("a", "b"), [("single", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "single"), ("fsdp2", "ddp"),
-                                      ("ddp", "single"), ("single", "ddp")])  # fmt: skip
+                                      ("ddp", "single"), ("single", "ddp"), ("fsdp1", "fsdp2"), ("fsdp1", "single"),
+                                      ("fsdp1", "ddp")])  # fmt: skip
 def test_resume_on_another_setup(a: str, b: str, trained: dict[str, Any], tmp_path: Path) -> None:
     saved, recorded = trained[a]
     moved = _saved(b, tmp_path)
     for kind in OPTIMIZERS:
-        said = convert(saved[kind], moved[kind])
-        if b == "fsdp2":
+        source = saved[kind]
+        if a == "fsdp1":  # its rank files merged first, the sharded moments consolidated (keyed by name)
+            source = str(tmp_path / f"merged-{kind}.pt")
+            merged = ckptfix("merge", rank_file(saved[kind], 0), rank_file(saved[kind], 1), "-o", source, "--optimizer")
+            assert "consolidated 'optimizer': FSDP1 sharded optimizer state" in merged
+        said = ckptfix("convert", source, moved[kind], "-v")
+        if b == "fsdp2" and a == "fsdp1":  # FSDP.optim_state_dict keys by name already
+            assert "keyed by" not in said
+        elif b == "fsdp2":
             assert "keyed by parameter name (set_optimizer_state_dict's form)" in said
             assert "names from its param_groups' param_names" in said if kind == "adamw" else "model entry" in said
-        elif a == "fsdp2":
+        elif a in ("fsdp2", "fsdp1"):
             assert "keyed by index (optimizer.load_state_dict's form)" in said
     resumed = launch(b, "resume", world=WORLD[b], paths=moved, out=tmp_path / "resumed.pt")
     assert_resumed(resumed, recorded, same_world=WORLD[a] == WORLD[b])
