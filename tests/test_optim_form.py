@@ -209,3 +209,19 @@ def test_a_model_the_file_cannot_say_is_given_with_model(tmp_path: Path) -> None
     assert given.exit_code == 0, given.output
     keys = dcp.FileSystemReader(str(tmp_path / "e")).read_metadata().state_dict_metadata
     assert "optimizer.state.emb.weight.momentum_buffer" in keys
+
+
+def test_a_step_tensor_shared_between_parameters_is_copied_apart_in_a_pt(tmp_path: Path) -> None:
+    # FSDP1 keeps one step per flat parameter, shared by its parameters' entries (tests/test_resume.py has the real
+    # files); a plain AdamW adds 1 to each entry's step in place, so it would count a shared one several times
+    model, opt = trained("adamw", named=False)
+    osd = opt.state_dict()
+    for i in range(1, 5):
+        osd["state"][i]["step"] = osd["state"][0]["step"]
+    torch.save({"model": model.state_dict(), "optimizer": osd}, tmp_path / "a.pt")
+    done = run("convert", tmp_path / "a.pt", tmp_path / "b.pt", "-v")
+    assert done.exit_code == 0
+    assert "4 scalar state tensor(s) (step) shared between parameters copied apart" in done.stderr
+    back = torch.load(tmp_path / "b.pt", weights_only=True)["optimizer"]["state"]
+    assert len({s["step"].untyped_storage().data_ptr() for s in back.values()}) == 5
+    assert all(torch.equal(back[i]["step"], osd["state"][0]["step"]) for i in range(5))
