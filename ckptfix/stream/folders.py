@@ -29,13 +29,14 @@ from ckptfix.formats.containers.safetensors import (
 from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region
-from ckptfix.formats.folders.dcp_chunks import dcp_tree, rows
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region, rows
+from ckptfix.formats.folders.dcp_chunks import dcp_tree
 from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, read_zero_tensor
 from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
 from ckptfix.formats.output.atomic import Worker, atomic_output
 from ckptfix.formats.output.crc import Check, Verifier
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import is_record
 from ckptfix.formats.registry import detect, detect_format
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
@@ -171,17 +172,15 @@ def prepare(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> None:
     records' CRCs queued, a .pt tensor's kind (a strided view: :class:`Fallback`, as torch's DCP writer keeps it)."""
     if isinstance(t, CastTensor):
         prepare(t.source, files, allowed=allowed)
-    elif isinstance(t, DcpTensor):
+    elif isinstance(t, DcpTensor):  # DCP's own: its chunks' archives are parsed to find where its bytes lie
         for c in t.entry.chunks:
             _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
-    elif isinstance(t, (inert.InertParameter, inert.InertTensor)):
+    elif isinstance(t, (inert.InertParameter, inert.InertTensor)):  # a .pt's: only torch zips hold strided views
         if not copyable_tensor(t).is_contiguous():
             raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
-    elif isinstance(t, ZeroTensor):
-        for p in t.pieces:
-            files.fd(p.path)
-    elif isinstance(t, StTensor):
-        files.fd(t.path)
+    elif is_record(t):  # a safetensors tensor, a ZeRO run's pieces: the files its bytes are copied from
+        for path, _, _ in t.byte_ranges() or ():
+            files.fd(path)
 
 
 class VerifyInTurn:

@@ -34,8 +34,7 @@ from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, save_dcp
-from ckptfix.formats.folders.dcp_chunks import rows
+from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, rows, save_dcp
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
