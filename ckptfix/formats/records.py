@@ -135,6 +135,12 @@ class TensorRecord:
         rank's DTensor); None for a tensor stored whole."""
         return None
 
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype its stored bytes (:meth:`byte_ranges`) are in: its own, unless its reader casts them as it
+        reads (a ZeRO run's half-precision buffer, which zero_to_fp32 makes float32)."""
+        return str(self.dtype)
+
     def byte_ranges(self) -> list[tuple[str, int, int]] | None:
         """The runs ``(path, offset, length)`` of file bytes that are its values in order, as stored (a DeepSpeed
         buffer before its cast); None when its bytes are not runs of files as they are (to compute, to gather)."""

@@ -401,9 +401,7 @@ def _write_tensor(out: BinaryIO, t: Stored, files: DataFiles) -> str:
 def copied_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges whose copy, in order, is ``t``'s bytes in the output; None when they are made in memory
     (:func:`write_made`): a cast, a ZeRO buffer cast as zero_to_fp32 casts, a DCP tensor of blocks."""
-    if isinstance(t, CastTensor) or (isinstance(t, ZeroTensor) and t.cast is not None):
-        return None
-    return byte_ranges(t, files)
+    return None if t.stored_dtype != t.dtype else byte_ranges(t, files)  # a cast record has no byte ranges
 
 
 def write_made(out: Any, t: Stored, files: DataFiles) -> str:
@@ -421,9 +419,9 @@ def write_made(out: Any, t: Stored, files: DataFiles) -> str:
     return "gathered"
 
 
-def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[tuple[str, int, int]] | None:
+def byte_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
-    buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered."""
+    buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered (or for a cast)."""
     if not isinstance(t, DcpTensor):
         return t.byte_ranges()
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
@@ -436,10 +434,17 @@ def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[
 
 def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor, files: DataFiles) -> None:
     """``t``'s bytes, cast a block at a time from its source's byte ranges (a DCP tensor of blocks gathered)."""
-    src = t.source
-    zero = isinstance(src, ZeroTensor)
-    write_cast(write, t, stored=src.stored if zero else src.dtype, via=src.cast if zero else None,
-               pieces=byte_ranges(src, files), fd_of=files.fd, whole=lambda: _gathered(src, files))  # fmt: skip
+    src = t.source  # a record whose reader casts (a ZeRO half-precision buffer) is read through that cast first
+    via = src.dtype if src.stored_dtype != src.dtype else None
+    write_cast(
+        write,
+        t,
+        stored=src.stored_dtype,
+        via=via,
+        pieces=byte_ranges(src, files),
+        fd_of=files.fd,
+        whole=lambda: _gathered(src, files),
+    )
 
 
 def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:

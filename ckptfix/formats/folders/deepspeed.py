@@ -105,6 +105,10 @@ class ZeroTensor(TensorRecord):
         return self.cast or self.stored
 
     @property
+    def stored_dtype(self) -> str:
+        return self.stored
+
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
