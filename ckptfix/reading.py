@@ -27,9 +27,8 @@ from ckptfix.formats.containers.legacy import check_legacy
 from ckptfix.formats.containers.safetensors import read_header, tree_from_header
 from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
 from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
-from ckptfix.formats.copyable import foreign_byte_order, torch_rebuilt, values_as_stored
+from ckptfix.formats.copyable import foreign_byte_order, not_as_stored, torch_rebuilt
 from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
@@ -149,6 +148,10 @@ class Opened:
 
     def file_fd(self, path: str) -> int:
         raise AssertionError(f"{self.source}: a file of its own has no data files")  # only folders' records ask
+
+    @property
+    def checked_records(self) -> set[tuple[str, str]] | None:
+        return None  # a file of its own has no data files
 
     def part(self, index: int) -> Opened:
         raise AssertionError(f"{self.source}: a file of its own has no parts")  # only folders' records ask
@@ -286,8 +289,8 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
     if need_bytes and (order := foreign_byte_order(opened.zip)):
         return f"a {order} file, whose bytes torch swaps"
     for obj in inert.walk(opened.tree):
-        if isinstance(obj, inert.InertTensor) and not values_as_stored(obj):
-            return "a tensor with backward hooks or extra state"
+        if isinstance(obj, inert.InertTensor) and (why := not_as_stored(obj)):
+            return why
         if type(obj) is inert.Inert and torch_rebuilt(obj.func.module):
             return f"{obj.func.full}(...): a quantized, sparse or subclass tensor"
         kids = list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
@@ -340,10 +343,6 @@ class OpenedFolder(Opened):
     def tensor(self, value: Any) -> torch.Tensor:
         if id(value) in self.owner:  # a record not wrapped (inside an opaque entry): its part reads it
             return self.parts[self.owner[id(value)]].tensor(value)
-        if isinstance(value, ZeroTensor):  # its read stays with the DeepSpeed reader, whose module is not this one's
-            from ckptfix.formats.folders.deepspeed import read_zero_tensor
-
-            return read_zero_tensor(value, self._zero_fd, verified=self.zero_verified)
         return super().tensor(value)
 
     def raw(self, value: Any) -> Any:
@@ -356,6 +355,10 @@ class OpenedFolder(Opened):
 
     def file_fd(self, path: str) -> int:
         return self.dcp.fd(path) if self.dcp is not None else self._zero_fd(path)
+
+    @property
+    def checked_records(self) -> set[tuple[str, str]] | None:
+        return self.zero_verified
 
     def _zero_fd(self, path: str) -> int:
         if path not in self.zero_fds:

@@ -15,12 +15,10 @@ from typing import Any
 from ckptfix import layouts
 from ckptfix.checkpoint import get_entry, is_tensor, model_entries
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.dcp_chunks import chunking
-from ckptfix.formats.folders.fsdp import DTensorRecord, flat_param_keys
+from ckptfix.formats.folders.fsdp import flat_param_keys, placement
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import spec, storage_of
+from ckptfix.formats.records import is_record, spec, storage_of
 from ckptfix.formats.registry import rank_file_refusal
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.opaque import OpaqueEntry
@@ -66,12 +64,10 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     bn = [k for k in specs if k.rsplit(".", 1)[-1] in BN_BUFFERS]
     params = sum(s.numel for k, s in specs.items() if k not in bn)
     # A DCP folder's tensors: how each is chunked across the data files; a DTensor rank file's: how each is
-    # sharded. Keys are grouped per way, so each group line says it.
-    chunks = {k: chunking(v) for k, v in state.items() if isinstance(v, DcpTensor)}
-    if any(isinstance(v, DTensorRecord) for v in state.values()):
-        shards = {k: v.sharding if isinstance(v, DTensorRecord) else "not sharded" for k, v in state.items()}
-    else:
-        shards = {}
+    # sharded (each record says, TensorRecord.spread). Keys are grouped per way, so each group line says it.
+    spread = {k: s for k, v in state.items() if is_record(v) and (s := v.spread()) is not None}
+    chunks = {k: way for k, (what, way) in spread.items() if what == "chunking"}
+    shards = {k: spread[k][1] if k in spread else "not sharded" for k in state} if spread and not chunks else {}
     ways = chunks or shards
     # keys grouped per way and per layout (strided, sparse_coo, …), so that each group line says both
     parts: dict[tuple[str | None, str], list[str]] = {}
@@ -190,9 +186,8 @@ def _rank_summary(ckpt: Any, *, verify: bool) -> dict[str, Any]:
         raise rank_file_refusal(ckpt.rank_kind, source=ckpt.source)
     tree = rank_records(ckpt.zip.tree, ckpt.source)
     summary = _summary(tree, source=ckpt.source, fmt="torch-zip")
-    first = next((v for v in _values(tree) if isinstance(v, DTensorRecord)), None)
-    if first is not None:
-        summary["dtensor"] = {"coordinate": list(first.coordinate), "sharding": first.sharding}
+    if (found := placement(_values(tree))) is not None:
+        summary["dtensor"] = found
     if verify:
         summary["verified"] = "crc"
     return summary

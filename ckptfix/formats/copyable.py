@@ -66,6 +66,16 @@ def math_bit_view(t: _Tensor) -> str | None:
     return " and ".join(t.math_bits) if t.math_bits else None
 
 
+def not_as_stored(t: _Tensor) -> str | None:
+    """Why ``t``'s storage, read through its view, does not hold the values torch.load gives it, in the words a
+    note or refusal uses (hooks or state; which math bits); None where it does (:func:`values_as_stored`)."""
+    if hooks_or_state(t):
+        return "a tensor with backward hooks or extra state"
+    if bits := math_bit_view(t):
+        return f"a {bits} view, whose stored bytes are not its values"
+    return None
+
+
 def torch_rebuilt(module: str) -> bool:
     """Whether a pickle's call to a global of ``module`` is one of torch's own tensor rebuilds that are not a plain
     tensor's or a Parameter's (quantized, sparse, subclass and device tensors: ``torch._utils``, ``torch._tensor``),
@@ -86,6 +96,7 @@ __all__ = [
     "foreign_byte_order",
     "hooks_or_state",
     "math_bit_view",
+    "not_as_stored",
     "parameter_hooks_or_state",
     "torch_rebuilt",
     "values_as_stored",

@@ -70,6 +70,12 @@ class Holder(Protocol):
         """A folder's data file ``path``, opened once."""
         ...
 
+    @property
+    def checked_records(self) -> set[tuple[str, str]] | None:
+        """``(path, record)`` of each zip record of a folder's data files whose CRC was checked, added to as
+        records are checked; None where they are not checked."""
+        ...
+
     def part(self, index: int) -> Holder:
         """A folder's file ``index``, opened as a checkpoint of its own."""
         ...
@@ -122,6 +128,18 @@ class TensorRecord:
 
     def _storage(self) -> Hashable | None:
         return None  # a record of what a tensor is, with no bytes behind it
+
+    def spread(self) -> tuple[str, str] | None:
+        """How its tensor is spread over files or ranks, as ``inspect`` groups keys by it: ``("chunking", "2 row
+        chunks in __0_0.distcp, __1_0.distcp")`` (a DCP tensor), ``("sharding", "Shard(0) on mesh [2]")`` (one
+        rank's DTensor); None for a tensor stored whole."""
+        return None
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dtype its stored bytes (:meth:`byte_ranges`) are in: its own, unless its reader casts them as it
+        reads (a ZeRO run's half-precision buffer, which zero_to_fp32 makes float32)."""
+        return str(self.dtype)
 
     def byte_ranges(self) -> list[tuple[str, int, int]] | None:
         """The runs ``(path, offset, length)`` of file bytes that are its values in order, as stored (a DeepSpeed

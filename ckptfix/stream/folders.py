@@ -29,13 +29,14 @@ from ckptfix.formats.containers.safetensors import (
 from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, safetensors_code
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region
-from ckptfix.formats.folders.dcp_chunks import dcp_tree, rows
+from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region, rows
+from ckptfix.formats.folders.dcp_chunks import dcp_tree
 from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, read_zero_tensor
 from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
 from ckptfix.formats.output.atomic import Worker, atomic_output
 from ckptfix.formats.output.crc import Check, Verifier
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import is_record
 from ckptfix.formats.registry import detect, detect_format
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
@@ -171,17 +172,15 @@ def prepare(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> None:
     records' CRCs queued, a .pt tensor's kind (a strided view: :class:`Fallback`, as torch's DCP writer keeps it)."""
     if isinstance(t, CastTensor):
         prepare(t.source, files, allowed=allowed)
-    elif isinstance(t, DcpTensor):
+    elif isinstance(t, DcpTensor):  # DCP's own: its chunks' archives are parsed to find where its bytes lie
         for c in t.entry.chunks:
             _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
-    elif isinstance(t, (inert.InertParameter, inert.InertTensor)):
+    elif isinstance(t, (inert.InertParameter, inert.InertTensor)):  # a .pt's: only torch zips hold strided views
         if not copyable_tensor(t).is_contiguous():
             raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
-    elif isinstance(t, ZeroTensor):
-        for p in t.pieces:
-            files.fd(p.path)
-    elif isinstance(t, StTensor):
-        files.fd(t.path)
+    elif is_record(t):  # a safetensors tensor, a ZeRO run's pieces: the files its bytes are copied from
+        for path, _, _ in t.byte_ranges() or ():
+            files.fd(path)
 
 
 class VerifyInTurn:
@@ -402,9 +401,7 @@ def _write_tensor(out: BinaryIO, t: Stored, files: DataFiles) -> str:
 def copied_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges whose copy, in order, is ``t``'s bytes in the output; None when they are made in memory
     (:func:`write_made`): a cast, a ZeRO buffer cast as zero_to_fp32 casts, a DCP tensor of blocks."""
-    if isinstance(t, CastTensor) or (isinstance(t, ZeroTensor) and t.cast is not None):
-        return None
-    return byte_ranges(t, files)
+    return None if t.stored_dtype != t.dtype else byte_ranges(t, files)  # a cast record has no byte ranges
 
 
 def write_made(out: Any, t: Stored, files: DataFiles) -> str:
@@ -422,9 +419,9 @@ def write_made(out: Any, t: Stored, files: DataFiles) -> str:
     return "gathered"
 
 
-def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[tuple[str, int, int]] | None:
+def byte_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
-    buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered."""
+    buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered (or for a cast)."""
     if not isinstance(t, DcpTensor):
         return t.byte_ranges()
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
@@ -437,10 +434,17 @@ def byte_ranges(t: DcpTensor | StTensor | ZeroTensor, files: DataFiles) -> list[
 
 def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor, files: DataFiles) -> None:
     """``t``'s bytes, cast a block at a time from its source's byte ranges (a DCP tensor of blocks gathered)."""
-    src = t.source
-    zero = isinstance(src, ZeroTensor)
-    write_cast(write, t, stored=src.stored if zero else src.dtype, via=src.cast if zero else None,
-               pieces=byte_ranges(src, files), fd_of=files.fd, whole=lambda: _gathered(src, files))  # fmt: skip
+    src = t.source  # a record whose reader casts (a ZeRO half-precision buffer) is read through that cast first
+    via = src.dtype if src.stored_dtype != src.dtype else None
+    write_cast(
+        write,
+        t,
+        stored=src.stored_dtype,
+        via=via,
+        pieces=byte_ranges(src, files),
+        fd_of=files.fd,
+        whole=lambda: _gathered(src, files),
+    )
 
 
 def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:

@@ -34,13 +34,12 @@ from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.copyable import foreign_byte_order
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, save_dcp
-from ckptfix.formats.folders.dcp_chunks import rows
+from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, rows, save_dcp
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import map_tree, torch_dtype
+from ckptfix.formats.records import is_record, map_tree, torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.stream.casting import CastTensor, cast_records
@@ -181,16 +180,13 @@ class _Reader:
 
         if isinstance(record, CastTensor):  # the source read whole, then cast: two tensors of this one held
             return self.read(record.source, key=key).to(getattr(torch, record.dtype))
-        if isinstance(record, ZeroTensor):
-            out = self._runs([(self.files.fd(p.path), p.offset, p.nbytes) for p in record.pieces],
-                             record.stored, record.shape, key=key)  # fmt: skip
-            return out.to(getattr(torch, record.cast)) if record.cast else out  # as zero_to_fp32 casts
         if isinstance(record, DcpTensor):
             return self._dcp(record, key=key)
-        if isinstance(record, StTensor):
-            return self._runs(
-                [(self.files.fd(record.path), record.start, record.nbytes)], record.dtype, record.shape, key=key
-            )
+        if is_record(record) and (ranges := record.byte_ranges()) is not None:  # safetensors, a ZeRO run's pieces
+            runs = [(self.files.fd(path), at, n) for path, at, n in ranges]
+            out = self._runs(runs, record.stored_dtype, record.shape, key=key)
+            # a ZeRO half-precision buffer, cast as zero_to_fp32 casts
+            return out.to(getattr(torch, record.dtype)) if record.stored_dtype != record.dtype else out
         t = inert.tensor_of(record)
         assert self.z is not None  # a .pt record comes from a .pt input
         rec = self.z.archive.storage(t.storage.key)

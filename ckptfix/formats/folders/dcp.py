@@ -75,6 +75,11 @@ class TensorEntry:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
+def rows(entry: TensorEntry, c: Chunk) -> bool:
+    """True when the chunk is a whole range of rows: a contiguous byte range of the full tensor."""
+    return all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == entry.shape[1:]
+
+
 @dataclass(eq=False)
 class DcpTensor(TensorRecord):
     """A full tensor of a DCP folder, known from the metadata: its bytes come from its chunks."""
@@ -104,6 +109,11 @@ class DcpTensor(TensorRecord):
 
     def read(self, holder: Holder) -> Any:
         return read_dcp_tensor(self, holder.file_fd, allowed=holder.allowed)
+
+    def spread(self) -> tuple[str, str]:  # 2 row chunks in __0_0.distcp, __1_0.distcp
+        kind = "row" if all(rows(self.entry, c) for c in self.entry.chunks) else "block"
+        files, n = sorted({os.path.basename(c.span.path) for c in self.entry.chunks}), len(self.entry.chunks)
+        return "chunking", f"{n} {kind} chunk{'s' * (n != 1)} in {', '.join(files)}"
 
 
 @dataclass(frozen=True)

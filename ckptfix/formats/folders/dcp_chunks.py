@@ -3,12 +3,11 @@ itself, each chunk's archive accepted by :func:`~.dcp.chunk_record`), its small 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 from ckptfix.formats.containers.torchzip import read_torch_zip
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, nest, read_dcp
+from ckptfix.formats.folders.dcp import DcpTensor, nest, read_dcp
 from ckptfix.formats.folders.hf import room_for_files
 from ckptfix.formats.pickles import inert
 
@@ -26,16 +25,3 @@ def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) 
             return None, f"value '{key}' holds tensors or objects, which the torch path rebuilds"
         flat[key] = z.tree
     return nest(flat, d.paths), None
-
-
-def rows(entry: TensorEntry, c: Chunk) -> bool:
-    """True when the chunk is a whole range of rows: a contiguous byte range of the full tensor."""
-    return all(o == 0 for o in c.offsets[1:]) and c.sizes[1:] == entry.shape[1:]
-
-
-def chunking(t: DcpTensor) -> str:
-    """How a DCP tensor is stored: ``2 row chunks in __0_0.distcp, __1_0.distcp`` (for ``inspect``)."""
-    kind = "row" if all(rows(t.entry, c) for c in t.entry.chunks) else "block"
-    files = sorted({os.path.basename(c.span.path) for c in t.entry.chunks})
-    n = len(t.entry.chunks)
-    return f"{n} {kind} chunk{'s' * (n != 1)} in {', '.join(files)}"

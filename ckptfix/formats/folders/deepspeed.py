@@ -71,7 +71,7 @@ from ckptfix.formats.folders.deepspeed_pickles import (
     shape_of,
 )
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.records import Holder, TensorRecord
 from ckptfix.formats.safety import allowlist
 
 if TYPE_CHECKING:
@@ -105,6 +105,10 @@ class ZeroTensor(TensorRecord):
         return self.cast or self.stored
 
     @property
+    def stored_dtype(self) -> str:
+        return self.stored
+
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
@@ -116,6 +120,10 @@ class ZeroTensor(TensorRecord):
 
     def byte_ranges(self) -> list[tuple[str, int, int]]:
         return [(p.path, p.offset, p.nbytes) for p in self.pieces if p.nbytes]  # in dtype ``stored``
+
+    def read(self, holder: Holder) -> torch.Tensor:
+        """Its pieces read from the rank files ``holder`` opened, each record touched CRC-checked once."""
+        return read_zero_tensor(self, holder.file_fd, verified=holder.checked_records)
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,16 @@ class DTensorRecord(TensorRecord):
     key: str = ""  # its path in the checkpoint, parts joined by NUL
     piece: Piece | None = None  # with the inert record of the local tensor
 
+    def spread(self) -> tuple[str, str]:
+        return "sharding", self.sharding
+
+
+def placement(values: Iterable[Any]) -> dict[str, Any] | None:
+    """What ``inspect`` says of a rank file's place in its run: the first DTensor's mesh coordinate and sharding
+    (None for a file with no DTensor)."""
+    first = next((v for v in values if isinstance(v, DTensorRecord)), None)
+    return None if first is None else {"coordinate": list(first.coordinate), "sharding": first.sharding}
+
 
 def rank_tree(path: str, *, allow_globals: Iterable[str] = (), verify: bool = False) -> Any:
     """One rank file's checkpoint with each DTensor as a :class:`DTensorRecord` (nothing built, no tensor byte
@@ -447,6 +457,7 @@ __all__ = [
     "explain",
     "flat_param_keys",
     "load_ranks",
+    "placement",
     "rank_records",
     "rank_tree",
     "refuse_flat_params",
