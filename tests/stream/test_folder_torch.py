@@ -96,7 +96,8 @@ def test_a_damaged_last_chunk_stops_the_copy_already_running_and_leaves_nothing(
 @pytest.mark.parametrize(("mode", "gathered"), [("fsdp2", 0), ("ddp", 0), ("fsdp2-cols", 6)])
 def test_two_rank_dcp_folders_stream_into_a_pt_file_exactly(tmp_path: Path, mode: str, gathered: int) -> None:
     out = sharded_writers.write(tmp_path / mode, mode)
-    said = _convert(out / "dcp", tmp_path / "full.pt")
+    # the optimizer kept keyed by name, as torch's own converter keeps it (the default re-keys it by index)
+    said = _convert(out / "dcp", tmp_path / "full.pt", "--optimizer-form", "names")
     assert f"{gathered} gathered in memory" in said
     truth = _truth(out / "dcp", tmp_path)
     for got in _loaded(tmp_path / "full.pt"):
