@@ -89,7 +89,7 @@ def export_hf(
 
         state = model_state_of(tree, source=source, entry=entry)
         if premap is not None:
-            state = _premapped(premap, state)
+            state = premap(state)
         if rules:
             state = apply_maps(state, rules, source=source)
         exported = export_state(state, model, source=source, config_path=found.config_path,
@@ -283,17 +283,6 @@ def _reference(
     own = export_state(state, meta_model(config, config_path=CONFIG), source="source", config_path=CONFIG,
                        strip_prefixes=strip_prefixes)  # fmt: skip
     return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype)
-
-
-def _premapped(premap: Any, state: Mapping[str, Any]) -> Any:
-    """A Megatron folder's tensors in transformers' names: its fused tensors are split by rows in memory, so the
-    records of the stream are refused for torch's path (one tensor split at a time, the model loaded)."""
-    from ckptfix.formats.records import is_record
-    from ckptfix.stream.fallback import Fallback
-
-    if any(is_record(v) for v in state.values()):
-        raise Fallback("a Megatron folder's fused QKV and gate/up tensors are split in memory")
-    return premap(state)
 
 
 def _fixed_input(config: Any) -> torch.Tensor:

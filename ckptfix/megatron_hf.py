@@ -16,8 +16,9 @@ The norms Transformer Engine fuses into ``linear_qkv`` and ``linear_fc1`` (``lay
 ``input_layernorm`` and ``post_attention_layernorm``. Megatron's rotary embedding (non-interleaved: ``rotate_half``
 on the two halves of each head, ``cat(freqs, freqs)``) is transformers' own; an interleaved one is refused.
 
-What the config needs and the arguments do not say is refused in one line, naming it and ``--config-from``. Pure:
-the config is a dict, the state's values are only sliced (torch tensors; no other record is split here).
+What the config needs and the arguments do not say is refused in one line, naming it and ``--config-from``.
+:func:`hf_config` and :func:`hf_state` are pure: the config is a dict; a tensor is sliced by rows, a tensor record
+becomes a :class:`~ckptfix.stream.rows.RowsTensor` of it (the stream copies its rows as byte ranges).
 """
 
 from __future__ import annotations
@@ -208,11 +209,18 @@ def _rows_of(t: Any) -> int:
 
 
 def _rows(t: Any, spans: list[tuple[int, int]]) -> Any:
-    """The rows ``spans`` of tensor ``t``, in a tensor of their own (no storage shared with ``t``)."""
-    import torch
+    """The rows ``spans`` of tensor ``t``, in a tensor of their own (no storage shared with ``t``); of a tensor
+    record, a record of them (its bytes copied as sub-ranges of the source's when written)."""
+    from ckptfix.formats.records import is_record
 
     if len(spans) == 1 and spans[0] == (0, _rows_of(t)):
         return t
+    if is_record(t):
+        from ckptfix.stream.rows import RowsTensor
+
+        return RowsTensor(str(getattr(t, "key", "")), t, tuple(spans))
+    import torch
+
     return torch.cat([t[a:b] for a, b in spans]).clone()
 
 
