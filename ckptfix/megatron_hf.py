@@ -158,13 +158,12 @@ def hf_state(
     for name, t in state.items():
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = embed = take(t, [(0, vocab)])
-            if tied:
-                out["lm_head.weight"] = embed  # one tensor under both names: the export leaves the copy out
+            if tied:  # one tensor under both names: the export leaves the copy out
+                out.setdefault("lm_head.weight", embed)
             continue
-        if name == "output_layer.weight":
-            if not tied:
-                out["lm_head.weight"] = take(t, [(0, vocab)])
-            continue  # tied: a pipeline's last stage keeps a copy of the embeddings, the same values
+        if name == "output_layer.weight":  # tied in the config but stored apart: the export says so
+            out["lm_head.weight"] = take(t, [(0, vocab)])
+            continue
         if name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
             continue

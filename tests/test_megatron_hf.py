@@ -150,3 +150,21 @@ def test_streamed_export_equals_torchs_path(name: str, dtype: str | None, tmp_pa
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
     assert (tmp_path / "s" / "config.json").read_text() == (tmp_path / "t" / "config.json").read_text()
+
+
+def test_an_output_layer_stored_apart_from_embeddings_a_config_ties_is_said(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run("convert", FIXTURES / "moe_ep2_fp32", first, "--format", "hf").exit_code == 0
+    other = tmp_path / "cfg"
+    other.mkdir()
+    cfg = json.loads((first / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    result = run("convert", FIXTURES / "moe_ep2_fp32", tmp_path / "hf", "--format", "hf", "--config-from", other, "-v")
+    assert result.exit_code == 0, result.output
+    assert "left out 'lm_head.weight'" in result.output and "stored apart" in result.output
+
+
+def test_verify_loads_the_folder_and_compares_with_the_mapped_source(tmp_path: Path) -> None:
+    result = run("convert", FIXTURES / "tp2_bf16", tmp_path / "hf", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    assert "verified: from_pretrained loads every key, logits equal the source's" in result.output
