@@ -3,7 +3,8 @@ attention, rotary embeddings; a mixture-of-experts variant) trained a few steps 
 tensor, pipeline or expert parallelism, then saved with ``dist_checkpointing.save`` (the ``torch_dist`` backend).
 Beside each run folder, ``NAME.expected.safetensors`` is Megatron's own load of it into a TP=1, PP=1 model
 (``model.state_dict()``, ``_extra_state`` entries left out), with the layer spec's own
-``sharded_state_dict_keys_map`` in its metadata: what a conversion must give, once the names are mapped.
+``sharded_state_dict_keys_map`` in its metadata: what a conversion must give, once the names are mapped; and
+``NAME.logits.safetensors``, that model's forward on a fixed input in float32: what an HF export must give.
 
 It needs megatron-core, which ckptfix's own environment does not hold (megatron-core 0.16.1 is the last release
 for Python 3.11)::

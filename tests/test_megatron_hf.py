@@ -168,3 +168,16 @@ def test_verify_loads_the_folder_and_compares_with_the_mapped_source(tmp_path: P
     result = run("convert", FIXTURES / "tp2_bf16", tmp_path / "hf", "--format", "hf", "--verify")
     assert result.exit_code == 0, result.output
     assert "verified: from_pretrained loads every key, logits equal the source's" in result.output
+
+
+def test_a_config_whose_heads_do_not_fit_the_fused_qkv_is_refused(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run("convert", FIXTURES / "tp2_fp32", first, "--format", "hf").exit_code == 0
+    other = tmp_path / "cfg"
+    other.mkdir()
+    cfg = json.loads((first / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
+    result = run("convert", FIXTURES / "tp2_fp32", tmp_path / "hf", "--format", "hf", "--config-from", other)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "'decoder.layers.0.self_attention.linear_qkv.weight' has 32 rows, not 48" in result.output
+    assert not (tmp_path / "hf").exists()
