@@ -1,6 +1,7 @@
-"""Benchmark: a Megatron-Core ``torch_dist`` folder (TP 2, bf16) into one .safetensors file and one .pt file with
-``ckptfix convert``, against ``cp -r`` + ``sync`` of the folder and Megatron's own conversion on the CPU (its
-``dist_checkpointing.load`` into a TP=1, PP=1 ``GPTModel``, then ``save_file`` of its ``state_dict()``).
+"""Benchmark: a Megatron-Core ``torch_dist`` folder (TP 2, bf16) into one .safetensors file, one .pt file and a
+transformers folder (``--format hf``: Llama names, QKV and gate/up split) with ``ckptfix convert``, against
+``cp -r`` + ``sync`` of the folder and Megatron's own conversion on the CPU (its ``dist_checkpointing.load`` into
+a TP=1, PP=1 ``GPTModel``, then ``save_file`` of its ``state_dict()``).
 
     python bench/bench_megatron.py --make DIR --mcore mcore-venv/bin/python   # ~1.2 GB run, then measure
     python bench/bench_megatron.py --inputs DIR --mcore mcore-venv/bin/python # a run made before
@@ -70,7 +71,9 @@ def main() -> None:
         "cp -r + sync": ["sh", "-c", f'cp -r "{src}" "{work}/copy" && sync'],
         "ckptfix convert → .safetensors": [PY, "-m", "ckptfix", "convert", str(src), str(work / "out.safetensors")],
         "ckptfix convert → .pt": [PY, "-m", "ckptfix", "convert", str(src), str(work / "out.pt")],
-    }
+        "ckptfix convert → HF folder (--format hf)": [PY, "-m", "ckptfix", "convert", str(src), str(work / "hf"),
+                                                      "--format", "hf"],
+    }  # fmt: skip
     if a.mcore is not None:  # Megatron's own: load into a TP=1, PP=1 model, save_file its state_dict (then sync)
         own = f'"{a.mcore}" -m tests.megatron_runs "{work}" --run {RUN} --role expected --size "{a.size}" && sync'
         methods["Megatron load (TP1/PP1) + save_file + sync"] = ["sh", "-c", own]
@@ -81,7 +84,7 @@ def main() -> None:
     try:
         for _ in range(a.repeat):
             for name, argv in methods.items():
-                for p in (work / "copy", work / "out.safetensors", work / "out.pt"):
+                for p in (work / "copy", work / "out.safetensors", work / "out.pt", work / "hf"):
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
                 with socket.socket() as sock:  # Megatron's one rank joins its process group on a free port
                     sock.bind(("127.0.0.1", 0))

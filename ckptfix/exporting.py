@@ -72,8 +72,12 @@ def export_hf(
     rules = [parse_rename(r) for r in renames]
     resolve_output(out, fmt="hf")  # a file OUT is refused first, as convert refuses it for every folder format
     source, out_s = os.fspath(src), os.fspath(out).rstrip(os.sep) or os.sep
-    found = find_config(src, config_from=config_from)
-    config = load_config(found.folder)
+    from ckptfix.megatron_hf import for_export
+
+    megatron = for_export(source, config_from=config_from)  # a Megatron folder: its names mapped, its config built
+    premap = megatron.premap if megatron else None
+    found = megatron.found if megatron else find_config(src, config_from=config_from)
+    config = megatron.config if megatron else load_config(found.folder)
     model = meta_model(config, config_path=found.config_path)
     _check_out(out_s, inputs=(src, found.config_path, *found.files), overwrite=overwrite)
     in_fmt = detect_format(src)
@@ -84,6 +88,8 @@ def export_hf(
         from ckptfix.loading import model_state_of, primary_entry
 
         state = model_state_of(tree, source=source, entry=entry)
+        if premap is not None:
+            state = premap(state)
         if rules:
             state = apply_maps(state, rules, source=source)
         exported = export_state(state, model, source=source, config_path=found.config_path,
@@ -92,7 +98,8 @@ def export_hf(
         report = exported.report
         change = EntryChange(entry or primary_entry(tree), report.layout_from, "transformers", len(exported.state),
                              sum(k not in state for k in exported.state))  # fmt: skip
-        return Conversion(obj=exported.state, changes=[change], notes=list(exported.notes))
+        return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
+                          *exported.notes])  # fmt: skip
 
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
@@ -101,12 +108,13 @@ def export_hf(
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
         names = write_side_files(tmp, found, config=config_with_dtype(found.config, written))
-        result.notes.append(f"copied from {found.folder}: {', '.join(names)}" + ("" if written else
+        said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
+        result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
                             " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
         if verify:
             result.notes.append(verify_export(tmp, source, found, exported, entry=entry, rules=rules,
                                               strip_prefixes=strip_prefixes, allow=allow, unsafe=unsafe,
-                                              dtype=written))  # fmt: skip
+                                              dtype=written, premap=premap))  # fmt: skip
         _put_in_place(tmp, out_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -197,14 +205,14 @@ def _umask() -> int:
 
 def verify_export(
     folder: str, source: str, found: ConfigFolder, exported: Exported, *, entry: str | None, rules: list[Any],
-    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None,
+    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None, premap: Any = None,
 ) -> str:  # fmt: skip
     """Load ``folder`` with transformers and compare its logits on a fixed input with the source's weights loaded
     into the same model; the note saying the largest difference. Raises :class:`MismatchError` when transformers
     reports a missing, unexpected or mismatched key, or the logits are not equal."""
     with _quiet():
         return _verify(folder, source, found, exported, entry=entry, rules=rules, strip_prefixes=strip_prefixes,
-                       allow=allow, unsafe=unsafe, dtype=dtype)  # fmt: skip
+                       allow=allow, unsafe=unsafe, dtype=dtype, premap=premap)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -226,7 +234,7 @@ def _quiet() -> Iterator[None]:
 
 def _verify(
     folder: str, source: str, found: ConfigFolder, exported: Exported, *, entry: str | None, rules: list[Any],
-    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None,
+    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None, premap: Any = None,
 ) -> str:  # fmt: skip
     import torch
 
@@ -242,9 +250,12 @@ def _verify(
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
     obj = read(source, fmt=detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
     state = model_state_of(obj, source=source, entry=entry)
+    if premap is not None:
+        state = premap(state)
     if rules:
         state = apply_maps(state, rules, source=source)
-    reference = _reference(cls, load_config(found.folder), state, exported, strip_prefixes=strip_prefixes,
+    source_config = load_config(folder if premap else found.folder)  # a Megatron folder's: the one built, written
+    reference = _reference(cls, source_config, state, exported, strip_prefixes=strip_prefixes,
                            dtype=torch_dtype)  # fmt: skip
     ids = _fixed_input(config)
     with torch.no_grad():

@@ -3,7 +3,8 @@ attention, rotary embeddings; a mixture-of-experts variant) trained a few steps 
 tensor, pipeline or expert parallelism, then saved with ``dist_checkpointing.save`` (the ``torch_dist`` backend).
 Beside each run folder, ``NAME.expected.safetensors`` is Megatron's own load of it into a TP=1, PP=1 model
 (``model.state_dict()``, ``_extra_state`` entries left out), with the layer spec's own
-``sharded_state_dict_keys_map`` in its metadata: what a conversion must give, once the names are mapped.
+``sharded_state_dict_keys_map`` in its metadata: what a conversion must give, once the names are mapped; and
+``NAME.logits.safetensors``, that model's forward on a fixed input in float32: what an HF export must give.
 
 It needs megatron-core, which ckptfix's own environment does not hold (megatron-core 0.16.1 is the last release
 for Python 3.11)::
@@ -122,6 +123,13 @@ def _args(run: dict[str, Any]) -> argparse.Namespace:
         virtual_pipeline_model_parallel_size=run.get("vpp"),
         num_experts=EXPERTS if run["moe"] else None, bf16=run["dtype"] == "bf16",
         params_dtype=torch.bfloat16 if run["dtype"] == "bf16" else torch.float32,
+        # what Megatron-LM's parser also records, at the values the model above runs with (TransformerConfig's and
+        # GPTModel's defaults); the tokenizer's size (vocab_size) below the padded one, as --vocab-size says it
+        kv_channels=HIDDEN // HEADS, norm_epsilon=1e-5, rotary_base=10000, rotary_percent=1.0,
+        rotary_interleaved=False, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
+        vocab_size=VOCAB - 2, make_vocab_size_divisible_by=VOCAB // run["tp"], seq_length=SEQ,
+        moe_router_topk=2 if run["moe"] else None, moe_router_pre_softmax=False,
+        moe_router_score_function="softmax",
     )  # fmt: skip
 
 
@@ -262,6 +270,17 @@ def _expected(out: Path, name: str) -> None:
     save_file(
         state, out / f"{name}.expected.safetensors", metadata={"sharded_state_dict_keys_map": json.dumps(keys_map)}
     )
+    # GPTModel's own forward on a fixed input, in float32 (a bf16 run's weights cast up): what an HF export's
+    # logits must equal
+    ids = (torch.arange(SEQ) * 7 % (VOCAB - 2)).reshape(1, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    if run["dtype"] != "fp32":  # the same weights in a float32 model: Megatron's attention computes in its config's
+        (model_fp32,) = _model(dict(run, dtype="fp32"), tp=1, pp=1, ep=1)
+        model_fp32.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+        model = model_fp32
+    with torch.no_grad():
+        logits = model.eval()(ids, torch.arange(SEQ).unsqueeze(0), mask)
+    save_file({"input_ids": ids, "logits": logits.contiguous()}, out / f"{name}.logits.safetensors")
     dist.destroy_process_group()
 
 

@@ -43,10 +43,11 @@ from ckptfix.formats.torchio.opaque import carry
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.rows import RowsTensor, rows_of, rows_ranges
 from ckptfix.stream.single import copyable_tensor
 
 _COPY = 1 << 26
-Stored = DcpTensor | StTensor | ZeroTensor | CastTensor  # a record whose bytes a folder stream writes
+Stored = DcpTensor | StTensor | ZeroTensor | CastTensor | RowsTensor  # a record whose bytes a folder stream writes
 
 
 def convert_folder(
@@ -170,11 +171,12 @@ def prepare(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> None:
     """Check what can be checked before ``t``'s bytes are queued (the first byte written): its data files opened
     (the copy thread only reads the table), a DCP tensor's chunk archives parsed, their pickles checked and their
     records' CRCs queued, a .pt tensor's kind (a strided view: :class:`Fallback`, as torch's DCP writer keeps it)."""
-    if isinstance(t, CastTensor):
+    if isinstance(t, CastTensor | RowsTensor):
         prepare(t.source, files, allowed=allowed)
     elif isinstance(t, DcpTensor):  # DCP's own: its chunks' archives are parsed to find where its bytes lie
         for c in t.entry.chunks:
-            _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
+            if id(c) not in files.located:  # q, k and v of one fused tensor: its chunks parsed and checked once
+                _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
     elif isinstance(t, (inert.InertParameter, inert.InertTensor)):  # a .pt's: only torch zips hold strided views
         if not copyable_tensor(t).is_contiguous():
             raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
@@ -415,6 +417,11 @@ def write_made(out: Any, t: Stored, files: DataFiles) -> str:
 
         out.write(tensor_bytes(read_zero_tensor(t, files.fd)))
         return "gathered"
+    if isinstance(t, RowsTensor):
+        from ckptfix.formats.containers.safetensors import tensor_bytes
+
+        out.write(tensor_bytes(_whole(t, files)))
+        return "gathered"
     _gather(out, t, files)  # type: ignore[arg-type]  # only a DCP tensor of blocks has no byte ranges
     return "gathered"
 
@@ -422,6 +429,8 @@ def write_made(out: Any, t: Stored, files: DataFiles) -> str:
 def byte_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
     buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered (or for a cast)."""
+    if isinstance(t, RowsTensor):
+        return rows_ranges(t, byte_ranges(t.source, files))
     if not isinstance(t, DcpTensor):
         return t.byte_ranges()
     entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
@@ -443,7 +452,7 @@ def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor,
         via=via,
         pieces=byte_ranges(src, files),
         fd_of=files.fd,
-        whole=lambda: _gathered(src, files),
+        whole=lambda: _whole(src, files),
     )
 
 
@@ -465,6 +474,11 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
             start_writeback(dst, pos, done)
         at, pos, n = at + done, pos + done, n - done
     os.lseek(dst, pos, os.SEEK_SET)
+
+
+def _whole(t: Any, files: DataFiles) -> Any:
+    """A DCP tensor of blocks gathered, or the rows of one (:class:`RowsTensor`)."""
+    return rows_of(t, _whole(t.source, files)) if isinstance(t, RowsTensor) else _gathered(t, files)
 
 
 def _gather(out: BinaryIO, t: DcpTensor, files: DataFiles) -> None:

@@ -45,7 +45,11 @@ _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 _ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
          "group_query_attention", "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization",
          "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "num_experts", "moe_router_topk",
-         "params_dtype", "bf16", "fp16")  # fmt: skip
+         "params_dtype", "bf16", "fp16",
+         # what an HF config is built from (ckptfix.megatron_hf), and what it refuses
+         "norm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved", "add_bias_linear", "add_qkv_bias",
+         "qk_layernorm", "vocab_size", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_score_function",
+         "moe_shared_expert_intermediate_size", "moe_layer_freq", "rope_scaling", "use_rope_scaling")  # fmt: skip
 _LAYOUT = {"tensor": "tensor_model_parallel_size", "pipeline": "pipeline_model_parallel_size",
            "virtual_pipeline": "virtual_pipeline_model_parallel_size", "expert": "expert_model_parallel_size",
            "context": "context_parallel_size"}  # fmt: skip

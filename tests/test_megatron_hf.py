@@ -1,0 +1,183 @@
+"""``convert MEGATRON_DIR OUT/ --format hf`` (ckptfix/megatron_hf.py): each run saved by megatron-core itself
+(``tests/megatron_runs.py``) exported to a folder transformers loads with no missing or unexpected key, whose logits
+on a fixed input equal ``GPTModel``'s own forward (``NAME.logits.safetensors``, computed by the generator in
+float32) within 1e-5; the config built from ``common.pt``'s args; the refusals of what a Llama config cannot say."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file
+
+from ckptfix.cli import cli
+from ckptfix.errors import UsageError
+from ckptfix.megatron_hf import hf_config
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures" / "megatron"
+RUNS = sorted(json.loads((FIXTURES / "MANIFEST.json").read_text())["runs"])
+
+
+def run(*args: Any) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_hf_folder_loads_and_gives_gptmodels_logits(name: str, tmp_path: Path) -> None:
+    import transformers
+
+    out = tmp_path / "hf"
+    result = run("convert", FIXTURES / name, out, "--format", "hf")
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    moe = "moe" in name
+    assert config["architectures"] == ["MixtralForCausalLM" if moe else "LlamaForCausalLM"]
+    cls = getattr(transformers, config["architectures"][0])
+    model, info = cls.from_pretrained(out, output_loading_info=True, dtype=torch.float32, local_files_only=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    ref = load_file(str(FIXTURES / f"{name}.logits.safetensors"))
+    vocab = config["vocab_size"]
+    assert vocab == 30 and ref["logits"].shape[-1] == 32  # the tokenizer's 30 of the 32 padded rows
+    with torch.no_grad():
+        got = model.eval()(input_ids=ref["input_ids"]).logits
+    want = ref["logits"][..., :vocab]
+    assert got.shape == want.shape
+    # float32 kernels of two implementations (Megatron's attention and transformers') differ in the last bits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert config["tie_word_embeddings"] is (name == "tp2_fp32")
+    assert config["dtype"] == ("bfloat16" if "bf16" in name else "float32")
+
+
+def test_tied_output_is_left_out_and_said(tmp_path: Path) -> None:
+    result = run("convert", FIXTURES / "tp2_fp32", tmp_path / "hf", "--format", "hf", "-v")
+    assert result.exit_code == 0, result.output
+    assert "left out 'lm_head.weight'" in result.output
+    assert "config.json built from" in result.output
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys and "model.layers.3.self_attn.q_proj.weight" in keys
+
+
+def _args(name: str) -> dict[str, Any]:
+    from ckptfix.formats.folders.megatron import describe
+
+    return dict(describe(str(FIXTURES / name)).args)
+
+
+def test_config_from_the_runs_args() -> None:
+    config, notes = hf_config(_args("moe_ep2_fp32"), source="common.pt")
+    assert config["num_local_experts"] == 2 and config["num_experts_per_tok"] == 2
+    assert (config["num_key_value_heads"], config["head_dim"], config["rms_norm_eps"]) == (2, 4, 1e-5)
+    assert notes == []
+
+
+def test_padded_vocabulary_kept_and_said_when_the_tokenizers_size_is_unknown() -> None:
+    args = _args("tp2_fp32")
+    del args["vocab_size"]
+    config, notes = hf_config(args, source="common.pt")
+    assert config["vocab_size"] == 32 and "padded size 32" in notes[0] and "--config-from" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"normalization": "LayerNorm"}, "not a Llama-family model (normalization='LayerNorm'"),
+        ({"swiglu": False}, "not a Llama-family model (swiglu=False"),
+        ({"rotary_interleaved": True}, "not a Llama-family model (rotary_interleaved=True"),
+        ({"add_bias_linear": True}, "not a Llama-family model (add_bias_linear=True"),
+        ({"norm_epsilon": None}, "do not say norm_epsilon, which an HF config.json needs; pass --config-from"),
+    ],
+)
+def test_what_a_llama_config_cannot_say_is_refused_in_one_line(change: dict[str, Any], said: str) -> None:
+    with pytest.raises(UsageError) as e:
+        hf_config({**_args("tp2_fp32"), **change}, source="common.pt")
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_refuses_args_without_what_the_config_needs(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    shutil.copytree(FIXTURES / "tp2_fp32", folder)
+    common = torch.load(folder / "common.pt", weights_only=False)  # the project's own fixture: safe to unpickle
+    del common["args"].rotary_base
+    torch.save(common, folder / "common.pt")
+    result = run("convert", folder, tmp_path / "hf", "--format", "hf")
+    assert result.exit_code != 0
+    assert "do not say rotary_base" in result.output and "--config-from" in result.output
+    assert "Traceback" not in result.output and not (tmp_path / "hf").exists()
+
+
+def test_config_from_cuts_the_vocabulary_it_says(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run("convert", FIXTURES / "pp2_vpp2_bf16", first, "--format", "hf").exit_code == 0
+    cfg = json.loads((first / "config.json").read_text())
+    other = tmp_path / "cfg"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 20}))
+    out = tmp_path / "hf"
+    result = run("convert", FIXTURES / "pp2_vpp2_bf16", out, "--format", "hf", "--config-from", other)
+    assert result.exit_code == 0, result.output
+    weights = load_file(str(out / "model.safetensors"))
+    full = load_file(str(first / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].shape[0] == 20 and weights["lm_head.weight"].shape[0] == 20
+    assert torch.equal(weights["model.embed_tokens.weight"], full["model.embed_tokens.weight"][:20])
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("tp2_fp32", None), ("moe_ep2_fp32", None), ("tp2_fp32", "bf16")])
+def test_streamed_export_equals_torchs_path(name: str, dtype: str | None, tmp_path: Path) -> None:
+    """The split tensors streamed as byte ranges of the fused ones (or gathered, or cast a block at a time) are the
+    bytes torch's path writes from the loaded model."""
+    import ckptfix
+
+    streamed = ckptfix.export_hf(FIXTURES / name, tmp_path / "s", dtype=dtype)
+    loaded = ckptfix.export_hf(FIXTURES / name, tmp_path / "t", dtype=dtype, fast=False)
+    assert streamed.method == "stream" and loaded.method == "torch"
+    got, want = (
+        load_file(str(tmp_path / "s" / "model.safetensors")),
+        load_file(str(tmp_path / "t" / "model.safetensors")),
+    )
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert (tmp_path / "s" / "config.json").read_text() == (tmp_path / "t" / "config.json").read_text()
+
+
+def test_an_output_layer_stored_apart_from_embeddings_a_config_ties_is_said(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run("convert", FIXTURES / "moe_ep2_fp32", first, "--format", "hf").exit_code == 0
+    other = tmp_path / "cfg"
+    other.mkdir()
+    cfg = json.loads((first / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    result = run("convert", FIXTURES / "moe_ep2_fp32", tmp_path / "hf", "--format", "hf", "--config-from", other, "-v")
+    assert result.exit_code == 0, result.output
+    assert "left out 'lm_head.weight'" in result.output and "stored apart" in result.output
+
+
+def test_verify_loads_the_folder_and_compares_with_the_mapped_source(tmp_path: Path) -> None:
+    result = run("convert", FIXTURES / "tp2_bf16", tmp_path / "hf", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    assert "verified: from_pretrained loads every key, logits equal the source's" in result.output
+
+
+def test_a_config_whose_heads_do_not_fit_the_fused_qkv_is_refused(tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run("convert", FIXTURES / "tp2_fp32", first, "--format", "hf").exit_code == 0
+    other = tmp_path / "cfg"
+    other.mkdir()
+    cfg = json.loads((first / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 4}))
+    result = run("convert", FIXTURES / "tp2_fp32", tmp_path / "hf", "--format", "hf", "--config-from", other)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "'decoder.layers.0.self_attention.linear_qkv.weight' has 32 rows, not 48" in result.output
+    assert not (tmp_path / "hf").exists()
