@@ -267,17 +267,18 @@ def model_parameters(spec: str) -> Parameters:
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:
-    """``optimizer=True``: a DeepSpeed ZeRO run into one ``.pt`` file, nothing else (a usage error naming both)."""
+    """``optimizer=True``: a DeepSpeed ZeRO run into one ``.pt`` file or a DCP folder, nothing else (a usage error
+    naming both)."""
     from ckptfix.formats.folders.deepspeed import is_deepspeed
 
     if model_only:
         raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
                          "alone); drop one")  # fmt: skip
-    if out_fmt != "torch" or shard_size is not None:
-        what = {"safetensors": "a .safetensors file (tensors only)", "dcp": "a DCP folder"}.get(out_fmt, "shards")
-        what = "transformers shards" if shard_size is not None else what
-        raise UsageError(f"optimizer=True writes one .pt file ({{model, optimizer}}), but {os.fspath(dst)} asks for "
-                         f"{what}; write a .pt, or drop optimizer=True")  # fmt: skip
+    if out_fmt not in ("torch", "dcp") or shard_size is not None:
+        what = "transformers shards" if shard_size is not None else "a .safetensors file (tensors only)"
+        raise UsageError(f"optimizer=True writes {{model, optimizer}} into one .pt file or a DCP folder, but "
+                         f"{os.fspath(dst)} asks for {what}; write a .pt or a folder/, or drop "
+                         f"optimizer=True")  # fmt: skip
     if not is_deepspeed(source):
         raise UsageError(f"optimizer=True applies to a DeepSpeed ZeRO run folder, and {source} is not one; drop "
                          f"optimizer=True (a .pt input keeps its optimizer entry as it is)")  # fmt: skip
@@ -294,7 +295,8 @@ def _stream(
         from ckptfix.stream.to_dcp import convert_to_dcp
 
         streamed: Conversion = convert_to_dcp(source, out, in_fmt=in_fmt, dtype=dtype, transform=transform,
-                                              allow_globals=allow_globals, overwrite=overwrite)  # fmt: skip
+                                              allow_globals=allow_globals, overwrite=overwrite,
+                                              optimizer=optimizer)  # fmt: skip
         _note_losses(streamed, out_fmt)
         return streamed
     if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 @click.option(
     "--optimizer",
     is_flag=True,
-    help="DeepSpeed ZeRO run into a .pt file: write {model, optimizer}, the optimizer's state (Adam moments, step) "
-    "consolidated into a full torch optimizer state dict (off by default: it can be several times the model).",
+    help="DeepSpeed ZeRO run into a .pt file or a DCP folder/: write {model, optimizer}, the optimizer's state (Adam "
+    "moments, step) consolidated into a full torch optimizer state dict (off by default: it can be several times the "
+    "model).",
 )
 @click.option(
     "--optimizer-form",

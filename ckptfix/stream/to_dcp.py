@@ -62,13 +62,14 @@ def convert_to_dcp(
     allow_globals: tuple[str, ...] = (),
     overwrite: bool = False,
     dtype: str | None = None,
+    optimizer: bool = False,
 ) -> Conversion:
     """Write checkpoint ``src`` (a folder, ``.pt`` or ``.safetensors``) after ``transform`` as DCP folder ``dst``,
     one tensor in memory at a time (none without ``dtype``: byte ranges copied). Raises :class:`Fallback` before
     anything is written where it does not apply (``dtype``: each floating-point tensor of the model entries read,
     then cast, one at a time, and written by torch's DCP writer)."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
-    tree, kind, files, z = _open(src, in_fmt=in_fmt, allow_globals=allow_globals, allowed=allowed)
+    tree, kind, files, z = _open(src, in_fmt=in_fmt, allow_globals=allow_globals, allowed=allowed, optimizer=optimizer)
     try:
         conversion = transform(tree)
         conversion.obj = carry(conversion.obj, out_fmt="dcp", source=src, notes=conversion.notes)  # refuses opaque
@@ -122,12 +123,12 @@ def _torch_writer(
 
 
 def _open(
-    src: str, *, in_fmt: str, allow_globals: tuple[str, ...], allowed: frozenset[str]
+    src: str, *, in_fmt: str, allow_globals: tuple[str, ...], allowed: frozenset[str], optimizer: bool = False
 ) -> tuple[Any, str, DataFiles, TorchZip | None]:
     """The checkpoint with tensor records, what it is (for the note), its open files (the caller closes them),
     and a ``.pt`` input's description."""
     if in_fmt == "folder":
-        tree, kind, files, _ = open_tree(src, allow_globals=allow_globals)
+        tree, kind, files, _ = open_tree(src, allow_globals=allow_globals, optimizer=optimizer)
         return tree, kind, files, None
     if in_fmt not in ("safetensors", "torch-zip"):
         raise Fallback(f"input is a {in_fmt} file")

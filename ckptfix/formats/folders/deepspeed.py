@@ -299,7 +299,8 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
     """The full torch ``optimizer.state_dict()`` of the consolidated model: each flat group's per-element state
     (Adam's ``exp_avg``, ``exp_avg_sq``) cut exactly as its fp32 master partition is (``layout``), its scalar state
     (``step``) given to each of its parameters, and the saved param groups' hyperparameters with parameter indices
-    numbered in param-group order, as ``torch.optim.Optimizer.state_dict()`` numbers them."""
+    numbered in param-group order, as ``torch.optim.Optimizer.state_dict()`` numbers them, and each group's
+    ``param_names`` (the run's ``param_shapes`` names; frozen parameters are in no group)."""
     first = ranks[0]
     bases = []
     for o in ranks:
@@ -324,11 +325,13 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
     param_groups: list[dict[str, Any]] = []
     index = 0
     for pg in saved_groups:
-        hyper = {str(k): v for k, v in pg.items() if k != "params"}
+        # DeepSpeed's own param_names (torch >= 2.6, named groups) name its flat parameters, not the model's
+        hyper = {str(k): v for k, v in pg.items() if k not in ("params", "param_names")}
         if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(hyper)):
             raise FormatError(f"{first.path}: a param group's hyperparameters hold tensors or objects, which ckptfix "
                               f"does not carry; convert without --optimizer")  # fmt: skip
         ids: list[int] = []
+        names: list[str] = []
         for k in pg["params"]:
             per_rank = [group_state(o, b, k, source=source) for o, b in zip(ranks, bases, strict=True)]
             for name, shape in groups[k]:
@@ -345,8 +348,11 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
                         entry[key] = value
                 state[index] = entry
                 ids.append(index)
+                names.append(name)
                 index += 1
-        param_groups.append({**hyper, "params": ids})
+        # each parameter's name from the run's param_shapes (the flat order its partitions hold), as torch >= 2.6
+        # saves a named group's: the name-keyed form (optim_form.to_names) needs no guess from the model's order
+        param_groups.append({**hyper, "params": ids, "param_names": names})
     _check_bytes(optimizer_tensors({"state": state}), source=source, what="optimizer state ")
     return {"state": state, "param_groups": param_groups}
 

@@ -309,8 +309,9 @@ def optimizer_truth(name: str) -> dict[str, Any]:
                 for k in ("exp_avg", "exp_avg_sq")}  # fmt: skip
         offset = 0
     for pg in base[0]["param_groups"]:
-        ids = []
+        ids, names = [], []
         for g in pg["params"]:
+            names += list(shapes[g])  # the run's names, in the flat order
             if not stage3:
                 full = {k: torch.cat([b["state"][g][k] for b in base]) for k in ("exp_avg", "exp_avg_sq")}
                 offset = 0
@@ -327,7 +328,7 @@ def optimizer_truth(name: str) -> dict[str, Any]:
                 state[index] = entry
                 ids.append(index)
                 index += 1
-        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": ids})
+        groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": ids, "param_names": names})
     return {"state": state, "param_groups": groups}
 
 

@@ -1,0 +1,179 @@
+"""DeepSpeed ZeRO runs that resume elsewhere: :class:`~tests.resume_runs.ResumeNet` trained by a ZeRO-1/2/3 engine
+on 2 gloo ranks (DeepSpeed's CPU accelerator), then resumed from ``ckptfix convert``'s output on one device, DDP
+or FSDP2.
+
+``train`` runs ``python -m tests.resume_deepspeed_runs`` once per rank (a process each, as
+:func:`tests.deepspeed_runs.make_run` does: DeepSpeed reads its rank from the environment). The engine wraps
+torch's own ``AdamW`` (the client optimizer, two param groups as :func:`tests.resume_runs.optimizer` builds them,
+weights decayed, norms and biases not), takes ``STEPS`` steps on :func:`tests.resume_runs.batch`'s global batches
+and saves with ``engine.save_checkpoint``. It then records what DeepSpeed holds for each parameter, through
+DeepSpeed's own API (``safe_get_full_optimizer_state`` gathers a moment from every rank's partition; the step is
+the base optimizer's, one per flat group), takes ``MORE`` steps and records their losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.deepspeed_runs import ROOT, _free_port
+from tests.resume_runs import BATCH, MORE, STEPS, _step, _wrap, batch, build, held, optimizer
+
+
+def train(out: Path, *, stage: int, record: Path, world: int = 2, timeout: float = 600.0) -> dict[str, Any]:
+    """Train a ZeRO-``stage`` run into ``out`` (a DeepSpeed run folder); what rank 0 recorded into ``record``."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
+               DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")  # fmt: skip
+    cmd = [sys.executable, "-m", "tests.resume_deepspeed_runs", str(out), str(record), "--stage", str(stage)]
+    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"deepspeed run failed (stage {stage}):\n" + "\n".join(o[-4000:] for o in outputs))
+    return torch.load(record, weights_only=True)  # type: ignore[no-any-return]
+
+
+def _groups(model: nn.Module) -> list[dict[str, Any]]:
+    """:func:`tests.resume_runs.optimizer`'s AdamW groups, of plain parameters (DeepSpeed's ZeRO optimizers take
+    no (name, parameter) pairs); its hyperparameters from the same call."""
+    named = optimizer("adamw", model).param_groups
+    return [{k: v for k, v in g.items() if k != "param_names"} for g in named]
+
+
+def _worker(out: Path, record: Path, *, stage: int) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(0)
+    groups = _groups(model)
+    group_of = {name: next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
+                for name, p in model.named_parameters()}  # fmt: skip  # DeepSpeed replaces the groups' lists
+    opt = torch.optim.AdamW(groups, lr=groups[0]["lr"])
+    config = {"train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}  # fmt: skip
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(i: int) -> float:
+        x, y = batch(i, rank, world)
+        loss = (engine(x) - y).square().mean()
+        engine.backward(loss)
+        engine.step()
+        seen = loss.detach().clone()
+        dist.all_reduce(seen)
+        return float(seen / world)
+
+    for i in range(STEPS):
+        step(i)
+    engine.save_checkpoint(str(out))
+    # what DeepSpeed holds for each parameter: each moment gathered from the ranks' partitions by DeepSpeed itself
+    base = engine.optimizer.optimizer  # the client AdamW, stepping the flat fp32 partitions
+    zero = engine.optimizer
+    if stage < 3:  # a flat fp32 partition per param group
+        flats = dict(enumerate(zero.single_partition_of_fp32_groups))
+    else:  # ZeRO-3 empties the groups' params between steps: its sub-groups' flat partitions, each in a group
+        flats = {zero.sub_group_to_group_id[i]: f for i, f in enumerate(zero.fp32_partitioned_groups_flat)}
+    steps = {g: base.state[f]["step"].clone() for g, f in flats.items()}
+    if stage < 3:
+        # DeepSpeed 0.19.8's ZeRO-1/2 links each parameter to its moments once, after the first group's first step,
+        # when the later groups have no state yet (safe_get_full_optimizer_state then raises "exp_avg not found"):
+        # linked again, by DeepSpeed's own method, now that every group has stepped
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    state = {}
+    for name, p in model.named_parameters():
+        moments = {k: safe_get_full_optimizer_state(p, k).detach().clone() for k in ("exp_avg", "exp_avg_sq")}
+        state[name] = {**moments, "step": steps[group_of[name]]}
+    hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in base.param_groups]
+    losses = [step(STEPS + i) for i in range(MORE)]
+    if rank == 0:
+        torch.save({"held": {"state": state, "groups": hyper}, "losses": losses}, record)
+    deepspeed.comm.barrier()
+    deepspeed.comm.destroy_process_group()
+
+
+def resume(rank: int, world: int, store: str, setup: str, path: str, out: str) -> None:
+    """One rank of a resumed run: ``setup`` ``single``/``ddp`` load a ``.pt`` (``optimizer.load_state_dict``),
+    ``fsdp2`` a DCP folder (``set_state_dict``); rank 0 writes what it holds and the next ``MORE`` losses."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if setup != "single":
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        model = build(99)  # every value must come from the checkpoint
+        if setup == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            wrapped = _wrap(setup, model, world)
+            opt = optimizer("adamw", wrapped)
+            model_state, optim_state = get_state_dict(wrapped, opt)
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(wrapped, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:
+            saved = torch.load(path, weights_only=True)
+            model.load_state_dict(saved["model"])
+            opt = optimizer("adamw", model)
+            opt.load_state_dict(saved["optimizer"])
+            wrapped = _wrap(setup, model, world)
+        result = {"held": held(setup, wrapped, opt),
+                  "losses": [_step(wrapped, opt, STEPS + i, rank, world) for i in range(MORE)]}  # fmt: skip
+        if rank == 0:
+            torch.save(result, out)
+        if setup != "single":
+            dist.barrier()
+    finally:
+        if setup != "single":
+            dist.destroy_process_group()
+
+
+def launch(setup: str, *, path: str, out: Path) -> dict[str, Any]:
+    """Resume ``setup`` from ``path`` (``single`` in this process, the others on 2 spawned ranks)."""
+    world = 1 if setup == "single" else 2
+    args = (world, str(out.parent / f"{out.stem}.store"), setup, path, str(out))
+    if setup == "single":
+        threads = torch.get_num_threads()
+        try:
+            resume(0, *args)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.start_processes(resume, args=args, nprocs=world, join=True, start_method="spawn")
+    return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("record", type=Path)
+    parser.add_argument("--stage", type=int, default=3)
+    args = parser.parse_args()
+    _worker(args.out, args.record, stage=args.stage)
+
+
+if __name__ == "__main__":
+    main()

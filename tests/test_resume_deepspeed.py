@@ -1,0 +1,88 @@
+"""Training goes on after a move from DeepSpeed ZeRO: a ZeRO-1/2/3 run (fp32, 2 gloo ranks, torch's ``AdamW`` as
+the client optimizer) converted by ``ckptfix convert RUN … --optimizer``, resumed on one device or DDP from the
+``.pt`` (``optimizer.load_state_dict``, index-keyed) and on FSDP2 from a DCP folder (``set_state_dict``,
+name-keyed, the names from the run's ``param_shapes``).
+
+The ResumeNet groups interleave the model's parameters (weights decayed: ``proj.weight``, ``mid.weight``; the
+rest not), so index 1 is ``mid.weight`` where ``named_parameters()`` order has ``norm.weight``: the names must come
+from the run (without them, the DCP folder kept the index form, which ``set_state_dict`` does not load).
+
+What the resumed run holds is ``torch.equal`` to what DeepSpeed held (``safe_get_full_optimizer_state`` per
+parameter, the base optimizer's ``step``) for every parameter, moment and step. The losses of the next ``MORE``
+steps: DeepSpeed's engine steps torch's own ``AdamW`` (element-wise, so a flat fp32 partition steps as its
+parameters would) on gradients averaged over 2 ranks, as DDP and FSDP2 average them, so on 2 ranks they are
+``torch.equal``. On one device each gradient is a mean over the global batch summed in another order (8 rows in one
+process; 4 rows on each of 2 ranks, then averaged), about one unit in the last place of float32; ten AdamW steps
+carry that along, so those losses are compared within rtol 1e-5 (a step changes the loss by about 1e-2), as
+``tests/test_resume.py`` compares its runs of another world size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.resume_deepspeed_runs import launch, train
+from tests.resume_runs import MORE, STEPS
+from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
+from tests.test_resume import ckptfix
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON),
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed is an optional test dependency (pip install ckptfix[deepspeed])",
+    ),
+]
+
+OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}  # one device against 2 ranks (see the module's docstring)
+NAMES = ["mid.bias", "mid.weight", "norm.bias", "norm.weight", "out.bias", "proj.weight"]
+STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """Each stage's run folder, and what its rank 0 recorded (DeepSpeed's state at the save, the next losses)."""
+    folder = tmp_path_factory.mktemp("zero")
+    return {s: (folder / f"zero{s}", train(folder / f"zero{s}", stage=s, record=folder / f"zero{s}.pt"))
+            for s in STAGES}  # fmt: skip
+
+
+def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: bool) -> None:
+    held, was = got["held"], want["held"]
+    assert sorted(held["state"]) == sorted(was["state"]) == NAMES
+    for name, moments in was["state"].items():
+        assert sorted(held["state"][name]) == sorted(moments) == ["exp_avg", "exp_avg_sq", "step"], name
+        for key, value in moments.items():
+            assert torch.equal(held["state"][name][key], value), (name, key)
+        assert float(moments["step"]) == STEPS, name
+    assert held["groups"] == was["groups"]
+    losses, expected = torch.tensor(got["losses"]), torch.tensor(want["losses"])
+    assert len(losses) == MORE
+    if same_world:
+        assert torch.equal(losses, expected)
+    else:
+        torch.testing.assert_close(losses, expected, **OTHER_WORLD)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("setup", ["single", "ddp", "fsdp2"])
+def test_zero_run_resumes_elsewhere(stage: int, setup: str, zero_runs: dict[int, Any], tmp_path: Path) -> None:
+    run, recorded = zero_runs[stage]
+    out = f"{tmp_path / 'fsdp2_run'}/" if setup == "fsdp2" else str(tmp_path / "plain.pt")
+    said = ckptfix("convert", run, out, "--optimizer", "-v")
+    if setup == "fsdp2":
+        assert "keyed by parameter name (set_optimizer_state_dict's form), names from its param_groups' " \
+               "param_names" in said  # fmt: skip
+    else:
+        assert "keyed by" not in said  # the index form, as consolidated
+        groups = torch.load(out, weights_only=True)["optimizer"]["param_groups"]
+        assert [g["param_names"] for g in groups] == [["proj.weight", "mid.weight"],
+                                                      ["norm.weight", "norm.bias", "mid.bias", "out.bias"]]  # fmt: skip
+    resumed = launch(setup, path=out, out=tmp_path / "resumed.pt")
+    assert_resumed(resumed, recorded, same_world=setup != "single")
