@@ -27,12 +27,15 @@ from tests.deepspeed_runs import ROOT, _free_port
 from tests.resume_runs import BATCH, MORE, STEPS, _step, _wrap, batch, build, held, optimizer
 
 
-def train(out: Path, *, stage: int, record: Path, world: int = 2, timeout: float = 600.0) -> dict[str, Any]:
-    """Train a ZeRO-``stage`` run into ``out`` (a DeepSpeed run folder); what rank 0 recorded into ``record``."""
+def train(out: Path, *, stage: int, record: Path, dtype: str = "fp32", world: int = 2,
+          timeout: float = 600.0) -> dict[str, Any]:  # fmt: skip
+    """Train a ZeRO-``stage`` run (``dtype`` fp32 or bf16) into ``out`` (a DeepSpeed run folder); what rank 0
+    recorded into ``record``."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "tests.resume_deepspeed_runs", str(out), str(record), "--stage", str(stage)]
+    cmd = [sys.executable, "-m", "tests.resume_deepspeed_runs", str(out), str(record), "--stage", str(stage),
+           "--dtype", dtype]  # fmt: skip
     procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
     outputs = []
@@ -56,7 +59,7 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "param_names"} for g in named]
 
 
-def _worker(out: Path, record: Path, *, stage: int) -> None:
+def _worker(out: Path, record: Path, *, stage: int, dtype: str) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_optimizer_state
@@ -71,12 +74,15 @@ def _worker(out: Path, record: Path, *, stage: int) -> None:
     opt = torch.optim.AdamW(groups, lr=groups[0]["lr"])
     config = {"train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "bf16": {"enabled": dtype == "bf16"},
               "steps_per_print": 10**9}  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
     def step(i: int) -> float:
         x, y = batch(i, rank, world)
-        loss = (engine(x) - y).square().mean()
+        if dtype == "bf16":  # the engine holds bf16 weights (the fp32 masters in the optimizer)
+            x = x.bfloat16()
+        loss = (engine(x).float() - y).square().mean()
         engine.backward(loss)
         engine.step()
         seen = loss.detach().clone()
@@ -171,8 +177,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("record", type=Path)
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
-    _worker(args.out, args.record, stage=args.stage)
+    _worker(args.out, args.record, stage=args.stage, dtype=args.dtype)
 
 
 if __name__ == "__main__":
