@@ -63,3 +63,19 @@ def test_optimizer_into_safetensors_still_refused(tmp_path: Path) -> None:
     said = f"--optimizer writes {{model, optimizer}} into one .pt file or a DCP folder, but {out} asks for a " \
            f".safetensors file (tensors only); write a .pt or a folder/, or drop --optimizer"  # fmt: skip
     assert said in result.output
+
+
+@pytest.mark.parametrize("extra", [("--no-fast",), ("--dtype", "bf16")])
+def test_torch_writer_routes_write_the_same_optimizer(extra: tuple[str, ...], tmp_path: Path) -> None:
+    """The torch path and the cast (torch's DCP writer) write the stream's optimizer state: a cast touches the
+    model entry alone."""
+    run = str(FIXTURES / "zero2_bf16")
+    assert run_cli("convert", run, f"{tmp_path / 'stream'}/", "--optimizer").exit_code == 0
+    result = run_cli("convert", run, f"{tmp_path / 'other'}/", "--optimizer", *extra)
+    assert result.exit_code == 0, result.output
+    want, got = ckptfix.load(tmp_path / "stream")["optimizer"], ckptfix.load(tmp_path / "other")["optimizer"]
+    assert got["param_groups"] == want["param_groups"] and sorted(got["state"]) == sorted(want["state"])
+    for param, moments in want["state"].items():
+        for key, value in moments.items():
+            moved = got["state"][param][key]
+            assert moved.dtype == value.dtype == torch.float32 and torch.equal(moved, value), (param, key)
