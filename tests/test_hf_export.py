@@ -95,6 +95,7 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     run_dir.mkdir()
     (run_dir / "config.json").write_bytes((root / "hf" / "config.json").read_bytes())
     torch.save({"model": torch.nn.DataParallel(model).state_dict(), "epoch": 1}, run_dir / "ddp.pt")
+    model.cpu()  # DataParallel moves the model to the first GPU where there is one
     torch.save(torch.compile(model).state_dict(), run_dir / "compiled.pt")
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -38,6 +38,7 @@ NOTE = (
 def test_a_tied_key_written_once_is_said_with_what_loads_it(tmp_path: Path, extra: list[str]) -> None:
     model = _tied()
     torch.save(torch.nn.DataParallel(model).state_dict(), tmp_path / "ddp.pt")
+    model.cpu()  # DataParallel moves the model to the first GPU where there is one
     out = tmp_path / "model.safetensors"
     result = run("convert", tmp_path / "ddp.pt", out, *extra)
     assert result.exit_code == 0, result.output
