@@ -304,7 +304,9 @@ def test_torch_is_not_imported_and_memory_stays_a_buffer(tmp_path: Path) -> None
     out = f"{tmp_path / 'o'}/"
     code = f"import sys, ckptfix; ckptfix.convert_file({str(tmp_path / 'm.pt')!r}, {out!r}); "
     peak, printed = _peak(code + "print('torch' in sys.modules)")
-    assert printed == "False" and peak < 64 << 20, (printed, peak >> 20)
+    # 42 MB here, 67 MB on a 16-core GPU machine (Python 3.12): the bound is the one promised, under 128 MB,
+    # a third of the 384 MiB of tensors written
+    assert printed == "False" and peak < 128 << 20, (printed, peak >> 20)
     back = torch_full(tmp_path / "o")
     assert all(torch.equal(back["model"][k], t) for k, t in state.items())
 
