@@ -33,8 +33,8 @@ from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import Holder, is_record, layout, map_tree, spec
-from ckptfix.formats.registry import RANK_GLOBALS, detect, detect_format, rank_kind, read
+from ckptfix.formats.records import FolderRecords, Holder, is_record, layout, map_tree, spec
+from ckptfix.formats.registry import RANK_GLOBALS, Format, detect, detect_format, rank_kind, read
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap, wrapped
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
@@ -204,7 +204,7 @@ def open_checkpoint(
     found = detect(path)
     fmt = found.name
     if fmt == "folder" and not unsafe:
-        return _open_folder(source, kind=found.kind, allow_globals=tuple(allow_globals), need_bytes=need_bytes,
+        return _open_folder(source, found=found, allow_globals=tuple(allow_globals), need_bytes=need_bytes,
                             verify=verify, opaque=opaque)  # fmt: skip
     reason = plan_reading(fmt, unsafe=unsafe).reason
     if reason is None:
@@ -316,13 +316,13 @@ class OpenedFolder(Opened):
     """A folder opened file by file: ``tree`` holds :class:`FolderTensor` records (shards, accelerate folders)
     or :class:`~ckptfix.formats.folders.dcp.DcpTensor` records (DCP), each read on demand from its own file."""
 
-    kind: str = ""  # "shards", "accelerate", "dcp", "deepspeed" or "megatron"
+    kind: str = ""  # "shards", "accelerate", "dcp", "deepspeed", or a registry row's kind (its ``records``)
     files: list[str] = field(default_factory=list)  # every file the checkpoint is made of, index included
     index: str | None = None
     parts: list[Opened] = field(default_factory=list)  # shards and accelerate folders: one per file
     dcp: Any = None  # DCP: the open data files
     zero: Any = None  # DeepSpeed: the run (ckptfix.formats.folders.deepspeed.ZeroRun)
-    megatron: Any = None  # Megatron-Core: the folder (ckptfix.formats.folders.megatron.Megatron)
+    records: FolderRecords | None = None  # a format read by its registry row's ``records`` (Megatron-Core)
     zero_fds: dict[str, int] = field(default_factory=dict)  # DeepSpeed: each rank file opened once, when first read
     zero_verified: set[tuple[str, str]] | None = None  # DeepSpeed: (file, record) CRC-checked, when verifying
     owner: dict[int, int] = field(default_factory=dict)  # id of a record not wrapped (inside objects) -> part
@@ -366,18 +366,19 @@ class OpenedFolder(Opened):
         return self.zero_fds[path]
 
 
-def _open_folder(source: str, *, kind: str, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
+def _open_folder(source: str, *, found: Format, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
                  opaque: bool) -> Opened:  # fmt: skip
     """A folder or index file of the registry's ``kind`` as an :class:`OpenedFolder`, every file checked as it
     would be on its own and the folder's own rules (:mod:`ckptfix.formats.folders.hf`) on top."""
     from ckptfix.formats.folders.hf import describe as describe_folder
 
+    kind = found.kind
+    if found.records is not None:  # the row says how it is read as records
+        return _open_records(source, found, allow_globals=allow_globals, verify=verify)
     if kind == "dcp":
         return _open_dcp(source, allow_globals=allow_globals, verify=verify)
     if kind == "deepspeed":
         return _open_deepspeed(source, allow_globals=allow_globals, verify=verify)
-    if kind == "megatron":
-        return _open_dcp(source, allow_globals=allow_globals, verify=verify, megatron=True)
     if kind != "hf":  # a format with no description here: its loader reads it, tensors and all
         tree = read(source, fmt="folder", allow_globals=allow_globals)
         return Opened(source=source, fmt="folder", tree=tree, note=f"a {kind} checkpoint, read by its loader")
@@ -460,19 +461,16 @@ def _wrapped(obj: Any, part: int) -> Any:
     return map_tree(obj, wrap, leaf=lambda v: is_tensor(v) or isinstance(v, OpaqueEntry))
 
 
-def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool, megatron: bool = False) -> Opened:
-    """A DCP folder (``megatron``: a Megatron-Core ``torch_dist`` one, its layers unstacked) as DcpTensor records."""
-    from ckptfix.formats.containers.torchzip import read_torch_zip
+def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
+    """A DCP folder as DcpTensor records."""
     from ckptfix.formats.folders.datafiles import DataFiles
     from ckptfix.formats.folders.dcp import METADATA
     from ckptfix.formats.folders.dcp_chunks import dcp_tree
-    from ckptfix.formats.folders.megatron import describe as describe_megatron
 
     allowed = allowlist.allowed_names(allow_globals, source=source)
     files = DataFiles()
     try:
-        run = describe_megatron(source, allow_globals=allow_globals) if megatron else None
-        tree, why = (run.state, None) if run is not None else dcp_tree(source, files.fd, allowed=allowed)
+        tree, why = dcp_tree(source, files.fd, allowed=allowed)
     except BaseException:
         files.close()
         raise
@@ -480,17 +478,46 @@ def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool, mega
         files.close()
         return Opened(source=source, fmt="folder", tree=read(source, fmt="folder", allow_globals=allow_globals),
                       note=f"a DCP folder whose {why}")  # fmt: skip
-    records = [v for v in inert.walk(tree) if isinstance(v, DcpTensor)]
-    spans = {c.span for t in records for c in t.entry.chunks}
+    spans = _spans(tree)
     data = sorted({span.path for span in spans} | set(files.open))
-    opened = OpenedFolder(source=source, fmt="folder", tree=tree, kind="megatron" if run else "dcp", dcp=files,
-                          allowed=allowed, files=run.files if run else [os.path.join(source, METADATA), *data],
-                          megatron=run)  # fmt: skip
+    opened = OpenedFolder(source=source, fmt="folder", tree=tree, kind="dcp", dcp=files, allowed=allowed,
+                          files=[os.path.join(source, METADATA), *data])  # fmt: skip
+    return _verified(opened, spans, data, verify=verify)
+
+
+def _open_records(source: str, found: Format, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
+    """A folder its registry row reads as records (``found.records``: Megatron-Core's), read through its data
+    files; ``verify`` reads and CRC-checks every DCP chunk its records are made of."""
+    from ckptfix.formats.folders.datafiles import DataFiles
+
+    assert found.records is not None  # asked by _open_folder only for such a row
+    allowed = allowlist.allowed_names(allow_globals, source=source)
+    files = DataFiles()
+    try:
+        got = found.records(source, allow_globals)
+    except BaseException:
+        files.close()
+        raise
+    spans = _spans(got.tree)
+    data = sorted({span.path for span in spans} | set(files.open))
+    opened = OpenedFolder(source=source, fmt="folder", tree=got.tree, kind=found.kind, dcp=files, allowed=allowed,
+                          files=got.files, records=got)  # fmt: skip
+    return _verified(opened, spans, data, verify=verify)
+
+
+def _spans(tree: Any) -> set[Any]:
+    """The data-file spans (chunk archives) of the DCP tensor records in ``tree``."""
+    return {c.span for v in inert.walk(tree) if isinstance(v, DcpTensor) for c in v.entry.chunks}
+
+
+def _verified(opened: OpenedFolder, spans: set[Any], data: list[str], *, verify: bool) -> OpenedFolder:
+    from ckptfix.formats.containers.torchzip import read_torch_zip
+
     try:
         if verify:  # every chunk's records read and CRC-checked (the values were, when they were read)
             for span in sorted(spans, key=lambda s: (s.path, s.offset)):
-                read_torch_zip(files.fd(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
-                               end=span.offset + span.length)  # fmt: skip
+                read_torch_zip(opened.dcp.fd(span.path), span.path, allowed=opened.allowed, verify=True,
+                               start=span.offset, end=span.offset + span.length)  # fmt: skip
             opened.verified.update(data)
     except BaseException:
         opened.close(check=False)

@@ -160,8 +160,8 @@ def summarize(
         }
     if folder is not None and folder.zero is not None:
         summary["deepspeed"] = deepspeed_summary(folder.zero)
-    if folder is not None and folder.megatron is not None:
-        summary["megatron"] = folder.megatron.summary()
+    if folder is not None and folder.records is not None and folder.records.summary is not None:
+        summary[folder.kind] = folder.records.summary  # what its registry row's records say of it
     if folder is None and (lone := lone_module_summary(ckpt.tree, source=source)) is not None:
         summary["deepspeed_module_file"] = lone  # its [0] tensors shown, and said to be placeholders
     if ckpt.note is not None:
@@ -172,7 +172,7 @@ def summarize(
         summary["devices"] = ckpt.locations
     if verify:
         parts = folder.parts if folder else [ckpt]
-        zips = (folder is not None and folder.kind in ("dcp", "megatron")) or all(p.fmt == "torch-zip" for p in parts)
+        zips = (folder is not None and folder.dcp is not None) or all(p.fmt == "torch-zip" for p in parts)
         summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
     return summary
 

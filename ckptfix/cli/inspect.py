@@ -8,6 +8,7 @@ import click
 
 from ckptfix.cli.options import json_option, safety_options
 from ckptfix.cli.render import Output, printable
+from ckptfix.formats.registry import folder_format
 from ckptfix.units import human_bytes
 
 _FOLDERS = {
@@ -15,19 +16,24 @@ _FOLDERS = {
     "accelerate": "accelerate save_state folder",
     "dcp": "torch.distributed.checkpoint folder",
     "deepspeed": "DeepSpeed ZeRO run folder",
-    "megatron": "Megatron-Core torch_dist folder",
 }
+
+
+def _described(summary: dict[str, Any]) -> tuple[str, list[str]] | None:
+    """What a folder's registry row says of it (``Format.describe``): the words for its format, and its lines."""
+    folder = summary.get("folder")
+    row = folder_format(folder["kind"]) if folder is not None else None
+    return row.describe(summary) if row is not None and row.describe is not None else None
 
 
 def _format(summary: dict[str, Any]) -> str:
     folder = summary.get("folder")
     if folder is None:
         return str(summary["format"])
-    if folder["kind"] == "megatron":  # beside the data files: the plan, metadata.json, common.pt, the tracker file
-        data = [f for f in folder["files"] if f.endswith(".distcp")]
-    else:
-        data = [f for f in folder["files"] if f != folder["index"] and f != ".metadata"]
-    what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] in ("dcp", "megatron") else "file"
+    if (said := _described(summary)) is not None:
+        return said[0]
+    data = [f for f in folder["files"] if f != folder["index"] and f != ".metadata"]
+    what = "shard" if folder["kind"] == "shards" else "data file" if folder["kind"] == "dcp" else "file"
     if folder["kind"] == "deepspeed":
         ds = summary["deepspeed"]
         return (
@@ -35,7 +41,8 @@ def _format(summary: dict[str, Any]) -> str:
             f"({len(data)} files in {ds['tag']}/)"
         )
     index = f" and index {folder['index']}" if folder["index"] else ""
-    return f"{_FOLDERS[folder['kind']]} ({len(data)} {what}{'s' * (len(data) != 1)}{index})"
+    name = _FOLDERS.get(folder["kind"], f"{folder['kind']} folder")
+    return f"{name} ({len(data)} {what}{'s' * (len(data) != 1)}{index})"
 
 
 SHAPES_SHOWN = 4  # distinct shapes a group line lists before it counts the rest (--json has them all)
@@ -61,8 +68,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         )
     if "deepspeed" in summary:
         lines += _deepspeed_lines(summary["deepspeed"])
-    if "megatron" in summary:
-        lines += _megatron_lines(summary["megatron"])
+    if (said := _described(summary)) is not None:
+        lines += [printable(line) for line in said[1]]
     if "deepspeed_module_file" in summary:
         lines.append(f"DeepSpeed: {summary['deepspeed_module_file']['note']}")
     if "loaded_with_torch" in summary:
@@ -132,19 +139,6 @@ def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:
     ]
     lines += [f"  {printable(name)}: {holds}" for name, holds in ds["files"].items()]
     lines += [f"  note: {note}" for note in ds["notes"]]
-    return lines
-
-
-def _megatron_lines(mg: dict[str, Any]) -> list[str]:
-    layout = ", ".join(f"{k.replace('_', ' ')} parallel {v}" for k, v in mg["layout"].items())
-    args = ", ".join(f"{k}={printable(str(v))}" for k, v in mg["args"].items())
-    step = f", iteration {mg['iteration']}" if "iteration" in mg else ""
-    layout = layout or "parallel sizes not recorded"
-    lines = [
-        f"Megatron-Core: {layout}; written by {mg['ranks']} ranks{step}; {mg['tensors']} tensors, layers unstacked"
-    ]
-    lines += [f"  args: {args}"] if args else []
-    lines += [f"  note: {printable(note)}" for note in mg["notes"]]
     return lines
 
 

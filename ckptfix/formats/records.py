@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from ckptfix.errors import FormatError
@@ -252,7 +252,23 @@ def map_tree(
     return walk(tree)
 
 
+@dataclass
+class FolderRecords:
+    """A folder format's checkpoint as tensor records, what its registry row's ``records`` gives (no tensor byte
+    read): ``tree`` holds records that read themselves through the folder's data files (``Holder.file_fd``, as a
+    :class:`~ckptfix.formats.folders.dcp.DcpTensor` does); ``kind`` is the folder in the words of ``convert -v``;
+    ``files`` every file the checkpoint is made of; ``notes`` what was left out; ``summary`` what ``inspect`` shows
+    of it (under the format's kind in ``--json``)."""
+
+    tree: Any
+    kind: str
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+
+
 __all__ = [
+    "FolderRecords",
     "Holder",
     "Spec",
     "TensorRecord",

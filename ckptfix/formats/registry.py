@@ -2,7 +2,8 @@
 
 Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
 it; :func:`detect` asks them in order. The output format is decided by OUT's extension (:func:`output_format`).
-Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader) and its tests.
+Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
+records also with ``records`` and ``describe``) and its tests.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain, sharded_error
 from ckptfix.formats.safety.depth import deep
 
@@ -55,12 +57,19 @@ class Format:
 
     ``claims`` answers from the :class:`Probe` alone (a folder's listing at most, as DCP's storage readers'
     ``validate_checkpoint_id`` does); it may refuse a path that looks like the format but cannot be read as
-    one. ``load`` reads it into torch tensors."""
+    one. ``load`` reads it into torch tensors.
+
+    A folder format whose tensors are records (``inspect``, ``diff`` and ``convert``'s stream read them without
+    torch) says how here, and nowhere else: ``records(path, allow_globals)`` gives its :class:`FolderRecords`;
+    ``describe(summary)`` what ``inspect`` says of it: the words for its format, and lines of its own (escaped by
+    the renderer). Without ``records`` its loader reads it, tensors and all."""
 
     name: str
     kind: str
     claims: Callable[[Probe], bool]
     load: Callable[[PathLike, ReadOptions], Any]
+    records: Callable[[str, tuple[str, ...]], FolderRecords] | None = None
+    describe: Callable[[dict[str, Any]], tuple[str, list[str]]] | None = None
 
 
 def detect(path: PathLike) -> Format:
@@ -76,6 +85,11 @@ def detect(path: PathLike) -> Format:
         f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
         f"found bytes {probe.head[:8]!r})"
     )
+
+
+def folder_format(kind: str) -> Format | None:
+    """The row of folder format ``kind`` (``OpenedFolder.kind``, ``inspect``'s ``folder.kind``), if one is."""
+    return next((f for f in FORMATS if f.name == "folder" and f.kind == kind), None)
 
 
 def detect_format(path: PathLike) -> str:
@@ -136,6 +150,18 @@ def _megatron_load(path: PathLike, options: ReadOptions) -> Any:
     from ckptfix.formats.folders.megatron import load_megatron
 
     return load_megatron(os.fspath(path), allow_globals=options.allow_globals)
+
+
+def _megatron_records(path: str, allow_globals: tuple[str, ...]) -> FolderRecords:
+    from ckptfix.formats.folders.megatron import records
+
+    return records(path, allow_globals=allow_globals)
+
+
+def _megatron_describe(summary: dict[str, Any]) -> tuple[str, list[str]]:
+    from ckptfix.formats.folders.megatron import describe_summary
+
+    return describe_summary(summary)
 
 
 def _deepspeed_claims(probe: Probe) -> bool:
@@ -223,7 +249,8 @@ def _json_text(probe: Probe) -> bool:
 
 
 FORMATS: tuple[Format, ...] = (  # in the order they are asked; the first to claim a path reads it
-    Format("folder", "megatron", _megatron_claims, _megatron_load),  # DCP and more: asked before DCP
+    # DCP and more: asked before DCP
+    Format("folder", "megatron", _megatron_claims, _megatron_load, _megatron_records, _megatron_describe),
     Format("folder", "dcp", _dcp_claims, _dcp_load),
     Format("folder", "deepspeed", _deepspeed_claims, _deepspeed_load),
     Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),
@@ -477,6 +504,7 @@ __all__ = [
     "describe_output",
     "detect",
     "detect_format",
+    "folder_format",
     "load",
     "output_format",
     "rank_file_note",

@@ -304,14 +304,15 @@ def open_tree(
     files = DataFiles()
     try:
         found = detect(src)
-        if found.kind == "dcp":
+        if found.records is not None:  # the registry row says how it is read as records
+            got = found.records(src, allow_globals)
+            room_for_files(len(got.files), source=src)  # each data file stays open until the end
+            files.notes.extend(got.notes)
+            tree, kind = got.tree, got.kind
+        elif found.kind == "dcp":
             tree, kind = _dcp_tree(src, files, allowed=allowed)
         elif found.kind == "deepspeed":
             tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
-        elif found.kind == "megatron":
-            from ckptfix.formats.folders.megatron import megatron_tree
-
-            tree, kind = megatron_tree(src, files, allow_globals=allow_globals)
         elif found.name in ("safetensors", "torch-zip"):
             from ckptfix.stream.single import file_tree  # one file: cast or sharded a tensor at a time
 

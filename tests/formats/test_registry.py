@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from ckptfix.conversion import convert_file
 from ckptfix.diffing import diff_files
 from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import registry
+from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format
 from tests.models import SmallNet, make_file
 
@@ -102,6 +104,71 @@ def test_a_new_format_is_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert torch.equal(ckptfix.load(tmp_path / "out.safetensors")["x"], torch.tensor([1.0, 2.0]))
     assert diff_files(path, tmp_path / "out.safetensors").equal
     assert detect(FIXTURES / "single.pt").kind == "torch-zip"
+
+
+def _prefix(path: object) -> str:
+    return str(json.loads((Path(str(path)) / "toy.json").read_bytes())["prefix"])
+
+
+def _toy_folder_load(p: object, options: ReadOptions) -> dict[str, torch.Tensor]:
+    """A folder format's loader: a DCP folder's tensors, renamed by the prefix its toy.json names."""
+    from ckptfix.formats.folders.dcp import load_dcp
+
+    return {_prefix(p) + k: v for k, v in load_dcp(str(p), allow_globals=options.allow_globals).items()}
+
+
+def _toy_records(path: str, allow_globals: tuple[str, ...]) -> FolderRecords:
+    """The same folder as records, no tensor byte read: each tensor its DCP chunks, under its new name."""
+    from ckptfix.formats.folders.dcp import DcpTensor, read_dcp
+
+    d, prefix = read_dcp(path), _prefix(path)
+    tree = {prefix + k: DcpTensor(prefix + k, entry) for k, entry in d.tensors.items()}
+    files = [str(Path(path) / "toy.json"), str(Path(path) / ".metadata"), *sorted(d.files)]
+    return FolderRecords(tree, "toy folder", files, summary={"prefix": prefix})
+
+
+def _toy_describe(summary: dict[str, Any]) -> tuple[str, list[str]]:
+    data = [f for f in summary["folder"]["files"] if f.endswith(".distcp")]
+    return f"toy folder ({len(data)} data files)", [f"toy: names prefixed {summary['toy']['prefix']}"]
+
+
+def test_a_folder_format_read_as_records_is_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder format whose tensors are records says so in its row alone (``records``, ``describe``): load,
+    convert (streamed, no torch load), inspect (text and --json) and diff then read it; no other module is touched."""
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+    from ckptfix.torchcompat import dcp_save_local
+
+    state = SmallNet().state_dict()
+    path = tmp_path / "run"
+    dcp_save_local(state, checkpoint_id=str(path))  # the real writer's folder, and the toy's file beside it
+    (path / "toy.json").write_text(json.dumps({"prefix": "toy."}))
+    claims = lambda probe: probe.folder and (Path(probe.path) / "toy.json").is_file()  # noqa: E731
+    toy = Format("folder", "toy", claims, _toy_folder_load, records=_toy_records, describe=_toy_describe)
+    monkeypatch.setattr(registry, "FORMATS", (toy, *FORMATS))  # before DCP: a DCP folder and more, as Megatron's
+    assert detect(path) is toy
+    expected = {f"toy.{k}": v for k, v in state.items()}
+    loaded = ckptfix.load(path)
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+    done = ckptfix.convert_file(path, tmp_path / "out.safetensors")
+    assert done.method == "stream"
+    assert any(n.startswith(f"toy folder -> safetensors: {len(state)} tensors") for n in done.notes)
+    out = ckptfix.load(tmp_path / "out.safetensors")
+    assert out.keys() == expected.keys() and all(torch.equal(out[k], v) for k, v in expected.items())
+    assert diff_files(path, tmp_path / "out.safetensors").equal
+
+    text = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert text.exit_code == 0, text.output
+    data = len(list(path.glob("*.distcp")))
+    assert text.output.splitlines()[0].startswith(f"{path}: toy folder ({data} data files) state dict, ")
+    assert text.output.splitlines()[1] == "toy: names prefixed toy."
+    shown = CliRunner().invoke(cli, ["inspect", str(path), "--json", "--verify"])
+    assert shown.exit_code == 0, shown.output
+    summary = json.loads(shown.output)
+    assert summary["toy"] == {"prefix": "toy."} and summary["folder"]["kind"] == "toy"
+    assert summary["verified"] == "crc" and summary["models"][""]["tensors"] == len(state)
 
 
 # Broken and hostile inputs: nothing runs, nothing crashes, nothing is half-written, the input is untouched.

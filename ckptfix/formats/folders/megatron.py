@@ -29,6 +29,7 @@ from typing import Any
 from ckptfix.errors import FormatError
 from ckptfix.formats.folders.dcp import METADATA, Chunk, DcpTensor, TensorEntry, read_dcp
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.strict_json import Said, json_object
 
@@ -280,12 +281,25 @@ def load_megatron(root: str, *, allow_globals: Any = ()) -> dict[str, Any]:
     return out
 
 
-def megatron_tree(root: str, files: Any, *, allow_globals: Any = ()) -> tuple[dict[str, DcpTensor], str]:
-    """The folder's model as :class:`~.dcp.DcpTensor` records for the streaming writers, its notes added to
-    ``files`` (a :class:`~.datafiles.DataFiles`), and its kind in words; no tensor byte read."""
-    from ckptfix.formats.folders.hf import room_for_files
-
+def records(root: str, *, allow_globals: Any = ()) -> FolderRecords:
+    """The folder's model as :class:`~.dcp.DcpTensor` records (its registry row's ``records``: what ``inspect``,
+    ``diff`` and the streaming writers read), its kind in words and what ``inspect`` shows; no tensor byte read."""
     run = describe(root, allow_globals=allow_globals)
-    room_for_files(len(run.files), source=root)  # each data file stays open until the end
-    files.notes.extend(run.notes)
-    return run.state, run.kind
+    return FolderRecords(tree=run.state, kind=run.kind, files=run.files, notes=run.notes, summary=run.summary())
+
+
+def describe_summary(summary: dict[str, Any]) -> tuple[str, list[str]]:
+    """What ``inspect`` says of the folder (its registry row's ``describe``): its format in words (its data files
+    counted: beside them the plan, metadata.json, common.pt, the tracker file), and its lines."""
+    data = [f for f in summary["folder"]["files"] if f.endswith(".distcp")]
+    mg = summary["megatron"]
+    layout = ", ".join(f"{k.replace('_', ' ')} parallel {v}" for k, v in mg["layout"].items())
+    args = ", ".join(f"{k}={v}" for k, v in mg["args"].items())
+    step = f", iteration {mg['iteration']}" if "iteration" in mg else ""
+    layout = layout or "parallel sizes not recorded"
+    lines = [
+        f"Megatron-Core: {layout}; written by {mg['ranks']} ranks{step}; {mg['tensors']} tensors, layers unstacked"
+    ]
+    lines += [f"  args: {args}"] if args else []
+    lines += [f"  note: {note}" for note in mg["notes"]]
+    return f"Megatron-Core {BACKEND} folder ({len(data)} data file{'s' * (len(data) != 1)})", lines
