@@ -16,7 +16,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ckptfix.errors import CkptfixError, OutputError
 
@@ -192,9 +192,21 @@ def completing(out: str) -> Iterator[None]:
 
 
 def raise_terminated(signum: int, frame: FrameType | None) -> None:
-    """A signal handler that turns a termination signal into :class:`Terminated`."""
+    """A signal handler that turns a termination signal into :class:`Terminated` (once signals are no longer
+    held: see :func:`_hold_signals`)."""
     _RECEIVED.append(signum)
+    if _HOLDING:
+        _DEFERRED.append(signum)
+        return
     raise Terminated(signum)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    # Python's own SIGINT handler, held like the termination signals
+    if _HOLDING:
+        _DEFERRED.append(signum)
+        return
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -211,19 +223,40 @@ def unwinding_signals() -> Iterator[None]:
     taken = {
         sig: signal.signal(sig, raise_terminated) for sig in TERMINATING if signal.getsignal(sig) == signal.SIG_DFL
     }
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        taken[signal.SIGINT] = signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         yield
     except Terminated as e:
         if e.signum not in taken:
             raise
-        for sig, handler in taken.items():
-            signal.signal(sig, handler)
+        _give_back(taken)
         taken = {}
         os.kill(os.getpid(), e.signum)  # the default action, now that nothing is left half-written
         raise
     finally:
+        if taken:
+            late = _give_back(taken)
+            if late in taken and late != signal.SIGINT:
+                os.kill(os.getpid(), late)  # came once the block was done: its default action, as without us
+            elif late is not None:
+                raise Terminated(late) if late != signal.SIGINT else KeyboardInterrupt
+
+
+def _give_back(taken: dict[signal.Signals, Any]) -> int | None:
+    """Put the handlers ``taken`` over back; return a signal that came meanwhile (``signal.signal`` runs the
+    handler of one already received before it changes anything: it must not raise half-way through)."""
+    _HOLDING.append(None)
+    try:
         for sig, handler in taken.items():
             signal.signal(sig, handler)
+    finally:
+        _HOLDING.pop()
+    if _HOLDING or not _DEFERRED:
+        return None
+    late = _DEFERRED[0]
+    _DEFERRED.clear()
+    return late
 
 
 class Worker(threading.Thread):
@@ -284,6 +317,8 @@ def atomic_output(out: PathLike) -> Iterator[BinaryIO]:
             if len(_RECEIVED) > seen:
                 raise Terminated(_RECEIVED[-1]) from e
             raise
+        if len(_RECEIVED) > seen:  # raised where it was swallowed (a callback, a __del__): never a complete output
+            raise Terminated(_RECEIVED[-1])
 
 
 @contextlib.contextmanager
@@ -332,16 +367,39 @@ def _create_temp(folder: str, name: str) -> tuple[int, str]:
 _HELD = {signal.SIGINT, *TERMINATING}
 
 
+_HOLDING: list[None] = []  # one entry per held region the main thread is in
+_DEFERRED: list[int] = []  # the signals whose handlers ran inside one, raised once the outermost ends
+
+
 def _hold_signals() -> set[int | signal.Signals] | None:
-    # Between the temp file's creation and the moment its name is known, a signal's exception would leak it.
+    """Hold termination signals and SIGINT until :func:`_release_signals`: between the temp file's creation and
+    the moment its name is known, a signal's exception would leak it; around the rename, it would deny an output
+    already complete.
+
+    Blocking them (``pthread_sigmask``) is not enough: it holds them in the calling thread only, the kernel then
+    gives one to another thread (torch has some), whose C-level handler still has Python run the handler in the
+    main thread at its next instruction. So the handlers themselves defer while ``_HOLDING`` says so."""
+    _HOLDING.append(None)
     if not hasattr(signal, "pthread_sigmask"):
         return None
-    return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    except BaseException:  # a program's own handler raised (ours defer): nothing is held
+        _HOLDING.pop()
+        raise
 
 
 def _release_signals(held: set[int | signal.Signals] | None) -> None:
-    if held is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    """End a held region; a signal that came during it is raised here, once the outermost one ends."""
+    try:
+        if held is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    finally:
+        _HOLDING.pop()
+    if not _HOLDING and _DEFERRED:
+        signum = _DEFERRED[0]
+        _DEFERRED.clear()
+        raise Terminated(signum) if signum != signal.SIGINT else KeyboardInterrupt
 
 
 def fsync_dir(folder: str) -> None:
