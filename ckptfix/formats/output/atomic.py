@@ -384,7 +384,8 @@ def _hold_signals() -> set[int | signal.Signals] | None:
         return None
     try:
         return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
-    except BaseException:  # a program's own handler raised (ours defer): nothing is held
+    except BaseException:  # a program's own handler raised (ours defer): let them through again
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
         _HOLDING.pop()
         raise
 

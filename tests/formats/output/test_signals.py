@@ -111,7 +111,7 @@ def _command(kind: str, ranks: list[Path], out: Path) -> list[str]:
 def _check(kind: str, signum: int, ranks: list[Path], tmp_path: Path) -> None:
     out = tmp_path / ("merged.pt" if kind != "convert" else "model.safetensors")
     status, stderr = _signal_mid_write(_command(kind, ranks, out), tmp_path, signum)
-    assert _temp_files(tmp_path) == [], "the temp file was left behind"
+    assert _temp_files(tmp_path) == [], f"the temp file was left behind (exit {status}): {stderr}"
     if stderr.startswith("held:") and out.exists():  # frozen while renaming: the signal came after, the output is whole
         written = ckptfix.load(out)
         expected = torch.load(ranks[0], weights_only=True)["model"]["layer0.weight"]
