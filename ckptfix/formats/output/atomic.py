@@ -170,7 +170,7 @@ class Terminated(BaseException):
         super().__init__(f"terminated by {signal.Signals(signum).name}")
 
 
-_RECEIVED: list[int] = []  # every termination signal raised as Terminated, in order (see atomic_output)
+_RECEIVED: list[int] = []  # every termination signal (and SIGINT) handled by ours, in order (see atomic_output)
 _COMPLETED: list[str] = []  # every output moved into place, in order: what a late signal must not deny
 
 
@@ -202,11 +202,16 @@ def raise_terminated(signum: int, frame: FrameType | None) -> None:
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    # Python's own SIGINT handler, held like the termination signals
+    # Python's own SIGINT handler, held like the termination signals and recorded like them (see atomic_output)
+    _RECEIVED.append(signum)
     if _HOLDING:
         _DEFERRED.append(signum)
         return
     raise KeyboardInterrupt
+
+
+def _unwind(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
 @contextlib.contextmanager
@@ -240,7 +245,7 @@ def unwinding_signals() -> Iterator[None]:
             if late in taken and late != signal.SIGINT:
                 os.kill(os.getpid(), late)  # came once the block was done: its default action, as without us
             elif late is not None:
-                raise Terminated(late) if late != signal.SIGINT else KeyboardInterrupt
+                raise _unwind(late)
 
 
 def _give_back(taken: dict[signal.Signals, Any]) -> int | None:
@@ -315,10 +320,10 @@ def atomic_output(out: PathLike) -> Iterator[BinaryIO]:
             # torch's writer turns an exception raised in its Python callbacks into its own RuntimeError
             # ("unexpected pos"): a termination swallowed that way still ends the process as one
             if len(_RECEIVED) > seen:
-                raise Terminated(_RECEIVED[-1]) from e
+                raise _unwind(_RECEIVED[-1]) from e
             raise
         if len(_RECEIVED) > seen:  # raised where it was swallowed (a callback, a __del__): never a complete output
-            raise Terminated(_RECEIVED[-1])
+            raise _unwind(_RECEIVED[-1])
 
 
 @contextlib.contextmanager
@@ -400,7 +405,7 @@ def _release_signals(held: set[int | signal.Signals] | None) -> None:
     if not _HOLDING and _DEFERRED:
         signum = _DEFERRED[0]
         _DEFERRED.clear()
-        raise Terminated(signum) if signum != signal.SIGINT else KeyboardInterrupt
+        raise _unwind(signum)
 
 
 def fsync_dir(folder: str) -> None:
