@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 FLOATING = ("float16", "bfloat16", "float32", "float64")
 NO_TRANSFORMERS = (
     "transformers is not installed, and --format hf builds the model its config describes with it: "
-    "pip install 'ckptfix[frameworks]' (or pip install transformers)"
+    "pip install 'ckptfix[hf]' (or pip install transformers)"
 )
 
 

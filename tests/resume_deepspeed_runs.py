@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests import resume_runs
 from tests.deepspeed_runs import ROOT, _free_port
 from tests.resume_runs import BATCH, MORE, STEPS, _step, _wrap, batch, build, held, optimizer
 
@@ -160,23 +161,7 @@ def launch(setup: str, *, path: str, out: Path) -> dict[str, Any]:
     """Resume ``setup`` from ``path`` (``single`` in this process, the others on 2 spawned ranks)."""
     world = 1 if setup == "single" else 2
     args = (world, str(out.parent / f"{out.stem}.store"), setup, path, str(out))
-    if setup == "single":
-        threads = torch.get_num_threads()
-        try:
-            resume(0, *args)
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        import torch.multiprocessing as mp
-
-        try:
-            mp.start_processes(resume, args=args, nprocs=world, join=True, start_method="spawn")
-        except mp.ProcessExitedException as e:
-            # as tests/resume_runs.py's launch: gloo's threads can abort a rank's exit after it is done
-            # (pytorch/pytorch#190489); only a rank that had not finished is a failure of the run
-            if e.signal_name != "SIGABRT" or not all(Path(f"{out}.done{r}").exists() for r in range(world)):
-                raise
-    return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
+    return resume_runs.run_ranks(resume, args, in_process=setup == "single", world=world, out=out)
 
 
 def main() -> None:

@@ -224,10 +224,16 @@ def launch(setup: str, phase: str, *, world: int, paths: dict[str, str], out: Pa
     """Run ``setup`` on ``world`` ranks (one device in this process); what rank 0 recorded."""
     args = (world, str(out.parent / f"{out.stem}.store"), setup, phase, dict(paths),
             str(out))  # fmt: skip
-    if setup == "single":
+    return run_ranks(run, args, in_process=setup == "single", world=world, out=out)
+
+
+def run_ranks(target: Any, args: tuple[Any, ...], *, in_process: bool, world: int, out: Path) -> dict[str, Any]:
+    """``target(rank, *args)`` in this process (``in_process``) or on ``world`` spawned ranks, each of which marks
+    ``{out}.done{rank}`` when its work is over; what rank 0 wrote to ``out``."""
+    if in_process:
         threads = torch.get_num_threads()
         try:
-            run(0, *args)
+            target(0, *args)
         finally:
             torch.set_num_threads(threads)
     else:
@@ -236,7 +242,7 @@ def launch(setup: str, phase: str, *, world: int, paths: dict[str, str], out: Pa
         # spawn: this process has run threads (convert's copier and verifier, the in-process run), and a forked
         # child can inherit a lock one of them held
         try:
-            mp.start_processes(run, args=args, nprocs=world, join=True, start_method="spawn")
+            mp.start_processes(target, args=args, nprocs=world, join=True, start_method="spawn")
         except mp.ProcessExitedException as e:
             # gloo's threads can outlive a rank's process group and abort its exit ("terminate called without an
             # active exception", pytorch/pytorch#190489), after the rank is done: only a rank that had not finished

@@ -270,7 +270,7 @@ def test_without_transformers_a_one_line_message(tmp_path: Path, monkeypatch: py
     assert result.exit_code == 2
     assert result.output == (
         "ckptfix: error: transformers is not installed, and --format hf builds the model its config describes with "
-        "it: pip install 'ckptfix[frameworks]' (or pip install transformers)\n"
+        "it: pip install 'ckptfix[hf]' (or pip install transformers)\n"
     )
 
 
