@@ -38,7 +38,7 @@ from ckptfix.formats.output.crc import crc32_combine
 from ckptfix.formats.pickles import inert, pickling
 from ckptfix.stream.copy import SHARE_MIN, Copier, Job
 from ckptfix.stream.fallback import Fallback
-from ckptfix.stream.folder_torch import Sink, piece_checks
+from ckptfix.stream.folder_torch import Sink, finish_pieces, piece_checks
 from ckptfix.stream.folders import VerifyInTurn, copied_ranges, prepare, write_made
 
 # the tensor records the writer copies (a cast, --dtype, goes through torch's writer: see to_dcp)
@@ -186,10 +186,7 @@ def _fill(fd: int, archives: list[_Archive], files: DataFiles) -> None:
                     copiers[path] = Copier(files.fd(path), fd, source=path)
                 copiers[path].copy(Job(offset, at, length))
                 at += length
-        for copier in copiers.values():
-            copier.run([])  # what it holds back (small pieces) written, and the output fsynced
-        crcs = {(path, c.offset, c.length): crc for path, got in verifier.join().items()
-                for c, crc in zip(checks[path], got, strict=True)}  # fmt: skip
+        crcs = finish_pieces(copiers, verifier, checks)
     finally:
         verifier.cancel()
     for i, a in enumerate(tensors):

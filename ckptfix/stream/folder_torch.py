@@ -120,10 +120,7 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
         verifier = VerifyInTurn(files, checks)
         verifier.start()  # every record's CRC, and those of pieces that are not records, while the copy goes on
         gathered = [crc for crc in copy.finish() if crc is not None]
-        for copier in copiers.values():
-            copier.run([])  # what it holds back (small pieces) written, and the output fsynced
-        crcs = {(path, c.offset, c.length): crc for path, got in verifier.join().items()
-                for c, crc in zip(checks[path], got, strict=True)}  # fmt: skip
+        crcs = finish_pieces(copiers, verifier, checks)
     finally:
         copy.cancel()
         if verifier is not None:
@@ -137,6 +134,17 @@ def _write(fd: int, tree: Any, stored: list[Stored], files: DataFiles, *, allowe
         writer.set_crc(slot, crc)
     writer.finish()
     return len(pieces), len(gathers)
+
+
+def finish_pieces(
+    copiers: dict[str, Copier], verifier: VerifyInTurn, checks: dict[str, list[Check]]
+) -> dict[tuple[str, int, int], int]:
+    """Flush every copier (the small pieces it holds back written, the output fsynced), then the CRC of each checked
+    piece, by ``(path, offset, length)``, once the verifier has read them all."""
+    for copier in copiers.values():
+        copier.run([])
+    return {(path, c.offset, c.length): crc for path, got in verifier.join().items()
+            for c, crc in zip(checks[path], got, strict=True)}  # fmt: skip
 
 
 def piece_checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:
