@@ -209,9 +209,9 @@ def convert_file(
     with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
         obj = read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only, opaque=True)
         if optimizer:
-            from ckptfix.formats.folders.deepspeed import load_optimizer
+            from ckptfix.formats.folders.deepspeed import load_training_state
 
-            obj = {"model": obj, "optimizer": load_optimizer(source, allow_globals=allow)}
+            obj = {"model": obj, **load_training_state(source, allow_globals=allow)}
         conversion = options.apply(obj, source=source, out_fmt=out_fmt)
         opaque.refuse_left(conversion.obj, source=source)
         if dtype is not None:

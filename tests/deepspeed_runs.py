@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,23 +40,24 @@ def make_run(out: Path, *, stage: int, dtype: str = "fp32", world: int = 2, widt
 
     ``width`` and ``layers`` > 0 make a wide model of ``layers`` square ``Linear(width, width)`` instead (the
     benchmark's), no frozen or tied weights."""
-    port = _free_port()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+    cmd = ["-m", "tests.deepspeed_runs", str(out), "--stage", str(stage), "--dtype", dtype, "--worker",
+           "--width", str(width), "--layers", str(layers)]  # fmt: skip
+    launch(cmd, world=world, done=out, what=f"deepspeed run (stage {stage}, {dtype})", timeout=timeout)
+    return out
+
+
+def launch(args: list[str], *, world: int, done: Path, what: str, timeout: float = 600.0) -> None:
+    """``python {args}`` once per rank, each a process of its own (DeepSpeed reads its rank from the environment),
+    joined on a free port of 127.0.0.1; each rank touches ``{done}.done{rank}`` when its work is over.
+
+    gloo's threads can outlive a rank's process group and abort its exit ("terminate called without an active
+    exception", pytorch/pytorch#190489) after the rank is done, as :func:`tests.resume_runs.run_ranks` also
+    allows: only a rank that had not finished, or that ended any other way, is a failure of the run."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
                DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")  # fmt: skip
-    procs = []
-    for rank in range(world):
-        cmd = [sys.executable, "-m", "tests.deepspeed_runs", str(out), "--stage", str(stage), "--dtype", dtype,
-               "--worker", "--width", str(width), "--layers", str(layers)]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
+    procs = [subprocess.Popen([sys.executable, *args], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
     outputs = []
     try:
         for p in procs:
@@ -65,9 +67,12 @@ def make_run(out: Path, *, stage: int, dtype: str = "fp32", world: int = 2, widt
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"deepspeed run failed (stage {stage}, {dtype}):\n" + "\n".join(o[-4000:] for o in outputs))
-    return out
+    for rank, p in enumerate(procs):
+        finished = Path(f"{done}.done{rank}").exists()
+        if p.returncode and not (p.returncode == -signal.SIGABRT and finished):
+            raise RuntimeError(
+                f"{what} failed (rank {rank}, exit {p.returncode}):\n" + "\n".join(o[-4000:] for o in outputs)
+            )
 
 
 FP16_PATCH = (
@@ -152,8 +157,10 @@ def _worker(out: Path, *, stage: int, dtype: str, width: int, layers: int) -> No
     engine.save_checkpoint(str(out))
     # ranks leave together, the process group torn down: a ZeRO-3 rank exiting with gloo's threads alive was seen to
     # abort ("terminate called without an active exception") after its files were complete
+    rank = deepspeed.comm.get_rank()
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
+    Path(f"{out}.done{rank}").touch()  # this rank's work is over: what launch() asks of a rank that aborts on exit
 
 
 RUNS = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16", "fp16")]

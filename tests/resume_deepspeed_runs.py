@@ -14,42 +14,23 @@ the base optimizer's, one per flat group), takes ``MORE`` steps and records thei
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from tests import resume_runs
-from tests.deepspeed_runs import ROOT, _free_port
-from tests.resume_runs import BATCH, MORE, STEPS, _step, _wrap, batch, build, held, optimizer
+from tests import deepspeed_runs, resume_runs
+from tests.resume_runs import BATCH, MORE, STEPS, _step, _wrap, batch, build, held, optimizer, scheduler
 
 
 def train(out: Path, *, stage: int, record: Path, dtype: str = "fp32", world: int = 2,
           timeout: float = 600.0) -> dict[str, Any]:  # fmt: skip
     """Train a ZeRO-``stage`` run (``dtype`` fp32 or bf16) into ``out`` (a DeepSpeed run folder); what rank 0
     recorded into ``record``."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")  # fmt: skip
-    cmd = [sys.executable, "-m", "tests.resume_deepspeed_runs", str(out), str(record), "--stage", str(stage),
-           "--dtype", dtype]  # fmt: skip
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(world)]  # fmt: skip
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"deepspeed run failed (stage {stage}):\n" + "\n".join(o[-4000:] for o in outputs))
+    args = ["-m", "tests.resume_deepspeed_runs", str(out), str(record), "--stage", str(stage), "--dtype", dtype]
+    deepspeed_runs.launch(args, world=world, done=record, what=f"deepspeed run (stage {stage}, {dtype})",
+                          timeout=timeout)  # fmt: skip
     return torch.load(record, weights_only=True)  # type: ignore[no-any-return]
 
 
@@ -77,7 +58,8 @@ def _worker(out: Path, record: Path, *, stage: int, dtype: str) -> None:
               "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
               "bf16": {"enabled": dtype == "bf16"},
               "steps_per_print": 10**9}  # fmt: skip
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    # the client's scheduler, stepped by the engine; saved by save_checkpoint as "lr_scheduler"
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, lr_scheduler=scheduler(opt))
 
     def step(i: int) -> float:
         x, y = batch(i, rank, world)
@@ -92,7 +74,10 @@ def _worker(out: Path, record: Path, *, stage: int, dtype: str) -> None:
 
     for i in range(STEPS):
         step(i)
-    engine.save_checkpoint(str(out))
+    # what a training script keeps in client_state: the random stream (DeepSpeed saves none of its own)
+    engine.save_checkpoint(str(out), client_state={"rng": torch.get_rng_state(), "epoch": 1})
+    draws = torch.randint(9, (4,))  # the stream a resumed run must go on with (the steps draw nothing from it)
+    schedule, progress = engine.lr_scheduler.state_dict(), [engine.global_steps, 1]
     # what DeepSpeed holds for each parameter: each moment gathered from the ranks' partitions by DeepSpeed itself
     base = engine.optimizer.optimizer  # the client AdamW, stepping the flat fp32 partitions
     zero = engine.optimizer
@@ -114,9 +99,11 @@ def _worker(out: Path, record: Path, *, stage: int, dtype: str) -> None:
     hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in base.param_groups]
     losses = [step(STEPS + i) for i in range(MORE)]
     if rank == 0:
-        torch.save({"held": {"state": state, "groups": hyper}, "losses": losses}, record)
+        torch.save({"held": {"state": state, "groups": hyper, "scheduler": schedule, "draws": draws,
+                             "progress": progress}, "losses": losses}, record)  # fmt: skip
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
+    Path(f"{record}.done{rank}").touch()  # this rank's work is over (tests.deepspeed_runs.launch)
 
 
 def resume(rank: int, world: int, store: str, setup: str, path: str, out: str) -> None:
@@ -135,18 +122,28 @@ def resume(rank: int, world: int, store: str, setup: str, path: str, out: str) -
 
             wrapped = _wrap(setup, model, world)
             opt = optimizer("adamw", wrapped)
+            sched = scheduler(opt)
             model_state, optim_state = get_state_dict(wrapped, opt)
-            state = {"model": model_state, "optimizer": optim_state}
-            dcp.load(state, checkpoint_id=path)
-            set_state_dict(wrapped, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+            saved = {"model": model_state, "optimizer": optim_state, "lr_scheduler": sched.state_dict(),
+                     "rng": torch.get_rng_state(), "global_steps": 0, "epoch": 0}  # fmt: skip
+            dcp.load(saved, checkpoint_id=path)
+            set_state_dict(wrapped, opt, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
         else:
             saved = torch.load(path, weights_only=True)
             model.load_state_dict(saved["model"])
             opt = optimizer("adamw", model)
             opt.load_state_dict(saved["optimizer"])
+            sched = scheduler(opt)
             wrapped = _wrap(setup, model, world)
-        result = {"held": held(setup, wrapped, opt),
-                  "losses": [_step(wrapped, opt, STEPS + i, rank, world) for i in range(MORE)]}  # fmt: skip
+        sched.load_state_dict(saved["lr_scheduler"])
+        torch.set_rng_state(saved["rng"])
+        held_now = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,)),
+                    "progress": [saved["global_steps"], saved["epoch"]]}  # fmt: skip
+        losses = []
+        for i in range(MORE):
+            losses.append(_step(wrapped, opt, STEPS + i, rank, world))
+            sched.step()
+        result = {"held": held_now, "losses": losses}
         if rank == 0:
             torch.save(result, out)
         if setup != "single":

@@ -21,6 +21,8 @@ from torch import nn
 
 STEPS, MORE, BATCH = 3, 10, 8
 OPTIMIZERS = ("adamw", "sgd")
+# a mixed-precision run's torch.amp.GradScaler.state_dict(), none of it the defaults: carried as the scheduler is
+SCALER = {"scale": 2.0**11, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7, "_growth_tracker": 5}
 
 
 class ResumeNet(nn.Module):
@@ -87,7 +89,7 @@ def _wrap(setup: str, model: nn.Module, world: int) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    if setup == "fsdp1":  # the original parameters kept, so that the two param groups can be told apart
+    if setup.startswith("fsdp1"):  # the original parameters kept, so that the two param groups can be told apart
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
@@ -102,7 +104,7 @@ def held(setup: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     """The optimizer's full state by parameter name, and its groups' hyperparameters (every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    if setup == "fsdp1":
+    if setup.startswith("fsdp1"):
         state = _fsdp1_state(model, opt)
     elif setup == "fsdp2":
         full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -140,31 +142,35 @@ def _fsdp1_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict
 
 
 def _save(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str, rank: int) -> None:
-    extra = {"scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": STEPS}
+    extra = {"scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": STEPS, "scaler": SCALER}
     if setup == "fsdp2":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(model, opt)
         dcp.save({"model": model_state, "optimizer": optim_state, **extra}, checkpoint_id=path)
-    elif setup == "fsdp1":  # SHARDED_STATE_DICT: each rank its shards (ShardedTensors) of weights and moments
+    elif setup.startswith("fsdp1"):  # each rank its shards (ShardedTensors) of weights and moments
         from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
-        with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        # SHARDED_STATE_DICT: a tensor per parameter; LOCAL_STATE_DICT: one flat tensor of them all, its moments
+        # from FSDP.optim_state_dict as under SHARDED_STATE_DICT
+        kind = StateDictType.LOCAL_STATE_DICT if setup == "fsdp1local" else StateDictType.SHARDED_STATE_DICT
+        with FullyShardedDataParallel.state_dict_type(model, kind):
             optim = FullyShardedDataParallel.optim_state_dict(model, opt)
             torch.save({"model": model.state_dict(), "optimizer": optim, **extra}, rank_file(path, rank))
     elif rank == 0:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), **extra}, path)
 
 
-def _load(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str) -> None:
+def _load(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str) -> dict[str, Any]:
+    """Load the run's state; what it holds for the GradScaler."""
     if setup == "fsdp2":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(model, opt)
         state = {"model": model_state, "optimizer": optim_state, "scheduler": sched.state_dict(),
-                 "rng": torch.get_rng_state()}  # fmt: skip
+                 "rng": torch.get_rng_state(), "scaler": torch.amp.GradScaler("cpu").state_dict()}  # fmt: skip
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     else:  # a .pt: loaded into the model before wrapping, as the DDP guides do
@@ -173,6 +179,7 @@ def _load(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, 
         opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
+    return state["scaler"]  # type: ignore[no-any-return]
 
 
 def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[str, str], out: str) -> None:
@@ -187,24 +194,27 @@ def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[s
         for kind in OPTIMIZERS:
             model = build(0 if phase == "train" else 99)  # resumed: every value must come from the checkpoint
             path = paths[kind]
+            scaler = torch.amp.GradScaler("cpu")  # only carried: its state goes where the run goes
             if phase == "resume" and setup != "fsdp2":
                 opt = optimizer(kind, model)
                 sched = scheduler(opt)
-                _load(setup, model, opt, sched, path)
+                scaler.load_state_dict(_load(setup, model, opt, sched, path))
                 wrapped = _wrap(setup, model, world)
             else:
                 wrapped = _wrap(setup, model, world)
                 opt = optimizer(kind, wrapped)
                 sched = scheduler(opt)
             if phase == "train":
+                scaler.load_state_dict(SCALER)  # as a mixed-precision run would hold it at the save
                 for step in range(STEPS):
                     _step(wrapped, opt, step, rank, world)
                     sched.step()
                 _save(setup, wrapped, opt, sched, path, rank)
             elif setup == "fsdp2":
-                _load(setup, wrapped, opt, sched, path)
+                scaler.load_state_dict(_load(setup, wrapped, opt, sched, path))
             # what the run goes on from: the optimizer, the schedule, the random stream
-            state = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,))}
+            state = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,)),
+                     "scaler": scaler.state_dict()}  # fmt: skip
             losses = []
             for i in range(MORE):
                 losses.append(_step(wrapped, opt, STEPS + i, rank, world))

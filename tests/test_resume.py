@@ -18,14 +18,14 @@ import torch
 from click.testing import CliRunner
 
 from ckptfix.cli import cli
-from tests.resume_runs import MORE, OPTIMIZERS, launch, rank_file
+from tests.resume_runs import MORE, OPTIMIZERS, SCALER, launch, rank_file
 from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON)]
 
 # Another world size sums each gradient in another order (see the module's docstring).
 OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}
-WORLD = {"single": 1, "ddp": 2, "fsdp2": 2, "fsdp1": 2}
+WORLD = {"single": 1, "ddp": 2, "fsdp2": 2, "fsdp1": 2, "fsdp1local": 2}
 
 
 def ckptfix(*args: object) -> str:
@@ -36,7 +36,7 @@ def ckptfix(*args: object) -> str:
 
 def _saved(setup: str, folder: Path) -> dict[str, str]:
     # a DCP folder's name ends in / for convert; FSDP1's ranks add -rank<R>.pt to theirs
-    suffix = {"fsdp2": "/", "fsdp1": ""}.get(setup, ".pt")
+    suffix = {"fsdp2": "/", "fsdp1": "", "fsdp1local": ""}.get(setup, ".pt")
     return {kind: f"{folder / f'{setup}-{kind}'}{suffix}" for kind in OPTIMIZERS}
 
 
@@ -63,6 +63,7 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
         assert held["groups"] == was["groups"], kind
         assert held["scheduler"] == was["scheduler"], kind  # the LR schedule goes on where it was
         assert torch.equal(held["draws"], was["draws"]), kind  # and so does the random stream
+        assert held["scaler"] == was["scaler"] == SCALER, kind  # and the GradScaler's scale and its growth count
         losses, expected = torch.tensor(got[kind]["losses"]), torch.tensor(want[kind]["losses"])
         assert len(losses) == MORE
         if same_world:
@@ -73,23 +74,26 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
 
 @pytest.mark.parametrize(("a", "b"), [("single", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "single"), ("fsdp2", "ddp"),
                                       ("ddp", "single"), ("single", "ddp"), ("fsdp1", "fsdp2"), ("fsdp1", "single"),
-                                      ("fsdp1", "ddp")])  # fmt: skip
+                                      ("fsdp1", "ddp"), ("fsdp1local", "fsdp2"), ("fsdp1local", "ddp")])  # fmt: skip
 def test_resume_on_another_setup(a: str, b: str, trained: dict[str, Any], tmp_path: Path) -> None:
     saved, recorded = trained[a]
     moved = _saved(b, tmp_path)
     for kind in OPTIMIZERS:
         source = saved[kind]
-        if a == "fsdp1":  # its rank files merged first, the sharded moments consolidated (keyed by name)
+        if a.startswith("fsdp1"):  # its rank files merged first, the sharded moments consolidated (keyed by name)
             source = str(tmp_path / f"merged-{kind}.pt")
-            merged = ckptfix("merge", rank_file(saved[kind], 0), rank_file(saved[kind], 1), "-o", source, "--optimizer")
+            # LOCAL_STATE_DICT's flat parameter is split by the model that was wrapped
+            model = ["--model", "tests.resume_runs:build", "--kwargs", '{"seed": 0}'] if a == "fsdp1local" else []
+            merged = ckptfix("merge", rank_file(saved[kind], 0), rank_file(saved[kind], 1), "-o", source, "--optimizer",
+                             *model)  # fmt: skip
             assert "consolidated 'optimizer': FSDP1 sharded optimizer state" in merged
         said = ckptfix("convert", source, moved[kind], "-v")
-        if b == "fsdp2" and a == "fsdp1":  # FSDP.optim_state_dict keys by name already
+        if b == "fsdp2" and a.startswith("fsdp1"):  # FSDP.optim_state_dict keys by name already
             assert "keyed by" not in said
         elif b == "fsdp2":
             assert "keyed by parameter name (set_optimizer_state_dict's form)" in said
             assert "names from its param_groups' param_names" in said if kind == "adamw" else "model entry" in said
-        elif a in ("fsdp2", "fsdp1"):
+        elif a in ("fsdp2", "fsdp1", "fsdp1local"):
             assert "keyed by index (optimizer.load_state_dict's form)" in said
     resumed = launch(b, "resume", world=WORLD[b], paths=moved, out=tmp_path / "resumed.pt")
     assert_resumed(resumed, recorded, same_world=WORLD[a] == WORLD[b])

@@ -74,6 +74,9 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
             assert torch.equal(held["state"][name][key], value), (name, key)
         assert float(moments["step"]) == STEPS, name
     assert held["groups"] == was["groups"]
+    assert held["scheduler"] == was["scheduler"]  # the client's LR schedule goes on where the engine left it
+    assert torch.equal(held["draws"], was["draws"])  # client_state's random stream, carried
+    assert held["progress"] == was["progress"] == [STEPS, 1]  # the engine's global_steps, client_state's epoch
     losses, expected = torch.tensor(got["losses"]), torch.tensor(want["losses"])
     assert len(losses) == MORE
     if dtype == "bf16":

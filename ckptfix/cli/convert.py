@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 @click.option(
     "--optimizer",
     is_flag=True,
-    help="DeepSpeed ZeRO run into a .pt file or a DCP folder/: write {model, optimizer}, the optimizer's state (Adam "
-    "moments, step) consolidated into a full torch optimizer state dict (off by default: it can be several times the "
+    help="DeepSpeed ZeRO run into a .pt file or a DCP folder/: write {model, optimizer, …}, the optimizer's state "
+    "(Adam moments, step) consolidated into a full torch optimizer state dict, beside it the run's lr_scheduler, "
+    "global_steps, client_state entries and an fp16 run's loss_scaler (off by default: it can be several times the "
     "model).",
 )
 @click.option(

@@ -348,7 +348,7 @@ def _zero_tree(
         files.checks[path] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in records]
     files.notes.extend(run.notes)
     kind = f"DeepSpeed ZeRO-{run.stage} ({run.world} ranks)"
-    return ({"model": run.state, "optimizer": run.optimizer} if optimizer else run.state), kind
+    return ({"model": run.state, "optimizer": run.optimizer, **run.carried} if optimizer else run.state), kind
 
 
 def _shards_tree(src: str) -> tuple[Any, str]:

@@ -30,7 +30,7 @@ records of itself against its name and the run: a ZeRO-1/2 optimizer file's ``pa
 lengths (its rank), every file's ``ds_config`` (stage, precision). ZeRO-3 files record nothing of their rank. The
 layout math is pure (:mod:`.deepspeed_layout`), the I/O is :func:`describe_run`.
 
-The optimizer state (``describe_run(..., optimizer=True)``, :func:`load_optimizer`) is laid out the same way: each
+The optimizer state (``describe_run(..., optimizer=True)``, :func:`load_training_state`) is laid out the same way: each
 flat group's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``; under ``base_optimizer_state`` for ZeRO-1/2,
 ``optimizer_state_dict`` for ZeRO-3, keyed by flat group) is partitioned exactly as its fp32 master partition
 (ZeRO-1/2 save the moments with the last rank's padding, the master without it: the same leading elements), so
@@ -70,8 +70,9 @@ from ckptfix.formats.folders.deepspeed_pickles import (
     param_groups,
     shape_of,
 )
+from ckptfix.formats.folders.deepspeed_state import carried_state
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import Holder, TensorRecord
+from ckptfix.formats.records import Holder, TensorRecord, map_tree
 from ckptfix.formats.safety import allowlist
 
 if TYPE_CHECKING:
@@ -152,12 +153,14 @@ class ZeroRun:
     notes: list[str] = field(default_factory=list)
     # with ``optimizer=True``: a torch ``optimizer.state_dict()`` of :class:`ZeroTensor` records (moments, steps)
     optimizer: dict[str, Any] | None = None
+    # with ``optimizer=True``: the run's scheduler, counters, client state and loss scaler (:mod:`.deepspeed_state`)
+    carried: dict[str, Any] = field(default_factory=dict)
 
     @property
     def records(self) -> dict[str, list[Record]]:
         """The storage records the consolidated tensors are read from, per file (each once)."""
         out: dict[str, dict[str, Record]] = {}
-        for t in [*self.state.values(), *optimizer_tensors(self.optimizer)]:
+        for t in [*self.state.values(), *optimizer_tensors(self.optimizer), *_tensors(self.carried)]:
             for p in t.pieces:
                 out.setdefault(p.path, {})[p.record.name] = p.record
         return {path: list(recs.values()) for path, recs in out.items()}
@@ -223,6 +226,13 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
         run.notes.append(note)
     if optimizer:
         run.optimizer = _optimizer_state(ranks, groups, layout, stage=stage, source=tag_dir)
+
+        def tensor(t: inert.InertTensor, key: str) -> ZeroTensor:
+            return ZeroTensor(key, t.dtype, t.shape, (_piece(t, main_zip, path=main_path, start=0, count=t.numel()),),
+                              "run state")  # fmt: skip
+
+        run.carried, left = carried_state(main, first.loss_scaler, tensor=tensor)
+        run.notes.extend(left)
     else:
         run.notes.append("optimizer state (Adam moments, step) not carried: the fp32 master weights only (--optimizer "
                          "carries it)")  # fmt: skip
@@ -285,6 +295,12 @@ def _check_bytes(tensors: Iterable[ZeroTensor], *, source: str, what: str) -> No
         if sum(p.nbytes for p in zt.pieces) != math.prod(zt.shape) * DTYPES[zt.stored].itemsize:
             raise FormatError(f"{source}: {what}'{zt.key}' gets {sum(p.nbytes for p in zt.pieces)} bytes "
                               f"for shape {list(zt.shape)}; the rank files are from different runs")  # fmt: skip
+
+
+def _tensors(tree: Any) -> list[ZeroTensor]:
+    found: list[ZeroTensor] = []
+    map_tree(tree, found.append, leaf=ZeroTensor)
+    return found
 
 
 def optimizer_tensors(opt: Mapping[str, Any] | None) -> list[ZeroTensor]:
@@ -471,9 +487,10 @@ def read_zero_tensor(t: ZeroTensor, fd_of: Any, *, verified: set[tuple[str, str]
     return out.to(getattr(torch, t.cast)) if t.cast else out
 
 
-def load_optimizer(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> dict[str, Any]:
-    """The consolidated optimizer state dict of a ZeRO run, in memory: what ``torch.optim.Optimizer.state_dict()``
-    returns for the plain model with the same param groups."""
+def load_training_state(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> dict[str, Any]:
+    """What a ZeRO run holds beyond the model, in memory: under ``optimizer`` the consolidated optimizer state dict
+    (what ``torch.optim.Optimizer.state_dict()`` returns for the plain model with the same param groups), beside
+    it the run's carried entries (:mod:`.deepspeed_state`)."""
     run = describe_run(path, allow_globals=allow_globals, optimizer=True)
     assert run.optimizer is not None  # optimizer=True
     fds: dict[str, int] = {}
@@ -487,10 +504,12 @@ def load_optimizer(path: str, *, allow_globals: Iterable[str] = (), verify: bool
     try:
         state = {i: {k: read_zero_tensor(v, fd_of, verified=verified) if isinstance(v, ZeroTensor) else v
                      for k, v in s.items()} for i, s in run.optimizer["state"].items()}  # fmt: skip
+        carried = map_tree(run.carried, lambda t: read_zero_tensor(t, fd_of, verified=verified), leaf=ZeroTensor)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {"state": state, "param_groups": [dict(g) for g in run.optimizer["param_groups"]]}
+    return {"optimizer": {"state": state, "param_groups": [dict(g) for g in run.optimizer["param_groups"]]},
+            **carried}  # fmt: skip
 
 
 def load_run(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> OrderedDict[str, Any]:
@@ -525,8 +544,8 @@ __all__ = [
     "ZeroTensor",
     "describe_run",
     "is_deepspeed",
-    "load_optimizer",
     "load_run",
+    "load_training_state",
     "lone_module_note",
     "lone_module_summary",
     "optimizer_tensors",

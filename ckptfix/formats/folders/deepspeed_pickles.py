@@ -81,6 +81,7 @@ class OptimFile:
     group_paddings: Any = None  # ZeRO-1/2: each group's padding cut from this rank's partition (the last rank's)
     config: Any = None  # ds_config, as the run was configured (stage, precision)
     saved_as: str | None = None  # the file name torch.save was given, where its archive keeps one (saved_name)
+    loss_scaler: Any = None  # the run's loss scaler (an fp16 run's DynamicLossScaler), as saved
 
 
 def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
@@ -104,7 +105,7 @@ def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
     return OptimFile(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
                   osd.get("param_alignment_paddings"), base, osd.get("dynamic_loss_scale"),
                   osd.get("param_slice_mappings"), osd.get("group_paddings"), tree.get("ds_config"),
-                  saved_name(z))  # fmt: skip
+                  saved_name(z), osd.get("loss_scaler"))  # fmt: skip
 
 
 RENAMED = "the rank files were renamed or swapped: give each file its own rank's name"

@@ -342,13 +342,23 @@ def assert_same_optimizer(got: dict[str, Any], want: dict[str, Any]) -> None:
             assert got["state"][i][k].dtype == t.dtype and torch.equal(got["state"][i][k], t), (i, k)
 
 
+# DeepSpeed's DynamicLossScaler after the fixtures' one fp16 step (initial_scale_power 4, see tests/deepspeed_runs.py)
+FP16_SCALER = {"cur_scale": 16, "dynamic": True, "cur_iter": 1, "last_overflow_iter": -1, "scale_factor": 2.0,
+               "scale_window": 1000, "min_scale": 1, "delayed_shift": 2, "cur_hysteresis": 2,
+               "consecutive_hysteresis": False, "raise_error_at_min_scale": True}  # fmt: skip
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_convert_optimizer_consolidates_the_moments(name: str, tmp_path: Path) -> None:
     out = tmp_path / "full.pt"
     result = ckptfix.convert_file(FIXTURES / name, out, optimizer=True)
     assert result.method == "stream"
     back = torch.load(out, weights_only=True)
-    assert set(back) == {"model", "optimizer"}
+    # beside them the engine's counters (one step of 2 ranks x 2 samples), and an fp16 run's loss scaler
+    progress = {"skipped_steps": 0, "global_steps": 1, "global_samples": 4}
+    assert {k: v for k, v in back.items() if k not in ("model", "optimizer")} == progress | (
+        {"loss_scaler": FP16_SCALER} if name.endswith("fp16") else {}
+    )
     assert_same(back["model"], expected(name))
     assert_same_optimizer(back["optimizer"], optimizer_truth(name))
     steps = [s["step"] for s in back["optimizer"]["state"].values()]  # one tensor each: AdamW adds to it in place
@@ -357,6 +367,9 @@ def test_convert_optimizer_consolidates_the_moments(name: str, tmp_path: Path) -
     result = run_cli("convert", str(FIXTURES / name), str(slow), "--optimizer", "--no-fast")
     assert result.exit_code == 0, result.output
     again = torch.load(slow, weights_only=True)
+    assert {k: v for k, v in again.items() if k not in ("model", "optimizer")} == {
+        k: v for k, v in back.items() if k not in ("model", "optimizer")
+    }
     assert_same(again["model"], back["model"])
     assert_same_optimizer(again["optimizer"], back["optimizer"])
 
@@ -400,13 +413,13 @@ def test_optimizer_usage_errors(tmp_path: Path) -> None:
 def test_optimizer_moments_reproduce_the_saved_step(name: str) -> None:
     """A check apart from any layout: the fixtures trained one AdamW step from the seed-0 model, so the consolidated
     moments, applied to the initial weights, give the saved fp32 master weights, element for element."""
-    from ckptfix.formats.folders.deepspeed import load_optimizer
+    from ckptfix.formats.folders.deepspeed import load_training_state
 
     torch.manual_seed(0)  # as tests/deepspeed_runs.py builds the model
     model = Net(half=half(name))
     if half(name):  # DeepSpeed's fp32 master copy of the half-precision module
         model = model.to(TRAIN_DTYPE[name.split("_")[1]]).float()
-    saved, opt = ckptfix.load(FIXTURES / name), load_optimizer(str(FIXTURES / name))
+    saved, opt = ckptfix.load(FIXTURES / name), load_training_state(str(FIXTURES / name))["optimizer"]
     params = dict(model.named_parameters())
     decay = ["embed.weight", "body.weight"]
     names = decay + [n for n in params if n not in decay and not n.startswith("frozen.")]
@@ -508,9 +521,9 @@ def test_frozen_tied_groups_and_buffers(name: str, tmp_path: Path) -> None:
 
 
 def load_optimizer_groups(name: str) -> list[dict[str, Any]]:
-    from ckptfix.formats.folders.deepspeed import load_optimizer
+    from ckptfix.formats.folders.deepspeed import load_training_state
 
-    return load_optimizer(str(FIXTURES / name))["param_groups"]  # type: ignore[no-any-return]
+    return load_training_state(str(FIXTURES / name))["optimizer"]["param_groups"]  # type: ignore[no-any-return]
 
 
 # -- one rank's ZeRO-3 module file, alone: its [0] placeholders are never weights -----------------------------
