@@ -1,5 +1,5 @@
-"""Benchmark: a `.pt` checkpoint with its optimizer into a DCP folder: `ckptfix convert` against torch's
-`torch_save_to_dcp` and `cp` + `sync` of the same bytes, wall time and peak RSS.
+"""Benchmark: a `.pt` checkpoint with its optimizer into a DCP folder and back: `ckptfix convert` against torch's
+`torch_save_to_dcp` and `dcp_to_torch_save`, and `cp` + `sync` of the same bytes, wall time and peak RSS.
 
     python bench/bench_to_dcp.py                   # ~1.5 GB: 0.5 GB model, AdamW's two moments; 3 runs each
     python bench/bench_to_dcp.py --quick           # tiny, one run: a smoke test
@@ -34,6 +34,7 @@ TORCH_TO_DCP = (
     "import sys, warnings; warnings.simplefilter('ignore'); "
     "from torch.distributed.checkpoint.format_utils import torch_save_to_dcp as f; f(*sys.argv[1:])"
 )
+TORCH_FROM_DCP = TORCH_TO_DCP.replace("torch_save_to_dcp", "dcp_to_torch_save")
 
 
 def _write_input(path: Path, layers: int, width: int) -> None:
@@ -80,8 +81,41 @@ def _table(work: Path, src: Path, before: str | None, repeat: int, *, only: list
     if before:
         methods.append(("… before (torch's writer, meta tensors)", [before, "-m", "ckptfix", "convert", str(src),
                                                                     f"{out}/"]))  # fmt: skip
-    if only:  # the reference stays
-        methods = [m for m in methods if m[0] == "`cp` + `sync`" or any(t in m[0] for t in only)]
+    into = _timed(work, _only(methods, only), repeat)
+    # and back: torch's own DCP folder of the same checkpoint into one file
+    folder = work / "in_dcp"
+    subprocess.run([PY, "-c", TORCH_TO_DCP, str(src), str(folder)], check=True, env=ENV)
+    back = [
+        ("`cp -r` + `sync`", ["sh", "-c", f'cp -r "{folder}" "{out}" && sync "{out}"']),
+        ("`ckptfix convert in/ out.pt`", [PY, "-m", "ckptfix", "convert", f"{folder}/", f"{out}.pt"]),
+        ("torch `dcp_to_torch_save`", [PY, "-c", TORCH_FROM_DCP, str(folder), f"{out}.pt"]),
+    ]
+    if before:
+        back.append(("… before", [before, "-m", "ckptfix", "convert", f"{folder}/", f"{out}.pt"]))
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    lines = [
+        f"Input: {src.stat().st_size / 1e9:.2f} GB `.pt` (model and AdamW state), warm page cache, median of "
+        f"{repeat}; {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python "
+        f"{platform.python_version()}.",
+        "",
+        *into,
+        "",
+        f"Back: torch's DCP folder of the same checkpoint ({size / 1e9:.2f} GB) into one `.pt`.",
+        "",
+        *_timed(work, _only(back, only), repeat),
+    ]
+    return "\n".join(lines)
+
+
+def _only(methods: list[tuple[str, list[str]]], only: list[str]) -> list[tuple[str, list[str]]]:
+    if not only:
+        return methods
+    return [m for i, m in enumerate(methods) if i == 0 or any(t in m[0] for t in only)]  # the reference stays
+
+
+def _timed(work: Path, methods: list[tuple[str, list[str]]], repeat: int) -> list[str]:
+    """The methods' rows (the first is the reference), each run in turn ``repeat`` times after a warm-up round."""
+    out = work / "out"
     times: dict[str, list[float]] = {name: [] for name, _ in methods}
     rss = dict.fromkeys(times, 0)
     for round_ in range(repeat + 1):  # the first round warms the page cache and Python's files: not counted
@@ -92,20 +126,14 @@ def _table(work: Path, src: Path, before: str | None, repeat: int, *, only: list
             if round_:
                 times[name].append(wall)
                 rss[name] = max(rss[name], peak)
-    base = statistics.median(times["`cp` + `sync`"])
-    lines = [
-        f"Input: {src.stat().st_size / 1e9:.2f} GB `.pt` (model and AdamW state), warm page cache, median of "
-        f"{repeat}; {platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python "
-        f"{platform.python_version()}.",
-        "",
-        "| method | wall s (median) | × `cp` + `sync` | peak RSS MB |",
-        "|---|---:|---:|---:|",
-    ]
+    reference = methods[0][0]
+    base = statistics.median(times[reference])
+    lines = [f"| method | wall s (median) | × {reference} | peak RSS MB |", "|---|---:|---:|---:|"]
     for name, runs in times.items():
         med = statistics.median(runs)
         lines.append(f"| {name} | {med:.2f} | {med / base:.2f} | {rss[name] >> 20} |")
         print(f"{name}: {', '.join(f'{t:.2f}' for t in runs)} s, {rss[name] >> 20} MB", file=sys.stderr)
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ Each run trains two copies of :class:`ResumeNet` side by side, one with AdamW (t
 ``named_parameters()``: weights decayed, norms and biases not) and one with SGD with momentum (two param groups,
 each a run of ``model.parameters()``, the second with its own learning rate), each with a StepLR schedule.
 ``train`` takes ``STEPS`` steps, saves the way its setup saves (a ``.pt`` of ``model.state_dict()`` and
-``optimizer.state_dict()``; under FSDP2 ``dcp.save`` of ``get_state_dict``; under FSDP1 a file per rank of
-SHARDED_STATE_DICT, its optimizer's from ``FSDP.optim_state_dict``; each with the scheduler's state, the RNG state
-and the step count), records what it goes on from, then takes ``MORE`` steps and records their losses.
+``optimizer.state_dict()``; under FSDP2, and DDP as ``ddp_dcp``, ``dcp.save`` of ``get_state_dict``; under FSDP1
+a file per rank of SHARDED_STATE_DICT, or of LOCAL_STATE_DICT as ``fsdp1local``, its optimizer's from
+``FSDP.optim_state_dict``; each with the scheduler's state, the RNG state, a GradScaler's state and the step count),
+records what it goes on from, then takes ``MORE`` steps and records their losses.
 ``resume`` loads the way its setup loads, records what it then holds, and takes the same ``MORE`` steps. Every
 step uses one global batch, split evenly across the ranks.
 """
@@ -21,6 +22,7 @@ from torch import nn
 
 STEPS, MORE, BATCH = 3, 10, 8
 OPTIMIZERS = ("adamw", "sgd")
+DCP = ("fsdp2", "ddp_dcp")  # the setups that save a DCP folder of get_state_dict (DDP: full tensors, plain names)
 # a mixed-precision run's torch.amp.GradScaler.state_dict(), none of it the defaults: carried as the scheduler is
 SCALER = {"scale": 2.0**11, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 7, "_growth_tracker": 5}
 
@@ -80,7 +82,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, wo
 
 
 def _wrap(setup: str, model: nn.Module, world: int) -> nn.Module:
-    if setup == "ddp":
+    if setup.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
@@ -111,7 +113,7 @@ def held(setup: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
         # gathered onto rank 0 alone (cpu_offload), which writes the result
         state = {name: {k: v.clone() for k, v in s.items()} for name, s in full.get("state", {}).items()}
     else:
-        inner = model.module if setup == "ddp" else model
+        inner = model.module if setup.startswith("ddp") else model
         state = {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in inner.named_parameters()}
     groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]
     return {"state": state, "groups": groups}
@@ -143,7 +145,7 @@ def _fsdp1_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict
 
 def _save(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str, rank: int) -> None:
     extra = {"scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "step": STEPS, "scaler": SCALER}
-    if setup == "fsdp2":
+    if setup in DCP:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -164,7 +166,7 @@ def _save(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, 
 
 def _load(setup: str, model: nn.Module, opt: torch.optim.Optimizer, sched: Any, path: str) -> dict[str, Any]:
     """Load the run's state; what it holds for the GradScaler."""
-    if setup == "fsdp2":
+    if setup in DCP:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -195,7 +197,7 @@ def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[s
             model = build(0 if phase == "train" else 99)  # resumed: every value must come from the checkpoint
             path = paths[kind]
             scaler = torch.amp.GradScaler("cpu")  # only carried: its state goes where the run goes
-            if phase == "resume" and setup != "fsdp2":
+            if phase == "resume" and setup not in DCP:
                 opt = optimizer(kind, model)
                 sched = scheduler(opt)
                 scaler.load_state_dict(_load(setup, model, opt, sched, path))
@@ -210,7 +212,7 @@ def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[s
                     _step(wrapped, opt, step, rank, world)
                     sched.step()
                 _save(setup, wrapped, opt, sched, path, rank)
-            elif setup == "fsdp2":
+            elif setup in DCP:
                 scaler.load_state_dict(_load(setup, wrapped, opt, sched, path))
             # what the run goes on from: the optimizer, the schedule, the random stream
             state = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,)),

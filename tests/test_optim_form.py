@@ -225,3 +225,39 @@ def test_a_step_tensor_shared_between_parameters_is_copied_apart_in_a_pt(tmp_pat
     back = torch.load(tmp_path / "b.pt", weights_only=True)["optimizer"]["state"]
     assert len({s["step"].untyped_storage().data_ptr() for s in back.values()}) == 5
     assert all(torch.equal(back[i]["step"], osd["state"][0]["step"]) for i in range(5))
+
+
+@pytest.mark.parametrize("wrapper", ["data_parallel", "compile"])
+@pytest.mark.parametrize("named", [True, False])
+def test_a_wrapped_run_resumes_on_the_plain_model_by_name(wrapper: str, named: bool, tmp_path: Path) -> None:
+    """A run trained under ``nn.DataParallel`` or ``torch.compile`` saves ``module.``/``_orig_mod.`` keys (and,
+    built from ``named_parameters()``, such ``param_names``): its DCP folder holds the plain model's names, which
+    ``set_state_dict`` binds on the unwrapped model (what an FSDP2 job does per rank)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = tied()
+    wrapped = nn.DataParallel(model) if wrapper == "data_parallel" else torch.compile(model, backend="eager")
+    params = list(wrapped.named_parameters())
+    assert params[0][0] in ("module.emb.weight", "_orig_mod.emb.weight")
+    opt = torch.optim.AdamW([{"params": params[:1] if named else [p for _, p in params[:1]], "weight_decay": 0.1},
+                             {"params": params[1:] if named else [p for _, p in params[1:]]}], lr=1e-2)  # fmt: skip
+    for step in range(3):
+        torch.manual_seed(step)
+        opt.zero_grad()
+        wrapped(torch.randint(0, 10, (8,))).square().mean().backward()
+        opt.step()
+    model.cpu()  # DataParallel moves the model to the first GPU where there is one
+    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "run.pt")
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'dcp'}/", "-v")
+    assert done.exit_code == 0, done.output
+    assert "keyed by parameter name (set_optimizer_state_dict's form)" in done.stderr
+    fresh, fresh_opt = trained("adamw", named=False, steps=0)
+    model_state, optim_state = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    got, want = fresh.state_dict(), model.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    assert_bound(
+        fresh_opt, fresh, {i: {k: v.cpu() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    )

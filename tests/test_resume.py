@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_F
 
 # Another world size sums each gradient in another order (see the module's docstring).
 OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}
-WORLD = {"single": 1, "ddp": 2, "fsdp2": 2, "fsdp1": 2, "fsdp1local": 2}
+WORLD = {"single": 1, "ddp": 2, "fsdp2": 2, "fsdp1": 2, "fsdp1local": 2, "ddp_dcp": 2}
 
 
 def ckptfix(*args: object) -> str:
@@ -36,7 +36,7 @@ def ckptfix(*args: object) -> str:
 
 def _saved(setup: str, folder: Path) -> dict[str, str]:
     # a DCP folder's name ends in / for convert; FSDP1's ranks add -rank<R>.pt to theirs
-    suffix = {"fsdp2": "/", "fsdp1": "", "fsdp1local": ""}.get(setup, ".pt")
+    suffix = {"fsdp2": "/", "ddp_dcp": "/", "fsdp1": "", "fsdp1local": ""}.get(setup, ".pt")
     return {kind: f"{folder / f'{setup}-{kind}'}{suffix}" for kind in OPTIMIZERS}
 
 
@@ -72,9 +72,12 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
             torch.testing.assert_close(losses, expected, **OTHER_WORLD)
 
 
-@pytest.mark.parametrize(("a", "b"), [("single", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "single"), ("fsdp2", "ddp"),
-                                      ("ddp", "single"), ("single", "ddp"), ("fsdp1", "fsdp2"), ("fsdp1", "single"),
-                                      ("fsdp1", "ddp"), ("fsdp1local", "fsdp2"), ("fsdp1local", "ddp")])  # fmt: skip
+PAIRS = [("single", "fsdp2"), ("ddp", "fsdp2"), ("fsdp2", "single"), ("fsdp2", "ddp"), ("ddp", "single"),
+         ("single", "ddp"), ("fsdp1", "fsdp2"), ("fsdp1", "single"), ("fsdp1", "ddp"), ("fsdp1local", "fsdp2"),
+         ("fsdp1local", "ddp"), ("ddp_dcp", "single")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("a", "b"), PAIRS)
 def test_resume_on_another_setup(a: str, b: str, trained: dict[str, Any], tmp_path: Path) -> None:
     saved, recorded = trained[a]
     moved = _saved(b, tmp_path)
@@ -93,7 +96,7 @@ def test_resume_on_another_setup(a: str, b: str, trained: dict[str, Any], tmp_pa
         elif b == "fsdp2":
             assert "keyed by parameter name (set_optimizer_state_dict's form)" in said
             assert "names from its param_groups' param_names" in said if kind == "adamw" else "model entry" in said
-        elif a in ("fsdp2", "fsdp1", "fsdp1local"):
+        elif a in ("fsdp2", "fsdp1", "fsdp1local", "ddp_dcp"):
             assert "keyed by index (optimizer.load_state_dict's form)" in said
     resumed = launch(b, "resume", world=WORLD[b], paths=moved, out=tmp_path / "resumed.pt")
     assert_resumed(resumed, recorded, same_world=WORLD[a] == WORLD[b])

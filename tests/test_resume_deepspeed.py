@@ -1,5 +1,5 @@
-"""Training goes on after a move from DeepSpeed ZeRO: a ZeRO-1/2/3 run (fp32 or bf16, 2 gloo ranks, torch's ``AdamW``
-as the client optimizer) converted by ``ckptfix convert RUN … --optimizer``, resumed on one device or DDP from the
+"""Training goes on after a move from DeepSpeed ZeRO: a ZeRO-1/2/3 run (2 gloo ranks; torch's ``AdamW`` as the
+client optimizer in fp32 or bf16, ``SGD`` with momentum in fp32) converted by ``ckptfix convert RUN … --optimizer``, resumed on one device or DDP from the
 ``.pt`` (``optimizer.load_state_dict``, index-keyed) and on FSDP2 from a DCP folder (``set_state_dict``,
 name-keyed, the names from the run's ``param_shapes``).
 
@@ -8,7 +8,8 @@ rest not), so index 1 is ``mid.weight`` where ``named_parameters()`` order has `
 from the run (without them, the DCP folder kept the index form, which ``set_state_dict`` does not load).
 
 What the resumed run holds is ``torch.equal`` to what DeepSpeed held (``safe_get_full_optimizer_state`` per
-parameter, the base optimizer's ``step``) for every parameter, moment and step. The losses of the next ``MORE``
+parameter, the base optimizer's ``step``) for every parameter, moment and step, and the run's scheduler, random
+state (in ``client_state``) and ``global_steps`` go on where DeepSpeed left them. The losses of the next ``MORE``
 steps: DeepSpeed's engine steps torch's own ``AdamW`` (element-wise, so a flat fp32 partition steps as its
 parameters would) on gradients averaged over 2 ranks, as DDP and FSDP2 average them, so on 2 ranks they are
 ``torch.equal``. On one device each gradient is a mean over the global batch summed in another order (8 rows in one
@@ -47,9 +48,14 @@ pytestmark = [
 
 OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}  # one device against 2 ranks (see the module's docstring)
 BF16_RUN = {"rtol": 4e-3, "atol": 0.0}  # a bf16 run's losses against an fp32 resume (see the module's docstring)
+# each group's parameters in the order DeepSpeed flattens them (tests/resume_runs.py's groups)
+GROUPS = {"adamw": [["proj.weight", "mid.weight"], ["norm.weight", "norm.bias", "mid.bias", "out.bias"]],
+          "sgd": [["proj.weight", "norm.weight", "norm.bias"], ["mid.weight", "mid.bias", "out.bias"]]}  # fmt: skip
 NAMES = ["mid.bias", "mid.weight", "norm.bias", "norm.weight", "out.bias", "proj.weight"]
 STAGES = (1, 2, 3)
 DTYPES = ("fp32", "bf16")
+# AdamW in each precision; SGD with momentum (its momentum_buffer the one per-element state, no step) in fp32
+RUNS = [(stage, dtype, "adamw") for stage in STAGES for dtype in DTYPES] + [(stage, "fp32", "sgd") for stage in STAGES]
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +64,21 @@ def zero_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str],
     losses)."""
     folder = tmp_path_factory.mktemp("zero")
     runs = {}
-    for stage in STAGES:
-        for dtype in DTYPES:
-            run = folder / f"zero{stage}_{dtype}"
-            runs[stage, dtype] = run, train(run, stage=stage, dtype=dtype, record=folder / f"zero{stage}_{dtype}.pt")
+    for stage, dtype, kind in RUNS:
+        run = folder / f"zero{stage}_{dtype}_{kind}"
+        runs[stage, dtype, kind] = run, train(run, stage=stage, dtype=dtype, kind=kind, record=Path(f"{run}.pt"))
     return runs
 
 
-def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: bool, dtype: str) -> None:
+def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: bool, dtype: str, kind: str) -> None:
     held, was = got["held"], want["held"]
     assert sorted(held["state"]) == sorted(was["state"]) == NAMES
     for name, moments in was["state"].items():
-        assert sorted(held["state"][name]) == sorted(moments) == ["exp_avg", "exp_avg_sq", "step"], name
+        keys = ["exp_avg", "exp_avg_sq", "step"] if kind == "adamw" else ["momentum_buffer"]
+        assert sorted(held["state"][name]) == sorted(moments) == keys, name
         for key, value in moments.items():
             assert torch.equal(held["state"][name][key], value), (name, key)
-        assert float(moments["step"]) == STEPS, name
+        assert kind != "adamw" or float(moments["step"]) == STEPS, name
     assert held["groups"] == was["groups"]
     assert held["scheduler"] == was["scheduler"]  # the client's LR schedule goes on where the engine left it
     assert torch.equal(held["draws"], was["draws"])  # client_state's random stream, carried
@@ -87,12 +93,11 @@ def assert_resumed(got: dict[str, Any], want: dict[str, Any], *, same_world: boo
         torch.testing.assert_close(losses, expected, **OTHER_WORLD)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(("stage", "dtype", "kind"), RUNS)
 @pytest.mark.parametrize("setup", ["single", "ddp", "fsdp2"])
-def test_zero_run_resumes_elsewhere(stage: int, dtype: str, setup: str, zero_runs: dict[Any, Any],
+def test_zero_run_resumes_elsewhere(stage: int, dtype: str, kind: str, setup: str, zero_runs: dict[Any, Any],
                                     tmp_path: Path) -> None:  # fmt: skip
-    run, recorded = zero_runs[stage, dtype]
+    run, recorded = zero_runs[stage, dtype, kind]
     out = f"{tmp_path / 'fsdp2_run'}/" if setup == "fsdp2" else str(tmp_path / "plain.pt")
     said = ckptfix("convert", run, out, "--optimizer", "-v")
     if setup == "fsdp2":
@@ -101,7 +106,7 @@ def test_zero_run_resumes_elsewhere(stage: int, dtype: str, setup: str, zero_run
     else:
         assert "keyed by" not in said  # the index form, as consolidated
         groups = torch.load(out, weights_only=True)["optimizer"]["param_groups"]
-        assert [g["param_names"] for g in groups] == [["proj.weight", "mid.weight"],
-                                                      ["norm.weight", "norm.bias", "mid.bias", "out.bias"]]  # fmt: skip
-    resumed = launch(setup, path=out, out=tmp_path / "resumed.pt")
-    assert_resumed(resumed, recorded, same_world=setup != "single", dtype=dtype)
+        names = [g["param_names"] for g in groups]
+        assert names == GROUPS[kind], names
+    resumed = launch(setup, path=out, out=tmp_path / "resumed.pt", kind=kind)
+    assert_resumed(resumed, recorded, same_world=setup != "single", dtype=dtype, kind=kind)
