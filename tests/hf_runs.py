@@ -30,6 +30,29 @@ def build(arch: str, config: dict[str, Any]) -> Any:
     return getattr(transformers, arch)(cfg)
 
 
+def blocks(model: Any) -> Any:
+    """The repeated blocks (each its own FSDP unit): decoder layers, GPT-2's ``h``, BERT's encoder layers."""
+    if hasattr(model, "model"):
+        return model.model.layers
+    return model.transformer.h if hasattr(model, "transformer") else model.encoder.layer
+
+
+def loss_of(model: Any) -> Any:
+    """A causal LM's loss on its own input; a bare encoder's (BERT) mean square output."""
+    out = model(input_ids=IDS, labels=IDS) if hasattr(model, "lm_head") else model(input_ids=IDS)
+    return out.loss if hasattr(model, "lm_head") else out.last_hidden_state.pow(2).mean()
+
+
+def _done(out_dir: str, rank: int) -> None:
+    Path(f"{out_dir}.done{rank}").touch()  # this rank's work is over (tests.resume_runs.spawn)
+
+
+def _spawn(target: Any, args: tuple[Any, ...], out: Path) -> None:
+    from tests.resume_runs import spawn
+
+    spawn(target, args, world=WORLD, done=out, start_method=start_method())
+
+
 def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: dict[str, Any]) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -40,12 +63,12 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
         model = build(arch, config)
-        for layer in model.model.layers if hasattr(model, "model") else model.transformer.h:  # GPT-2's blocks
+        for layer in blocks(model):
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(2):
-            model(input_ids=IDS, labels=IDS).loss.backward()
+            loss_of(model).backward()
             opt.step()
             opt.zero_grad()
         msd, osd = get_state_dict(model, opt)
@@ -56,6 +79,7 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _done(out_dir, rank)
 
 
 def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: dict[str, Any]) -> None:
@@ -68,12 +92,11 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     try:
         net = build(arch, config)
-        blocks = net.model.layers if hasattr(net, "model") else net.transformer.h
-        policy = ModuleWrapPolicy({type(blocks[0])})  # each decoder layer its own FSDP unit: nested prefixes
+        policy = ModuleWrapPolicy({type(blocks(net)[0])})  # each block its own FSDP unit: nested prefixes
         model = FullyShardedDataParallel(net, auto_wrap_policy=policy, device_id=torch.device("cpu"))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(2):
-            model(input_ids=IDS, labels=IDS).loss.backward()
+            loss_of(model).backward()  # FSDP and DeepSpeed's engine pass attributes on to the module
             opt.step()
             opt.zero_grad()
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
@@ -85,26 +108,23 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _done(out_dir, rank)
 
 
 def write_fsdp1(out: Path, arch: str, config: dict[str, Any]) -> Path:
     """A DCP folder ``out/dcp`` of a 2-rank FSDP1 run's SHARDED_STATE_DICT, and ``out/full.pt`` (its
     FULL_STATE_DICT)."""
-    import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_fsdp1_worker, args=(str(out / "store"), str(out), arch, config), nprocs=WORLD, join=True,
-                       start_method=start_method())  # fmt: skip
+    _spawn(_fsdp1_worker, (str(out / "store"), str(out), arch, config), out)
     return out
 
 
 def write_fsdp2(out: Path, arch: str, config: dict[str, Any]) -> Path:
     """A DCP folder ``out/dcp`` of a 2-rank FSDP2 run, and ``out/full.pt`` (the full model state dict)."""
-    import torch.multiprocessing as mp
 
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_fsdp2_worker, args=(str(out / "store"), str(out), arch, config), nprocs=WORLD, join=True,
-                       start_method=start_method())  # fmt: skip
+    _spawn(_fsdp2_worker, (str(out / "store"), str(out), arch, config), out)
     return out
 
 
@@ -120,22 +140,60 @@ def _zero3_worker(rank: int, port: int, out_dir: str, arch: str, config: dict[st
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                  "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}  # fmt: skip
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-    loss = engine(input_ids=IDS, labels=IDS).loss
-    engine.backward(loss)
+    engine.backward(loss_of(engine))
     engine.step()
     engine.save_checkpoint(out_dir)
     deepspeed.comm.barrier()
     deepspeed.comm.destroy_process_group()
+    _done(out_dir, rank)
 
 
 def write_zero3(out: Path, arch: str, config: dict[str, Any]) -> Path:
     """A DeepSpeed ZeRO-3 run folder ``out`` (``latest``, ``global_step1/``) of a 2-rank run."""
-    import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_zero3_worker, args=(port, str(out), arch, config), nprocs=WORLD, join=True,
-                       start_method=start_method())  # fmt: skip
+    _spawn(_zero3_worker, (port, str(out), arch, config), out)
     return out
+
+
+def _trainer_zero3_worker(out_dir: str, arch: str, config: dict[str, Any]) -> None:
+    """One rank of ``Trainer.train()`` with DeepSpeed ZeRO-3 (the CPU accelerator), two steps, a checkpoint at the
+    second; the rank from the environment, as the ``deepspeed`` and ``torchrun`` launchers set it."""
+    import transformers as tf
+
+    torch.set_num_threads(1)
+    model = build(arch, config)
+    data = [{"input_ids": IDS[0], "labels": IDS[0]}] * 4
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                 "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3},
+                 "zero_allow_untested_optimizer": True}  # fmt: skip
+    args = tf.TrainingArguments(out_dir, max_steps=2, save_steps=2, per_device_train_batch_size=1, report_to=[],
+                                disable_tqdm=True, deepspeed=ds_config, use_cpu=True)  # fmt: skip
+    # a bare encoder (BERT) has no loss of its own: the Trainer's compute_loss_func gives it loss_of's
+    encoder = None if hasattr(model, "lm_head") else (lambda out, labels, **_: out.last_hidden_state.pow(2).mean())
+    tf.Trainer(model=model, args=args, train_dataset=data, compute_loss_func=encoder).train()
+    _done(out_dir, int(os.environ["RANK"]))
+
+
+def write_trainer_zero3(out: Path, arch: str, config: dict[str, Any]) -> Path:
+    """HF Trainer's ``checkpoint-2/`` of a 2-rank DeepSpeed ZeRO-3 run in ``out`` (``config.json``, ``latest``,
+    ``global_step2/``' rank files, ``trainer_state.json``, …); returns the checkpoint folder."""
+    import json
+
+    from tests.deepspeed_runs import launch
+
+    out.mkdir(parents=True, exist_ok=True)
+    launch(["-m", "tests.hf_runs", "trainer-zero3", str(out), arch, json.dumps(config)], world=WORLD, done=out,
+           what=f"HF Trainer with DeepSpeed ZeRO-3 ({arch})")  # fmt: skip
+    return out / "checkpoint-2"
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if sys.argv[1] == "trainer-zero3":
+        _trainer_zero3_worker(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))

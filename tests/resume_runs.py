@@ -240,8 +240,8 @@ def launch(setup: str, phase: str, *, world: int, paths: dict[str, str], out: Pa
 
 
 def run_ranks(target: Any, args: tuple[Any, ...], *, in_process: bool, world: int, out: Path) -> dict[str, Any]:
-    """``target(rank, *args)`` in this process (``in_process``) or on ``world`` spawned ranks, each of which marks
-    ``{out}.done{rank}`` when its work is over; what rank 0 wrote to ``out``."""
+    """``target(rank, *args)`` in this process (``in_process``) or on ``world`` spawned ranks (:func:`spawn`, each
+    marking ``{out}.done{rank}`` when its work is over); what rank 0 wrote to ``out``."""
     if in_process:
         threads = torch.get_num_threads()
         try:
@@ -249,17 +249,23 @@ def run_ranks(target: Any, args: tuple[Any, ...], *, in_process: bool, world: in
         finally:
             torch.set_num_threads(threads)
     else:
-        import torch.multiprocessing as mp
-
-        # spawn: this process has run threads (convert's copier and verifier, the in-process run), and a forked
-        # child can inherit a lock one of them held
-        try:
-            mp.start_processes(target, args=args, nprocs=world, join=True, start_method="spawn")
-        except mp.ProcessExitedException as e:
-            # gloo's threads can outlive a rank's process group and abort its exit ("terminate called without an
-            # active exception", pytorch/pytorch#190489), after the rank is done: only a rank that had not finished
-            # is a failure of the run
-            finished = all(Path(f"{out}.done{rank}").exists() for rank in range(world))
-            if e.signal_name != "SIGABRT" or not finished:
-                raise
+        spawn(target, args, world=world, done=out)
     return torch.load(out, weights_only=True)  # type: ignore[no-any-return]
+
+
+def spawn(target: Any, args: tuple[Any, ...], *, world: int, done: Path, start_method: str = "spawn") -> None:
+    """``target(rank, *args)`` on ``world`` started ranks, each of which touches ``{done}.done{rank}`` when its work
+    is over."""
+    import torch.multiprocessing as mp
+
+    # spawn by default: this process has run threads (convert's copier and verifier, the in-process run), and a
+    # forked child can inherit a lock one of them held
+    try:
+        mp.start_processes(target, args=args, nprocs=world, join=True, start_method=start_method)
+    except mp.ProcessExitedException as e:
+        # gloo's threads can outlive a rank's process group and abort its exit ("terminate called without an
+        # active exception", pytorch/pytorch#190489), after the rank is done: only a rank that had not finished
+        # is a failure of the run
+        finished = all(Path(f"{done}.done{rank}").exists() for rank in range(world))
+        if e.signal_name != "SIGABRT" or not finished:
+            raise

@@ -180,9 +180,12 @@ def test_dtype_casts_and_sets_the_configs(saved: dict[str, Any], tmp_path: Path)
     assert torch.equal(_logits(loaded), _logits(ref))
 
 
-def test_lightning_checkpoint_exports(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", MODELS)
+def test_lightning_checkpoint_exports(name: str, tmp_path: Path) -> None:
     lightning = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (the frameworks extra)")
-    model, _ = _trained("llama")
+    from tests.hf_runs import loss_of
+
+    model, _ = _trained(name)
     model.save_pretrained(tmp_path / "hf")
 
     class Module(lightning.LightningModule):  # type: ignore[misc,name-defined]
@@ -191,7 +194,7 @@ def test_lightning_checkpoint_exports(tmp_path: Path) -> None:
             self.model = model
 
         def training_step(self, batch: Any, idx: int) -> Any:
-            return self.model(input_ids=batch[0], labels=batch[0]).loss
+            return loss_of(self.model)  # the batch is IDS
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -320,8 +323,8 @@ def test_the_torch_path_writes_what_the_stream_writes(saved: dict[str, Any], tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("writer", "name"), [("fsdp2", "llama"), ("fsdp2", "gpt2"), ("fsdp2", "mixtral"),
-                                              ("fsdp1", "qwen2"), ("fsdp1", "gpt2")])  # fmt: skip
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("writer", ["fsdp2", "fsdp1"])
 def test_fsdp_dcp_run_exports_equal_to_its_full_state_dict(writer: str, name: str, tmp_path: Path) -> None:
     from tests import hf_runs
     from tests.hf_runs import build
@@ -343,7 +346,7 @@ def test_fsdp_dcp_run_exports_equal_to_its_full_state_dict(writer: str, name: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", MODELS)
 def test_zero3_run_exports_equal_to_deepspeeds_own_consolidation(name: str, tmp_path: Path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the deepspeed extra)")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -359,6 +362,29 @@ def test_zero3_run_exports_equal_to_deepspeeds_own_consolidation(name: str, tmp_
     assert result.exit_code == 0, result.output
     truth = build(arch, config.to_dict())
     truth.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(run_dir)), strict=False)  # tied: saved once
+    _loads_equal(out, {"logits": _logits(truth), "model": truth})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_hf_trainer_with_deepspeed_zero3_exports_equal_to_deepspeeds_own_consolidation(
+    name: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the deepspeed extra)")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from tests.hf_runs import build, write_trainer_zero3
+
+    config = _config(name)
+    arch = config.architectures[0]
+    checkpoint = write_trainer_zero3(tmp_path / "trainer", arch, config.to_dict())
+    assert not (checkpoint / "model.safetensors").exists()  # ZeRO-3's weights are only in the rank files
+    out = tmp_path / "out"
+    result = run("convert", checkpoint, f"{out}/", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    assert f"copied from {checkpoint}: config.json" in result.output
+    truth = build(arch, config.to_dict())
+    truth.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint)), strict=False)  # tied: once
     _loads_equal(out, {"logits": _logits(truth), "model": truth})
 
 

@@ -1,7 +1,7 @@
 """Training goes on after a move from DeepSpeed ZeRO: a ZeRO-1/2/3 run (2 gloo ranks; torch's ``AdamW`` as the
-client optimizer in fp32 or bf16, ``SGD`` with momentum in fp32) converted by ``ckptfix convert RUN … --optimizer``, resumed on one device or DDP from the
-``.pt`` (``optimizer.load_state_dict``, index-keyed) and on FSDP2 from a DCP folder (``set_state_dict``,
-name-keyed, the names from the run's ``param_shapes``).
+client optimizer in fp32 or bf16, ``SGD`` with momentum in fp32) converted by ``ckptfix convert RUN …
+--optimizer``, resumed on one device or DDP from the ``.pt`` (``optimizer.load_state_dict``, index-keyed) and on
+FSDP2 from a DCP folder (``set_state_dict``, name-keyed, the names from the run's ``param_shapes``).
 
 The ResumeNet groups interleave the model's parameters (weights decayed: ``proj.weight``, ``mid.weight``; the
 rest not), so index 1 is ``mid.weight`` where ``named_parameters()`` order has ``norm.weight``: the names must come
