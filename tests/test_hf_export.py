@@ -181,6 +181,48 @@ def test_dtype_casts_and_sets_the_configs(saved: dict[str, Any], tmp_path: Path)
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_a_bf16_training_run_exports_in_bf16_and_computes_as_it(name: str, tmp_path: Path) -> None:
+    """A run trained in bf16 (the model cast, AdamW on bf16 weights) saved as DCP and as a DataParallel ``.pt``: the
+    export keeps bf16, its config says so, and loaded in bf16 it computes the logits that ``save_pretrained``'s folder
+    of the trained model computes in bf16, bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptfix.torchcompat import dcp_save_local
+
+    model, _ = _trained(name)
+    model = model.to(torch.bfloat16).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    from tests.hf_runs import loss_of
+
+    for _ in range(2):
+        loss_of(model).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    model.config.save_pretrained(tmp_path / "run")  # the config the run started from: fp32 in it
+    # the reference: the trained model as save_pretrained writes it, loaded in bf16 (a model cast with .to() holds
+    # its rotary inv_freq in bf16 too, which from_pretrained keeps in fp32: not the same computation)
+    model.save_pretrained(tmp_path / "reference")
+    msd, osd = get_state_dict(model, opt)
+    dcp_save_local({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "run" / "dcp"))
+    torch.save({"model": torch.nn.DataParallel(model).state_dict()}, tmp_path / "run" / "ddp.pt")
+    model.cpu()
+    import transformers as tf
+
+    for source in ("dcp", "ddp.pt"):
+        out = tmp_path / f"out_{source}"
+        result = run("convert", tmp_path / "run" / source, f"{out}/", "--format", "hf")
+        assert result.exit_code == 0, result.output
+        assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+        assert {t.dtype for t in ckptfix.load(out / "model.safetensors").values()} == {torch.bfloat16}
+        arch = json.loads((out / "config.json").read_text())["architectures"][0]
+        loaded, info = getattr(tf, arch).from_pretrained(out, dtype=torch.bfloat16, output_loading_info=True)
+        assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), info
+        reference = getattr(tf, arch).from_pretrained(tmp_path / "reference", dtype=torch.bfloat16)
+        assert torch.equal(_logits(loaded), _logits(reference)), source  # bf16 compared in bf16
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_lightning_checkpoint_exports(name: str, tmp_path: Path) -> None:
     lightning = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (the frameworks extra)")
     from tests.hf_runs import loss_of
