@@ -1,10 +1,12 @@
 """Real Megatron-Core ``torch_dist`` checkpoints for the tests: a small ``GPTModel`` (RMSNorm, SwiGLU, grouped-query
-attention, rotary embeddings; a mixture-of-experts variant) trained a few steps on 2 gloo ranks on the CPU with
-tensor, pipeline or expert parallelism, then saved with ``dist_checkpointing.save`` (the ``torch_dist`` backend).
+attention, rotary embeddings; a mixture-of-experts variant) trained a few steps on gloo ranks on the CPU with
+tensor, pipeline or expert parallelism (none on one rank; TP 2 x PP 2 on four), then saved with
+``dist_checkpointing.save`` (the ``torch_dist`` backend).
 Beside each run folder, ``NAME.expected.safetensors`` is Megatron's own load of it into a TP=1, PP=1 model
 (``model.state_dict()``, ``_extra_state`` entries left out), with the layer spec's own
 ``sharded_state_dict_keys_map`` in its metadata: what a conversion must give, once the names are mapped; and
-``NAME.logits.safetensors``, that model's forward on a fixed input in float32: what an HF export must give.
+``NAME.logits.safetensors``, that model's forward on a fixed input in float32 (``logits``) and, for a bf16 run, in
+bf16 (``logits_bf16``): what an HF export must give.
 
 It needs megatron-core, which ckptfix's own environment does not hold (megatron-core 0.16.1 is the last release
 for Python 3.11)::
@@ -37,9 +39,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 # name: tensor, pipeline and expert parallel sizes, dtype, mixture of experts, tied embeddings, layers (if not
-# LAYERS: the folders are kept small), Adam (else SGD): its state saved beside the model, as Megatron-LM saves it
+# LAYERS: the folders are kept small), Adam (else SGD): its state saved beside the model, as Megatron-LM saves it.
+# Each runs on tp * pp * ep gloo ranks (:func:`world`): the plain layout on one, TP 2 x PP 2 on four.
 RUNS: dict[str, dict[str, Any]] = {
-    "tp2_fp32": {"tp": 2, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": True},
+    "tp1_pp1_fp32": {"tp": 1, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": False, "layers": 2},
+    "tp2_pp2_bf16": {"tp": 2, "pp": 2, "ep": 1, "dtype": "bf16", "moe": False, "tied": False, "layers": 2},
+    "tp2_fp32": {"tp": 2, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": True, "layers": 2},
     "pp2_vpp2_bf16": {"tp": 1, "pp": 2, "ep": 1, "dtype": "bf16", "moe": False, "tied": False, "vpp": 2},
     "tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False, "layers": 2, "adam": True},
     "moe_ep2_fp32": {"tp": 1, "pp": 1, "ep": 2, "dtype": "fp32", "moe": True, "tied": False, "layers": 2},
@@ -48,7 +53,14 @@ STEPS = 3
 # the benchmark's run (bench/bench_megatron.py), made larger with --size; not a fixture
 BENCH = {"bench_tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False}}
 _SIZE = ""  # --size as given, passed on to the ranks
+TIMEOUT = 600  # seconds a run's ranks may take together (a fixture run takes under a minute on 2 cores)
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, EXPERTS = 4, 16, 4, 2, 32, 32, 8, 2
+
+
+def world(run: dict[str, Any]) -> int:
+    """The ranks a run is trained and saved on: one per tensor, pipeline and expert rank (no data parallelism but
+    the MoE run's, whose expert ranks are carved out of the data-parallel ones)."""
+    return int(run["tp"] * run["pp"] * run["ep"])
 
 
 def _free_port() -> int:
@@ -149,7 +161,10 @@ def _train(chunks: list[Any], run: dict[str, Any], *, pp: int) -> Any:
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
     params = [p for m in chunks for p in m.parameters() if p.requires_grad]
     adam = torch.optim.Adam(params, lr=1e-2) if run.get("adam") else None
-    rank = parallel_state.get_pipeline_model_parallel_rank()  # and its global rank: these runs are pp ranks wide
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    # pipeline rank -> global rank, for send/recv: with TP 2 x PP 2, tensor rank t of stage s talks to tensor rank t
+    # of stages s - 1 and s + 1
+    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     dtype = torch.bfloat16 if run["dtype"] == "bf16" else torch.float32
     stages = len(chunks) * pp
     for _ in range(STEPS):
@@ -161,13 +176,13 @@ def _train(chunks: list[Any], run: dict[str, Any], *, pp: int) -> Any:
             x = None
             if stage > 0:
                 x = torch.empty(SEQ, 2, HIDDEN, dtype=dtype)
-                dist.recv(x, (stage - 1) % pp)
+                dist.recv(x, ranks[(stage - 1) % pp])
                 x.requires_grad_(True)
                 model.set_input_tensor(x)
             last = stage == stages - 1
             out = model(tokens if stage == 0 else None, position_ids, mask, labels=labels if last else None)
             if not last:
-                dist.send(out.detach().contiguous(), (stage + 1) % pp)
+                dist.send(out.detach().contiguous(), ranks[(stage + 1) % pp])
             kept[stage] = (x, out)
         for stage in sorted(kept, reverse=True):
             x, out = kept[stage]
@@ -175,10 +190,10 @@ def _train(chunks: list[Any], run: dict[str, Any], *, pp: int) -> Any:
                 out.float().mean().backward()
             else:
                 grad = torch.empty_like(out)
-                dist.recv(grad, (stage + 1) % pp)
+                dist.recv(grad, ranks[(stage + 1) % pp])
                 out.backward(grad)
             if x is not None:
-                dist.send(x.grad.contiguous(), (stage - 1) % pp)
+                dist.send(x.grad.contiguous(), ranks[(stage - 1) % pp])
         if adam is not None:
             adam.step()
             continue
@@ -271,16 +286,20 @@ def _expected(out: Path, name: str) -> None:
         state, out / f"{name}.expected.safetensors", metadata={"sharded_state_dict_keys_map": json.dumps(keys_map)}
     )
     # GPTModel's own forward on a fixed input, in float32 (a bf16 run's weights cast up): what an HF export's
-    # logits must equal
+    # logits must equal; a bf16 run's forward in bf16 too (``logits_bf16``): what its export loaded in bf16 gives
     ids = (torch.arange(SEQ) * 7 % (VOCAB - 2)).reshape(1, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
-    if run["dtype"] != "fp32":  # the same weights in a float32 model: Megatron's attention computes in its config's
+    saved: dict[str, Any] = {"input_ids": ids}
+    if run["dtype"] != "fp32":
+        with torch.no_grad():
+            saved["logits_bf16"] = model.eval()(ids, torch.arange(SEQ).unsqueeze(0), mask).contiguous()
+        # the same weights in a float32 model: Megatron's attention computes in its config's dtype
         (model_fp32,) = _model(dict(run, dtype="fp32"), tp=1, pp=1, ep=1)
         model_fp32.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
         model = model_fp32
     with torch.no_grad():
         logits = model.eval()(ids, torch.arange(SEQ).unsqueeze(0), mask)
-    save_file({"input_ids": ids, "logits": logits.contiguous()}, out / f"{name}.logits.safetensors")
+    save_file({**saved, "logits": logits.contiguous()}, out / f"{name}.logits.safetensors")
     dist.destroy_process_group()
 
 
@@ -299,7 +318,13 @@ def _spawn(out: Path, name: str, *, role: str, world: int) -> None:
         )
         for r in range(world)
     ]
-    outputs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+    try:  # a rank that hangs (a send with no recv) is killed, its peers with it: no process left behind
+        outputs = [p.communicate(timeout=TIMEOUT)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for p, text in zip(procs, outputs, strict=True):
         if p.returncode != 0:
             raise RuntimeError(f"megatron {role} of {name} failed:\n{text[-4000:]}")
@@ -307,7 +332,7 @@ def _spawn(out: Path, name: str, *, role: str, world: int) -> None:
 
 def make_run(out: Path, name: str) -> Path:
     """Train and save run ``name`` into ``out/name`` and its TP=1, PP=1 load into ``out/name.expected.safetensors``."""
-    _spawn(out, name, role="train", world=2)
+    _spawn(out, name, role="train", world=world({**RUNS, **BENCH}[name]))
     _spawn(out, name, role="expected", world=1)
     return out / name
 
@@ -333,7 +358,8 @@ def _manifest(out: Path) -> None:
         "command": "mcore-venv/bin/python -m tests.megatron_runs fixtures/megatron --fixtures",
         "platform": {"torch": torch.__version__, "megatron-core": megatron.core.__version__,
                      "python": sys.version.split()[0]},
-        "runs": {name: dict(RUNS[name], steps=STEPS, world_size=2) for name in RUNS},
+        "runs": {name: dict(RUNS[name], layers=RUNS[name].get("layers", LAYERS), steps=STEPS,
+                            world_size=world(RUNS[name])) for name in RUNS},
     }  # fmt: skip
     (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
 

@@ -297,9 +297,8 @@ def describe_summary(summary: dict[str, Any]) -> tuple[str, list[str]]:
     args = ", ".join(f"{k}={v}" for k, v in mg["args"].items())
     step = f", iteration {mg['iteration']}" if "iteration" in mg else ""
     layout = layout or "parallel sizes not recorded"
-    lines = [
-        f"Megatron-Core: {layout}; written by {mg['ranks']} ranks{step}; {mg['tensors']} tensors, layers unstacked"
-    ]
+    ranks = f"{mg['ranks']} rank{'s' * (mg['ranks'] != 1)}"
+    lines = [f"Megatron-Core: {layout}; written by {ranks}{step}; {mg['tensors']} tensors, layers unstacked"]
     lines += [f"  args: {args}"] if args else []
     lines += [f"  note: {note}" for note in mg["notes"]]
     return f"Megatron-Core {BACKEND} folder ({len(data)} data file{'s' * (len(data) != 1)})", lines

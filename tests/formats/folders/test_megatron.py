@@ -1,6 +1,7 @@
 """Megatron-Core ``torch_dist`` folders (formats/folders/megatron.py): runs saved by megatron-core itself
-(``tests/megatron_runs.py``; TP 2, PP 2, EP 2 MoE; fp32 and bf16) converted without megatron, each compared with
-Megatron's own load of it into a TP=1, PP=1 model; ``inspect``; hostile edits of a real run."""
+(``tests/megatron_runs.py``; TP 1 or 2, PP 1 or 2, both on 4 ranks, VPP, EP 2 MoE; fp32 and bf16) converted without
+megatron, each compared with Megatron's own load of it into a TP=1, PP=1 model; ``inspect``; hostile edits of a real
+run."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_inspect_shows_layout_args_and_count_without_reading_tensor_bytes(copy_o
     summary = json.loads(result.output)
     mg = summary["megatron"]
     assert mg["layout"] == {"tensor": 2, "pipeline": 1, "expert": 1} and mg["ranks"] == 2
-    assert mg["args"]["num_layers"] == 4 and mg["args"]["params_dtype"] == "float32"
+    assert mg["args"]["num_layers"] == 2 and mg["args"]["params_dtype"] == "float32"
     assert mg["tensors"] == len(expected("tp2_fp32")) == summary["models"][""]["tensors"]
     assert summary["folder"]["kind"] == "megatron"
     text = run("inspect", folder)
