@@ -318,8 +318,9 @@ def test_a_flipped_tensor_byte_is_refused(copy_of: Any, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (tests/megatron_runs.py)")
-def test_a_fresh_megatron_run_converts_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["tp2_bf16", "tp2_pp2_bf16"])  # 2 ranks; 4 (TP 2 x PP 2)
+def test_a_fresh_megatron_run_converts_exactly(tmp_path: Path, name: str) -> None:
     from tests.megatron_runs import make_run
 
-    folder = make_run(tmp_path, "tp2_bf16")
-    assert_equal_state(ckptfix.load(folder), expected("tp2_bf16", folder=tmp_path))
+    folder = make_run(tmp_path, name)
+    assert_equal_state(ckptfix.load(folder), expected(name, folder=tmp_path))
