@@ -55,6 +55,17 @@ def float_dtype(name: str | None) -> str | None:
     return found
 
 
+def refuse_partial(obj: Any, *, source: str, entries: tuple[str, ...] | None) -> None:
+    """A checkpoint read whole for its model (``entries``: the ones asked for, None for the model wherever it is):
+    refused where its model is in an entry left unbuilt (one rank's DTensor or ShardedTensor shards among them) or
+    is one rank's share of a sharded run (FSDP1 flat parameters, a lone DeepSpeed rank file)."""
+    from ckptfix.formats.torchio.opaque import require
+
+    require(obj, wanted=entries, source=source)
+    # an entry named explicitly is taken as asked, even in a lone ZeRO optimizer file
+    refuse_rank_file(obj, source=source, flat=True, model=entries is None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
     """What to do to the model entries; checked once, when it is made."""
@@ -80,11 +91,7 @@ class ConvertOptions:
     def apply(self, obj: Any, *, source: str, out_fmt: str = "torch") -> Conversion:
         """The layout conversion of ``obj`` and its optimizer state in the form ``out_fmt`` loads (a pure
         transform; the dtype cast is the torch path's)."""
-        from ckptfix.formats.torchio.opaque import require
-
-        require(obj, wanted=self.entries, source=source)  # the model must not be in an entry left unbuilt
-        # an entry named explicitly is taken as asked, even in a lone ZeRO optimizer file
-        refuse_rank_file(obj, source=source, flat=True, model=self.entries is None)
+        refuse_partial(obj, source=source, entries=self.entries)
         conversion = convert_checkpoint(
             obj,
             to=self.to,

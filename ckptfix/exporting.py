@@ -17,11 +17,11 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import Conversion, EntryChange, apply_maps
-from ckptfix.conversion import cast_floating, float_dtype
+from ckptfix.conversion import cast_floating, float_dtype, refuse_partial
 from ckptfix.errors import MismatchError, OutputError
 from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
@@ -34,6 +34,8 @@ from ckptfix.signature import strict_keywords
 
 if TYPE_CHECKING:
     import torch
+
+    from ckptfix.merge_policy import MergeResult
 
 WEIGHTS = "model.safetensors"
 
@@ -87,6 +89,7 @@ def export_hf(
     def transform(tree: Any) -> Conversion:
         from ckptfix.loading import model_state_of, primary_entry
 
+        refuse_partial(tree, source=source, entries=(entry,) if entry else None)
         state = model_state_of(tree, source=source, entry=entry)
         if premap is not None:
             state = premap(state)
@@ -122,6 +125,54 @@ def export_hf(
     result.wrote = "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
         f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
     return result
+
+
+@strict_keywords
+@deep
+def merge_to_hf(
+    paths: Sequence[PathLike],
+    out: PathLike,
+    *,
+    config_from: PathLike | None = None,
+    verify: bool = False,
+    overwrite: bool = False,
+    allow_globals: Iterable[str] = (),
+    unsafe: bool = False,
+    buffers: str = "pooled",
+    atol: float = 0.0,
+    buffer_keys: Iterable[str] = (),
+    average: bool = False,
+    weights: Sequence[float] | None = None,
+    model: Any = None,
+) -> tuple[MergeResult, Conversion | None]:
+    """The rank files of one run (FSDP1/FSDP2 rank files, DDP ranks, as :func:`ckptfix.merging.merge_files` merges
+    them, with its options of those names) as folder ``out`` that ``from_pretrained(out)`` loads, as
+    :func:`export_hf` writes it; ``config_from`` defaults to the first file's folder, then its parent. The model is
+    merged into a file beside ``out`` (removed after); where the ranks disagree nothing is written: the merge's
+    ``diverged`` says why, and the export is None.
+
+    >>> merged, exported = ckptfix.exporting.merge_to_hf(["rank0.pt", "rank1.pt"], "hf_model/")
+    """
+    from ckptfix.merging import merge_files
+
+    resolve_output(out, fmt="hf")
+    out_s = os.fspath(out).rstrip(os.sep) or os.sep
+    found = find_config(paths[0], config_from=config_from)  # refused before any file is merged
+    _check_out(out_s, inputs=tuple(paths), overwrite=overwrite)
+    allow = tuple(allow_globals)
+    tmp = tempfile.mkdtemp(prefix=".ckptfix-merge.", suffix=".ckptfix-tmp", dir=_parent(out_s))
+    try:
+        merged = os.path.join(tmp, WEIGHTS)
+        result = merge_files(paths, merged, model_only=True, allow_globals=allow, unsafe=unsafe, model=model,
+                             buffers=buffers, atol=atol, buffer_keys=buffer_keys, average=average,
+                             weights=weights)  # fmt: skip
+        if result.diverged:
+            return result, None
+        exported = export_hf(merged, out_s, config_from=found.folder, verify=verify, overwrite=overwrite,
+                             allow_globals=allow, unsafe=unsafe)  # fmt: skip
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result, exported
 
 
 def _write_weights(

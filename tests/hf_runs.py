@@ -1,7 +1,8 @@
 """Small transformers models trained on 2 gloo ranks (CPU), saved by the sharded writers (tests/test_hf_export.py).
 
 ``write_fsdp2``: ``fully_shard`` on every decoder layer and the root, two AdamW steps, then ``dcp.save`` of
-``get_state_dict`` (model and optimizer), and rank 0's ``get_model_state_dict(full_state_dict=True)`` as ``full.pt``
+``get_state_dict`` (model and optimizer), each rank's ``torch.save(model.state_dict())`` (``rank{R}.pt``; FSDP1's
+SHARDED_STATE_DICT the same way), and rank 0's ``get_model_state_dict(full_state_dict=True)`` as ``full.pt``
 (the truth). ``write_zero3``: DeepSpeed ZeRO-3 (CPU accelerator), one step, ``engine.save_checkpoint``; its truth is
 DeepSpeed's own consolidation (``get_fp32_state_dict_from_zero_checkpoint``). Every rank builds the model from the
 same config and seed.
@@ -73,6 +74,7 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
             opt.zero_grad()
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, "dcp"))
+        torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))  # DTensor shards, a file per rank
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(full, os.path.join(out_dir, "full.pt"))
@@ -100,7 +102,9 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
             opt.step()
             opt.zero_grad()
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(out_dir, "dcp"))
+            sharded = model.state_dict()
+            dcp.save({"model": sharded}, checkpoint_id=os.path.join(out_dir, "dcp"))
+            torch.save(sharded, os.path.join(out_dir, f"rank{rank}.pt"))  # ShardedTensors, a file per rank
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
             full = model.state_dict()
         if rank == 0:

@@ -385,6 +385,19 @@ def test_fsdp_dcp_run_exports_equal_to_its_full_state_dict(writer: str, name: st
     truth = build(arch, config.to_dict())
     truth.load_state_dict(torch.load(run_dir / "full.pt", weights_only=True))
     _loads_equal(out, {"logits": _logits(truth), "model": truth})
+    # the ranks' own files (DTensor or ShardedTensor shards): one alone is refused, naming the way; merged, the same
+    alone = run("convert", run_dir / "rank0.pt", f"{tmp_path / 'alone'}/", "--format", "hf", "--config-from",
+                tmp_path / "config")  # fmt: skip
+    assert alone.exit_code == 2 and "from every rank's file with `ckptfix merge" in alone.output, alone.output
+    assert not (tmp_path / "alone").exists()
+    merged = tmp_path / "merged"
+    result = run("merge", run_dir / "rank1.pt", run_dir / "rank0.pt", "-o", f"{merged}/", "--format", "hf",
+                 "--config-from", tmp_path / "config", "--verify")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "verified: from_pretrained loads every key" in result.output
+    assert f"wrote {merged}/ (transformers folder: model.safetensors, config.json" in result.output
+    _loads_equal(merged, {"logits": _logits(truth), "model": truth})
+    assert not list(tmp_path.glob(".ckptfix-*"))  # no temporary left beside the output
 
 
 @pytest.mark.slow

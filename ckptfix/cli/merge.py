@@ -27,7 +27,9 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
 
 @click.command()
 @click.argument("inputs", metavar="RANK0 RANK1 …", nargs=-1, required=True, type=click.Path())
-@click.option("-o", "--output", "out", required=True, type=click.Path(dir_okay=False), help="Merged checkpoint.")
+@click.option(
+    "-o", "--output", "out", required=True, type=click.Path(), help="Merged checkpoint (a folder with --format hf)."
+)
 @to_option("Output key layout.")
 @click.option(
     "--buffers",
@@ -64,6 +66,22 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
     callback=lambda ctx, param, value: _parse_weights(value),
     help="Weighted average (implies --average): one weight per file, divided by their sum.",
 )
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["hf"]),
+    help="hf: write the merged model as a folder transformers' from_pretrained loads (config.json and the rest from "
+    "--config-from, else RANK0's folder, then its parent), as convert --format hf does.",
+)
+@click.option(
+    "--config-from", metavar="DIR", type=click.Path(), help="--format hf: the folder of the model's config.json."
+)
+@click.option(
+    "--verify",
+    "verify_hf",
+    is_flag=True,
+    help="--format hf: load OUT with transformers and compare logits on a fixed input with the merged weights.",
+)
 @json_option("Print the merge report as JSON.")
 @force_option
 @safety_options
@@ -83,6 +101,9 @@ def merge(
     overwrite: bool,
     allow_globals: tuple[str, ...],
     unsafe_pickle: bool,
+    out_format: str | None = None,
+    config_from: str | None = None,
+    verify_hf: bool = False,
 ) -> None:
     """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP2 run, into OUT.
 
@@ -115,6 +136,7 @@ def merge(
     Exit codes: 0 merged; 1 ranks disagree (nothing written); 2 an input or OUT cannot be used.
     Example: ckptfix merge ckpt_rank0.pt ckpt_rank1.pt -o merged.pt --to single
     Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o full.safetensors
+    Example: ckptfix merge fsdp2_rank0.pt fsdp2_rank1.pt -o hf_model/ --format hf
     Example: ckptfix merge fsdp1_rank0.pt fsdp1_rank1.pt -o full.pt --optimizer
     Example: ckptfix merge local0.pt local1.pt -o full.pt --model mypkg.models:build_model
     Example: ckptfix merge step8000.pt step9000.pt step10000.pt -o avg.pt --average
@@ -133,24 +155,23 @@ def merge(
             if os.path.realpath(later) == os.path.realpath(earlier):
                 counts = "counts twice in the average" if averaging else "counts as two ranks"
                 warn(f"{later} is given twice; the same file {counts}")
+    _check_format(out_format, config_from=config_from, verify_hf=verify_hf, optimizer=optimizer)
     model = _model(model_spec, kwargs) if model_spec else None
     buffer_keys = _buffer_keys(model) if model is not None else []
-    result = merge_files(
-        inputs,
-        out,
-        buffers=buffers,
-        atol=atol,
-        to=to,
-        buffer_keys=buffer_keys,
-        allow_globals=allow_globals,
-        unsafe=unsafe_pickle,
-        model_only=model_only,
-        overwrite=overwrite,
-        optimizer=optimizer,
-        average=average,
-        weights=weights,
-        model=model,
-    )
+    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "buffer_keys": buffer_keys, "average": average,
+                               "weights": weights, "model": model}  # fmt: skip
+    exported = None
+    if out_format == "hf":
+        from ckptfix.exporting import merge_to_hf
+
+        result, exported = merge_to_hf(inputs, out, config_from=config_from, verify=verify_hf, overwrite=overwrite,
+                                       allow_globals=allow_globals, unsafe=unsafe_pickle, **options)  # fmt: skip
+    else:
+        result = merge_files(inputs, out, to=to, allow_globals=allow_globals, unsafe=unsafe_pickle,
+                             model_only=model_only, overwrite=overwrite, optimizer=optimizer, **options)  # fmt: skip
+    if exported is not None:  # what the export did, then where it wrote
+        result.notes.extend(n for n in exported.notes if n.startswith(("left out", "copied", "verified")))
+        out, to = f"{out} ({exported.wrote})", ""  # the keys are the config's: no layout to say
     for message in result.warnings:
         warn(message)
     result.notes = [as_flags(note) for note in result.notes]  # the library's optimizer=True is --optimizer here
@@ -161,6 +182,16 @@ def merge(
             f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
             f"'{result.diverged[0].key}'); use files of the same step, or --atol if the drift is expected"
         )
+
+
+def _check_format(out_format: str | None, *, config_from: str | None, verify_hf: bool, optimizer: bool) -> None:
+    from ckptfix.errors import UsageError
+
+    if out_format != "hf" and (config_from is not None or verify_hf):
+        given = "--config-from" if config_from is not None else "--verify"
+        raise UsageError(f"{given} applies to --format hf (a folder from_pretrained loads); add --format hf")
+    if out_format == "hf" and optimizer:
+        raise UsageError("--optimizer does not apply to --format hf (the folder holds the model alone); drop it")
 
 
 def _text(
@@ -213,7 +244,7 @@ def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
         echo(f"left out (--model-only): {', '.join(result.left_out)}")
     for note in result.notes:
         echo(note)
-    echo(f"wrote {out}" + (f" (layout {to})" if result.entries else ""))
+    echo(f"wrote {out}" + (f" (layout {to})" if result.entries and to else ""))
 
 
 def _parse_weights(value: str | None) -> list[float] | None:

@@ -175,8 +175,17 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 
     unbuilt = [e.name for e in entries(obj)]
     names = set(wanted or ())
-    if any(name in names for name in unbuilt) or (not names and any(model_entry_name(n) for n in unbuilt)):
+    if any(name in names for name in unbuilt) or (not names and unbuilt and (
+            any(model_entry_name(n) for n in unbuilt) or _tensors_only(obj))):  # fmt: skip
         raise refusal(obj, source=source)
+
+
+def _tensors_only(obj: Mapping[Any, Any]) -> bool:
+    """Whether ``obj`` is a state dict of its own, some tensors unbuilt (one rank's DTensors, whatever their keys
+    are called): the model is then what is unbuilt."""
+    from ckptfix.checkpoint import is_tensor
+
+    return all(isinstance(v, OpaqueEntry) or is_tensor(v) for v in obj.values())
 
 
 def refusal(obj: Any, *, source: str) -> CkptfixError:

@@ -53,6 +53,19 @@ def test_converting_one_rank_file_is_refused_in_one_line(run: Path, tmp_path: Pa
     assert "Traceback" not in done.stderr and not out.exists()
 
 
+def test_a_rank_file_is_refused_whatever_its_keys_are_called(run: Path, tmp_path: Path) -> None:
+    """GPT-2's keys (``transformer.h.0.…``) name no model entry: the file is still one rank's shards, not a file
+    holding no model."""
+    own = torch.load(run / "rank0.pt", weights_only=False)  # our own file, made by sharded_writers
+    torch.save({f"transformer.h.{k}": v for k, v in own.items()}, tmp_path / "rank0.pt")
+    for out in (tmp_path / "out.pt", tmp_path / "out.safetensors", tmp_path / "dcp"):
+        done = CliRunner().invoke(
+            cli, ["convert", str(tmp_path / "rank0.pt"), f"{out}/" if out.suffix == "" else str(out)]
+        )
+        assert done.exit_code == 2 and "holds DTensor shards" in done.output, done.output
+        assert not out.exists()
+
+
 @pytest.mark.slow
 def test_every_ranks_file_reassembles_the_full_model(run: Path) -> None:
     trees = load_ranks(_ranks(run))
