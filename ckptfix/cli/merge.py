@@ -169,14 +169,17 @@ def merge(
     else:
         result = merge_files(inputs, out, to=to, allow_globals=allow_globals, unsafe=unsafe_pickle,
                              model_only=model_only, overwrite=overwrite, optimizer=optimizer, **options)  # fmt: skip
+    wrote = out
     if exported is not None:  # what the export did, then where it wrote
         result.notes.extend(n for n in exported.notes if n.startswith(("left out", "copied", "verified")))
-        out, to = f"{out} ({exported.wrote})", ""  # the keys are the config's: no layout to say
+        wrote, to = f"{out} ({exported.wrote})", "transformers"  # the keys are the config's
     for message in result.warnings:
         warn(message)
     result.notes = [as_flags(note) for note in result.notes]  # the library's optimizer=True is --optimizer here
     document = result.to_json(inputs, out, layout=to, buffers=buffers, atol=atol)
-    output.result(document, lambda: _text(result, inputs, out, to=to, buffers=buffers, atol=atol, averaging=averaging))
+    output.result(
+        document, lambda: _text(result, inputs, wrote, to=to, buffers=buffers, atol=atol, averaging=averaging)
+    )
     if result.diverged:
         raise MergeError(
             f"{out}: not written: {len(result.diverged)} key(s) differ across ranks (e.g. "
@@ -244,7 +247,7 @@ def _tail(result: MergeResult, out: str, *, to: str, source: str) -> None:
         echo(f"left out (--model-only): {', '.join(result.left_out)}")
     for note in result.notes:
         echo(note)
-    echo(f"wrote {out}" + (f" (layout {to})" if result.entries and to else ""))
+    echo(f"wrote {out}" + (f" (layout {to})" if result.entries and to != "transformers" else ""))
 
 
 def _parse_weights(value: str | None) -> list[float] | None:
