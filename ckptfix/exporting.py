@@ -87,12 +87,10 @@ def export_hf(
     done: list[Exported] = []
 
     def transform(tree: Any) -> Conversion:
-        from ckptfix.loading import model_state_of, primary_entry
+        from ckptfix.loading import primary_entry
 
         refuse_partial(tree, source=source, entries=(entry,) if entry else None)
-        state = model_state_of(tree, source=source, entry=entry)
-        if premap is not None:
-            state = premap(state)
+        state, named = source_state(tree, config, source=source, entry=entry, premap=premap)
         if rules:
             state = apply_maps(state, rules, source=source)
         exported = export_state(state, model, source=source, config_path=found.config_path,
@@ -102,7 +100,7 @@ def export_hf(
         change = EntryChange(entry or primary_entry(tree), report.layout_from, "transformers", len(exported.state),
                              sum(k not in state for k in exported.state))  # fmt: skip
         return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
-                          *exported.notes])  # fmt: skip
+                          *named, *exported.notes])  # fmt: skip
 
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
@@ -290,7 +288,6 @@ def _verify(
     import torch
 
     from ckptfix.hf_export import model_class
-    from ckptfix.loading import model_state_of
 
     config = load_config(folder)
     cls = model_class(config, config_path=os.path.join(folder, CONFIG))
@@ -300,9 +297,8 @@ def _verify(
     if wrong or info.get("error_msgs"):
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
     obj = read(source, fmt=detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
-    state = model_state_of(obj, source=source, entry=entry)
-    if premap is not None:
-        state = premap(state)
+    state, _ = source_state(obj, None if premap else load_config(found.folder), source=source, entry=entry,
+                            premap=premap)  # fmt: skip
     if rules:
         state = apply_maps(state, rules, source=source)
     source_config = load_config(folder if premap else found.folder)  # a Megatron folder's: the one built, written
@@ -334,6 +330,20 @@ def _reference(
     own = export_state(state, meta_model(config, config_path=CONFIG), source="source", config_path=CONFIG,
                        strip_prefixes=strip_prefixes)  # fmt: skip
     return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype)
+
+
+def source_state(
+    tree: Any, config: Any, *, source: str, entry: str | None, premap: Any = None
+) -> tuple[Mapping[str, Any], list[str]]:
+    """The model state of checkpoint ``tree`` to export and notes on it: a Megatron folder's mapped by ``premap``,
+    a torchtune or torchtitan Llama's mapped to transformers' names (:mod:`ckptfix.llama_names`), else as read."""
+    from ckptfix.llama_names import model_state
+    from ckptfix.loading import model_state_of
+
+    if premap is None and (llama := model_state(tree, config, source=source, entry=entry)) is not None:
+        return llama.state, llama.notes
+    state = model_state_of(tree, source=source, entry=entry)
+    return (premap(state) if premap is not None else state), []
 
 
 def _fixed_input(config: Any) -> torch.Tensor:

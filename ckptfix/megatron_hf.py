@@ -146,7 +146,9 @@ def hf_state(
     """``state`` (a TP=1, PP=1 ``GPTModel``'s tensors by Megatron's names) in transformers' names for the model
     ``config`` describes; ``take(tensor, [(start, stop), …])`` makes a tensor of those rows (default: torch's
     ``cat`` of the slices, cloned). A name with no place in the model is refused by name."""
-    take = take or _rows
+    from ckptfix.stream.rows import take_rows
+
+    take = take or take_rows
     heads, groups, d = int(config["num_attention_heads"]), int(config["num_key_value_heads"]), int(config["head_dim"])
     vocab, tied = int(config["vocab_size"]), bool(config.get("tie_word_embeddings"))
     moe = "num_local_experts" in config
@@ -205,22 +207,6 @@ def _gated(t: Any, take: Callable[[Any, list[tuple[int, int]]], Any], half: int)
 
 def _rows_of(t: Any) -> int:
     return int(t.shape[0])
-
-
-def _rows(t: Any, spans: list[tuple[int, int]]) -> Any:
-    """The rows ``spans`` of tensor ``t``, in a tensor of their own (no storage shared with ``t``); of a tensor
-    record, a record of them (its bytes copied as sub-ranges of the source's when written)."""
-    from ckptfix.formats.records import is_record
-
-    if len(spans) == 1 and spans[0] == (0, _rows_of(t)):
-        return t
-    if is_record(t):
-        from ckptfix.stream.rows import RowsTensor
-
-        return RowsTensor(str(getattr(t, "key", "")), t, tuple(spans))
-    import torch
-
-    return torch.cat([t[a:b] for a, b in spans]).clone()
 
 
 @dataclass

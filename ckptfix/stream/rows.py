@@ -1,5 +1,6 @@
 """A tensor made of row ranges of another tensor record: Megatron's fused QKV split per query group into q, k and v,
-its ``[gate; up]`` split in two, its padded vocabulary cut (:mod:`ckptfix.megatron_hf`).
+its ``[gate; up]`` split in two, its padded vocabulary cut (:mod:`ckptfix.megatron_hf`); a Llama query or key
+projection's rows reordered within each head (:mod:`ckptfix.llama_names`).
 
 The rows of a row-major tensor are runs of its bytes, so where the source's bytes are runs of files (a DCP tensor
 chunked by rows) the new tensor's are sub-runs of them: copied file to file, never held. Where they are not (a DCP
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.records import TensorRecord, is_record
 
 
 @dataclass(eq=False)
@@ -35,6 +36,19 @@ class RowsTensor(TensorRecord):
     @property
     def row_bytes(self) -> int:
         return int(math.prod(tuple(self.source.shape)[1:])) * DTYPES[self.dtype].itemsize
+
+
+def take_rows(t: Any, spans: list[tuple[int, int]]) -> Any:
+    """The rows ``spans`` of tensor ``t``, in a tensor of their own (no storage shared with ``t``); of a tensor
+    record, a record of them (its bytes copied as sub-ranges of the source's when written). The one way a name
+    map (:mod:`ckptfix.megatron_hf`, :mod:`ckptfix.llama_names`) splits or reorders a tensor's rows."""
+    if len(spans) == 1 and spans[0] == (0, int(t.shape[0])):
+        return t
+    if is_record(t):
+        return RowsTensor(str(getattr(t, "key", "")), t, tuple(spans))
+    import torch
+
+    return torch.cat([t[a:b] for a, b in spans]).clone()
 
 
 def sub_ranges(ranges: list[tuple[str, int, int]], start: int, stop: int) -> list[tuple[str, int, int]]:
@@ -63,4 +77,4 @@ def rows_of(t: RowsTensor, whole: Any) -> Any:
     return torch.cat([whole[a:b] for a, b in t.spans]).contiguous()
 
 
-__all__ = ["RowsTensor", "rows_of", "rows_ranges", "sub_ranges"]
+__all__ = ["RowsTensor", "rows_of", "rows_ranges", "sub_ranges", "take_rows"]

@@ -1,0 +1,232 @@
+"""Real torchtune and torchtitan Llama checkpoints for the tests: tiny models built by the trainers' own builders,
+trained two steps, saved by their own writers, with what their own converters make of them.
+
+- ``tune/``: torchtune's ``llama3`` (untied output), saved by ``FullModelTorchTuneCheckpointer``
+  (``epoch_0/model-00001-of-00001.bin``, a ``torch.save`` of the state dict in torchtune's names);
+- ``tune_tied/``: torchtune's ``llama3_2`` (output tied to the embedding, Llama 3 scaled rotary), the same way;
+- ``titan/``: torchtitan's Llama 3 model (``Llama3Model``), saved by its ``CheckpointManager`` (a DCP folder
+  ``step-2/``: the model's tensors at the top, beside ``optimizer``, ``lr_scheduler``, ``train_state``).
+
+Beside each, ``NAME.expected.safetensors`` is the trainer's own converter's output (torchtune's
+``convert_weights.tune_to_hf``, torchtitan's ``Llama3StateDictAdapter.to_hf``): what ``convert --format hf`` must
+write; ``NAME.logits.safetensors`` the source model's forward on :data:`IDS` in float32; ``config_NAME/config.json``
+the transformers config of the model (``--config-from``: neither trainer writes one). ``MANIFEST.json`` says how
+they were made.
+
+It needs torchtune and torchtitan, which ckptfix's own environment does not hold::
+
+    python3 -m venv tune-venv && tune-venv/bin/pip install torch==2.13.0 torchtune torchao==0.11.0 torchtitan \\
+        triton transformers safetensors
+    tune-venv/bin/python -m tests.llama_family_runs fixtures/llama_family
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+VOCAB, DIM, LAYERS, HEADS, KV_HEADS, FFN, SEQ, MAX_SEQ = 16, 8, 1, 2, 1, 8, 8, 32
+ROPE_THETA, EPS, STEPS = 10000.0, 1e-5, 2
+
+
+def fixed_ids() -> Any:
+    """The input every model is run on, here and in the tests."""
+    import torch
+
+    return (torch.arange(SEQ) * 7 % VOCAB).reshape(1, SEQ)
+
+
+def _hf_config(folder: Path, *, tied: bool, rope_scaling: dict[str, Any] | None = None) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=DIM // HEADS,
+                         max_position_embeddings=MAX_SEQ, rms_norm_eps=EPS, tie_word_embeddings=tied,
+                         rope_theta=ROPE_THETA, rope_scaling=rope_scaling, attention_bias=False, mlp_bias=False,
+                         architectures=["LlamaForCausalLM"], dtype="float32")  # fmt: skip
+    config.save_pretrained(folder)
+
+
+def _train(model: Any, forward: Any) -> None:
+    import torch
+
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (2, SEQ))
+        logits = forward(tokens)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _save(path: Path, tensors: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def tune_run(out: Path, name: str, *, tied: bool) -> dict[str, Any]:
+    import torch
+    from torchtune.models.convert_weights import tune_to_hf
+    from torchtune.models.llama3 import llama3
+    from torchtune.models.llama3_2 import llama3_2
+    from torchtune.training import MODEL_KEY
+    from torchtune.training.checkpointing import FullModelTorchTuneCheckpointer
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=DIM,
+                 max_seq_len=MAX_SEQ, intermediate_dim=FFN, norm_eps=EPS, rope_base=int(ROPE_THETA))  # fmt: skip
+    model = llama3_2(**shape, tie_word_embeddings=True) if tied else llama3(**shape)
+    with tempfile.TemporaryDirectory() as base:  # the run starts from a checkpoint, as a recipe does
+        torch.save(model.state_dict(), os.path.join(base, "base.pt"))
+        ckpt = FullModelTorchTuneCheckpointer(checkpoint_dir=base, checkpoint_files=["base.pt"],
+                                              model_type="LLAMA3_2" if tied else "LLAMA3",
+                                              output_dir=str(out / name))  # fmt: skip
+        model.load_state_dict(ckpt.load_checkpoint()[MODEL_KEY])
+        _train(model, model)
+        ckpt.save_checkpoint({MODEL_KEY: model.state_dict()}, epoch=0)
+    for extra in (out / name).iterdir():  # the weights file only: torchtune copies the base folder's other files
+        if extra.name != "epoch_0":
+            shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
+    saved = torch.load(out / name / "epoch_0" / "model-00001-of-00001.bin", weights_only=True)
+    _save(out / f"{name}.expected.safetensors", tune_to_hf(saved, num_heads=HEADS, num_kv_heads=KV_HEADS, dim=DIM))
+    model.eval()
+    with torch.no_grad():
+        _save(out / f"{name}.logits.safetensors", {"logits": model(fixed_ids()).float()})
+    scaling = (
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        if tied
+        else None
+    )  # llama3_2's Llama3ScaledRoPE
+    _hf_config(out / f"config_{name}", tied=tied, rope_scaling=scaling)
+    return {"writer": "torchtune FullModelTorchTuneCheckpointer", "builder": "llama3_2" if tied else "llama3",
+            "tied": tied, "source": f"{name}/epoch_0/model-00001-of-00001.bin"}  # fmt: skip
+
+
+def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
+    import torch
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import Llama3Model, Llama3StateDictAdapter, _build_llama3_layers
+
+    torch.manual_seed(0)
+    config = Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM, eps=EPS), lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        layers=_build_llama3_layers(n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, hidden_dim=FFN,
+                                    rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=MAX_SEQ, theta=ROPE_THETA),
+                                    attn_backend="flex", fuse_qkv=False),
+    )  # fmt: skip
+    for layer in config.layers:  # the norms' eps as the HF config says it (torchtitan's default is 1e-6)
+        layer.attention_norm.eps = layer.ffn_norm.eps = EPS
+        # torchtitan's SDPA attention (causal): its FlexAttention has no backward on the CPU; the weights, their
+        # names and the rotary layout are the same whichever kernel attends
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    model = config.build()
+    model.init_states()
+
+    def forward(tokens: Any) -> Any:
+        return model(tokens)
+
+    optimizer = default_adamw(lr=1e-2)
+    optimizer.implementation = "for-loop"  # fused is CUDA's
+    optimizers = optimizer.build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=1).build(optimizers=optimizers, training_steps=STEPS)
+
+    class TrainState:  # the trainer's own train_state entry: {"step", "ntokens_seen"}
+        step, ntokens_seen = 0, 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.step, self.ntokens_seen = state["step"], state["ntokens_seen"]
+
+    train = TrainState()
+    # a run's last save, as torchtitan's default config writes it: the model's tensors alone, at the DCP folder's
+    # top; ``full``: a save at an interval, the optimizer, lr_scheduler and train_state beside them (20 times the
+    # bytes, over what fixtures/ can hold: made by --only titan_full, not kept)
+    checkpointer = CheckpointManager.Config(enable=True, folder=name, interval=STEPS, last_save_model_only=True,
+                                            keep_latest_k=0).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+        states={"train_state": train}, sd_adapter=None, base_folder=str(out))  # fmt: skip
+    torch.manual_seed(1)
+    for step in range(1, STEPS + 1):
+        tokens = torch.randint(0, VOCAB, (2, SEQ))
+        logits = forward(tokens)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        optimizers.zero_grad()
+        loss.backward()
+        optimizers.step()
+        schedulers.step()
+        train.step, train.ntokens_seen = step, train.ntokens_seen + tokens.numel()
+        checkpointer.save(step, last_step=step == STEPS and not full)
+    checkpointer.close()
+    adapter = Llama3StateDictAdapter(config, None)
+    _save(out / f"{name}.expected.safetensors", adapter.to_hf(dict(model.state_dict())))
+    model.eval()
+    with torch.no_grad():
+        _save(out / f"{name}.logits.safetensors", {"logits": forward(fixed_ids()).float()})
+    _hf_config(out / f"config_{name}", tied=False)
+    what = "interval save: model, optimizer, lr_scheduler, train_state" if full else "last step, last_save_model_only"
+    return {
+        "writer": f"torchtitan CheckpointManager ({what})",
+        "converter": "Llama3StateDictAdapter.to_hf",
+        "tied": False,
+        "source": f"{name}/step-{STEPS}",
+    }
+
+
+RUNS = {"tune": lambda out: tune_run(out, "tune", tied=False), "tune_tied": lambda out: tune_run(out, "tune_tied",
+        tied=True), "titan": lambda out: titan_run(out, "titan"),
+        "titan_full": lambda out: titan_run(out, "titan_full", full=True)}  # fmt: skip
+FIXTURES = ("tune", "tune_tied", "titan")  # what fixtures/llama_family holds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--only", nargs="*", default=list(FIXTURES), choices=list(RUNS))
+    args = parser.parse_args(argv)
+    import torch
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest_path = args.out / "MANIFEST.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"runs": {}}
+    for name in args.only:
+        for old in (args.out / name, args.out / f"config_{name}"):
+            shutil.rmtree(old, ignore_errors=True)
+        manifest["runs"][name] = RUNS[name](args.out)
+    import torchtune
+
+    manifest["command"] = "tune-venv/bin/python -m tests.llama_family_runs fixtures/llama_family"
+    manifest["platform"] = {"torch": torch.__version__, "torchtune": torchtune.__version__,
+                            "python": sys.version.split()[0], "shape": {"vocab": VOCAB, "dim": DIM, "layers": LAYERS,
+                            "heads": HEADS, "kv_heads": KV_HEADS, "ffn": FFN}, "steps": STEPS}  # fmt: skip
+    try:
+        import torchtitan
+
+        manifest["platform"]["torchtitan"] = getattr(torchtitan, "__version__", "0.3.0")
+    except ImportError:
+        pass
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
