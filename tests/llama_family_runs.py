@@ -4,14 +4,16 @@ trained two steps, saved by their own writers, with what their own converters ma
 - ``tune/``: torchtune's ``llama3`` (untied output), saved by ``FullModelTorchTuneCheckpointer``
   (``epoch_0/model-00001-of-00001.bin``, a ``torch.save`` of the state dict in torchtune's names);
 - ``tune_tied/``: torchtune's ``llama3_2`` (output tied to the embedding, Llama 3 scaled rotary), the same way;
-- ``titan/``: torchtitan's Llama 3 model (``Llama3Model``), saved by its ``CheckpointManager`` (a DCP folder
-  ``step-2/``: the model's tensors at the top, beside ``optimizer``, ``lr_scheduler``, ``train_state``).
+- ``titan/``: torchtitan's Llama 3 model (``Llama3Model``), saved by its ``CheckpointManager`` at the run's last
+  step as its default config saves it (``last_save_model_only``: a DCP folder ``step-2/`` of the model's tensors,
+  at the top). ``--only titan_full`` makes a save at an interval instead, the optimizer, ``lr_scheduler`` and
+  ``train_state`` beside the model (about 550 kB: not kept in fixtures/).
 
 Beside each, ``NAME.expected.safetensors`` is the trainer's own converter's output (torchtune's
 ``convert_weights.tune_to_hf``, torchtitan's ``Llama3StateDictAdapter.to_hf``): what ``convert --format hf`` must
-write; ``NAME.logits.safetensors`` the source model's forward on :data:`IDS` in float32; ``config_NAME/config.json``
-the transformers config of the model (``--config-from``: neither trainer writes one). ``MANIFEST.json`` says how
-they were made.
+write; ``NAME.logits.safetensors`` the source model's forward on a fixed input (``input_ids``) in float32;
+``config_NAME/config.json`` the transformers config of the model (``--config-from``: neither trainer writes
+one). ``MANIFEST.json`` says how they were made.
 
 It needs torchtune and torchtitan, which ckptfix's own environment does not hold::
 
@@ -100,7 +102,7 @@ def tune_run(out: Path, name: str, *, tied: bool) -> dict[str, Any]:
     _save(out / f"{name}.expected.safetensors", tune_to_hf(saved, num_heads=HEADS, num_kv_heads=KV_HEADS, dim=DIM))
     model.eval()
     with torch.no_grad():
-        _save(out / f"{name}.logits.safetensors", {"logits": model(fixed_ids()).float()})
+        _save(out / f"{name}.logits.safetensors", {"logits": model(fixed_ids()).float(), "input_ids": fixed_ids()})
     scaling = (
         {
             "rope_type": "llama3",
@@ -182,7 +184,7 @@ def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
     _save(out / f"{name}.expected.safetensors", adapter.to_hf(dict(model.state_dict())))
     model.eval()
     with torch.no_grad():
-        _save(out / f"{name}.logits.safetensors", {"logits": forward(fixed_ids()).float()})
+        _save(out / f"{name}.logits.safetensors", {"logits": forward(fixed_ids()).float(), "input_ids": fixed_ids()})
     _hf_config(out / f"config_{name}", tied=False)
     what = "interval save: model, optimizer, lr_scheduler, train_state" if full else "last step, last_save_model_only"
     return {

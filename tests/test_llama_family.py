@@ -1,0 +1,204 @@
+"""``convert SRC OUT/ --format hf --config-from DIR`` of torchtune and torchtitan Llama checkpoints
+(ckptfix/llama_names.py): each saved by the trainer's own writer (``tests/llama_family_runs.py``), exported to a
+folder transformers loads with no missing or unexpected key, whose tensors are ``torch.equal`` to what the trainer's
+own converter makes of them (torchtune's ``tune_to_hf``, torchtitan's ``Llama3StateDictAdapter.to_hf``:
+``NAME.expected.safetensors``) and whose logits equal the source model's forward (``NAME.logits.safetensors``);
+and the refusals: no config, a config whose heads do not fit, a mixture of layouts, a model that is no Llama."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from safetensors.torch import load_file
+
+from ckptfix.cli import cli
+from ckptfix.errors import MismatchError
+from ckptfix.llama_names import TORCHTITAN, TORCHTUNE, head_spans, layout_of
+from ckptfix.stream.rows import take_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures" / "llama_family"
+MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
+RUNS = sorted(MANIFEST["runs"])
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+
+def run(*args: Any) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def source(name: str) -> Path:
+    return FIXTURES / MANIFEST["runs"][name]["source"]
+
+
+def digest(path: Path) -> str:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()
+
+
+def test_fixtures_are_the_trainers_own() -> None:
+    assert set(RUNS) == {"tune", "tune_tied", "titan"}
+    assert MANIFEST["runs"]["titan"]["converter"] == "Llama3StateDictAdapter.to_hf"
+    assert (source("titan") / ".metadata").is_file()
+    assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 60_000
+
+
+@needs_transformers
+@pytest.mark.parametrize("name", RUNS)
+def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: str, tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    before = digest(source(name))
+    out = tmp_path / "hf"
+    result = run("convert", source(name), out, "--format", "hf", "--config-from", FIXTURES / f"config_{name}", "-v")
+    assert result.exit_code == 0, result.output
+    assert "path: stream" in result.output
+    assert "names mapped to transformers' Llama names" in result.output
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(FIXTURES / f"{name}.expected.safetensors"))
+    assert set(got) == set(want)
+    assert f"{len(want)} tensors, {len(want)} copied as byte ranges, 0 gathered in memory" in result.output
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    model, info = LlamaForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32,
+                                                   local_files_only=True)  # fmt: skip
+    assert {k: v for k, v in info.items() if v} == {}
+    ref = load_file(str(FIXTURES / f"{name}.logits.safetensors"))
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ref["input_ids"]).logits
+    # float32 kernels of two implementations (the trainer's attention and rotary tables, transformers') differ in
+    # the last bits: torchtitan's equal exactly here, torchtune's within 5e-7
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
+    assert digest(source(name)) == before  # the input is never changed
+
+    slow = tmp_path / "torch"
+    result = run("convert", source(name), slow, "--format", "hf", "--config-from", FIXTURES / f"config_{name}", "-v",
+                 "--no-fast")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "path: torch" in result.output
+    assert (slow / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+@needs_transformers
+def test_tied_output_is_left_out_as_transformers_writes_it(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = run("convert", source("tune_tied"), out, "--format", "hf", "--config-from", FIXTURES / "config_tune_tied")
+    assert result.exit_code == 0, result.output
+    assert "left out 'lm_head.weight': the config ties it to 'model.embed_tokens.weight'" in result.output
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@needs_transformers
+def test_verify_loads_the_folder_and_compares_logits(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = run("convert", source("titan"), out, "--format", "hf", "--config-from", FIXTURES / "config_titan",
+                 "--verify")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert (
+        "verified: from_pretrained loads every key, logits equal the source's (largest difference 0)" in result.output
+    )
+
+
+def refused(tmp_path: Path, src: Path, *args: Any) -> str:
+    out = tmp_path / "hf"
+    result = run("convert", src, out, "--format", "hf", *args)
+    assert result.exit_code != 0, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckptfix" in p.name]  # no temporary folder left behind
+    return lines[0]
+
+
+@needs_transformers
+def test_without_a_config_is_refused_saying_config_from(tmp_path: Path) -> None:
+    line = refused(tmp_path, source("tune"))
+    assert "config.json" in line and "--config-from" in line
+
+
+@needs_transformers
+@pytest.mark.parametrize(("name", "key"), [("tune", "layers.0.attn.q_proj.weight"),
+                                           ("titan", "layers.0.attention.qkv_linear.wq.weight")])  # fmt: skip
+def test_a_config_whose_heads_do_not_fit_is_refused_by_key(name: str, key: str, tmp_path: Path) -> None:
+    config = json.loads((FIXTURES / f"config_{name}" / "config.json").read_text())
+    config.update(num_attention_heads=4, head_dim=4)  # 16 query rows; the model has 2 heads of 4
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    line = refused(tmp_path, source(name), "--config-from", tmp_path / "cfg")
+    assert f"'{key}' is [8, 8], not [16, 8] (4 query heads of 4, hidden size 8" in line
+    assert "--config-from" in line
+
+
+@needs_transformers
+def test_a_tied_checkpoint_with_an_untied_config_is_refused(tmp_path: Path) -> None:
+    line = refused(tmp_path, source("tune_tied"), "--config-from", FIXTURES / "config_tune")
+    assert "has no output projection ('output.weight')" in line and '"tie_word_embeddings": true' in line
+
+
+@needs_transformers
+def test_a_mixture_of_layouts_is_refused_naming_the_key(tmp_path: Path) -> None:
+    state = torch.load(source("tune"), weights_only=True)  # torchtune's file, one key in torchtitan's name
+    state["layers.0.attention.wo.weight"] = state.pop("layers.0.attn.output_proj.weight")
+    mixed = tmp_path / "mixed.pt"
+    torch.save(state, mixed)
+    line = refused(tmp_path, mixed, "--config-from", FIXTURES / "config_tune")
+    assert "'layers.0.attention.wo.weight' is not a torchtune Llama name, though 'tok_embeddings.weight' is" in line
+
+
+@needs_transformers
+def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
+    config = json.loads((FIXTURES / "config_tune" / "config.json").read_text())
+    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    line = refused(tmp_path, source("tune"), "--config-from", tmp_path / "cfg")
+    assert "holds torchtune Llama names, but config.json describes model_type 'qwen2'" in line
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "dim"), [(2, 4, 8), (1, 8, 8), (4, 2, 8), (3, 6, 5), (8, 16, 4)])
+def test_head_spans_are_the_converters_permute(heads: int, head_dim: int, dim: int) -> None:
+    w = torch.randn(heads * head_dim, dim)
+    # torchtune's tune_to_hf _permute and torchtitan's to_hf _permute, both
+    permuted = w.view(heads, head_dim // 2, 2, dim).transpose(1, 2).reshape(heads * head_dim, dim)
+    assert torch.equal(take_rows(w, head_spans(heads, head_dim)), permuted)
+
+
+def test_layouts_are_told_by_their_names() -> None:
+    tune = load_file(str(FIXTURES / "tune.expected.safetensors"))  # transformers' names: none of ours
+    assert layout_of(tune, source="x") is None
+    assert layout_of([k.removeprefix("model.") for k in tune if k.startswith("model.")], source="x") is None
+    state = torch.load(source("tune"), weights_only=True)
+    assert layout_of(state, source="x") is TORCHTUNE
+    titan = ["tok_embeddings.weight", "norm.weight", "lm_head.weight", "layers.3.attention.qkv_linear.wk.weight"]
+    assert layout_of(titan, source="x") is TORCHTITAN
+    with pytest.raises(MismatchError, match=r"'layers\.0\.feed_forward\.w1\.weight' is not a torchtune Llama name"):
+        layout_of([*state, "layers.0.feed_forward.w1.weight"], source="x")
+
+
+@pytest.mark.slow
+def test_a_torchtitan_save_beside_its_training_state(tmp_path: Path) -> None:
+    """A save at an interval (the optimizer, lr_scheduler, train_state and dataloader beside the model's tensors,
+    as torchtitan flattens them): made fresh, as it is too large for fixtures/; runs where torchtitan imports
+    (``PYTHONPATH=. tune-venv/bin/python -m pytest -m slow tests/test_llama_family.py``)."""
+    pytest.importorskip("torchtitan", reason="needs torchtitan (tests/llama_family_runs.py says how)")
+    from tests.llama_family_runs import titan_run
+
+    made = titan_run(tmp_path, "full", full=True)
+    out = tmp_path / "hf"
+    result = run("convert", tmp_path / made["source"], out, "--format", "hf", "--config-from", tmp_path / "config_full",
+                 "-v")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "left out the training state beside the model: dataloader, lr_scheduler, optimizer, train_state" in (
+        result.output
+    )
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "full.expected.safetensors"))
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
