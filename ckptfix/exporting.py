@@ -35,6 +35,7 @@ from ckptfix.signature import strict_keywords
 if TYPE_CHECKING:
     import torch
 
+    from ckptfix.llama_names import Mapped
     from ckptfix.merge_policy import MergeResult
 
 WEIGHTS = "model.safetensors"
@@ -90,15 +91,17 @@ def export_hf(
         from ckptfix.loading import primary_entry
 
         refuse_partial(tree, source=source, entries=(entry,) if entry else None)
-        state, named = source_state(tree, config, source=source, entry=entry, premap=premap)
+        state, named, llama = source_state(tree, config, source=source, entry=entry, premap=premap)
         if rules:
             state = apply_maps(state, rules, source=source)
         exported = export_state(state, model, source=source, config_path=found.config_path,
                                 strip_prefixes=strip_prefixes)  # fmt: skip
         done.append(exported)
         report = exported.report
-        change = EntryChange(entry or primary_entry(tree), report.layout_from, "transformers", len(exported.state),
-                             sum(k not in state for k in exported.state))  # fmt: skip
+        renamed = llama.renamed if llama else frozenset()
+        change = EntryChange(entry or primary_entry(tree), llama.layout.name if llama else report.layout_from,
+                             "transformers", len(exported.state),
+                             sum(k not in state or k in renamed for k in exported.state))  # fmt: skip
         return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
                           *named, *exported.notes])  # fmt: skip
 
@@ -297,7 +300,7 @@ def _verify(
     if wrong or info.get("error_msgs"):
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
     obj = read(source, fmt=detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
-    state, _ = source_state(obj, None if premap else load_config(found.folder), source=source, entry=entry,
+    state, _, _ = source_state(obj, None if premap else load_config(found.folder), source=source, entry=entry,
                             premap=premap)  # fmt: skip
     if rules:
         state = apply_maps(state, rules, source=source)
@@ -334,16 +337,17 @@ def _reference(
 
 def source_state(
     tree: Any, config: Any, *, source: str, entry: str | None, premap: Any = None
-) -> tuple[Mapping[str, Any], list[str]]:
-    """The model state of checkpoint ``tree`` to export and notes on it: a Megatron folder's mapped by ``premap``,
-    a torchtune or torchtitan Llama's mapped to transformers' names (:mod:`ckptfix.llama_names`), else as read."""
+) -> tuple[Mapping[str, Any], list[str], Mapped | None]:
+    """The model state of checkpoint ``tree`` to export, notes on it, and what a Llama's mapping did: a Megatron
+    folder's mapped by ``premap``, a torchtune or torchtitan Llama's mapped to transformers' names
+    (:mod:`ckptfix.llama_names`), else as read."""
     from ckptfix.llama_names import model_state
     from ckptfix.loading import model_state_of
 
     if premap is None and (llama := model_state(tree, config, source=source, entry=entry)) is not None:
-        return llama.state, llama.notes
+        return llama.state, llama.notes, llama
     state = model_state_of(tree, source=source, entry=entry)
-    return (premap(state) if premap is not None else state), []
+    return (premap(state) if premap is not None else state), [], None
 
 
 def _fixed_input(config: Any) -> torch.Tensor:

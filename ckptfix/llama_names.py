@@ -45,7 +45,9 @@ class Layout:
     layer: Mapping[str, str]
     dropped: frozenset[str] = frozenset()  # buffers transformers computes itself (a rotary table)
 
-    def names(self, key: str) -> bool:
+    def names(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
         m = _LAYER.fullmatch(key)
         return key in self.top or key in self.dropped or (m is not None and m.group(2) in self.layer)
 
@@ -80,14 +82,16 @@ META = Layout(
 LAYOUTS = (TORCHTUNE, TORCHTITAN, META)
 
 
-def _claims(key: str) -> bool:
+def _claims(key: object) -> bool:
     """A name only these trainers write: the embedding, or a layer name of a layout (``norm.weight`` alone is
     also a bare ``LlamaModel``'s)."""
+    if not isinstance(key, str):
+        return False
     m = _LAYER.fullmatch(key)
     return key == "tok_embeddings.weight" or (m is not None and any(m.group(2) in lay.layer for lay in LAYOUTS))
 
 
-def layout_of(keys: Iterable[str], *, source: str) -> Layout | None:
+def layout_of(keys: Iterable[object], *, source: str) -> Layout | None:
     """The layout all of ``keys`` are in; None when none of them is a torchtune or torchtitan name. Refused in one
     line, naming the first key that does not fit, when some are and the rest are not of one layout."""
     keys = list(keys)
@@ -179,6 +183,7 @@ class Mapped:
 
     state: OrderedDict[str, Any]
     layout: Layout
+    renamed: frozenset[str]  # transformers' names that are not the source's
     notes: list[str] = field(default_factory=list)
 
 
@@ -214,7 +219,8 @@ def model_state(tree: Any, config: Any, *, source: str, entry: str | None = None
              f"from Meta's rotary layout to rotate_half's"]  # fmt: skip
     if beside:
         notes.append(f"left out the training state beside the model: {', '.join(beside)}")
-    return Mapped(hf_state(state, shape, layout=layout, source=source), layout, notes)
+    mapped = hf_state(state, shape, layout=layout, source=source)
+    return Mapped(mapped, layout, frozenset(k for k in mapped if k not in state), notes)
 
 
 __all__ = ["LAYOUTS", "Layout", "Mapped", "head_spans", "hf_state", "layout_of", "model_state"]
