@@ -72,7 +72,7 @@ TORCHTITAN = Layout(
      "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight", **_TITAN_LAYER},
 )  # fmt: skip
 META = Layout(
-    "torchtitan (Meta's names)",
+    "Meta",
     {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
      "output.weight": "lm_head.weight"},
     {"attention.wq.weight": _Q, "attention.wk.weight": _K, "attention.wv.weight": "self_attn.v_proj.weight",

@@ -1,13 +1,16 @@
 """Real torchtune and torchtitan Llama checkpoints for the tests: tiny models built by the trainers' own builders,
 trained two steps, saved by their own writers, with what their own converters make of them.
 
-- ``tune/``: torchtune's ``llama3`` (untied output), saved by ``FullModelTorchTuneCheckpointer``
-  (``epoch_0/model-00001-of-00001.bin``, a ``torch.save`` of the state dict in torchtune's names);
-- ``tune_tied/``: torchtune's ``llama3_2`` (output tied to the embedding, Llama 3 scaled rotary), the same way;
+- ``tune_tied/``: torchtune's ``llama3_2`` (output tied to the embedding: no ``output.weight``; Llama 3 scaled
+  rotary), saved by ``FullModelTorchTuneCheckpointer`` (``epoch_0/model-00001-of-00001.bin``, a ``torch.save`` of
+  the state dict in torchtune's names);
+- ``meta/``: torchtune's ``llama3`` (untied), saved by ``FullModelMetaCheckpointer``: Meta's names
+  (``attention.wq``, ``feed_forward.w1``, ``output``), those of torchtitan before 0.3 and Meta's releases;
 - ``titan/``: torchtitan's Llama 3 model (``Llama3Model``), saved by its ``CheckpointManager`` at the run's last
   step as its default config saves it (``last_save_model_only``: a DCP folder ``step-2/`` of the model's tensors,
   at the top). ``--only titan_full`` makes a save at an interval instead, the optimizer, ``lr_scheduler`` and
-  ``train_state`` beside the model (about 550 kB: not kept in fixtures/).
+  ``train_state`` beside the model (about 550 kB), ``--only tune`` torchtune's ``llama3`` untied in torchtune's
+  names: not kept in fixtures/, whose files stay under 60 kB.
 
 Beside each, ``NAME.expected.safetensors`` is the trainer's own converter's output (torchtune's
 ``convert_weights.tune_to_hf``, torchtitan's ``Llama3StateDictAdapter.to_hf``): what ``convert --format hf`` must
@@ -75,13 +78,15 @@ def _save(path: Path, tensors: dict[str, Any]) -> None:
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
-def tune_run(out: Path, name: str, *, tied: bool) -> dict[str, Any]:
+def tune_run(out: Path, name: str, *, tied: bool, meta: bool = False) -> dict[str, Any]:
+    """``meta``: saved by ``FullModelMetaCheckpointer`` (Meta's names, as torchtitan before 0.3 and Meta's own
+    releases name them), converted as torchtune converts it to transformers' (``meta_to_tune``, ``tune_to_hf``)."""
     import torch
-    from torchtune.models.convert_weights import tune_to_hf
+    from torchtune.models.convert_weights import meta_to_tune, tune_to_hf, tune_to_meta
     from torchtune.models.llama3 import llama3
     from torchtune.models.llama3_2 import llama3_2
     from torchtune.training import MODEL_KEY
-    from torchtune.training.checkpointing import FullModelTorchTuneCheckpointer
+    from torchtune.training.checkpointing import FullModelMetaCheckpointer, FullModelTorchTuneCheckpointer
 
     torch.manual_seed(0)
     shape = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=DIM,
@@ -89,9 +94,11 @@ def tune_run(out: Path, name: str, *, tied: bool) -> dict[str, Any]:
     model = llama3_2(**shape, tie_word_embeddings=True) if tied else llama3(**shape)
     with tempfile.TemporaryDirectory() as base:  # the run starts from a checkpoint, as a recipe does
         torch.save(model.state_dict(), os.path.join(base, "base.pt"))
-        ckpt = FullModelTorchTuneCheckpointer(checkpoint_dir=base, checkpoint_files=["base.pt"],
-                                              model_type="LLAMA3_2" if tied else "LLAMA3",
-                                              output_dir=str(out / name))  # fmt: skip
+        writer = FullModelMetaCheckpointer if meta else FullModelTorchTuneCheckpointer
+        if meta:  # the Meta checkpointer starts from a checkpoint in Meta's names
+            torch.save(tune_to_meta(model.state_dict()), os.path.join(base, "base.pt"))
+        ckpt = writer(checkpoint_dir=base, checkpoint_files=["base.pt"], model_type="LLAMA3_2" if tied else "LLAMA3",
+                      output_dir=str(out / name))  # fmt: skip
         model.load_state_dict(ckpt.load_checkpoint()[MODEL_KEY])
         _train(model, model)
         ckpt.save_checkpoint({MODEL_KEY: model.state_dict()}, epoch=0)
@@ -99,6 +106,8 @@ def tune_run(out: Path, name: str, *, tied: bool) -> dict[str, Any]:
         if extra.name != "epoch_0":
             shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
     saved = torch.load(out / name / "epoch_0" / "model-00001-of-00001.bin", weights_only=True)
+    if meta:
+        saved = meta_to_tune(saved)
     _save(out / f"{name}.expected.safetensors", tune_to_hf(saved, num_heads=HEADS, num_kv_heads=KV_HEADS, dim=DIM))
     model.eval()
     with torch.no_grad():
@@ -115,8 +124,9 @@ def tune_run(out: Path, name: str, *, tied: bool) -> dict[str, Any]:
         else None
     )  # llama3_2's Llama3ScaledRoPE
     _hf_config(out / f"config_{name}", tied=tied, rope_scaling=scaling)
-    return {"writer": "torchtune FullModelTorchTuneCheckpointer", "builder": "llama3_2" if tied else "llama3",
-            "tied": tied, "source": f"{name}/epoch_0/model-00001-of-00001.bin"}  # fmt: skip
+    return {"writer": f"torchtune {writer.__name__}", "builder": "llama3_2" if tied else "llama3", "tied": tied,
+            "converter": "meta_to_tune, tune_to_hf" if meta else "tune_to_hf",
+            "source": f"{name}/epoch_0/model-00001-of-00001.bin"}  # fmt: skip
 
 
 def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
@@ -195,10 +205,15 @@ def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
     }
 
 
-RUNS = {"tune": lambda out: tune_run(out, "tune", tied=False), "tune_tied": lambda out: tune_run(out, "tune_tied",
-        tied=True), "titan": lambda out: titan_run(out, "titan"),
-        "titan_full": lambda out: titan_run(out, "titan_full", full=True)}  # fmt: skip
-FIXTURES = ("tune", "tune_tied", "titan")  # what fixtures/llama_family holds
+RUNS = {
+    "tune": lambda out: tune_run(out, "tune", tied=False),
+    "tune_tied": lambda out: tune_run(out, "tune_tied", tied=True),
+    "meta": lambda out: tune_run(out, "meta", tied=False, meta=True),
+    "titan": lambda out: titan_run(out, "titan"),
+    "titan_full": lambda out: titan_run(out, "titan_full", full=True),
+}
+# what fixtures/llama_family holds (under 60 kB: "tune", untied in torchtune's names, is made on demand)
+FIXTURES = ("tune_tied", "meta", "titan")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ckptfix.cli import cli
 from ckptfix.errors import MismatchError
-from ckptfix.llama_names import TORCHTITAN, TORCHTUNE, head_spans, layout_of
+from ckptfix.llama_names import META, TORCHTITAN, TORCHTUNE, head_spans, layout_of
 from ckptfix.stream.rows import take_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,8 @@ def digest(path: Path) -> str:
 
 
 def test_fixtures_are_the_trainers_own() -> None:
-    assert set(RUNS) == {"tune", "tune_tied", "titan"}
+    assert set(RUNS) == {"tune_tied", "meta", "titan"}
+    assert MANIFEST["runs"]["meta"]["writer"] == "torchtune FullModelMetaCheckpointer"
     assert MANIFEST["runs"]["titan"]["converter"] == "Llama3StateDictAdapter.to_hf"
     assert (source("titan") / ".metadata").is_file()
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 60_000
@@ -65,7 +66,7 @@ def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: 
     assert set(got) == set(want)
     assert f"{len(want)} tensors, {len(want)} copied as byte ranges, 0 gathered in memory" in result.output
     renamed = len(want) - (name == "titan")  # torchtitan 0.3 calls the output projection lm_head.weight too
-    trainer = "torchtitan" if name == "titan" else "torchtune"
+    trainer = {"titan": "torchtitan", "meta": "Meta", "tune_tied": "torchtune"}[name]
     assert f"state dict: {trainer} -> transformers keys, {len(want)} keys ({renamed} renamed)" in result.output
     for key, value in want.items():
         assert torch.equal(got[key], value), key
@@ -76,7 +77,7 @@ def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: 
     with torch.no_grad():
         logits = model.eval()(input_ids=ref["input_ids"]).logits
     # float32 kernels of two implementations (the trainer's attention and rotary tables, transformers') differ in
-    # the last bits: torchtitan's equal exactly here, torchtune's within 5e-7
+    # the last bits: torchtitan's equal exactly here, torchtune's within 5e-7 (the Meta file is torchtune's model)
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
     assert digest(source(name)) == before  # the input is never changed
 
@@ -122,13 +123,19 @@ def refused(tmp_path: Path, src: Path, *args: Any) -> str:
 
 @needs_transformers
 def test_without_a_config_is_refused_saying_config_from(tmp_path: Path) -> None:
-    line = refused(tmp_path, source("tune"))
+    line = refused(tmp_path, source("tune_tied"))
     assert "config.json" in line and "--config-from" in line
 
 
 @needs_transformers
-@pytest.mark.parametrize(("name", "key"), [("tune", "layers.0.attn.q_proj.weight"),
-                                           ("titan", "layers.0.attention.qkv_linear.wq.weight")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("tune_tied", "layers.0.attn.q_proj.weight"),
+        ("meta", "layers.0.attention.wq.weight"),
+        ("titan", "layers.0.attention.qkv_linear.wq.weight"),
+    ],
+)
 def test_a_config_whose_heads_do_not_fit_is_refused_by_key(name: str, key: str, tmp_path: Path) -> None:
     config = json.loads((FIXTURES / f"config_{name}" / "config.json").read_text())
     config.update(num_attention_heads=4, head_dim=4)  # 16 query rows; the model has 2 heads of 4
@@ -141,27 +148,27 @@ def test_a_config_whose_heads_do_not_fit_is_refused_by_key(name: str, key: str, 
 
 @needs_transformers
 def test_a_tied_checkpoint_with_an_untied_config_is_refused(tmp_path: Path) -> None:
-    line = refused(tmp_path, source("tune_tied"), "--config-from", FIXTURES / "config_tune")
+    line = refused(tmp_path, source("tune_tied"), "--config-from", FIXTURES / "config_meta")
     assert "has no output projection ('output.weight')" in line and '"tie_word_embeddings": true' in line
 
 
 @needs_transformers
 def test_a_mixture_of_layouts_is_refused_naming_the_key(tmp_path: Path) -> None:
-    state = torch.load(source("tune"), weights_only=True)  # torchtune's file, one key in torchtitan's name
+    state = torch.load(source("tune_tied"), weights_only=True)  # torchtune's file, one key in torchtitan's name
     state["layers.0.attention.wo.weight"] = state.pop("layers.0.attn.output_proj.weight")
     mixed = tmp_path / "mixed.pt"
     torch.save(state, mixed)
-    line = refused(tmp_path, mixed, "--config-from", FIXTURES / "config_tune")
+    line = refused(tmp_path, mixed, "--config-from", FIXTURES / "config_tune_tied")
     assert "'layers.0.attention.wo.weight' is not a torchtune Llama name, though 'tok_embeddings.weight' is" in line
 
 
 @needs_transformers
 def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
-    config = json.loads((FIXTURES / "config_tune" / "config.json").read_text())
+    config = json.loads((FIXTURES / "config_tune_tied" / "config.json").read_text())
     config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
-    line = refused(tmp_path, source("tune"), "--config-from", tmp_path / "cfg")
+    line = refused(tmp_path, source("tune_tied"), "--config-from", tmp_path / "cfg")
     assert "holds torchtune Llama names, but config.json describes model_type 'qwen2'" in line
 
 
@@ -174,10 +181,11 @@ def test_head_spans_are_the_converters_permute(heads: int, head_dim: int, dim: i
 
 
 def test_layouts_are_told_by_their_names() -> None:
-    tune = load_file(str(FIXTURES / "tune.expected.safetensors"))  # transformers' names: none of ours
-    assert layout_of(tune, source="x") is None
-    assert layout_of([k.removeprefix("model.") for k in tune if k.startswith("model.")], source="x") is None
-    state = torch.load(source("tune"), weights_only=True)
+    hf = load_file(str(FIXTURES / "meta.expected.safetensors"))  # transformers' names: none of ours
+    assert layout_of(hf, source="x") is None
+    assert layout_of([k.removeprefix("model.") for k in hf if k.startswith("model.")], source="x") is None
+    assert layout_of(torch.load(source("meta"), weights_only=True), source="x") is META
+    state = torch.load(source("tune_tied"), weights_only=True)
     assert layout_of(state, source="x") is TORCHTUNE
     titan = ["tok_embeddings.weight", "norm.weight", "lm_head.weight", "layers.3.attention.qkv_linear.wk.weight"]
     assert layout_of(titan, source="x") is TORCHTITAN
