@@ -1,21 +1,23 @@
 """Real torchtune and torchtitan Llama checkpoints for the tests: tiny models built by the trainers' own builders,
 trained two steps, saved by their own writers, with what their own converters make of them.
 
-- ``tune_tied/``: torchtune's ``llama3_2`` (output tied to the embedding: no ``output.weight``; Llama 3 scaled
-  rotary), saved by ``FullModelTorchTuneCheckpointer`` (``epoch_0/model-00001-of-00001.bin``, a ``torch.save`` of
-  the state dict in torchtune's names);
-- ``meta/``: torchtune's ``llama3`` (untied), saved by ``FullModelMetaCheckpointer``: Meta's names
-  (``attention.wq``, ``feed_forward.w1``, ``output``), those of torchtitan before 0.3 and Meta's releases;
+- ``tune_tied.bin``: torchtune's ``llama3_2`` (output tied to the embedding: no ``output.weight``; Llama 3 scaled
+  rotary), saved by ``FullModelTorchTuneCheckpointer`` (its ``epoch_0/model-00001-of-00001.bin``, a ``torch.save``
+  of the state dict in torchtune's names), its config in ``config_tune_tied/``;
 - ``titan/``: torchtitan's Llama 3 model (``Llama3Model``), saved by its ``CheckpointManager`` at the run's last
-  step as its default config saves it (``last_save_model_only``: a DCP folder ``step-2/`` of the model's tensors,
-  at the top). ``--only titan_full`` makes a save at an interval instead, the optimizer, ``lr_scheduler`` and
-  ``train_state`` beside the model (about 550 kB), ``--only tune`` torchtune's ``llama3`` untied in torchtune's
-  names: not kept in fixtures/, whose files stay under 60 kB.
+  step as its default config saves it (``last_save_model_only``: the DCP folder ``step-2/`` of the model's
+  tensors, at the top), its ``config.json`` put beside them.
+
+Made on demand (``--only NAME``), not kept in fixtures/, whose files and folders stay under 60 kB: ``meta``,
+torchtune's ``llama3`` (untied) saved by ``FullModelMetaCheckpointer`` in Meta's names (``attention.wq``,
+``feed_forward.w1``, ``output``: those of torchtitan before 0.3 and Meta's releases); ``tune``, the same in
+torchtune's names; ``titan_full``, a torchtitan save at an interval, the optimizer, ``lr_scheduler`` and
+``train_state`` beside the model (about 550 kB).
 
 Beside each, ``NAME.expected.safetensors`` is the trainer's own converter's output (torchtune's
 ``convert_weights.tune_to_hf``, torchtitan's ``Llama3StateDictAdapter.to_hf``): what ``convert --format hf`` must
-write; ``NAME.logits.safetensors`` the source model's forward on a fixed input (``input_ids``) in float32;
-``config_NAME/config.json`` the transformers config of the model (``--config-from``: neither trainer writes
+write; ``NAME.logits.safetensors`` the source model's forward on a fixed input (``input_ids``) in float32; the
+transformers ``config.json`` of the model in the folder the manifest's ``config`` names (neither trainer writes
 one). ``MANIFEST.json`` says how they were made.
 
 It needs torchtune and torchtitan, which ckptfix's own environment does not hold::
@@ -92,20 +94,21 @@ def tune_run(out: Path, name: str, *, tied: bool, meta: bool = False) -> dict[st
     shape = dict(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=DIM,
                  max_seq_len=MAX_SEQ, intermediate_dim=FFN, norm_eps=EPS, rope_base=int(ROPE_THETA))  # fmt: skip
     model = llama3_2(**shape, tie_word_embeddings=True) if tied else llama3(**shape)
-    with tempfile.TemporaryDirectory() as base:  # the run starts from a checkpoint, as a recipe does
+    with tempfile.TemporaryDirectory() as tmp:  # the run starts from a checkpoint, as a recipe does
+        base, run = os.path.join(tmp, "base"), os.path.join(tmp, "run")
+        os.mkdir(base)
         torch.save(model.state_dict(), os.path.join(base, "base.pt"))
         writer = FullModelMetaCheckpointer if meta else FullModelTorchTuneCheckpointer
         if meta:  # the Meta checkpointer starts from a checkpoint in Meta's names
             torch.save(tune_to_meta(model.state_dict()), os.path.join(base, "base.pt"))
         ckpt = writer(checkpoint_dir=base, checkpoint_files=["base.pt"], model_type="LLAMA3_2" if tied else "LLAMA3",
-                      output_dir=str(out / name))  # fmt: skip
+                      output_dir=run)  # fmt: skip
         model.load_state_dict(ckpt.load_checkpoint()[MODEL_KEY])
         _train(model, model)
         ckpt.save_checkpoint({MODEL_KEY: model.state_dict()}, epoch=0)
-    for extra in (out / name).iterdir():  # the weights file only: torchtune copies the base folder's other files
-        if extra.name != "epoch_0":
-            shutil.rmtree(extra) if extra.is_dir() else extra.unlink()
-    saved = torch.load(out / name / "epoch_0" / "model-00001-of-00001.bin", weights_only=True)
+        # the weights file alone, as NAME.bin (a folder costs fixtures/ a block)
+        shutil.move(os.path.join(run, "epoch_0", "model-00001-of-00001.bin"), out / f"{name}.bin")
+    saved = torch.load(out / f"{name}.bin", weights_only=True)
     if meta:
         saved = meta_to_tune(saved)
     _save(out / f"{name}.expected.safetensors", tune_to_hf(saved, num_heads=HEADS, num_kv_heads=KV_HEADS, dim=DIM))
@@ -124,9 +127,9 @@ def tune_run(out: Path, name: str, *, tied: bool, meta: bool = False) -> dict[st
         else None
     )  # llama3_2's Llama3ScaledRoPE
     _hf_config(out / f"config_{name}", tied=tied, rope_scaling=scaling)
-    return {"writer": f"torchtune {writer.__name__}", "builder": "llama3_2" if tied else "llama3", "tied": tied,
-            "converter": "meta_to_tune, tune_to_hf" if meta else "tune_to_hf",
-            "source": f"{name}/epoch_0/model-00001-of-00001.bin"}  # fmt: skip
+    return {"writer": f"torchtune {writer.__name__} (epoch_0/model-00001-of-00001.bin)", "tied": tied,
+            "builder": "llama3_2" if tied else "llama3", "converter": "meta_to_tune, tune_to_hf" if meta else
+            "tune_to_hf", "source": f"{name}.bin", "config": f"config_{name}"}  # fmt: skip
 
 
 def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
@@ -177,7 +180,7 @@ def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
     checkpointer = CheckpointManager.Config(enable=True, folder=name, interval=STEPS, last_save_model_only=True,
                                             keep_latest_k=0).build(
         dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-        states={"train_state": train}, sd_adapter=None, base_folder=str(out))  # fmt: skip
+        states={"train_state": train}, sd_adapter=None, base_folder=str(out / f".{name}-run"))  # fmt: skip
     torch.manual_seed(1)
     for step in range(1, STEPS + 1):
         tokens = torch.randint(0, VOCAB, (2, SEQ))
@@ -190,18 +193,21 @@ def titan_run(out: Path, name: str, *, full: bool = False) -> dict[str, Any]:
         train.step, train.ntokens_seen = step, train.ntokens_seen + tokens.numel()
         checkpointer.save(step, last_step=step == STEPS and not full)
     checkpointer.close()
+    shutil.move(out / f".{name}-run" / name / f"step-{STEPS}", out / name)  # step-2/ kept as NAME/
+    shutil.rmtree(out / f".{name}-run")
     adapter = Llama3StateDictAdapter(config, None)
     _save(out / f"{name}.expected.safetensors", adapter.to_hf(dict(model.state_dict())))
     model.eval()
     with torch.no_grad():
         _save(out / f"{name}.logits.safetensors", {"logits": forward(fixed_ids()).float(), "input_ids": fixed_ids()})
-    _hf_config(out / f"config_{name}", tied=False)
+    _hf_config(out / name, tied=False)  # in the folder: found there, as where a user puts it (no folder more)
     what = "interval save: model, optimizer, lr_scheduler, train_state" if full else "last step, last_save_model_only"
     return {
         "writer": f"torchtitan CheckpointManager ({what})",
         "converter": "Llama3StateDictAdapter.to_hf",
         "tied": False,
-        "source": f"{name}/step-{STEPS}",
+        "source": name,
+        "config": name,
     }
 
 
@@ -212,8 +218,8 @@ RUNS = {
     "titan": lambda out: titan_run(out, "titan"),
     "titan_full": lambda out: titan_run(out, "titan_full", full=True),
 }
-# what fixtures/llama_family holds (under 60 kB: "tune", untied in torchtune's names, is made on demand)
-FIXTURES = ("tune_tied", "meta", "titan")
+# what fixtures/llama_family holds (under 60 kB, its folders' blocks counted: the rest are made on demand)
+FIXTURES = ("tune_tied", "titan")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.only:
         for old in (args.out / name, args.out / f"config_{name}"):
             shutil.rmtree(old, ignore_errors=True)
+        (args.out / f"{name}.bin").unlink(missing_ok=True)
         manifest["runs"][name] = RUNS[name](args.out)
     import torchtune
 

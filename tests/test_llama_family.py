@@ -34,8 +34,13 @@ def run(*args: Any) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
-def source(name: str) -> Path:
-    return FIXTURES / MANIFEST["runs"][name]["source"]
+def source(name: str, where: Path = FIXTURES, manifest: dict[str, Any] = MANIFEST) -> Path:
+    return where / manifest["runs"][name]["source"]
+
+
+def config(name: str, where: Path = FIXTURES, manifest: dict[str, Any] = MANIFEST) -> Path:
+    """The folder of the run's transformers config.json (``--config-from``)."""
+    return where / manifest["runs"][name]["config"]
 
 
 def digest(path: Path) -> str:
@@ -44,11 +49,12 @@ def digest(path: Path) -> str:
 
 
 def test_fixtures_are_the_trainers_own() -> None:
-    assert set(RUNS) == {"tune_tied", "meta", "titan"}
-    assert MANIFEST["runs"]["meta"]["writer"] == "torchtune FullModelMetaCheckpointer"
+    assert set(RUNS) == {"tune_tied", "titan"}
+    assert MANIFEST["runs"]["tune_tied"]["writer"].startswith("torchtune FullModelTorchTuneCheckpointer")
     assert MANIFEST["runs"]["titan"]["converter"] == "Llama3StateDictAdapter.to_hf"
     assert (source("titan") / ".metadata").is_file()
-    assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 60_000
+    # as tests/test_fixtures.py counts fixtures/ (folders too), so that they leave room under its 2 MB
+    assert sum(p.stat().st_size for p in FIXTURES.rglob("*")) + FIXTURES.stat().st_size < 60_000
 
 
 @needs_transformers
@@ -58,7 +64,7 @@ def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: 
 
     before = digest(source(name))
     out = tmp_path / "hf"
-    result = run("convert", source(name), out, "--format", "hf", "--config-from", FIXTURES / f"config_{name}", "-v")
+    result = run("convert", source(name), out, "--format", "hf", "--config-from", config(name), "-v")
     assert result.exit_code == 0, result.output
     assert "path: stream" in result.output
     assert "names mapped to transformers' Llama names" in result.output
@@ -66,7 +72,7 @@ def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: 
     assert set(got) == set(want)
     assert f"{len(want)} tensors, {len(want)} copied as byte ranges, 0 gathered in memory" in result.output
     renamed = len(want) - (name == "titan")  # torchtitan 0.3 calls the output projection lm_head.weight too
-    trainer = {"titan": "torchtitan", "meta": "Meta", "tune_tied": "torchtune"}[name]
+    trainer = {"titan": "torchtitan", "tune_tied": "torchtune"}[name]
     assert f"state dict: {trainer} -> transformers keys, {len(want)} keys ({renamed} renamed)" in result.output
     for key, value in want.items():
         assert torch.equal(got[key], value), key
@@ -77,12 +83,12 @@ def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: 
     with torch.no_grad():
         logits = model.eval()(input_ids=ref["input_ids"]).logits
     # float32 kernels of two implementations (the trainer's attention and rotary tables, transformers') differ in
-    # the last bits: torchtitan's equal exactly here, torchtune's within 5e-7 (the Meta file is torchtune's model)
+    # the last bits: torchtitan's equal exactly here, torchtune's within 5e-7
     torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)
     assert digest(source(name)) == before  # the input is never changed
 
     slow = tmp_path / "torch"
-    result = run("convert", source(name), slow, "--format", "hf", "--config-from", FIXTURES / f"config_{name}", "-v",
+    result = run("convert", source(name), slow, "--format", "hf", "--config-from", config(name), "-v",
                  "--no-fast")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "path: torch" in result.output
@@ -92,7 +98,7 @@ def test_export_equals_the_trainers_converter_and_gives_the_source_logits(name: 
 @needs_transformers
 def test_tied_output_is_left_out_as_transformers_writes_it(tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    result = run("convert", source("tune_tied"), out, "--format", "hf", "--config-from", FIXTURES / "config_tune_tied")
+    result = run("convert", source("tune_tied"), out, "--format", "hf", "--config-from", config("tune_tied"))
     assert result.exit_code == 0, result.output
     assert "left out 'lm_head.weight': the config ties it to 'model.embed_tokens.weight'" in result.output
     assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
@@ -102,7 +108,7 @@ def test_tied_output_is_left_out_as_transformers_writes_it(tmp_path: Path) -> No
 @needs_transformers
 def test_verify_loads_the_folder_and_compares_logits(tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    result = run("convert", source("titan"), out, "--format", "hf", "--config-from", FIXTURES / "config_titan",
+    result = run("convert", source("titan"), out, "--format", "hf", "--config-from", config("titan"),
                  "--verify")  # fmt: skip
     assert result.exit_code == 0, result.output
     assert (
@@ -132,15 +138,14 @@ def test_without_a_config_is_refused_saying_config_from(tmp_path: Path) -> None:
     ("name", "key"),
     [
         ("tune_tied", "layers.0.attn.q_proj.weight"),
-        ("meta", "layers.0.attention.wq.weight"),
         ("titan", "layers.0.attention.qkv_linear.wq.weight"),
     ],
 )
 def test_a_config_whose_heads_do_not_fit_is_refused_by_key(name: str, key: str, tmp_path: Path) -> None:
-    config = json.loads((FIXTURES / f"config_{name}" / "config.json").read_text())
-    config.update(num_attention_heads=4, head_dim=4)  # 16 query rows; the model has 2 heads of 4
+    wrong = json.loads((config(name) / "config.json").read_text())
+    wrong.update(num_attention_heads=4, head_dim=4)  # 16 query rows; the model has 2 heads of 4
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(wrong))
     line = refused(tmp_path, source(name), "--config-from", tmp_path / "cfg")
     assert f"'{key}' is [8, 8], not [16, 8] (4 query heads of 4, hidden size 8" in line
     assert "--config-from" in line
@@ -148,7 +153,7 @@ def test_a_config_whose_heads_do_not_fit_is_refused_by_key(name: str, key: str, 
 
 @needs_transformers
 def test_a_tied_checkpoint_with_an_untied_config_is_refused(tmp_path: Path) -> None:
-    line = refused(tmp_path, source("tune_tied"), "--config-from", FIXTURES / "config_meta")
+    line = refused(tmp_path, source("tune_tied"), "--config-from", config("titan"))  # titan's is untied
     assert "has no output projection ('output.weight')" in line and '"tie_word_embeddings": true' in line
 
 
@@ -158,16 +163,16 @@ def test_a_mixture_of_layouts_is_refused_naming_the_key(tmp_path: Path) -> None:
     state["layers.0.attention.wo.weight"] = state.pop("layers.0.attn.output_proj.weight")
     mixed = tmp_path / "mixed.pt"
     torch.save(state, mixed)
-    line = refused(tmp_path, mixed, "--config-from", FIXTURES / "config_tune_tied")
+    line = refused(tmp_path, mixed, "--config-from", config("tune_tied"))
     assert "'layers.0.attention.wo.weight' is not a torchtune Llama name, though 'tok_embeddings.weight' is" in line
 
 
 @needs_transformers
 def test_a_config_of_another_model_is_refused(tmp_path: Path) -> None:
-    config = json.loads((FIXTURES / "config_tune_tied" / "config.json").read_text())
-    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    other = json.loads((config("tune_tied") / "config.json").read_text())
+    other.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(other))
     line = refused(tmp_path, source("tune_tied"), "--config-from", tmp_path / "cfg")
     assert "holds torchtune Llama names, but config.json describes model_type 'qwen2'" in line
 
@@ -181,10 +186,11 @@ def test_head_spans_are_the_converters_permute(heads: int, head_dim: int, dim: i
 
 
 def test_layouts_are_told_by_their_names() -> None:
-    hf = load_file(str(FIXTURES / "meta.expected.safetensors"))  # transformers' names: none of ours
+    hf = load_file(str(FIXTURES / "titan.expected.safetensors"))  # transformers' names: none of ours
     assert layout_of(hf, source="x") is None
     assert layout_of([k.removeprefix("model.") for k in hf if k.startswith("model.")], source="x") is None
-    assert layout_of(torch.load(source("meta"), weights_only=True), source="x") is META
+    meta = ["tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight", "output.weight", "freqs_cis"]
+    assert layout_of(meta, source="x") is META
     state = torch.load(source("tune_tied"), weights_only=True)
     assert layout_of(state, source="x") is TORCHTUNE
     titan = ["tok_embeddings.weight", "norm.weight", "lm_head.weight", "layers.3.attention.qkv_linear.wk.weight"]
@@ -193,23 +199,46 @@ def test_layouts_are_told_by_their_names() -> None:
         layout_of([*state, "layers.0.feed_forward.w1.weight"], source="x")
 
 
-@pytest.mark.slow
-def test_a_torchtitan_save_beside_its_training_state(tmp_path: Path) -> None:
-    """A save at an interval (the optimizer, lr_scheduler, train_state and dataloader beside the model's tensors,
-    as torchtitan flattens them): made fresh, as it is too large for fixtures/; runs where torchtitan imports
-    (``PYTHONPATH=. tune-venv/bin/python -m pytest -m slow tests/test_llama_family.py``)."""
-    pytest.importorskip("torchtitan", reason="needs torchtitan (tests/llama_family_runs.py says how)")
-    from tests.llama_family_runs import titan_run
-
-    made = titan_run(tmp_path, "full", full=True)
+@needs_transformers
+def test_a_config_in_the_source_folder_is_found(tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    result = run("convert", tmp_path / made["source"], out, "--format", "hf", "--config-from", tmp_path / "config_full",
-                 "-v")  # fmt: skip
+    result = run("convert", source("titan"), out, "--format", "hf")
     assert result.exit_code == 0, result.output
-    assert "left out the training state beside the model: dataloader, lr_scheduler, optimizer, train_state" in (
-        result.output
-    )
-    got, want = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "full.expected.safetensors"))
+    assert f"copied from {source('titan')}: config.json" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["meta", "tune", "titan_full"])
+def test_runs_made_fresh(name: str, tmp_path: Path) -> None:
+    """The runs too large for fixtures/: Meta's names (torchtune's FullModelMetaCheckpointer: those of torchtitan
+    before 0.3), torchtune's untied model, and a torchtitan save at an interval (the optimizer, lr_scheduler,
+    train_state and dataloader beside the model's tensors, as torchtitan flattens them); made here where torchtune
+    and torchtitan import (``PYTHONPATH=. tune-venv/bin/python -m pytest -m slow tests/test_llama_family.py``)."""
+    pytest.importorskip("torchtitan", reason="needs torchtune and torchtitan (tests/llama_family_runs.py says how)")
+    pytest.importorskip("transformers", reason="needs transformers")
+    from transformers import LlamaForCausalLM
+
+    from tests.llama_family_runs import main
+
+    main([str(tmp_path), "--only", name])
+    made = json.loads((tmp_path / "MANIFEST.json").read_text())
+    out = tmp_path / "hf"
+    src, cfg = source(name, tmp_path, made), config(name, tmp_path, made)
+    result = run("convert", src, out, "--format", "hf", "--config-from", cfg, "-v")
+    assert result.exit_code == 0, result.output
+    assert "path: stream" in result.output
+    layout = {"meta": "Meta", "tune": "torchtune", "titan_full": "torchtitan"}[name]
+    assert f"state dict: {layout} -> transformers keys" in result.output
+    if name == "titan_full":
+        assert "left out the training state beside the model: dataloader, lr_scheduler, optimizer, train_state" in (
+            result.output
+        )
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / f"{name}.expected.safetensors"))
     assert set(got) == set(want)
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
+    ref = load_file(str(tmp_path / f"{name}.logits.safetensors"))
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ref["input_ids"]).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=0, atol=1e-5)  # as above: two implementations
