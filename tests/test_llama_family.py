@@ -116,6 +116,30 @@ def test_verify_loads_the_folder_and_compares_logits(tmp_path: Path) -> None:
     )
 
 
+@needs_transformers
+def test_reordered_rows_cast_and_shard_as_they_stream(tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    cast = tmp_path / "bf16"
+    result = run("convert", source("titan"), cast, "--format", "hf", "--dtype", "bf16", "-v")
+    assert result.exit_code == 0, result.output
+    assert "12 cast to bfloat16 a block at a time" in result.output and "path: stream" in result.output
+    got, want = load_file(str(cast / "model.safetensors")), load_file(str(FIXTURES / "titan.expected.safetensors"))
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value.to(torch.bfloat16)), key
+    shards = tmp_path / "shards"
+    result = run("convert", source("tune_tied"), shards, "--format", "hf", "--config-from", config("tune_tied"),
+                 "--shard-size", "1kB", "-v")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "3 shards and their index" in result.output and "path: stream" in result.output
+    model, info = LlamaForCausalLM.from_pretrained(shards, output_loading_info=True, local_files_only=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    loaded = model.state_dict()
+    for key, value in load_file(str(FIXTURES / "tune_tied.expected.safetensors")).items():
+        assert torch.equal(loaded[key], value), key
+
+
 def refused(tmp_path: Path, src: Path, *args: Any) -> str:
     out = tmp_path / "hf"
     result = run("convert", src, out, "--format", "hf", *args)
