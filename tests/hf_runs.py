@@ -75,6 +75,7 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, "dcp"))
         torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))  # DTensor shards, a file per rank
+        _accelerate_save(model, opt, os.path.join(out_dir, "accelerate"), arch=arch, config=config)
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
             torch.save(full, os.path.join(out_dir, "full.pt"))
@@ -82,6 +83,31 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
     finally:
         dist.destroy_process_group()
     _done(out_dir, rank)
+
+
+def _accelerate_save(model: Any, opt: Any, out_dir: str, *, arch: str, config: dict[str, Any]) -> None:
+    """What accelerate's ``save_state`` writes of an FSDP2 run (SHARDED_STATE_DICT): its own ``save_fsdp_model``
+    (the DCP folder ``pytorch_model_fsdp_0/``, and with ``use_dcp=False`` a ``pytorch_model_fsdp_0_rank{R}.bin`` per
+    rank) and ``save_fsdp_optimizer`` (``optimizer_0/``), and the config, where HF Trainer puts it. Called directly:
+    accelerate turns FSDP on only for GPU-family devices (its ``AcceleratorState`` never sets
+    ``DistributedType.FSDP`` beside ``MULTI_CPU``), so on the CPU its dispatcher cannot be the one to call them."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
+
+    # the process group is the run's own; accelerate reads the rank from the environment, as its launcher sets it
+    rank = str(dist.get_rank())
+    # (MASTER_ADDR and MASTER_PORT too, though the group they would start exists already and is taken as it is)
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=str(dist.get_world_size()), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))  # fmt: skip
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.process_index == dist.get_rank() and accelerator.num_processes == dist.get_world_size()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    save_fsdp_model(plugin, accelerator, model, out_dir)
+    save_fsdp_model(plugin, accelerator, model, out_dir, use_dcp=False)
+    save_fsdp_optimizer(plugin, accelerator, opt, model, out_dir)
+    if accelerator.process_index == 0:
+        build(arch, config).config.save_pretrained(out_dir)
 
 
 def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: dict[str, Any]) -> None:

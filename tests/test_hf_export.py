@@ -398,6 +398,17 @@ def test_fsdp_dcp_run_exports_equal_to_its_full_state_dict(writer: str, name: st
     assert f"wrote {merged}/ (transformers folder: model.safetensors, config.json" in result.output
     _loads_equal(merged, {"logits": _logits(truth), "model": truth})
     assert not list(tmp_path.glob(".ckptfix-*"))  # no temporary left beside the output
+    if writer == "fsdp2":  # accelerate's save_state of the same run: its DCP folder, and its per-rank files
+        saved = run_dir / "accelerate"
+        whole = run("convert", saved, f"{tmp_path / 'whole'}/", "--format", "hf")
+        assert whole.exit_code == 2 and f"its model is the DCP folder {saved / 'pytorch_model_fsdp_0'}/" in whole.output
+        result = run("convert", saved / "pytorch_model_fsdp_0", f"{tmp_path / 'acc'}/", "--format", "hf")
+        assert result.exit_code == 0 and f"copied from {saved}: config.json" in result.output, result.output
+        _loads_equal(tmp_path / "acc", {"logits": _logits(truth), "model": truth})
+        ranks = [saved / f"pytorch_model_fsdp_0_rank{r}.bin" for r in (0, 1)]
+        result = run("merge", *ranks, "-o", f"{tmp_path / 'acc_ranks'}/", "--format", "hf")
+        assert result.exit_code == 0, result.output
+        _loads_equal(tmp_path / "acc_ranks", {"logits": _logits(truth), "model": truth})
 
 
 @pytest.mark.slow

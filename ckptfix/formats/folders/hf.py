@@ -34,6 +34,7 @@ _STATE_FILE = re.compile(
     r"^(optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|sampler(_\d+)?\.bin|dl_state_dict(_\d+)?\.bin|scaler\.pt"
     r"|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl)$"
 )
+_FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")  # accelerate's FSDP_MODEL_NAME, SHARDED_STATE_DICT: DCP
 _FD_RESERVE = 256  # files the rest of the process (a training job: loaders, sockets, logs) may hold meanwhile
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
@@ -130,7 +131,7 @@ def room_for_files(count: int, *, source: str) -> None:
 def _accelerate(root: str, names: list[str]) -> Folder:
     models = [n for n in names if _MODEL_FILE.match(n)]
     if not models:
-        raise FormatError(missing_run(root) or (
+        raise FormatError(missing_run(root) or _fsdp_state(root, names) or (
             f"{root}: no checkpoint here (no *.index.json, model.safetensors, pytorch_model.bin or "
             f"model_N.safetensors; no DCP .metadata; no DeepSpeed 'latest' or tag folder of rank files); pass a "
             f"checkpoint file or a folder that holds one"
@@ -145,6 +146,16 @@ def _accelerate(root: str, names: list[str]) -> Folder:
         return Folder(root=root, kind="sharded", index=None, entries={"": next(iter(entries.values()))},
                       weight_map={})  # fmt: skip
     return Folder(root=root, kind="accelerate", index=None, entries=entries, weight_map={})
+
+
+def _fsdp_state(root: str, names: list[str]) -> str | None:
+    """What to say of accelerate's ``save_state`` under FSDP with SHARDED_STATE_DICT: its model is a DCP folder
+    (``pytorch_model_fsdp_0/``, beside ``optimizer_0/``); None where there is none."""
+    models = [n for n in names if _FSDP_MODEL.match(n) and os.path.isdir(os.path.join(root, n))]
+    if not models:
+        return None
+    return (f"{root}: accelerate's save_state of an FSDP run: its model is the DCP folder "
+            f"{os.path.join(root, models[0])}/; pass that folder (the config beside it is found)")  # fmt: skip
 
 
 def check_shard(folder: Folder, path: str, keys: Iterable[str]) -> None:

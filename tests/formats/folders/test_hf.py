@@ -402,3 +402,26 @@ def test_a_damaged_index_is_named_not_called_missing(tmp_path: Path, text: str |
     index.write_text(index.read_text()[:-5] if text is None else text)
     result = CliRunner().invoke(cli, ["inspect", str(folder)])
     assert result.exit_code == 2 and message in result.output and index.name in result.output, result.output
+
+
+def test_an_accelerate_fsdp_folder_names_its_model_folder(tmp_path: Path) -> None:
+    """accelerate's save_state under FSDP (SHARDED_STATE_DICT) keeps the model as a DCP folder beside the optimizer's:
+    the folder itself is refused naming it, and that one converts (tests/test_hf_export.py: from a real 2-rank run)."""
+    from ckptfix.torchcompat import dcp_save_local
+
+    run = tmp_path / "checkpoint"
+    state = make_net().state_dict()
+    dcp_save_local({"model": state}, checkpoint_id=str(run / "pytorch_model_fsdp_0"))  # as save_fsdp_model saves
+    dcp_save_local({"optimizer": {"state": {}, "param_groups": []}}, checkpoint_id=str(run / "optimizer_0"))
+    for args in (["inspect", str(run)], ["convert", str(run), str(tmp_path / "out.pt")]):
+        done = CliRunner().invoke(cli, args)
+        assert done.exit_code == 2, done.output
+        assert (
+            f"accelerate's save_state of an FSDP run: its model is the DCP folder {run / 'pytorch_model_fsdp_0'}/"
+            in (done.output)
+        )
+    assert not (tmp_path / "out.pt").exists()
+    done = CliRunner().invoke(cli, ["convert", str(run / "pytorch_model_fsdp_0"), str(tmp_path / "out.pt")])
+    assert done.exit_code == 0, done.output
+    back = torch.load(tmp_path / "out.pt", weights_only=True)["model"]  # DCP keeps no OrderedDict
+    assert list(back) == list(state) and all(torch.equal(back[k], v) for k, v in state.items())
