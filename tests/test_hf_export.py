@@ -1,10 +1,12 @@
 """``ckptfix convert SRC OUT/ --format hf``: a folder that transformers' ``from_pretrained`` loads, from what training
 writes. Small Llama, Qwen2, GPT-2 (tied), BERT and Mixtral (mixture of experts) models, built offline from their
-configs, trained two AdamW steps, then saved by the real writers: ``save_pretrained``, ``torch.save`` of an
-``nn.DataParallel`` state dict in a full checkpoint, DCP of ``get_state_dict`` (model and optimizer), a
-``torch.compile``'d model's state dict, and a Lightning ``Trainer.fit`` checkpoint. Each export loads with
-``from_pretrained(output_loading_info=True)`` reporting no missing, unexpected or mismatched key, and its logits are
-``torch.equal`` to the trained model's (fp32). Skipped, saying why, without transformers.
+configs, trained two AdamW steps, then saved by the real writers: ``save_pretrained``, ``torch.save`` of a
+``DistributedDataParallel`` or ``nn.DataParallel`` state dict in a full checkpoint, DCP of ``get_state_dict``
+(model and optimizer), a ``torch.compile``'d model's state dict, accelerate's ``save_state``, a Lightning
+``Trainer.fit`` checkpoint, HF Trainer's, and (slow) FSDP1, FSDP2 and DeepSpeed ZeRO-3 runs on 2 gloo ranks. Each
+export loads with ``from_pretrained(output_loading_info=True)`` reporting no missing, unexpected or mismatched key,
+and its logits are ``torch.equal`` to the trained model's (fp32; bf16 runs compared in bf16). Skipped, saying why,
+without transformers.
 """
 
 from __future__ import annotations
@@ -83,8 +85,9 @@ def _logits(model: Any) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One trained model and what each writer made of it: {"model", "logits", "hf", "ddp", "dcp", "compiled"}."""
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gloo_world: None) -> dict[str, Any]:
+    """One trained model and what each writer made of it: {"model", "logits", "hf", "ddp", "dp", "dcp", "compiled",
+    "accelerate"} (``ddp``: a real ``DistributedDataParallel`` on a one-process gloo group; ``dp``: DataParallel)."""
     from ckptfix.torchcompat import dcp_save_local
 
     name = request.param
@@ -94,7 +97,8 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     run_dir = root / "run"  # a training run's folder: the config beside the weights, as HF Trainer leaves it
     run_dir.mkdir()
     (run_dir / "config.json").write_bytes((root / "hf" / "config.json").read_bytes())
-    torch.save({"model": torch.nn.DataParallel(model).state_dict(), "epoch": 1}, run_dir / "ddp.pt")
+    torch.save({"model": torch.nn.parallel.DistributedDataParallel(model).state_dict(), "epoch": 1}, run_dir / "ddp.pt")
+    torch.save({"model": torch.nn.DataParallel(model).state_dict(), "epoch": 1}, run_dir / "dp.pt")
     model.cpu()  # DataParallel moves the model to the first GPU where there is one
     torch.save(torch.compile(model).state_dict(), run_dir / "compiled.pt")
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -107,8 +111,8 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     acc.prepare(model, opt)  # registered for save_state (on the CPU the same objects)
     acc.save_state(str(run_dir / "accelerate"))  # model.safetensors, optimizer.bin, random states: config in run/
     return {"name": name, "model": model, "logits": _logits(model), "root": root, "hf": root / "hf",
-            "ddp": run_dir / "ddp.pt", "compiled": run_dir / "compiled.pt", "dcp": run_dir / "dcp",
-            "accelerate": run_dir / "accelerate"}  # fmt: skip
+            "ddp": run_dir / "ddp.pt", "dp": run_dir / "dp.pt", "compiled": run_dir / "compiled.pt",
+            "dcp": run_dir / "dcp", "accelerate": run_dir / "accelerate"}  # fmt: skip
 
 
 def _loads_equal(out: Path, saved: dict[str, Any]) -> Any:
@@ -122,7 +126,7 @@ def _loads_equal(out: Path, saved: dict[str, Any]) -> Any:
     return loaded
 
 
-@pytest.mark.parametrize("source", ["hf", "ddp", "compiled", "dcp", "accelerate"])
+@pytest.mark.parametrize("source", ["hf", "ddp", "dp", "compiled", "dcp", "accelerate"])
 def test_every_writer_exports_a_folder_from_pretrained_loads_equal(
     saved: dict[str, Any], source: str, tmp_path: Path
 ) -> None:
