@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,6 +31,20 @@ def test_ci_runs_the_slow_tier_after_the_readme_tests() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     fast, slow = ".venv/bin/python -m pytest -q", ".venv/bin/python -m pytest -q -m slow"
     assert slow in ci and ci.index(fast) < ci.index(slow)
+
+
+@pytest.mark.parametrize(("extra", "modules"), [("frameworks", "transformers|accelerate|lightning[^\"]*|timm"),
+                                                ("deepspeed", "deepspeed")])  # fmt: skip
+def test_ci_runs_every_test_that_needs_an_extra_after_installing_it(extra: str, modules: str) -> None:
+    """A test that skips without an optional library runs in CI once the extra that installs it is in: the files
+    that ask for it are named on the pytest line after that install (the README's test command ran them skipped)."""
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    install = next(i for i, line in enumerate(ci) if f"'.[{extra}]'" in line)
+    run = next(line for line in ci[install:] if line.startswith(".venv/bin/python -m pytest -q tests/"))
+    named = set(run.split()[4:])
+    needs = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+             if re.search(rf'(find_spec|importorskip)\(\s*"({modules})"', p.read_text())}  # fmt: skip
+    assert needs and needs <= named, sorted(needs - named)
 
 
 def test_ci_installs_the_built_wheel_without_extras_and_uses_it() -> None:
