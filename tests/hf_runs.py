@@ -44,6 +44,16 @@ def loss_of(model: Any) -> Any:
     return out.loss if hasattr(model, "lm_head") else out.last_hidden_state.pow(2).mean()
 
 
+def train(model: Any, *, steps: int = 2) -> torch.optim.Optimizer:
+    """``steps`` AdamW steps of ``model`` on its :func:`loss_of`; the optimizer."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss_of(model).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
 def _done(out_dir: str, rank: int) -> None:
     Path(f"{out_dir}.done{rank}").touch()  # this rank's work is over (tests.resume_runs.spawn)
 
@@ -67,11 +77,7 @@ def _fsdp2_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
         for layer in blocks(model):
             fully_shard(layer)
         fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(2):
-            loss_of(model).backward()
-            opt.step()
-            opt.zero_grad()
+        opt = train(model)
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out_dir, "dcp"))
         torch.save(model.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))  # DTensor shards, a file per rank
@@ -122,11 +128,7 @@ def _fsdp1_worker(rank: int, store_path: str, out_dir: str, arch: str, config: d
         net = build(arch, config)
         policy = ModuleWrapPolicy({type(blocks(net)[0])})  # each block its own FSDP unit: nested prefixes
         model = FullyShardedDataParallel(net, auto_wrap_policy=policy, device_id=torch.device("cpu"))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for _ in range(2):
-            loss_of(model).backward()  # FSDP and DeepSpeed's engine pass attributes on to the module
-            opt.step()
-            opt.zero_grad()
+        train(model)  # FSDP passes attributes on to the module (loss_of asks for lm_head)
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             sharded = model.state_dict()
             dcp.save({"model": sharded}, checkpoint_id=os.path.join(out_dir, "dcp"))

@@ -57,6 +57,15 @@ TIMEOUT = 600  # seconds a run's ranks may take together (a fixture run takes un
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, EXPERTS = 4, 16, 4, 2, 32, 32, 8, 2
 
 
+FIXTURES = ROOT / "fixtures" / "megatron"
+
+
+def fixture_runs() -> dict[str, dict[str, Any]]:
+    """What ``fixtures/megatron/MANIFEST.json`` records of each run made (its layout, dtype, layers, world size)."""
+    runs: dict[str, dict[str, Any]] = json.loads((FIXTURES / "MANIFEST.json").read_text())["runs"]
+    return runs
+
+
 def world(run: dict[str, Any]) -> int:
     """The ranks a run is trained and saved on: one per tensor, pipeline and expert rank (no data parallelism but
     the MoE run's, whose expert ranks are carved out of the data-parallel ones)."""

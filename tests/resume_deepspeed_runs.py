@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tests import deepspeed_runs, resume_runs
-from tests.resume_runs import BATCH, MORE, OPTIMIZERS, STEPS, _step, _wrap, batch, build, held, optimizer, scheduler
+from tests.resume_runs import BATCH, MORE, OPTIMIZERS, STEPS, _wrap, batch, build, go_on, held, optimizer, scheduler
 
 
 def train(out: Path, *, stage: int, record: Path, dtype: str = "fp32", kind: str = "adamw", world: int = 2,
@@ -141,11 +141,7 @@ def resume(rank: int, world: int, store: str, setup: str, path: str, out: str, k
         torch.set_rng_state(saved["rng"])
         held_now = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,)),
                     "progress": [saved["global_steps"], saved["epoch"]]}  # fmt: skip
-        losses = []
-        for i in range(MORE):
-            losses.append(_step(wrapped, opt, STEPS + i, rank, world))
-            sched.step()
-        result = {"held": held_now, "losses": losses}
+        result = {"held": held_now, "losses": go_on(wrapped, opt, sched, rank, world)}
         if rank == 0:
             torch.save(result, out)
         if setup != "single":

@@ -81,6 +81,15 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, wo
     return float(seen)
 
 
+def go_on(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, rank: int, world: int) -> list[float]:
+    """The losses of the ``MORE`` steps after the save, the schedule stepped after each."""
+    losses = []
+    for i in range(MORE):
+        losses.append(_step(model, opt, STEPS + i, rank, world))
+        sched.step()
+    return losses
+
+
 def _wrap(setup: str, model: nn.Module, world: int) -> nn.Module:
     if setup.startswith("ddp"):
         from torch.nn.parallel import DistributedDataParallel
@@ -217,11 +226,7 @@ def run(rank: int, world: int, store: str, setup: str, phase: str, paths: dict[s
             # what the run goes on from: the optimizer, the schedule, the random stream
             state = {**held(setup, wrapped, opt), "scheduler": sched.state_dict(), "draws": torch.randint(9, (4,)),
                      "scaler": scaler.state_dict()}  # fmt: skip
-            losses = []
-            for i in range(MORE):
-                losses.append(_step(wrapped, opt, STEPS + i, rank, world))
-                sched.step()
-            result[kind] = {"held": state, "losses": losses}
+            result[kind] = {"held": state, "losses": go_on(wrapped, opt, sched, rank, world)}
         if rank == 0:
             torch.save(result, out)
         if setup != "single":

@@ -23,13 +23,12 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.hf_runs import IDS, train
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
     reason="transformers is not installed (pip install -e '.[frameworks]')",
 )
-
-IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
 
 
 def keys_of(f: Any) -> list[str]:
@@ -68,13 +67,7 @@ def _trained(name: str, **sizes: int) -> Any:
     torch.manual_seed(0)
     config = _config(name, **sizes)
     model = getattr(tf, config.architectures[0])(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(2):
-        out = model(input_ids=IDS, labels=IDS) if name != "bert" else model(input_ids=IDS)
-        loss = out.loss if name != "bert" else out.last_hidden_state.pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    opt = train(model)
     return model.eval(), opt
 
 
@@ -195,13 +188,7 @@ def test_a_bf16_training_run_exports_in_bf16_and_computes_as_it(name: str, tmp_p
 
     model, _ = _trained(name)
     model = model.to(torch.bfloat16).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    from tests.hf_runs import loss_of
-
-    for _ in range(2):
-        loss_of(model).backward()
-        opt.step()
-        opt.zero_grad()
+    opt = train(model)
     model.eval()
     model.config.save_pretrained(tmp_path / "run")  # the config the run started from: fp32 in it
     # the reference: the trained model as save_pretrained writes it, loaded in bf16 (a model cast with .to() holds

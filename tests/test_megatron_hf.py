@@ -19,12 +19,11 @@ from safetensors.torch import load_file
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
 from ckptfix.megatron_hf import hf_config
+from tests.megatron_runs import FIXTURES, fixture_runs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "fixtures" / "megatron"
-RUNS = sorted(json.loads((FIXTURES / "MANIFEST.json").read_text())["runs"])
+RUNS = sorted(fixture_runs())
 
 
 def run(*args: Any) -> Result:

@@ -24,13 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckptfix.cli import cli
+from tests.megatron_runs import FIXTURES, fixture_runs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "fixtures" / "megatron"
-MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
-BF16_RUNS = sorted(name for name, made in MANIFEST["runs"].items() if made["dtype"] == "bf16")
+BF16_RUNS = sorted(name for name, made in fixture_runs().items() if made["dtype"] == "bf16")
 
 
 def run(*args: Any) -> Result:

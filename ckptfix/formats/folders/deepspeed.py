@@ -98,7 +98,7 @@ class ZeroTensor(TensorRecord):
     stored: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    origin: str  # "fp32 master", "frozen" (training dtype: no master copy exists), "buffer" or "optimizer state"
+    origin: str  # "fp32 master", "frozen" (no master copy exists), "buffer", "optimizer state" or "run state"
     cast: str | None = None
 
     @property
@@ -114,10 +114,11 @@ class ZeroTensor(TensorRecord):
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
     def identity(self) -> Hashable:
-        return ("zero", self.key)  # tied names share the one record
+        # tied names share the one record; the origin keeps a client_state entry apart from a parameter of its name
+        return ("zero", self.origin, self.key)
 
     def _storage(self) -> Hashable:
-        return ("zero", self.key)
+        return ("zero", self.origin, self.key)
 
     def byte_ranges(self) -> list[tuple[str, int, int]]:
         return [(p.path, p.offset, p.nbytes) for p in self.pieces if p.nbytes]  # in dtype ``stored``

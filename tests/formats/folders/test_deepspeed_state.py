@@ -83,3 +83,17 @@ def test_what_cannot_be_built_is_left_out_and_named(tmp_path: Path) -> None:
     assert f"client_state entry 'sampler' not carried: it holds a {__name__}.Sampler" in done.output
     back = torch.load(out, weights_only=True)
     assert "sampler" not in back and back["epoch"] == 3
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_client_entry_named_as_a_parameter_stays_its_own(fast: bool, tmp_path: Path) -> None:
+    """A client_state tensor under a parameter's name is the client's, not a second name of the parameter."""
+    mine = torch.arange(63.0).reshape(9, 7)  # the parameter's shape and dtype too
+    run = with_client_state(tmp_path, "zero2_fp32", {"body.weight": mine})
+    out = tmp_path / "full.pt"
+    done = convert(run, out, "--optimizer", *([] if fast else ["--no-fast"]))
+    assert done.exit_code == 0, done.output
+    back = torch.load(out, weights_only=True)
+    assert torch.equal(back["body.weight"], mine)
+    assert not torch.equal(back["model"]["body.weight"], mine)
+    assert back["body.weight"].untyped_storage().data_ptr() != back["model"]["body.weight"].untyped_storage().data_ptr()

@@ -24,11 +24,11 @@ from safetensors.torch import load_file
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.megatron_runs import FIXTURES, fixture_runs
 
 ROOT = Path(__file__).resolve().parents[3]
-FIXTURES = ROOT / "fixtures" / "megatron"
-MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
-RUNS = sorted(MANIFEST["runs"])
+MADE = fixture_runs()
+RUNS = sorted(MADE)
 
 
 def run(*args: Any) -> Result:
@@ -71,7 +71,7 @@ def copy_of(tmp_path: Path) -> Any:
 
 
 def test_fixtures_cover_tp_pp_vpp_ep_and_both_dtypes() -> None:
-    runs = MANIFEST["runs"].values()
+    runs = MADE.values()
     assert {r["tp"] for r in runs} == {1, 2} and {r["pp"] for r in runs} == {1, 2} and {r["ep"] for r in runs} >= {2}
     assert any(r.get("vpp") == 2 for r in runs) and any(r.get("adam") for r in runs)
     assert {r["dtype"] for r in runs} == {"fp32", "bf16"}
@@ -93,7 +93,7 @@ def test_convert_streams_every_run_exactly(tmp_path: Path, name: str, out: str) 
     result = run("convert", "-v", src, f"{dst}/" if out.endswith("/") else dst, *extra)
     assert result.exit_code == 0, result.output
     assert "path: stream" in result.output and "_extra_state entries left out" in result.output
-    layout = MANIFEST["runs"][name]
+    layout = MADE[name]
     vpp = f", VPP {layout['vpp']}" if "vpp" in layout else ""
     assert f"Megatron-Core torch_dist (TP {layout['tp']}, PP {layout['pp']}{vpp}, EP {layout['ep']})" in result.output
     if out == "shards/":

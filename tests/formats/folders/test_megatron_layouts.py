@@ -15,11 +15,10 @@ from click.testing import CliRunner, Result
 from safetensors import safe_open
 
 from ckptfix.cli import cli
+from tests.megatron_runs import FIXTURES, fixture_runs
 
-ROOT = Path(__file__).resolve().parents[3]
-FIXTURES = ROOT / "fixtures" / "megatron"
-MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
-RUNS = sorted(MANIFEST["runs"])
+MADE = fixture_runs()
+RUNS = sorted(MADE)
 
 
 def run(*args: Any) -> Result:
@@ -27,7 +26,7 @@ def run(*args: Any) -> Result:
 
 
 def test_the_plain_layout_and_tp_by_pp_on_four_ranks_are_among_the_runs() -> None:
-    runs = MANIFEST["runs"].values()
+    runs = MADE.values()
     plain = [r for r in runs if (r["tp"], r["pp"], r["ep"], r.get("vpp")) == (1, 1, 1, None)]
     assert plain and all(r["world_size"] == 1 for r in plain)
     both = [r for r in runs if r["tp"] == 2 and r["pp"] == 2]
@@ -42,7 +41,7 @@ def test_the_plain_layout_and_tp_by_pp_on_four_ranks_are_among_the_runs() -> Non
 
 @pytest.mark.parametrize("name", RUNS)
 def test_inspect_says_each_runs_layout_without_reading_tensor_bytes(name: str, tmp_path: Path) -> None:
-    made = MANIFEST["runs"][name]
+    made = MADE[name]
     folder = tmp_path / name
     shutil.copytree(FIXTURES / name, folder)
     for data in folder.glob("*.distcp"):  # zeroed: no byte of them may be needed to describe the folder
