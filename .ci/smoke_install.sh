@@ -57,6 +57,12 @@ $C convert dcp.safetensors shards/ --shard-size 1KB
 $C inspect shards > /dev/null
 $C merge shards shards/model.safetensors.index.json -o from_shards.pt 2> /dev/null
 $C validate dcp --model ckptfix.trainer.model:build_model --entry model
+# transformers is the optional `hf` extra, which this venv lacks: --format hf says how to install it, in one line
+if venv/bin/python -c "import transformers" 2>/dev/null; then echo "transformers is installed: the smoke test must run without it"; exit 1; fi
+mkdir -p llama && echo '{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}' > llama/config.json
+set +e; hf=$(venv/bin/ckptfix convert plain.pt hf_out/ --format hf --config-from llama 2>&1); code=$?; set -e
+[ "$code" = 2 ] && [ "$(printf '%s\n' "$hf" | wc -l)" = 1 ] && [[ "$hf" == *"pip install 'ckptfix[hf]'"* ]] && [ ! -e hf_out ] \
+  || { echo "--format hf without transformers (exit $code): $hf"; exit 1; }
 venv/bin/python - <<'PY'
 import torch
 from safetensors.torch import load_file
