@@ -136,6 +136,7 @@ def convert_file(
     format: str | None = None,
     optimizer_form: str | None = None,
     model: str | None = None,
+    optimizer_factory: str | None = None,
 ) -> Conversion:
     """Convert checkpoint ``src`` into ``dst`` (format from its extension); returns what changed.
 
@@ -159,8 +160,12 @@ def convert_file(
 
     ``optimizer_form``: an optimizer entry keyed by parameter ``"names"`` (what ``set_optimizer_state_dict`` loads)
     or ``"indices"`` (what ``optimizer.load_state_dict`` loads); by default names into a DCP folder where the
-    model entry says them, indices into a file. ``model`` (``package.module:factory``) gives the parameter names
-    where the checkpoint does not (its buffers, which only the model's code knows).
+    model entry says them, indices into a file. Index *i* is named only where that is proven: by the groups'
+    ``param_names``, by the model's order where one group holds every parameter, or by ``optimizer_factory``
+    (``package.module:function``, called with the model ``model`` builds, on the meta device, returning the
+    optimizer the run built: the names of its groups' parameters, its groups checked against the checkpoint's,
+    their hyperparameters the checkpoint's). ``model`` (``package.module:factory``) alone gives the parameter
+    names where the checkpoint does not (its buffers, which only the model's code knows).
 
     >>> ckptfix.convert_file("ddp.pt", "model.safetensors", to="single")
     """
@@ -173,7 +178,7 @@ def convert_file(
         model_only=model_only,
         dtype=dtype,
         optimizer_form=optimizer_form,
-        parameters=None if model is None else model_parameters(model),
+        parameters=_parameters(model, optimizer_factory),
     )
     dtype = options.dtype  # the canonical name (bf16 is bfloat16)
     source = os.fspath(src)
@@ -271,6 +276,32 @@ def model_parameters(spec: str) -> Parameters:
 
     named = list(build_model(spec, device="meta").named_parameters())
     return Parameters(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), f"--model {spec}")
+
+
+def _parameters(model: str | None, optimizer_factory: str | None) -> Parameters | None:
+    if optimizer_factory is not None:
+        return optimizer_parameters(model, optimizer_factory)
+    return None if model is None else model_parameters(model)
+
+
+def optimizer_parameters(model: str | None, optimizer_factory: str) -> Parameters:
+    """The parameters of the optimizer ``optimizer_factory`` builds for the model ``model`` builds (on the meta
+    device), in the optimizer's order, group by group: each named as the model's ``named_parameters()`` name it."""
+    from ckptfix.factory import build_model, build_optimizer
+
+    origin = f"--optimizer-factory {optimizer_factory}"
+    if model is None:
+        raise UsageError(f"optimizer_factory={optimizer_factory!r} builds the optimizer for a model: pass "
+                         f"model='MOD:FACTORY' too, the model the run trained")  # fmt: skip
+    built = build_model(model, device="meta")
+    names = {id(p): n for n, p in built.named_parameters()}
+    groups = [list(g["params"]) for g in build_optimizer(optimizer_factory, built).param_groups]
+    params = [p for g in groups for p in g]
+    if stray := [g for g, group in enumerate(groups) if any(id(p) not in names for p in group)]:
+        raise UsageError(f"{origin}: param group {stray[0]} holds a tensor that is not a parameter of the model "
+                         f"--model {model} builds; build the optimizer from the model it is given")  # fmt: skip
+    return Parameters(tuple(names[id(p)] for p in params), tuple(tuple(p.shape) for p in params), origin,
+                      groups=tuple(len(g) for g in groups))  # fmt: skip
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:

@@ -68,7 +68,7 @@ _FLAGS = {
     "strip_prefixes": "--strip-prefix", "add_prefixes": "--add-prefix", "renames": "--rename", "entries": "--entry",
     "entry": "--entry", "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
     "dtype": "--dtype", "to": "--to", "overwrite": "--force", "shard_size": "--shard-size",
-    "optimizer": "--optimizer",
+    "optimizer": "--optimizer", "optimizer_factory": "--optimizer-factory", "model": "--model",
 }  # fmt: skip
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|None\b|'[^']*')?")
 

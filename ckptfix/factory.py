@@ -28,9 +28,9 @@ class ModelSpecError(CkptfixError):
     elsewhere (command-line flags) can say it in its own terms from ``argument``, ``value`` and ``problem``.
     """
 
-    def __init__(self, argument: str, value: object, problem: str) -> None:
+    def __init__(self, argument: str, value: object, problem: str, *, function: str = "build_model") -> None:
         self.argument, self.value, self.problem = argument, value, problem
-        super().__init__(f"build_model({argument}={value!r}): {problem}")
+        super().__init__(f"{function}({argument}={value!r}): {problem}")
 
 
 def build_model(
@@ -120,3 +120,40 @@ def _searched_last(folder: str | os.PathLike[str] | None) -> Iterator[None]:
     finally:
         with contextlib.suppress(ValueError):  # the factory's own code may have removed it already
             sys.path.remove(path)
+
+
+def build_optimizer(
+    spec: str, model: torch.nn.Module, *, search_path: str | os.PathLike[str] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``package.module:function`` builds for ``model`` (its one argument), as the training script
+    builds it: its param groups say which parameter each index of its ``state_dict()`` is. ``search_path`` as for
+    :func:`build_model`.
+
+    Raises:
+        ModelSpecError: the spec is malformed, or the function cannot be imported, called, or does not return a
+            ``torch.optim.Optimizer``.
+
+    >>> optimizer = build_optimizer("mytrain:configure_optimizers", build_model("mytrain:GPT"))  # doctest: +SKIP
+    """
+    import torch
+
+    def error(problem: str) -> ModelSpecError:
+        return ModelSpecError("spec", spec, problem, function="build_optimizer")
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise error("expected package.module:function, e.g. train:configure_optimizers")
+    with _searched_last(search_path):
+        try:
+            function: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                function = getattr(function, part)
+        except (Exception, SystemExit) as e:  # not importable, no such attribute, or the module's own code failed
+            raise error(f"cannot import '{attr}' from '{module_name}': {_failure(e)}") from e
+        try:
+            optimizer = function(model)
+        except (Exception, SystemExit) as e:  # the user's own code
+            raise error(f"building the optimizer for the model failed: {_failure(e)}") from e
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise error(f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer

@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.errors import MismatchError, UsageError
+from ckptfix.errors import UsageError
 
 NAMES, INDICES = "names", "indices"
 FORMS = (NAMES, INDICES)
@@ -25,16 +25,25 @@ FORMS = (NAMES, INDICES)
 _BUFFER_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
 RESUME_LOSES = "a resume loses"  # in a note said whatever the verbosity: the output loads, and binds less
+# Said whatever the verbosity too: names taken from the model's order (proven, but by the count alone), and an
+# optimizer a DCP folder keeps by index, which an FSDP2 job's set_optimizer_state_dict does not bind.
+BY_MODEL_ORDER = "in the model's parameter order"
+BY_INDEX = "stays keyed by index"
+SAID = (RESUME_LOSES, BY_MODEL_ORDER, BY_INDEX)
+NAMES_FORM = "set_optimizer_state_dict's form"
+HOW_TO_NAME = ("to key it by name (FSDP2), pass --optimizer-factory MOD:FN, the function the run built its optimizer "
+               "with from the model, and --model MOD:FACTORY")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Parameters:
-    """A model's parameters in ``named_parameters()`` order (tied ones once): names, shapes, and where they come
-    from (said in notes and errors)."""
+    """A model's parameters in ``named_parameters()`` order (tied ones once), or in an optimizer's built for it
+    (``groups``): names, shapes, and where they come from (said in notes and errors)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     origin: str
+    groups: tuple[int, ...] | None = None  # each param group's size where the names are an optimizer's, in its order
 
 
 def parse_form(form: str | None) -> str | None:
@@ -121,45 +130,73 @@ def restore_all(obj: Any, *, source: str) -> tuple[Any, list[str]]:
     return out, notes
 
 
-def to_names(osd: Mapping[str, Any], params: Parameters | None, *, where: str) -> tuple[dict[str, Any], str]:
+def to_names(osd: Mapping[str, Any], params: Parameters | str | None, *, where: str) -> tuple[dict[str, Any], str]:
     """Index-keyed ``osd`` keyed by parameter name, as ``get_optimizer_state_dict`` returns it; and a note on where
-    the names come from. The names are the groups' own ``param_names`` (an optimizer built from
-    ``named_parameters()``), else ``params``; a count or shape that does not fit is refused by key."""
+    the names come from. Names are taken only where they are proven: the groups' own ``param_names`` (an
+    optimizer built from ``named_parameters()``); else ``params`` in the optimizer's order (built by the job's own
+    optimizer function), its groups the checkpoint's; else the model's order where one group holds every
+    parameter. ``params`` a string: why the model's parameters cannot be told. Anything else is refused.
+
+    Raises:
+        UsageError: the names are not proven, or a count or a moment's shape does not fit (naming the group)."""
     ids = order(osd)
     if ids != list(range(len(ids))):
-        raise MismatchError(f"{where}: param_groups list {_sample(ids)}, not 0…{len(ids) - 1} as "
-                            f"optimizer.state_dict() numbers them; write it with --optimizer-form indices")  # fmt: skip
+        raise UsageError(f"{where}: param_groups list {_sample(ids)}, not 0…{len(ids) - 1} as "
+                         f"optimizer.state_dict() numbers them; write it with --optimizer-form indices")  # fmt: skip
     recorded = [n for g in osd["param_groups"] for n in g.get("param_names", ())]
     if len(recorded) == len(ids) and all(isinstance(n, str) for n in recorded):
         names, origin = recorded, "its param_groups' param_names"
-        shapes = _shapes_by_name(params, names, where=where)
-    elif params is None:
-        raise MismatchError(f"{where}: neither its param_groups nor a model entry name its {len(ids)} parameters; "
-                            f"pass --model MOD:FACTORY, or write it with --optimizer-form indices")  # fmt: skip
-    elif len(params.names) != len(ids):
-        raise MismatchError(f"{where}: param_groups list {len(ids)} parameters but {params.origin} has "
-                            f"{len(params.names)}; pass --model MOD:FACTORY for the model it was saved with, or "
-                            f"write it with --optimizer-form indices")  # fmt: skip
+        shapes = _shapes_by_name(params if isinstance(params, Parameters) else None, names, where=where)
     else:
-        names, origin, shapes = list(params.names), params.origin, list(params.shapes)
+        names, shapes, origin = _proven_order(osd, params, where=where)
     if len(set(names)) != len(names):
-        raise MismatchError(f"{where}: a parameter name appears twice in {origin}; the names are not a mapping")
-    state: dict[str, Any] = {}
-    for key, value in osd["state"].items():
-        if type(key) is not int or not 0 <= key < len(names):
-            raise MismatchError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
-                                f"--optimizer-form indices")  # fmt: skip
-        if shapes is not None:
-            _check_shapes(value, shapes[key], where=f"{where}.state.{key}", name=names[key], origin=origin)
-        state[names[key]] = value
-    groups, at = [], 0
-    for group in osd["param_groups"]:
+        raise UsageError(f"{where}: a parameter name appears twice in {origin}; the names are not a mapping")
+    groups, state, at = [], {}, 0
+    for g, group in enumerate(osd["param_groups"]):
         count = len(group["params"])
         groups.append({**group, "params": names[at : at + count]})
+        for i in group["params"]:
+            if i in osd["state"] and shapes is not None:
+                _check_shapes(osd["state"][i], shapes[i], where=f"{where}.state.{i}", name=names[i],
+                              origin=f"{origin}, param group {g}")  # fmt: skip
         at += count
-    return {**osd, "state": state, "param_groups": groups}, (
-        f"{where}: keyed by parameter name (set_optimizer_state_dict's form), names from {origin}"
-    )
+    for key, value in osd["state"].items():
+        if type(key) is not int or not 0 <= key < len(names):
+            raise UsageError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
+                             f"--optimizer-form indices")  # fmt: skip
+        state[names[key]] = value
+    note = f"{where}: keyed by parameter name ({NAMES_FORM}), names from {origin}"
+    return {**osd, "state": state, "param_groups": groups}, note
+
+
+def _proven_order(
+    osd: Mapping[str, Any], params: Parameters | str | None, *, where: str
+) -> tuple[list[str], list[tuple[int, ...]], str]:
+    """The names of ``osd``'s parameters in its order (and their shapes, and where from) where ``params`` proves
+    them: built by the job's own optimizer function with the same groups, or the model's order for one group."""
+    groups, count = osd["param_groups"], len(order(osd))
+    if isinstance(params, Parameters) and params.groups is not None:
+        if len(params.groups) != len(groups):
+            raise UsageError(f"{where}: {len(groups)} param group(s), but {params.origin} builds "
+                             f"{len(params.groups)}; pass the function the run built its optimizer with")  # fmt: skip
+        for g, (group, size) in enumerate(zip(groups, params.groups, strict=True)):
+            if len(group["params"]) != size:
+                raise UsageError(f"{where}: param group {g} holds {len(group['params'])} parameters, but group {g} "
+                                 f"of {params.origin} holds {size}; pass the function the run built its optimizer "
+                                 f"with")  # fmt: skip
+        return list(params.names), list(params.shapes), params.origin
+    if len(groups) != 1:
+        raise UsageError(f"{where}: its {len(groups)} param groups record no param_names, and the model's order "
+                         f"names the parameters only where one group holds them all; {HOW_TO_NAME}")  # fmt: skip
+    if not isinstance(params, Parameters):
+        why = params or f"no model entry names its {count} parameters; pass --model MOD:FACTORY"
+        raise UsageError(f"{where}: {why}")
+    if len(params.names) != count:
+        raise UsageError(f"{where}: param_groups list {count} parameters but {params.origin} has "
+                         f"{len(params.names)}; pass --model MOD:FACTORY for the model it was saved with, or "
+                         f"write it with --optimizer-form indices")  # fmt: skip
+    origin = f"{params.origin}, {BY_MODEL_ORDER} (its one param group holds every parameter)"
+    return list(params.names), list(params.shapes), origin
 
 
 def to_indices(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -168,11 +205,11 @@ def to_indices(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     names = order(osd)
     index = {name: i for i, name in enumerate(names)}
     if len(index) != len(names):
-        raise MismatchError(f"{where}: a parameter name appears in two param_groups; the names are not a mapping")
+        raise UsageError(f"{where}: a parameter name appears in two param_groups; the names are not a mapping")
     state: dict[int, Any] = {}
     for key, value in osd["state"].items():
         if key not in index:
-            raise MismatchError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
+            raise UsageError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
                                 f"--optimizer-form names")  # fmt: skip
         state[index[key]] = value
     groups, at = [], 0
@@ -214,7 +251,7 @@ def _shapes_by_name(params: Parameters | None, names: Sequence[str], *, where: s
         return None
     by_name = dict(zip(params.names, params.shapes, strict=True))
     if missing := [n for n in names if n not in by_name]:
-        raise MismatchError(f"{where}: its param_groups' param_names name '{missing[0]}', which {params.origin} "
+        raise UsageError(f"{where}: its param_groups' param_names name '{missing[0]}', which {params.origin} "
                             f"does not have; pass --model MOD:FACTORY for the model it was saved with")  # fmt: skip
     return [by_name[n] for n in names]
 
@@ -242,9 +279,8 @@ def _check_shapes(value: Any, shape: tuple[int, ...], *, where: str, name: str, 
     for key, moment in value.items():
         got = getattr(moment, "shape", None)
         if got is not None and len(got) > 0 and tuple(got) != shape:
-            raise MismatchError(f"{where}.{key}: shape {list(got)}, but parameter '{name}' ({origin}) has "
-                                f"{list(shape)}; the optimizer's parameter order is not the model's: pass --model "
-                                f"MOD:FACTORY, or write it with --optimizer-form indices")  # fmt: skip
+            raise UsageError(f"{where}.{key}: shape {list(got)}, but parameter '{name}' ({origin}) has "
+                             f"{list(shape)}; these are not the parameters it steps: {HOW_TO_NAME}")  # fmt: skip
 
 
 def _sample(values: Sequence[Any]) -> str:
@@ -294,7 +330,6 @@ def reform(
     """Put each optimizer entry of ``obj`` (a converted checkpoint, a new container: changed in place) in
     ``form``: by default names for a DCP output when the model's parameter names are known, indices otherwise;
     the notes say what changed and why. A DCP folder's string keys are put back as ints first."""
-    from ckptfix.checkpoint import convert_checkpoint, get_entry
     from ckptfix.errors import CkptfixError
 
     notes: list[str] = []
@@ -310,25 +345,29 @@ def reform(
             notes.append(f"{where}: keyed by index (optimizer.load_state_dict's form), in its param_groups' order")
         elif target == NAMES and current == INDICES:
             try:
-                if len(model_entries) != 1 and parameters is None:
-                    raise MismatchError(f"{where}: the checkpoint holds {len(model_entries)} model entries, and "
-                                        f"which one it steps is not said; pass --model MOD:FACTORY")  # fmt: skip
-                params = parameters
-                if params is None:
-                    state = convert_checkpoint(get_entry(obj, model_entries[0]), to="single", source=where).obj
-                    params_or_why = entry_parameters(state, count=len(order(osd)), identity=identity,
-                                                     entry=model_entries[0])  # fmt: skip
-                    if isinstance(params_or_why, str) and not any("param_names" in g for g in osd["param_groups"]):
-                        raise MismatchError(f"{where}: {params_or_why}")
-                    params = params_or_why if isinstance(params_or_why, Parameters) else None
+                params = parameters or _entry_parameters(obj, osd, model_entries, identity=identity, where=where)
                 osd, note = to_names(unwrapped_names(osd, where=where), params, where=where)
                 notes.append(note)
             except CkptfixError as e:
                 if form is not None:
                     raise
-                notes.append(f"{where}: kept keyed by index (optimizer.load_state_dict's form): {e}")
+                why = str(e).removeprefix(f"{where}: ")
+                notes.append(f"{where}: {BY_INDEX} (optimizer.load_state_dict's form), which an FSDP2 job's "
+                             f"set_optimizer_state_dict does not bind: {why}")  # fmt: skip
         if not dcp_out:  # a DCP folder stores each key apart: nothing stays shared
             osd, note = unshare_steps(osd, identity=identity, copy=copy, where=where)
             notes += [note] if note else []
         obj[entry] = osd
     return notes
+
+
+def _entry_parameters(obj: Any, osd: Mapping[str, Any], model_entries: Sequence[str], *,
+                      identity: Callable[[Any], Hashable], where: str) -> Parameters | str:  # fmt: skip
+    """The parameters of ``obj``'s one model entry (:func:`entry_parameters`), or why they cannot be told."""
+    from ckptfix.checkpoint import convert_checkpoint, get_entry
+
+    if len(model_entries) != 1:
+        return (f"the checkpoint holds {len(model_entries)} model entries, and which one it steps is not said; "
+                f"pass --model MOD:FACTORY")  # fmt: skip
+    state = convert_checkpoint(get_entry(obj, model_entries[0]), to="single", source=where).obj
+    return entry_parameters(state, count=len(order(osd)), identity=identity, entry=model_entries[0])

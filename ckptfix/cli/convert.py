@@ -40,6 +40,12 @@ if TYPE_CHECKING:
 )
 @click.option("--model", "model_spec", metavar="MOD:FACTORY", help="The model, for --optimizer-form names where the "
               "checkpoint does not say which tensors are parameters (built on the meta device).")  # fmt: skip
+@click.option(
+    "--optimizer-factory",
+    metavar="MOD:FN",
+    help="With --model: FN(model) builds the optimizer as the run did; its param groups name the parameters of an "
+    "optimizer whose groups record no param_names (needed for FSDP2 where it has several groups).",
+)
 @click.option("--dtype", metavar="DTYPE", help="Cast floating-point tensors (float16, bfloat16, float32, float64).")
 @click.option("--no-fast", is_flag=True, help="Always load and save through torch (the reference path).")
 @click.option(
@@ -92,6 +98,7 @@ def convert(
     optimizer: bool,
     optimizer_form: str | None,
     model_spec: str | None,
+    optimizer_factory: str | None,
     dtype: str | None,
     no_fast: bool,
     no_verify: bool,
@@ -150,6 +157,7 @@ def convert(
         format=out_format,
         optimizer_form=optimizer_form,
         model=model_spec,
+        optimizer_factory=optimizer_factory,
     )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     output.result(result.to_json(src, dst, dtype=dtype), lambda: _text(result, dst, dtype=dtype, verbose=verbose))
@@ -176,11 +184,11 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
     # resume would not bind
     from ckptfix.conversion import DCP_STRING_KEYS
     from ckptfix.formats.torchio.opaque import KEPT
-    from ckptfix.optim_form import RESUME_LOSES
+    from ckptfix.optim_form import SAID
 
     for note in result.notes:
         if note.startswith(TIED_ONCE) or (not verbose and (note.startswith((KEPT, DCP_STRING_KEYS))
-                                                           or RESUME_LOSES in note)):  # fmt: skip
+                                                           or any(s in note for s in SAID))):  # fmt: skip
             echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 
