@@ -349,7 +349,7 @@ def reform(
                 osd, note = to_names(unwrapped_names(osd, where=where), params, where=where)
                 notes.append(note)
             except CkptfixError as e:
-                if form is not None:
+                if form is not None or parameters is not None:  # names asked for, or the model given to name them
                     raise
                 why = str(e).removeprefix(f"{where}: ")
                 notes.append(f"{where}: {BY_INDEX} (optimizer.load_state_dict's form), which an FSDP2 job's "

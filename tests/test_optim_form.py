@@ -20,11 +20,13 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.errors import MismatchError
+from ckptfix.errors import UsageError
 from ckptfix.optim_form import to_indices, to_names
 from ckptfix.trainer.model import build_model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+# the run's own model and optimizer functions, which name the parameters of an optimizer of two unnamed groups
+ADAMW = ["--model", "tests.test_optim_form:tied", "--optimizer-factory", "tests.test_optim_form:adamw"]
 
 
 def run(*args: object) -> Result:
@@ -51,20 +53,29 @@ def tied() -> nn.Module:
     return Tied()
 
 
-def trained(optim: str, *, named: bool, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A :class:`Tied` model and its optimizer after ``steps``: two param groups (the embedding; the norms),
-    built from ``named_parameters()`` (the groups record ``param_names``) or from parameters alone."""
-    model = tied()
+def adamw(model: nn.Module, *, named: bool = False) -> torch.optim.Optimizer:
+    """Two param groups (the embedding; the norms), built from ``named_parameters()`` (the groups record
+    ``param_names``) or from parameters alone: what ``--optimizer-factory tests.test_optim_form:adamw`` builds."""
+    groups = _groups(model, named=named)
+    return torch.optim.AdamW([{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}],
+                             lr=1e-2)  # fmt: skip
+
+
+def sgd(model: nn.Module, *, named: bool = False) -> torch.optim.Optimizer:
+    groups = _groups(model, named=named)
+    return torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.05}], lr=0.1, momentum=0.9)
+
+
+def _groups(model: nn.Module, *, named: bool) -> list[Any]:
     params = list(model.named_parameters())
     groups: list[Any] = [params[:1], params[1:]]
-    if not named:
-        groups = [[p for _, p in g] for g in groups]
-    if optim == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(
-            [{"params": groups[0], "weight_decay": 0.1}, {"params": groups[1], "weight_decay": 0.0}], lr=1e-2
-        )
-    else:
-        opt = torch.optim.SGD([{"params": groups[0]}, {"params": groups[1], "lr": 0.05}], lr=0.1, momentum=0.9)
+    return groups if named else [[p for _, p in g] for g in groups]
+
+
+def trained(optim: str, *, named: bool, steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A :class:`Tied` model and its optimizer (:func:`adamw`, :func:`sgd`) after ``steps``."""
+    model = tied()
+    opt = {"adamw": adamw, "sgd": sgd}[optim](model, named=named)
     for step in range(steps):
         torch.manual_seed(step)
         opt.zero_grad()
@@ -92,11 +103,9 @@ def assert_bound(opt: torch.optim.Optimizer, model: nn.Module, want: dict[int, d
 def test_names_are_what_get_optimizer_state_dict_returns(optim: str, named: bool) -> None:
     model, opt = trained(optim, named=named)
     osd = opt.state_dict()
-    from ckptfix.formats.records import identity
-    from ckptfix.optim_form import entry_parameters
+    from ckptfix.conversion import optimizer_parameters
 
-    params = entry_parameters(model.state_dict(), count=5, identity=identity, entry="model")
-    assert not isinstance(params, str)
+    params = optimizer_parameters("tests.test_optim_form:tied", f"tests.test_optim_form:{optim}")
     names, note = to_names(osd, params, where="ckpt['optimizer']")
     want = get_optimizer_state_dict(model, opt)
     assert list(names["state"]) == list(want["state"]) == ["emb.weight", "ln.weight", "ln.bias", "bn.weight", "bn.bias"]
@@ -104,24 +113,30 @@ def test_names_are_what_get_optimizer_state_dict_returns(optim: str, named: bool
     for fqn, state in want["state"].items():
         assert sorted(names["state"][fqn]) == sorted(state)
         assert all(torch.equal(names["state"][fqn][k], v) for k, v in state.items())
-    origin = "param_names" if named else "model entry 'model' (its running statistics left out)"
+    origin = "param_names" if named else f"--optimizer-factory tests.test_optim_form:{optim}"
     assert origin in note
     back = to_indices(names, where="x")
     assert list(back["state"]) == list(osd["state"]) and back["param_groups"] == osd["param_groups"]
 
 
-def test_a_shape_that_does_not_fit_is_refused_by_key() -> None:
+def test_an_optimizer_that_does_not_fit_is_refused_naming_the_group() -> None:
     _, opt = trained("adamw", named=False)
     osd = opt.state_dict()
     from ckptfix.optim_form import Parameters
 
-    swapped = Parameters(("emb.weight", "ln.weight", "ln.bias", "bn.weight", "bn.bias"),
-                         ((4,), (4,), (4,), (4,), (10, 4)), "--model m:f")  # fmt: skip
-    with pytest.raises(MismatchError, match=r"ckpt\.state\.0\.exp_avg: shape \[10, 4\], but parameter 'emb\.weight'"):
+    names = ("emb.weight", "ln.weight", "ln.bias", "bn.weight", "bn.bias")
+    shapes = ((10, 4), (4,), (4,), (4,), (4,))
+    swapped = Parameters(names, ((4,), *shapes[1:4], (10, 4)), "--optimizer-factory m:f", groups=(1, 4))
+    with pytest.raises(UsageError, match=r"ckpt\.state\.0\.exp_avg: shape \[10, 4\], but parameter 'emb\.weight' "
+                       r"\(--optimizer-factory m:f, param group 0\) has \[4\]"):  # fmt: skip
         to_names(osd, swapped, where="ckpt")
-    short = Parameters(("emb.weight",), ((10, 4),), "--model m:f")
-    with pytest.raises(MismatchError, match="ckpt: param_groups list 5 parameters but --model m:f has 1"):
-        to_names(osd, short, where="ckpt")
+    other = Parameters(names, shapes, "--optimizer-factory m:f", groups=(2, 3))
+    with pytest.raises(UsageError, match="ckpt: param group 0 holds 1 parameters, but group 0 of --optimizer-f"):
+        to_names(osd, other, where="ckpt")
+    with pytest.raises(UsageError, match=r"ckpt: 2 param group\(s\), but --optimizer-factory m:f builds 1"):
+        to_names(osd, Parameters(names, shapes, "--optimizer-factory m:f", groups=(5,)), where="ckpt")
+    with pytest.raises(UsageError, match="ckpt: its 2 param groups record no param_names"):
+        to_names(osd, Parameters(names, shapes, "model entry 'model'"), where="ckpt")  # the model's order: unproven
 
 
 # -- the README's round trip: .pt -> DCP -> .pt -----------------------------------------------------------------
@@ -183,7 +198,8 @@ def test_keys_that_cannot_be_proven_stay_strings_and_the_loss_is_said(tmp_path: 
 def test_names_into_a_pt_and_back(tmp_path: Path) -> None:
     model, opt = trained("adamw", named=False)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "a.pt")
-    assert run("convert", tmp_path / "a.pt", tmp_path / "names.pt", "--optimizer-form", "names").exit_code == 0
+    done = run("convert", tmp_path / "a.pt", tmp_path / "names.pt", "--optimizer-form", "names", *ADAMW)
+    assert done.exit_code == 0, done.output
     names = torch.load(tmp_path / "names.pt", weights_only=True)["optimizer"]
     assert list(names["state"]) == list(get_optimizer_state_dict(model, opt)["state"])
     assert run("convert", tmp_path / "names.pt", tmp_path / "back.pt").exit_code == 0
@@ -195,18 +211,22 @@ def test_names_into_a_pt_and_back(tmp_path: Path) -> None:
 
 
 def test_a_model_the_file_cannot_say_is_given_with_model(tmp_path: Path) -> None:
-    model, opt = trained("sgd", named=False)
+    model = tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # one group: index i is the model's i-th
+    model(torch.randint(0, 10, (8,))).square().mean().backward()
+    opt.step()
     state = model.state_dict()
     state["pos"] = torch.zeros(3)  # a float buffer only the model's code knows is not a parameter
     torch.save({"model": state, "optimizer": opt.state_dict()}, tmp_path / "a.pt")
     refused = run("convert", tmp_path / "a.pt", f"{tmp_path / 'd'}/", "--optimizer-form", "names")
-    assert refused.exit_code != 0 and "pass --model MOD:FACTORY" in refused.output
+    assert refused.exit_code == 2 and "pass --model MOD:FACTORY" in refused.output
     assert not (tmp_path / "d").exists()
-    default = run("convert", tmp_path / "a.pt", f"{tmp_path / 'd'}/", "-v")
-    assert default.exit_code == 0 and "kept keyed by index" in default.stderr
+    default = run("convert", tmp_path / "a.pt", f"{tmp_path / 'd'}/")
+    assert default.exit_code == 0 and "stays keyed by index" in default.stderr
     given = run("convert", tmp_path / "a.pt", f"{tmp_path / 'e'}/", "--optimizer-form", "names",
                 "--model", "tests.test_optim_form:tied")  # fmt: skip
     assert given.exit_code == 0, given.output
+    assert "names from --model tests.test_optim_form:tied, in the model's parameter order" in given.stderr
     keys = dcp.FileSystemReader(str(tmp_path / "e")).read_metadata().state_dict_metadata
     assert "optimizer.state.emb.weight.momentum_buffer" in keys
 
@@ -248,7 +268,7 @@ def test_a_wrapped_run_resumes_on_the_plain_model_by_name(wrapper: str, named: b
         opt.step()
     model.cpu()  # DataParallel moves the model to the first GPU where there is one
     torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "run.pt")
-    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'dcp'}/", "-v")
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'dcp'}/", "-v", *([] if named else ADAMW))
     assert done.exit_code == 0, done.output
     assert "keyed by parameter name (set_optimizer_state_dict's form)" in done.stderr
     fresh, fresh_opt = trained("adamw", named=False, steps=0)
@@ -261,3 +281,176 @@ def test_a_wrapped_run_resumes_on_the_plain_model_by_name(wrapper: str, named: b
     assert_bound(
         fresh_opt, fresh, {i: {k: v.cpu() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
     )
+
+
+# -- optimizers whose groups record no param_names: names only where proven -------------------------------------
+
+GPT = ["--model", "tests.nanogpt:build", "--optimizer-factory", "tests.nanogpt:configure_optimizers"]
+
+
+class Twin(nn.Module):
+    """Two layers of one shape: an optimizer's groups that swap them fit the model's shapes either way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu())  # type: ignore[no-any-return]
+
+
+def twin() -> Twin:
+    torch.manual_seed(0)
+    return Twin()
+
+
+def twin_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """Groups not in the model's order: ``b`` first (its own rate), then ``a``."""
+    assert isinstance(model, Twin)
+    return torch.optim.SGD([{"params": [model.b.weight], "lr": 0.1}, {"params": [model.a.weight], "lr": 0.01}],
+                           momentum=0.9)  # fmt: skip
+
+
+def _twin_run(path: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = twin()
+    opt = twin_sgd(model)
+    for step in range(2):
+        torch.manual_seed(step)
+        opt.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        opt.step()
+    for group in opt.param_groups:  # a schedule's rates, which the resumed run must take from the checkpoint
+        group["lr"] /= 2
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return model, opt
+
+
+def _resumed_by_name(folder: Path, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """What an FSDP2 job does per rank (here in one process): ``dcp.load`` into ``get_state_dict``'s, then
+    ``set_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def assert_same_by_name(got: tuple[nn.Module, torch.optim.Optimizer], want: tuple[nn.Module, torch.optim.Optimizer]):
+    """Each parameter's state in ``got`` is ``torch.equal`` to the state of the parameter of the same name in
+    ``want``, and each group's hyperparameters are ``want``'s."""
+    (model, opt), (model0, opt0) = got, want
+    was = {name: opt0.state[p] for name, p in model0.named_parameters()}
+    for name, p in model.named_parameters():
+        assert sorted(opt.state[p]) == sorted(was[name]), name
+        assert all(torch.equal(opt.state[p][k], v) for k, v in was[name].items()), name
+    hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt.param_groups]
+    assert hyper == [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in opt0.param_groups]
+
+
+def _untouched(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("run_of", ["nanogpt", "twin"])
+def test_groups_that_record_no_names_stay_by_index_and_the_flag_is_said(run_of: str, tmp_path: Path) -> None:
+    """nanoGPT's two groups (shapes that differ) and two groups of equal shapes not in the model's order: the model's
+    order proves nothing, so the default output says the optimizer stays keyed by index and which flag names it."""
+    from tests import nanogpt
+
+    nanogpt.train(tmp_path / "run.pt") if run_of == "nanogpt" else _twin_run(tmp_path / "run.pt")
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/")
+    assert done.exit_code == 0, done.output
+    said = [line for line in done.stderr.splitlines() if "stays keyed by index" in line]
+    assert len(said) == 1 and "--optimizer-factory MOD:FN" in said[0] and "--model MOD:FACTORY" in said[0]
+    assert said[0].startswith(f"ckptfix: {tmp_path / 'run.pt'}['optimizer']: stays keyed by index")
+    assert "its 2 param groups record no param_names" in said[0]
+    keys = dcp.FileSystemReader(str(tmp_path / "out")).read_metadata().state_dict_metadata
+    assert any(k.startswith("optimizer.state.0.") for k in keys)  # as optimizer.state_dict() keyed it
+    assert not any(k.startswith(("optimizer.state.a.", "optimizer.state.wte.")) for k in keys)
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "tests.nanogpt:build"]])
+def test_names_asked_for_groups_that_record_none_is_a_usage_error(model: list[str], tmp_path: Path) -> None:
+    from tests import nanogpt
+
+    nanogpt.train(tmp_path / "run.pt")
+    before = _untouched(tmp_path / "run.pt")
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", "--optimizer-form", "names", *model)
+    assert done.exit_code == 2, done.output
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"ckptfix: error: {tmp_path / 'run.pt'}['optimizer']: its 2 param groups")
+    assert "pass --optimizer-factory MOD:FN" in done.stderr
+    assert not (tmp_path / "out").exists() and _untouched(tmp_path / "run.pt") == before
+
+
+@pytest.mark.parametrize("run_of", ["nanogpt", "twin"])
+def test_the_runs_optimizer_function_names_each_group_exactly(run_of: str, tmp_path: Path) -> None:
+    from tests import nanogpt
+
+    if run_of == "nanogpt":
+        source, flags = nanogpt.train(tmp_path / "run.pt"), GPT
+        fresh = nanogpt.build(seed=9)
+        fresh_opt = nanogpt.configure_optimizers(fresh)
+    else:
+        source = _twin_run(tmp_path / "run.pt")
+        flags = ["--model", "tests.test_optim_form:twin", "--optimizer-factory", "tests.test_optim_form:twin_sgd"]
+        fresh = twin()
+        fresh_opt = twin_sgd(fresh)
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", *flags)
+    assert done.exit_code == 0, done.output
+    assert "stays keyed by index" not in done.stderr
+    _resumed_by_name(tmp_path / "out", fresh, fresh_opt)
+    assert_same_by_name((fresh, fresh_opt), source)
+    if run_of == "nanogpt":  # the rate the run's schedule had reached, each group's decay: the checkpoint's
+        assert [(g["lr"], g["weight_decay"]) for g in fresh_opt.param_groups] == [(3e-4, 0.1), (3e-4, 0.0)]
+
+
+@pytest.mark.parametrize(
+    ("factory", "said"),
+    [
+        ("tests.test_optim_form:adamw", "param group 0 holds 10 parameters, but group 0 of --optimizer-factory "
+                                        "tests.test_optim_form:adamw holds 1"),
+        ("tests.test_optim_form:one_group", "2 param group(s), but --optimizer-factory tests.test_optim_form:one_group"
+                                            " builds 1"),
+        ("tests.test_optim_form:stranger", "param group 0 holds a tensor that is not a parameter of the model"),
+        ("tests.test_optim_form:nowhere", "build_optimizer(spec='tests.test_optim_form:nowhere'): cannot import"),
+    ],
+)  # fmt: skip
+def test_an_optimizer_function_that_does_not_fit_is_refused(factory: str, said: str, tmp_path: Path) -> None:
+    from tests import nanogpt
+
+    nanogpt.train(tmp_path / "run.pt")
+    flags = ["--model", "tests.nanogpt:build", "--optimizer-factory", factory]
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", *flags)
+    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1, done.output
+    assert said in done.stderr and not (tmp_path / "out").exists()
+
+
+def one_group(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters())
+
+
+def stranger(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(nn.Linear(2, 2).parameters())
+
+
+def test_an_optimizer_function_needs_the_model(tmp_path: Path) -> None:
+    from tests import nanogpt
+
+    nanogpt.train(tmp_path / "run.pt")
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", *GPT[2:])
+    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1, done.output
+    assert "--optimizer-factory 'tests.nanogpt:configure_optimizers' builds the optimizer for a model: pass " \
+           "--model 'MOD:FACTORY' too" in done.stderr  # fmt: skip
+
+
+def test_one_group_is_named_in_the_models_order_and_says_so(tmp_path: Path) -> None:
+    done = run("convert", FIXTURES / "ddp_wrapped.pt", f"{tmp_path / 'out'}/")
+    assert done.exit_code == 0, done.output
+    assert ("['optimizer']: keyed by parameter name (set_optimizer_state_dict's form), names from model entry "
+            "'model' (its running statistics left out), in the model's parameter order (its one param group holds "
+            "every parameter)") in done.stderr  # fmt: skip
