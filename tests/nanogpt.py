@@ -82,3 +82,39 @@ def train(path: Path, *, steps: int = 2) -> tuple[GPT, torch.optim.AdamW]:
         group["lr"] = SAVED_LR
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter_num": steps}, path)
     return model, opt
+
+
+def resume_fsdp2(rank: int, world: int, store: str, folder: str, out: str) -> None:
+    """One rank of the FSDP2 job of docs/resume.md: the model sharded, the optimizer built by the run's own
+    function, then ``dcp.load`` into what ``get_state_dict`` gives and ``set_state_dict``; rank 0 writes to ``out``
+    the full optimizer state by parameter name and each group's hyperparameters."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        model = build(seed=99)  # every value must come from the checkpoint
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        optimizer = configure_optimizers(model)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        full = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))  # fmt: skip
+        groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+        if rank == 0:
+            torch.save({"state": full["state"], "groups": groups}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    Path(f"{out}.done{rank}").touch()

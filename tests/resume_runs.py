@@ -42,7 +42,7 @@ class ResumeNet(nn.Module):
         return self.out(self.mid(self.norm(self.proj(x))).relu())  # type: ignore[no-any-return]
 
 
-def build(seed: int) -> ResumeNet:
+def build(seed: int = 0) -> ResumeNet:
     torch.manual_seed(seed)
     return ResumeNet()
 
@@ -57,6 +57,11 @@ def optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
                                  lr=1e-2)  # fmt: skip
     params = [p for _, p in named]
     return torch.optim.SGD([{"params": params[:3]}, {"params": params[3:], "lr": 0.05}], lr=0.1, momentum=0.9)
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """The SGD run's optimizer, as ``convert --optimizer-factory tests.resume_runs:sgd`` builds it."""
+    return optimizer("sgd", model)
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptfix.cli import cli
-from tests.resume_runs import MORE, OPTIMIZERS, SCALER, launch, rank_file
+from tests.resume_runs import DCP, MORE, OPTIMIZERS, SCALER, launch, rank_file, run_ranks
 from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON)]
@@ -90,13 +90,40 @@ def test_resume_on_another_setup(a: str, b: str, trained: dict[str, Any], tmp_pa
             merged = ckptfix("merge", rank_file(saved[kind], 0), rank_file(saved[kind], 1), "-o", source, "--optimizer",
                              *model)  # fmt: skip
             assert "consolidated 'optimizer': FSDP1 sharded optimizer state" in merged
-        said = ckptfix("convert", source, moved[kind], "-v")
+        # SGD's two groups record no param_names: the run's own function names their parameters for FSDP2
+        sgd = ["--model", "tests.resume_runs:build", "--optimizer-factory", "tests.resume_runs:sgd"]
+        named = b == "fsdp2" and kind == "sgd" and a not in DCP and not a.startswith("fsdp1")
+        said = ckptfix("convert", source, moved[kind], "-v", *(sgd if named else []))
         if b == "fsdp2" and a.startswith("fsdp1"):  # FSDP.optim_state_dict keys by name already
             assert "keyed by" not in said
         elif b == "fsdp2":
             assert "keyed by parameter name (set_optimizer_state_dict's form)" in said
-            assert "names from its param_groups' param_names" in said if kind == "adamw" else "model entry" in said
+            assert "names from its param_groups' param_names" in said if kind == "adamw" else "--optimizer-fact" in said
         elif a in ("fsdp2", "fsdp1", "fsdp1local", "ddp_dcp"):
             assert "keyed by index (optimizer.load_state_dict's form)" in said
     resumed = launch(b, "resume", world=WORLD[b], paths=moved, out=tmp_path / "resumed.pt")
     assert_resumed(resumed, recorded, same_world=WORLD[a] == WORLD[b])
+
+
+def test_a_nanogpt_run_resumes_on_fsdp2_as_resume_md_says(tmp_path: Path) -> None:
+    """nanoGPT's two AdamW groups (decayed: every parameter of two or more dimensions) interleave the model's order
+    and record no param_names: ``convert`` keeps them by index and names the flag; with the run's own
+    ``configure_optimizers`` the FSDP2 job on 2 ranks binds every moment to its parameter, each group's rate and
+    decay the checkpoint's."""
+    from tests import nanogpt
+
+    model, opt = nanogpt.train(tmp_path / "run.pt")
+    assert "stays keyed by index" in ckptfix("convert", tmp_path / "run.pt", f"{tmp_path / 'by_index'}/")
+    said = ckptfix("convert", tmp_path / "run.pt", f"{tmp_path / 'gpt_dcp'}/", "--model", "tests.nanogpt:build",
+                   "--optimizer-factory", "tests.nanogpt:configure_optimizers")  # fmt: skip
+    assert "stays keyed by index" not in said
+    out = tmp_path / "resumed.pt"
+    args = (2, str(tmp_path / "store"), str(tmp_path / "gpt_dcp"), str(out))
+    held = run_ranks(nanogpt.resume_fsdp2, args, in_process=False, world=2, out=out)
+    want = {name: opt.state[p] for name, p in model.named_parameters()}
+    assert sorted(held["state"]) == sorted(want)
+    for name, moments in want.items():
+        assert sorted(held["state"][name]) == sorted(moments), name
+        for key, value in moments.items():
+            assert torch.equal(held["state"][name][key], value), (name, key)
+    assert [(g["lr"], g["weight_decay"]) for g in held["groups"]] == [(nanogpt.SAVED_LR, 0.1), (nanogpt.SAVED_LR, 0.0)]
