@@ -78,7 +78,7 @@ class ConvertOptions:
     model_only: bool = False
     dtype: str | None = None
     optimizer_form: str | None = None  # names | indices; None: names into a DCP folder where known (optim_form)
-    parameters: Parameters | None = None  # the model's, from --model, where the checkpoint does not say them
+    parameters: Parameters | None = None  # from --model or --optimizer-factory, where the checkpoint does not say them
 
     def __post_init__(self) -> None:
         # frozen: the names people write (DDP, bf16, half) become the canonical ones once, here
@@ -160,12 +160,10 @@ def convert_file(
 
     ``optimizer_form``: an optimizer entry keyed by parameter ``"names"`` (what ``set_optimizer_state_dict`` loads)
     or ``"indices"`` (what ``optimizer.load_state_dict`` loads); by default names into a DCP folder where the
-    model entry says them, indices into a file. Index *i* is named only where that is proven: by the groups'
-    ``param_names``, by the model's order where one group holds every parameter, or by ``optimizer_factory``
-    (``package.module:function``, called with the model ``model`` builds, on the meta device, returning the
-    optimizer the run built: the names of its groups' parameters, its groups checked against the checkpoint's,
-    their hyperparameters the checkpoint's). ``model`` (``package.module:factory``) alone gives the parameter
-    names where the checkpoint does not (its buffers, which only the model's code knows).
+    model entry says them, indices into a file. Names only where proven: the groups' ``param_names``, the model's
+    order where one group holds every parameter, or ``optimizer_factory`` (``package.module:function``: called with
+    the model ``model`` builds, it returns the optimizer the run built). ``model`` (``package.module:factory``)
+    also says which tensors are parameters where the checkpoint does not (buffers only the model's code knows).
 
     >>> ckptfix.convert_file("ddp.pt", "model.safetensors", to="single")
     """
