@@ -337,7 +337,9 @@ def _resumed_by_name(folder: Path, model: nn.Module, opt: torch.optim.Optimizer)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
-def assert_same_by_name(got: tuple[nn.Module, torch.optim.Optimizer], want: tuple[nn.Module, torch.optim.Optimizer]):
+def assert_same_by_name(
+    got: tuple[nn.Module, torch.optim.Optimizer], want: tuple[nn.Module, torch.optim.Optimizer]
+) -> None:
     """Each parameter's state in ``got`` is ``torch.equal`` to the state of the parameter of the same name in
     ``want``, and each group's hyperparameters are ``want``'s."""
     (model, opt), (model0, opt0) = got, want
@@ -373,13 +375,19 @@ def test_groups_that_record_no_names_stay_by_index_and_the_flag_is_said(run_of: 
     assert not any(k.startswith(("optimizer.state.a.", "optimizer.state.wte.")) for k in keys)
 
 
-@pytest.mark.parametrize("model", [[], ["--model", "tests.nanogpt:build"]])
-def test_names_asked_for_groups_that_record_none_is_a_usage_error(model: list[str], tmp_path: Path) -> None:
+NAMES = ["--optimizer-form", "names"]
+
+
+@pytest.mark.parametrize(
+    "flags", [NAMES, [*NAMES, "--model", "tests.nanogpt:build"], ["--model", "tests.nanogpt:build"]]
+)
+def test_names_asked_for_groups_that_record_none_is_a_usage_error(flags: list[str], tmp_path: Path) -> None:
+    """``--optimizer-form names``, or ``--model`` given to name them (the model's order proves nothing here)."""
     from tests import nanogpt
 
     nanogpt.train(tmp_path / "run.pt")
     before = _untouched(tmp_path / "run.pt")
-    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", "--optimizer-form", "names", *model)
+    done = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", *flags)
     assert done.exit_code == 2, done.output
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"ckptfix: error: {tmp_path / 'run.pt'}['optimizer']: its 2 param groups")
