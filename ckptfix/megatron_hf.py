@@ -242,8 +242,9 @@ def _norm(t: Any, config: Mapping[str, Any], *, name: str, source: str) -> Any:
         return t
     dtype = str(config.get("dtype") or t.dtype).removeprefix("torch.")
     if dtype != "float32":
-        raise UsageError(f"{source}: apply_layernorm_1p=True stores each norm weight as weight - 1; '{name}' + 1 in "
-                         f"{dtype} is rounded, Megatron adds it in float32: export with --dtype float32")  # fmt: skip
+        raise UsageError(f"{source}: apply_layernorm_1p=True: '{name}' holds its norm's scale - 1, and the scale "
+                         f"(weight + 1) in {dtype} is rounded where Megatron adds the 1 in float32; export with "
+                         f"--dtype float32")  # fmt: skip
     if is_record(t):
         raise Fallback("apply_layernorm_1p: the norm weights are computed (weight + 1), not copied")
     return t.float() + 1
