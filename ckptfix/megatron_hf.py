@@ -16,7 +16,11 @@ The norms Transformer Engine fuses into ``linear_qkv`` and ``linear_fc1`` (``lay
 ``input_layernorm`` and ``post_attention_layernorm``. Megatron's rotary embedding (non-interleaved: ``rotate_half``
 on the two halves of each head, ``cat(freqs, freqs)``) is transformers' own; an interleaved one is refused.
 
-What the config needs and the arguments do not say is refused in one line, naming it and ``--config-from``.
+Every other argument in ``common.pt`` is read too: one that changes the forward in a way Llama and Mixtral do not
+compute is refused by name (:func:`check_forward`, with :mod:`ckptfix.megatron_args`), with or without
+``--config-from``; a zero-centred norm (``apply_layernorm_1p``) is written as ``weight + 1``. Keys under a wrapping
+module's prefix (``module.``) are mapped without it. What the config needs and the arguments do not say is refused in
+one line, naming it and ``--config-from``.
 :func:`hf_config` and :func:`hf_state` are pure: the config is a dict; a tensor is sliced by rows, a tensor record
 becomes a :class:`~ckptfix.stream.rows.RowsTensor` of it (the stream copies its rows as byte ranges).
 """
@@ -31,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import MismatchError, UsageError
+from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.folders.hf_config import ConfigFolder
+from ckptfix.formats.records import is_record
 
 # Megatron-LM's argument, the HF config's key; each needed for a config (``kv_channels``, ``num_query_groups`` have
 # defaults Megatron itself applies)
@@ -39,6 +45,29 @@ _NEEDED = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
            ("ffn_hidden_size", "intermediate_size"), ("num_attention_heads", "num_attention_heads"),
            ("padded_vocab_size", "vocab_size"), ("max_position_embeddings", "max_position_embeddings"),
            ("norm_epsilon", "rms_norm_eps"), ("rotary_base", "rope_theta"))  # fmt: skip
+# Megatron-LM's argument, what transformers' Llama and Mixtral compute, said as what they need
+_FAMILY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "normalization": (lambda v: v == "RMSNorm", "RMSNorm"),
+    "swiglu": (lambda v: v is True, "SwiGLU"),
+    "position_embedding_type": (lambda v: v == "rope", "rotary position embeddings"),
+    "rotary_interleaved": (lambda v: not v, "non-interleaved rotary embeddings"),
+    "rotary_percent": (lambda v: v in (None, 1.0), "rotary embeddings on the whole head"),
+    "add_bias_linear": (lambda v: not v, "no linear biases"),
+    "add_qkv_bias": (lambda v: not v, "no QKV bias"),
+    "qk_layernorm": (lambda v: not v, "no QK norm"),
+    "use_rope_scaling": (lambda v: not v, "unscaled rotary embeddings"),
+    "rope_scaling": (lambda v: not v, "unscaled rotary embeddings"),
+    "moe_router_pre_softmax": (lambda v: not v, "softmax over the top-k experts"),
+    "moe_router_score_function": (lambda v: v in (None, "softmax"), "a softmax router"),
+    "moe_shared_expert_intermediate_size": (lambda v: not v, "no shared expert"),
+    "moe_layer_freq": (lambda v: v in (None, 1), "experts in every layer"),
+}
+# megatron-core 0.16's names of what older Megatron-LM calls norm_epsilon and apply_layernorm_1p
+_ALIASES = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+# every argument hf_config and hf_state read (each other one is checked by ckptfix.megatron_args)
+_MAPPED = frozenset({m for m, _ in _NEEDED} | set(_FAMILY) | set(_ALIASES) | set(_ALIASES.values()) | {
+    "group_query_attention", "num_query_groups", "kv_channels", "vocab_size", "untie_embeddings_and_output_weights",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "params_dtype", "bf16", "fp16"})  # fmt: skip
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 # Megatron's name in a layer -> transformers' (a Llama layer; Mixtral's differ only in the feed-forward block)
@@ -58,6 +87,7 @@ def hf_config(args: Mapping[str, Any], *, source: str) -> tuple[dict[str, Any], 
     vocabulary kept padded). Refused in one line: a model that is not Llama-family (LayerNorm, no SwiGLU, learned
     positions, biases, QK norms, interleaved or partial rotary), or arguments that do not say what the config needs.
     """
+    args = named(args)
     missing = [m for m, _ in _NEEDED if args.get(m) is None]
     gqa = args.get("group_query_attention")
     if gqa and args.get("num_query_groups") is None:
@@ -65,7 +95,7 @@ def hf_config(args: Mapping[str, Any], *, source: str) -> tuple[dict[str, Any], 
     if missing:
         raise UsageError(f"{source}: its model arguments do not say {', '.join(missing)}, which an HF config.json "
                          f"needs; pass --config-from the folder of the model's HF config.json")  # fmt: skip
-    _llama_family(args, source=source)
+    check_forward(args, source=source)
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     groups = int(args["num_query_groups"]) if gqa else heads
     head_dim = int(args.get("kv_channels") or hidden // heads)
@@ -113,30 +143,31 @@ def hf_config(args: Mapping[str, Any], *, source: str) -> tuple[dict[str, Any], 
     return config, notes
 
 
-def _llama_family(args: Mapping[str, Any], *, source: str) -> None:
-    """Refuse, naming the argument, a model transformers' Llama and Mixtral do not compute."""
-    said = {
-        "normalization": (args.get("normalization", "LayerNorm") == "RMSNorm", "RMSNorm"),
-        "swiglu": (args.get("swiglu") is True, "SwiGLU"),
-        "position_embedding_type": (args.get("position_embedding_type") == "rope", "rotary position embeddings"),
-        "rotary_interleaved": (not args.get("rotary_interleaved"), "non-interleaved rotary embeddings"),
-        "rotary_percent": (args.get("rotary_percent", 1.0) == 1.0, "rotary embeddings on the whole head"),
-        "add_bias_linear": (not args.get("add_bias_linear"), "no linear biases"),
-        "add_qkv_bias": (not args.get("add_qkv_bias"), "no QKV bias"),
-        "qk_layernorm": (not args.get("qk_layernorm"), "no QK norm"),
-        "use_rope_scaling": (not args.get("use_rope_scaling"), "unscaled rotary embeddings"),
-        "moe_router_pre_softmax": (not args.get("moe_router_pre_softmax"), "softmax over the top-k experts"),
-        "moe_router_score_function": (args.get("moe_router_score_function", "softmax") in (None, "softmax"),
-                                      "a softmax router"),
-        "moe_shared_expert_intermediate_size": (not args.get("moe_shared_expert_intermediate_size"),
-                                                "no shared expert"),
-        "moe_layer_freq": (args.get("moe_layer_freq", 1) in (None, 1), "experts in every layer"),
-    }  # fmt: skip
-    for name, (ok, wants) in said.items():
-        if not ok:
+def named(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with megatron-core 0.16's names (``layernorm_epsilon``) also under the older ones hf_config reads."""
+    out = dict(args)
+    for new, old in _ALIASES.items():
+        if out.get(old) is None and new in out:
+            out[old] = out[new]
+    return out
+
+
+def check_forward(args: Mapping[str, Any], *, source: str) -> None:
+    """Refuse, naming it, an argument that makes a forward transformers' Llama and Mixtral do not compute: one of
+    :data:`_FAMILY` they cannot say, or any other one not at Megatron-LM's default that ckptfix neither maps nor knows
+    to leave the forward alone (:mod:`ckptfix.megatron_args`)."""
+    from ckptfix.megatron_args import changed
+
+    for name, (ok, wants) in _FAMILY.items():
+        if not ok(args.get(name)):
             raise UsageError(f"{source}: not a Llama-family model ({name}={args.get(name)!r}; LlamaForCausalLM and "
                              f"MixtralForCausalLM need {wants}); --format hf exports those only: convert it to a "
                              f".safetensors file in Megatron's names instead")  # fmt: skip
+    if bad := changed(args, mapped=_MAPPED):
+        raise UsageError(f"{source}: its args say {', '.join(bad)}, which change{'s' * (len(bad) == 1)} the model's "
+                         f"forward in a way LlamaForCausalLM and MixtralForCausalLM do not compute; --format hf "
+                         f"exports those only: convert it to a .safetensors file in Megatron's names "
+                         f"instead")  # fmt: skip
 
 
 def hf_state(
@@ -167,7 +198,7 @@ def hf_state(
             out["lm_head.weight"] = take(t, [(0, vocab)])
             continue
         if name == "decoder.final_layernorm.weight":
-            out["model.norm.weight"] = t
+            out["model.norm.weight"] = _norm(t, config, name=name, source=source)
             continue
         m = _LAYER.fullmatch(name)
         if m is None:
@@ -192,12 +223,31 @@ def hf_state(
             else:
                 out[at + "w1.weight"], out[at + "w3.weight"] = _gated(t, take, _rows_of(t) // 2)
         elif rest in _SAME and (moe or not rest.startswith("mlp.router")):
-            out[layer + _SAME[rest]] = t
+            out[layer + _SAME[rest]] = (
+                _norm(t, config, name=name, source=source) if _SAME[rest].endswith("layernorm.weight") else t
+            )
         else:
             raise MismatchError(f"{source}: '{name}' has no place in a {'Mixtral' if moe else 'Llama'} layer; "
                                 f"nothing was written; convert it to a .safetensors file in Megatron's names "
                                 f"instead")  # fmt: skip
     return out
+
+
+def _norm(t: Any, config: Mapping[str, Any], *, name: str, source: str) -> Any:
+    """A norm's weight as transformers' norm multiplies by it: as stored, or, zero-centred (``apply_layernorm_1p``),
+    ``weight + 1`` in float32, as Transformer Engine's kernels add it (``gamma + 1`` in float32, the only
+    arithmetic there is for a zero-centred RMSNorm: megatron-core's other norms refuse one). A bfloat16 or float16
+    result would round it: refused, unless the export is float32 (``config["dtype"]``, else the stored dtype)."""
+    if not config.get("norm_plus_one"):
+        return t
+    dtype = str(config.get("dtype") or t.dtype).removeprefix("torch.")
+    if dtype != "float32":
+        raise UsageError(f"{source}: apply_layernorm_1p=True: '{name}' holds its norm's scale - 1, and the scale "
+                         f"(weight + 1) in {dtype} is rounded where Megatron adds the 1 in float32; export with "
+                         f"--dtype float32")  # fmt: skip
+    if is_record(t):
+        raise Fallback("apply_layernorm_1p: the norm weights are computed (weight + 1), not copied")
+    return t.float() + 1
 
 
 def _gated(t: Any, take: Callable[[Any, list[tuple[int, int]]], Any], half: int) -> tuple[Any, Any]:
@@ -216,17 +266,19 @@ class MegatronExport:
 
     found: ConfigFolder
     config: Any  # transformers' PretrainedConfig
-    shape: dict[str, Any]  # what hf_state needs: heads, groups, head_dim, vocab_size, ties, experts
+    shape: dict[str, Any]  # what hf_state needs: heads, groups, head_dim, vocab_size, ties, experts, norms, dtype
     source: str
     notes: list[str] = field(default_factory=list)
+    prefix: str = ""  # a wrapped model's (``module.``), before every name: left out
 
     def premap(self, state: Mapping[str, Any]) -> OrderedDict[str, Any]:
-        return hf_state(state, self.shape, source=self.source)
+        return hf_state({k.removeprefix(self.prefix): v for k, v in state.items()}, self.shape, source=self.source)
 
 
-def for_export(src: str, *, config_from: Any = None) -> MegatronExport | None:
+def for_export(src: str, *, config_from: Any = None, dtype: str | None = None) -> MegatronExport | None:
     """None when ``src`` is no Megatron folder; else its config: built from ``common.pt``'s model arguments, or
-    read from ``config_from`` (a folder of an HF ``config.json``, which also says the tokenizer's vocabulary)."""
+    read from ``config_from`` (a folder of an HF ``config.json``, which also says the tokenizer's vocabulary); either
+    way, the arguments that change the forward are checked (:func:`check_forward`). ``dtype``: the export's."""
     from ckptfix.formats.folders.hf_config import find_config
     from ckptfix.formats.folders.megatron import COMMON, describe, is_megatron
     from ckptfix.hf_export import load_config, require_transformers
@@ -234,12 +286,14 @@ def for_export(src: str, *, config_from: Any = None) -> MegatronExport | None:
     if not is_megatron(src):
         return None
     run = describe(src)
+    args, common = named(run.args), os.path.join(run.root, COMMON)
     notes: list[str] = []
     if config_from is not None:
+        check_forward(args, source=common)
         found = find_config(src, config_from=config_from)
         config = load_config(found.folder)
     else:
-        built, notes = hf_config(run.args, source=os.path.join(run.root, COMMON))
+        built, notes = hf_config(args, source=common)
         transformers = require_transformers()
         config = transformers.AutoConfig.for_model(**built)
         written = {"architectures": built["architectures"], **config.to_diff_dict()}
@@ -247,12 +301,16 @@ def for_export(src: str, *, config_from: Any = None) -> MegatronExport | None:
         notes.append(f"config.json built from {os.path.join(run.root, COMMON)}'s model arguments "
                      f"({built['architectures'][0]})")  # fmt: skip
     heads = int(config.num_attention_heads)
-    shape = {"num_attention_heads": heads, "num_key_value_heads": int(getattr(config, "num_key_value_heads", None)
-             or heads), "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-             "vocab_size": int(config.vocab_size), "tie_word_embeddings": bool(config.tie_word_embeddings)}  # fmt: skip
+    groups = int(getattr(config, "num_key_value_heads", None) or heads)
+    shape: dict[str, Any] = {"num_attention_heads": heads, "num_key_value_heads": groups,
+                             "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+                             "vocab_size": int(config.vocab_size),
+                             "tie_word_embeddings": bool(config.tie_word_embeddings)}  # fmt: skip
     if getattr(config, "num_local_experts", None):
         shape["num_local_experts"] = int(config.num_local_experts)
-    return MegatronExport(found, config, shape, source=run.root, notes=notes)
+    shape.update(norm_plus_one=bool(args.get("apply_layernorm_1p")), dtype=dtype)
+    prefix = run.under[0] if len(run.under) == 1 and all(k.startswith(run.under[0]) for k in run.state) else ""
+    return MegatronExport(found, config, shape, source=run.root, notes=notes, prefix=prefix)
 
 
-__all__ = ["MegatronExport", "for_export", "hf_config", "hf_state"]
+__all__ = ["MegatronExport", "check_forward", "for_export", "hf_config", "hf_state", "named"]

@@ -52,6 +52,9 @@ RUNS: dict[str, dict[str, Any]] = {
 STEPS = 3
 # the benchmark's run (bench/bench_megatron.py), made larger with --size; not a fixture
 BENCH = {"bench_tp2_bf16": {"tp": 2, "pp": 1, "ep": 1, "dtype": "bf16", "moe": False, "tied": False}}
+# saved under a wrapping module's prefix (GPTModel.sharded_state_dict("module.")); made by a slow test, not a fixture
+WRAPPED = {"module_tp2_fp32": {"tp": 2, "pp": 1, "ep": 1, "dtype": "fp32", "moe": False, "tied": False, "layers": 2,
+                               "prefix": "module."}}  # fmt: skip
 _SIZE = ""  # --size as given, passed on to the ranks
 TIMEOUT = 600  # seconds a run's ranks may take together (a fixture run takes under a minute on 2 cores)
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, SEQ, EXPERTS = 4, 16, 4, 2, 32, 32, 8, 2
@@ -64,6 +67,24 @@ def fixture_runs() -> dict[str, dict[str, Any]]:
     """What ``fixtures/megatron/MANIFEST.json`` records of each run made (its layout, dtype, layers, world size)."""
     runs: dict[str, dict[str, Any]] = json.loads((FIXTURES / "MANIFEST.json").read_text())["runs"]
     return runs
+
+
+def prefixed(src: Path, dst: Path, prefix: str) -> Path:
+    """Run folder ``src`` copied to ``dst`` with every key under ``prefix`` (``module.``), as a wrapped model's
+    ``sharded_state_dict(prefix=...)`` names them: DCP's plan (``.metadata``) read and written again by torch's own
+    classes, each key renamed; the data files, which hold no names, as Megatron wrote them."""
+    import dataclasses
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(src, dst)
+    plan = FileSystemReader(str(src)).read_metadata()
+    plan.state_dict_metadata = {prefix + k: v for k, v in plan.state_dict_metadata.items()}
+    plan.storage_data = {dataclasses.replace(i, fqn=prefix + i.fqn): v for i, v in plan.storage_data.items()}
+    with open(dst / ".metadata", "wb") as f:
+        pickle.dump(plan, f)  # as torch's FileSystemWriter writes it
+    return dst
 
 
 def world(run: dict[str, Any]) -> int:
@@ -247,7 +268,7 @@ def _worker(out: Path, name: str) -> None:
     _cpu_stand_ins()
     from megatron.core import dist_checkpointing, parallel_state
 
-    run = {**RUNS, **BENCH}[name]
+    run = {**RUNS, **BENCH, **WRAPPED}[name]
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(run["tp"], run["pp"], virtual_pipeline_model_parallel_size=run.get("vpp"),
                                              expert_model_parallel_size=run["ep"])  # fmt: skip
@@ -255,7 +276,7 @@ def _worker(out: Path, name: str) -> None:
     chunks = _model(run, tp=run["tp"], pp=run["pp"], ep=run["ep"], vpp=run.get("vpp"))
     adam = _train(chunks, run, pp=run["pp"])
     # as Megatron-LM saves them: "model", or "model0", "model1" … with virtual pipeline stages
-    parts = {"model": chunks[0].sharded_state_dict()} if len(chunks) == 1 else {
+    parts = {"model": chunks[0].sharded_state_dict(run.get("prefix", ""))} if len(chunks) == 1 else {
         f"model{i}": m.sharded_state_dict() for i, m in enumerate(chunks)}  # fmt: skip
     model_sd = parts.get("model")
     state = {**parts, "args": _args(run), "iteration": STEPS, "checkpoint_version": 3.0}
@@ -278,13 +299,14 @@ def _expected(out: Path, name: str) -> None:
     _cpu_stand_ins()
     from megatron.core import dist_checkpointing, parallel_state
 
-    run = {**RUNS, **BENCH}[name]
+    run = {**RUNS, **BENCH, **WRAPPED}[name]
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(99)  # other initial values than the run's: every tensor must come from the load
     (model,) = _model(run, tp=1, pp=1, ep=1)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(out / name))
-    model.load_state_dict(loaded["model"])
+    prefix = run.get("prefix", "")
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix)}, str(out / name))
+    model.load_state_dict({k.removeprefix(prefix): v for k, v in loaded["model"].items()})
     from safetensors.torch import save_file
 
     state = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
@@ -341,7 +363,7 @@ def _spawn(out: Path, name: str, *, role: str, world: int) -> None:
 
 def make_run(out: Path, name: str) -> Path:
     """Train and save run ``name`` into ``out/name`` and its TP=1, PP=1 load into ``out/name.expected.safetensors``."""
-    _spawn(out, name, role="train", world=world({**RUNS, **BENCH}[name]))
+    _spawn(out, name, role="train", world=world({**RUNS, **BENCH, **WRAPPED}[name]))
     _spawn(out, name, role="expected", world=1)
     return out / name
 
@@ -376,7 +398,7 @@ def _manifest(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
-    parser.add_argument("--run", choices=sorted({**RUNS, **BENCH}))
+    parser.add_argument("--run", choices=sorted({**RUNS, **BENCH, **WRAPPED}))
     parser.add_argument("--role", choices=("train", "expected"))
     parser.add_argument("--fixtures", action="store_true", help="every run, and MANIFEST.json")
     parser.add_argument("--size", default="", help="e.g. hidden=2048,layers=10,ffn=5632,vocab=32000,steps=1")

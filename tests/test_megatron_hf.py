@@ -16,14 +16,18 @@ import torch
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file
 
+import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
 from ckptfix.megatron_hf import hf_config
-from tests.megatron_runs import FIXTURES, fixture_runs
+from tests.megatron_runs import FIXTURES, fixture_runs, prefixed
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
 RUNS = sorted(fixture_runs())
+# every argument Megatron-LM's parser has, at its default (megatron-core 0.16.1's megatron/training/arguments.py:
+# vars(parse_args()) with no flags; objects by their class's name)
+MEGATRON_LM_ARGS: dict[str, Any] = json.loads((Path(__file__).parent / "megatron_lm_args.json").read_text())
 
 
 def run(*args: Any) -> Result:
@@ -166,7 +170,10 @@ def test_an_output_layer_stored_apart_from_embeddings_a_config_ties_is_said(tmp_
 def test_verify_loads_the_folder_and_compares_with_the_mapped_source(tmp_path: Path) -> None:
     result = run("convert", FIXTURES / "tp2_bf16", tmp_path / "hf", "--format", "hf", "--verify")
     assert result.exit_code == 0, result.output
-    assert "verified: from_pretrained loads every key, logits equal the source's" in result.output
+    said = ("verified: from_pretrained loads every key; its logits equal those of the Megatron weights as ckptfix "
+            "maps them, in a LlamaForCausalLM built from the written config (largest difference 0); Megatron's own "
+            "forward was not run")  # fmt: skip
+    assert said in result.output and "equal the source's" not in result.output
 
 
 def test_a_config_whose_heads_do_not_fit_the_fused_qkv_is_refused(tmp_path: Path) -> None:
@@ -180,3 +187,96 @@ def test_a_config_whose_heads_do_not_fit_the_fused_qkv_is_refused(tmp_path: Path
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "'decoder.layers.0.self_attention.linear_qkv.weight' has 32 rows, not 48" in result.output
     assert not (tmp_path / "hf").exists()
+
+
+def with_args(tmp_path: Path, name: str, *, base: dict[str, Any] | None = None, **change: Any) -> Path:
+    """A copy of run ``name`` whose common.pt's args (a Namespace Megatron's writer saved) say ``change``, over
+    ``base`` (arguments the run's own values win over); rewritten by torch.save, as Megatron-LM writes it."""
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / name, folder)
+    common = torch.load(folder / "common.pt", weights_only=False)  # the project's own fixture: safe to unpickle
+    args = vars(common["args"])
+    args.update({**(base or {}), **args, **change})
+    torch.save(common, folder / "common.pt")
+    return folder
+
+
+def test_every_megatron_lm_argument_at_its_default_exports_as_without_them(tmp_path: Path) -> None:
+    folder = with_args(tmp_path, "tp2_fp32", base=MEGATRON_LM_ARGS)
+    assert run("convert", folder, tmp_path / "hf", "--format", "hf").exit_code == 0
+    assert run("convert", FIXTURES / "tp2_fp32", tmp_path / "plain", "--format", "hf").exit_code == 0
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"apply_residual_connection_post_layernorm": True},
+        {"window_size": (4, 0)},
+        {"rotary_seq_len_interpolation_factor": 2.0},
+        {"softmax_type": "off-by-one"},
+        {"moe_expert_capacity_factor": 1.0},
+        {"an_argument_of_a_later_megatron_lm": 3},
+    ],
+)
+@pytest.mark.parametrize("config_from", [False, True])
+def test_an_argument_that_changes_the_forward_is_refused_by_name(
+    change: dict[str, Any], config_from: bool, tmp_path: Path
+) -> None:
+    folder = with_args(tmp_path, "tp2_fp32", base=MEGATRON_LM_ARGS, **change)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    extra: list[Any] = []
+    if config_from:
+        assert run("convert", FIXTURES / "tp2_fp32", tmp_path / "cfg", "--format", "hf").exit_code == 0
+        extra = ["--config-from", tmp_path / "cfg"]
+    result = run("convert", folder, tmp_path / "hf", "--format", "hf", *extra)
+    ((name, value),) = change.items()
+    said = f"{name}={list(value) if isinstance(value, tuple) else value!r}"
+    assert result.exit_code == 2, result.output
+    assert f"common.pt: its args say {said}, which changes the model's forward" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists() and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def _norms(state: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in state if k.endswith("norm.weight")]
+
+
+@pytest.mark.parametrize("flag", ["apply_layernorm_1p", "layernorm_zero_centered_gamma"])
+def test_a_zero_centred_norm_is_written_as_weight_plus_one(flag: str, tmp_path: Path) -> None:
+    """Megatron's norm multiplies by ``weight + 1`` (Transformer Engine adds it in float32): transformers' norm by its
+    weight, which the export makes so; everything else as without the argument."""
+    folder = with_args(tmp_path, "tp2_fp32", **{flag: True})
+    done = ckptfix.export_hf(folder, tmp_path / "hf")
+    assert done.method == "torch" and any("weight + 1" in n for n in done.notes)
+    assert run("convert", FIXTURES / "tp2_fp32", tmp_path / "plain", "--format", "hf").exit_code == 0
+    got, plain = (
+        load_file(str(tmp_path / "hf" / "model.safetensors")),
+        load_file(str(tmp_path / "plain" / "model.safetensors")),
+    )
+    assert set(got) == set(plain) and len(_norms(got)) == 5  # two per layer and the final one
+    for key, value in plain.items():
+        want = value + 1 if key in _norms(plain) else value
+        assert got[key].dtype == torch.float32 and torch.equal(got[key], want), key
+
+
+def test_a_zero_centred_bf16_norm_is_refused_unless_the_export_is_float32(tmp_path: Path) -> None:
+    folder = with_args(tmp_path, "tp2_bf16", apply_layernorm_1p=True)
+    result = run("convert", folder, tmp_path / "hf", "--format", "hf")
+    assert result.exit_code == 2 and "Traceback" not in result.output and not (tmp_path / "hf").exists()
+    assert "apply_layernorm_1p=True" in result.output and "export with --dtype float32" in result.output
+    result = run("convert", folder, tmp_path / "hf", "--format", "hf", "--dtype", "float32", "--verify")
+    assert result.exit_code == 0, result.output
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    stored = ckptfix.load(FIXTURES / "tp2_bf16")
+    assert torch.equal(got["model.norm.weight"], stored["decoder.final_layernorm.weight"].float() + 1)
+
+
+def test_a_wrapped_models_prefixed_run_exports_as_the_plain_one(tmp_path: Path) -> None:
+    folder = prefixed(FIXTURES / "moe_ep2_fp32", tmp_path / "run", "module.")
+    result = run("convert", folder, tmp_path / "hf", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    assert run("convert", FIXTURES / "moe_ep2_fp32", tmp_path / "plain", "--format", "hf").exit_code == 0
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()

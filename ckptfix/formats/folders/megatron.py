@@ -40,9 +40,11 @@ BACKEND = "torch_dist"
 _MAX_JSON = 1 << 20
 _MAX_COMMON = 1 << 30
 _LAYERS = "decoder.layers."
+# a stacked layer tensor, under any prefix (a wrapped model's ``module.``, NeMo's ``model.``): prefix, rest
+_STACKED = re.compile(r"((?:[^./]+\.)*?)decoder\.layers\.(.+)")
 _EXPERTS = "mlp.experts.experts."  # stacked as [layer, expert, …]: SequentialMLP's local_experts.N once unstacked
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
-# The model arguments shown by inspect and checked against the tensors, by Megatron-LM's names.
+# The model arguments inspect shows, by Megatron-LM's names (an HF export reads them all: ckptfix.megatron_args).
 _ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
          "group_query_attention", "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization",
          "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "num_experts", "moe_router_topk",
@@ -50,7 +52,8 @@ _ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", 
          # what an HF config is built from (ckptfix.megatron_hf), and what it refuses
          "norm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved", "add_bias_linear", "add_qkv_bias",
          "qk_layernorm", "vocab_size", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_score_function",
-         "moe_shared_expert_intermediate_size", "moe_layer_freq", "rope_scaling", "use_rope_scaling")  # fmt: skip
+         "moe_shared_expert_intermediate_size", "moe_layer_freq", "rope_scaling", "use_rope_scaling",
+         "layernorm_epsilon", "apply_layernorm_1p", "layernorm_zero_centered_gamma")  # fmt: skip
 _LAYOUT = {"tensor": "tensor_model_parallel_size", "pipeline": "pipeline_model_parallel_size",
            "virtual_pipeline": "virtual_pipeline_model_parallel_size", "expert": "expert_model_parallel_size",
            "context": "context_parallel_size"}  # fmt: skip
@@ -62,12 +65,13 @@ class Megatron:
 
     root: str
     state: dict[str, DcpTensor]
-    args: dict[str, Any]  # the model arguments common.pt's args hold (plain values; other objects by their name)
+    args: dict[str, Any]  # common.pt's args (plain values; other objects by their name)
     layout: dict[str, int]  # parallel sizes, as common.pt's args say them
     ranks: int  # the ranks that wrote data files
     common: dict[str, Any]  # common.pt's other plain entries (iteration, checkpoint_version)
     files: list[str]
     notes: list[str] = field(default_factory=list)
+    under: list[str] = field(default_factory=list)  # the prefixes its stacked layers were found under ('' for none)
 
     @property
     def kind(self) -> str:
@@ -78,8 +82,10 @@ class Megatron:
 
     def summary(self) -> dict[str, Any]:
         """What ``inspect`` shows: the layout, the model arguments, the tensor count, what is left out."""
-        return {"backend": BACKEND, "layout": dict(self.layout), "ranks": self.ranks, "args": dict(self.args),
-                "tensors": len(self.state), **self.common, "notes": list(self.notes)}  # fmt: skip
+        shown = {k: self.args[k] for k in _ARGS if k in self.args}  # the model's
+        return {"backend": BACKEND, "layout": dict(self.layout), "ranks": self.ranks, "args": shown,
+                "tensors": len(self.state), "unstacked_under": list(self.under), **self.common,
+                "notes": list(self.notes)}  # fmt: skip
 
 
 def is_megatron(path: str) -> bool:
@@ -175,9 +181,10 @@ def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
     if top != root:
         files.insert(0, os.path.join(top, TRACKER))
     layout = {k: v for k, name in _LAYOUT.items() if type(v := args.get(name)) is int}
-    shown = {k: args[k] for k in _ARGS if k in args}
-    return Megatron(root=root, state=state, args=shown, layout=layout, ranks=len(ranks), common=common,
-                    files=[f for f in files if os.path.isfile(f)] + sorted(d.files), notes=notes)  # fmt: skip
+    under = sorted({p for k in d.tensors if (p := stacked_under(k)) is not None and not k.startswith("optimizer.")})
+    return Megatron(root=root, state=state, args=args, layout=layout, ranks=len(ranks), common=common,
+                    files=[f for f in files if os.path.isfile(f)] + sorted(d.files), notes=notes,
+                    under=under)  # fmt: skip
 
 
 def _common(root: str, *, allow_globals: Any) -> dict[str, Any]:
@@ -224,13 +231,19 @@ def _plain(value: Any) -> Any:
     return type(value).__name__
 
 
+def stacked_under(key: str) -> str | None:
+    """The prefix (``''``, ``'module.'``) under which ``key`` names a stacked layer tensor, or None: it is not one."""
+    m = _STACKED.fullmatch(key)
+    return None if m is None or m.group(2).split(".", 1)[0].isdigit() else m.group(1)
+
+
 def _unstacked(key: str, entry: TensorEntry, *, args: dict[str, Any], source: str) -> list[tuple[str, TensorEntry]]:
     """The tensors of ``key`` by name: itself, or one per layer (and expert) of a stacked tensor, each of the chunks
     of its layer. Megatron writes each layer (and expert) as chunks of extent 1 along the stacked axes; the tiling
     of the whole was proven by :func:`~.dcp.read_dcp`, so the chunks of one layer tile that layer exactly."""
-    if not key.startswith(_LAYERS) or key[len(_LAYERS) :].split(".", 1)[0].isdigit():
+    if (prefix := stacked_under(key)) is None:
         return [(key, entry)]
-    rest = key[len(_LAYERS) :]
+    rest = key[len(prefix) + len(_LAYERS) :]
     n = 2 if rest.startswith(_EXPERTS) or ("." + _EXPERTS) in rest else 1
     if len(entry.shape) < n:
         raise FormatError(f"{source}: '{key}' is {list(entry.shape)}, not stacked by layer{' and expert' * (n - 1)}; "
@@ -255,7 +268,7 @@ def _unstacked(key: str, entry: TensorEntry, *, args: dict[str, Any], source: st
         )
     out = []
     for index in itertools.product(*(range(d) for d in entry.shape[:n])):
-        name = f"{_LAYERS}{index[0]}.{rest}"
+        name = f"{prefix}{_LAYERS}{index[0]}.{rest}"
         if n == 2:
             name = name.replace(_EXPERTS, f"mlp.experts.local_experts.{index[1]}.", 1)
         out.append((name, TensorEntry(entry.dtype, entry.shape[n:], tuple(slabs.get(index, ())))))
@@ -298,7 +311,10 @@ def describe_summary(summary: dict[str, Any]) -> tuple[str, list[str]]:
     step = f", iteration {mg['iteration']}" if "iteration" in mg else ""
     layout = layout or "parallel sizes not recorded"
     ranks = f"{mg['ranks']} rank{'s' * (mg['ranks'] != 1)}"
-    lines = [f"Megatron-Core: {layout}; written by {ranks}{step}; {mg['tensors']} tensors, layers unstacked"]
+    under = mg.get("unstacked_under", [])
+    said = " under " + ", ".join(repr(p) for p in under) if any(under) else ""
+    stacked = f"layers unstacked{said}" if under else "no stacked layers"
+    lines = [f"Megatron-Core: {layout}; written by {ranks}{step}; {mg['tensors']} tensors, {stacked}"]
     lines += [f"  args: {args}"] if args else []
     lines += [f"  note: {note}" for note in mg["notes"]]
     return f"Megatron-Core {BACKEND} folder ({len(data)} data file{'s' * (len(data) != 1)})", lines

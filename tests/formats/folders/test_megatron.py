@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.megatron_runs import FIXTURES, fixture_runs
+from tests.megatron_runs import FIXTURES, fixture_runs, prefixed
 
 ROOT = Path(__file__).resolve().parents[3]
 MADE = fixture_runs()
@@ -324,3 +324,28 @@ def test_a_fresh_megatron_run_converts_exactly(tmp_path: Path, name: str) -> Non
 
     folder = make_run(tmp_path, name)
     assert_equal_state(ckptfix.load(folder), expected(name, folder=tmp_path))
+
+
+def test_layers_under_a_wrappers_prefix_are_unstacked_and_inspect_says_so(tmp_path: Path) -> None:
+    folder = prefixed(FIXTURES / "moe_ep2_fp32", tmp_path / "run", "module.")
+    result = run("convert", folder, tmp_path / "o.safetensors")
+    assert result.exit_code == 0, result.output
+    assert_equal_state(ckptfix.load(tmp_path / "o.safetensors"), expected("moe_ep2_fp32"))  # --to single's
+    assert_equal_state(ckptfix.load(folder), {f"module.{k}": v for k, v in expected("moe_ep2_fp32").items()})
+    text = run("inspect", folder)
+    assert text.exit_code == 0 and "layers unstacked under 'module.'" in text.output, text.output
+    plain = run("inspect", FIXTURES / "moe_ep2_fp32").output
+    assert "layers unstacked" in plain and "under" not in plain
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (tests/megatron_runs.py)")
+def test_a_fresh_run_saved_under_a_wrappers_prefix_is_unstacked(tmp_path: Path) -> None:
+    from tests.megatron_runs import make_run
+
+    folder = make_run(tmp_path, "module_tp2_fp32")
+    want = expected("module_tp2_fp32", folder=tmp_path)
+    assert_equal_state(ckptfix.load(folder), {f"module.{k}": v for k, v in want.items()})
+    assert run("convert", folder, tmp_path / "o.safetensors").exit_code == 0
+    assert_equal_state(ckptfix.load(tmp_path / "o.safetensors"), want)
+    assert "layers unstacked under 'module.'" in run("inspect", folder).output
