@@ -27,6 +27,7 @@ from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, 
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
 from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
+from ckptfix.hf_classes import fitting_model
 from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
 from ckptfix.layouts import parse_rename
 from ckptfix.plan import plan_conversion
@@ -48,6 +49,7 @@ def export_hf(
     out: PathLike,
     *,
     config_from: PathLike | None = None,
+    architecture: str | None = None,
     dtype: str | None = None,
     shard_size: int | None = None,
     verify: bool = False,
@@ -62,7 +64,9 @@ def export_hf(
     """Write checkpoint ``src`` as folder ``out`` that ``from_pretrained(out)`` loads with no missing, unexpected or
     newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path).
 
-    ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``dtype`` casts
+    ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``architecture``
+    names the model class (default: the config's ``architectures``, else the one class of its ``model_type`` whose
+    keys the checkpoint fills), and is written into the config. ``dtype`` casts
     floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
     ``model-0000N-of-0000M.safetensors`` and their index. ``verify=True`` loads ``out`` with transformers and
     compares its logits on a fixed input with the source weights' in the same model: not equal raises
@@ -81,7 +85,6 @@ def export_hf(
     premap = megatron.premap if megatron else None
     found = megatron.found if megatron else find_config(src, config_from=config_from)
     config = megatron.config if megatron else load_config(found.folder)
-    model = meta_model(config, config_path=found.config_path)
     _check_out(out_s, inputs=(src, found.config_path, *found.files), overwrite=overwrite)
     in_fmt = detect_format(src)
     allow = tuple(allow_globals)
@@ -94,8 +97,11 @@ def export_hf(
         state, named, llama = source_state(tree, config, source=source, entry=entry, premap=premap)
         if rules:
             state = apply_maps(state, rules, source=source)
+        model, chosen = fitting_model(state, config, architecture=architecture, source=source,
+                                      config_path=found.config_path, strip_prefixes=strip_prefixes)  # fmt: skip
         exported = export_state(state, model, source=source, config_path=found.config_path,
                                 strip_prefixes=strip_prefixes)  # fmt: skip
+        exported.notes[:0] = chosen
         done.append(exported)
         report = exported.report
         renamed = llama.renamed if llama else frozenset()
@@ -111,7 +117,8 @@ def export_hf(
                                 shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast)  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
-        names = write_side_files(tmp, found, config=config_with_dtype(found.config, written))
+        arch = {"architectures": [exported.architecture]}  # named (--architecture) or chosen: said in the config
+        names = write_side_files(tmp, found, config={**config_with_dtype(found.config, written), **arch})
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
         result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
                             " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
@@ -135,6 +142,7 @@ def merge_to_hf(
     out: PathLike,
     *,
     config_from: PathLike | None = None,
+    architecture: str | None = None,
     verify: bool = False,
     overwrite: bool = False,
     allow_globals: Iterable[str] = (),
@@ -169,8 +177,8 @@ def merge_to_hf(
                              weights=weights)  # fmt: skip
         if result.diverged:
             return result, None
-        exported = export_hf(merged, out_s, config_from=found.folder, verify=verify, overwrite=overwrite,
-                             allow_globals=allow, unsafe=unsafe)  # fmt: skip
+        exported = export_hf(merged, out_s, config_from=found.folder, architecture=architecture, verify=verify,
+                             overwrite=overwrite, allow_globals=allow, unsafe=unsafe)  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result, exported
@@ -295,7 +303,8 @@ def _verify(
     config = load_config(folder)
     cls = model_class(config, config_path=os.path.join(folder, CONFIG))
     torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-    loaded, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True)
+    loaded, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True,
+                                       trust_remote_code=False)  # fmt: skip
     wrong = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs" and v}
     if wrong or info.get("error_msgs"):
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
@@ -330,9 +339,9 @@ def _reference(
         cast = {k: v.to(dtype) if getattr(v, "is_floating_point", bool)() else v for k, v in state.items()}
         load_into(model, cast, strip_prefixes=strip_prefixes)
         return model
-    own = export_state(state, meta_model(config, config_path=CONFIG), source="source", config_path=CONFIG,
+    own = export_state(state, meta_model(cls, config), source="source", config_path=CONFIG,
                        strip_prefixes=strip_prefixes)  # fmt: skip
-    return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype)
+    return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype, trust_remote_code=False)
 
 
 def source_state(
