@@ -27,7 +27,7 @@ from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, 
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
 from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
-from ckptfix.hf_classes import fitting_model
+from ckptfix.hf_classes import export_for
 from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
 from ckptfix.layouts import parse_rename
 from ckptfix.plan import plan_conversion
@@ -65,8 +65,7 @@ def export_hf(
     newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path).
 
     ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``architecture``
-    names the model class (default: the config's ``architectures``, else the one class of its ``model_type`` whose
-    keys the checkpoint fills), and is written into the config. ``dtype`` casts
+    names the model class (default: the config's, else the one of its ``model_type`` the keys fill). ``dtype`` casts
     floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
     ``model-0000N-of-0000M.safetensors`` and their index. ``verify=True`` loads ``out`` with transformers and
     compares its logits on a fixed input with the source weights' in the same model: not equal raises
@@ -97,11 +96,8 @@ def export_hf(
         state, named, llama = source_state(tree, config, source=source, entry=entry, premap=premap)
         if rules:
             state = apply_maps(state, rules, source=source)
-        model, chosen = fitting_model(state, config, architecture=architecture, source=source,
-                                      config_path=found.config_path, strip_prefixes=strip_prefixes)  # fmt: skip
-        exported = export_state(state, model, source=source, config_path=found.config_path,
-                                strip_prefixes=strip_prefixes)  # fmt: skip
-        exported.notes[:0] = chosen
+        exported = export_for(state, config, architecture=architecture, source=source,
+                              config_path=found.config_path, strip_prefixes=strip_prefixes)  # fmt: skip
         done.append(exported)
         report = exported.report
         renamed = llama.renamed if llama else frozenset()
@@ -117,8 +113,8 @@ def export_hf(
                                 shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast)  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
-        arch = {"architectures": [exported.architecture]}  # named (--architecture) or chosen: said in the config
-        names = write_side_files(tmp, found, config={**config_with_dtype(found.config, written), **arch})
+        config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
+        names = write_side_files(tmp, found, config=config_out)
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
         result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
                             " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip

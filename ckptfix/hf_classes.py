@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import MismatchError, UsageError
-from ckptfix.hf_export import fit, meta_model, model_class, require_transformers
+from ckptfix.hf_export import Exported, export_state, fit, meta_model, model_class, require_transformers
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +24,19 @@ if TYPE_CHECKING:
     from ckptfix.compare import KeyReport
 
 _NUMBERED = re.compile(r"(.+?)\.(\d+)(?:\.|$)")  # a key's first numbered module list: 'model.layers' of layer 3
+
+
+def export_for(
+    state: Mapping[str, Any], config: Any, *, architecture: str | None, source: str, config_path: str,
+    strip_prefixes: Iterable[str] = (),
+) -> Exported:  # fmt: skip
+    """:func:`~ckptfix.hf_export.export_state` for the model :func:`fitting_model` finds; its notes say a class
+    chosen."""
+    model, chosen = fitting_model(state, config, architecture=architecture, source=source, config_path=config_path,
+                                  strip_prefixes=strip_prefixes)  # fmt: skip
+    exported = export_state(state, model, source=source, config_path=config_path, strip_prefixes=strip_prefixes)
+    exported.notes[:0] = chosen
+    return exported
 
 
 def fitting_model(
@@ -128,4 +141,4 @@ def _unchosen(picked: list[Any], names: list[str], *, kind: str, source: str, co
     )
 
 
-__all__ = ["candidates", "chosen_model", "fitting_model", "held_layers", "refuse_missing_layers"]
+__all__ = ["candidates", "chosen_model", "export_for", "fitting_model", "held_layers", "refuse_missing_layers"]

@@ -260,10 +260,12 @@ def output_dtype(state: Mapping[str, Any], cast: str | None) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
+def config_with_dtype(config: Mapping[str, Any], dtype: str | None, *, architecture: str = "") -> dict[str, Any]:
     """``config.json``'s content with its dtype (``dtype`` in transformers 5, ``torch_dtype`` before) set to the
-    weights'; as it was when they mix dtypes."""
+    weights' (as it was when they mix dtypes), and ``architectures`` to the class exported for (named or chosen)."""
     out = dict(config)
+    if architecture:
+        out["architectures"] = [architecture]
     if dtype is None:
         return out
     if "torch_dtype" in out:

@@ -485,7 +485,7 @@ def test_a_config_transformers_cannot_read_is_refused_in_one_line(tmp_path: Path
 
 # -- the config: code it names, sizes it says, the class it leaves out, ties it says (issue 39) ----------------------
 
-_CUSTOM_CONFIG = '''
+_CUSTOM_CONFIG = """
 import os
 from pathlib import Path
 
@@ -497,7 +497,7 @@ if os.environ.get("CKPTFIX_TEST_RAN"):  # the proof that transformers ran this m
 
 class CustomConfig(PretrainedConfig):
     model_type = "ckptfix-custom"
-'''
+"""
 
 
 def test_a_config_of_custom_code_is_refused_and_its_code_never_runs(
@@ -574,7 +574,8 @@ def test_a_config_without_architectures_gets_the_class_its_keys_fill(name: str, 
     torch.save({"model": model.state_dict(), "step": 2}, tmp_path / "run.pt")
     result = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", "--format", "hf", "--verify")
     assert result.exit_code == 0, result.output
-    assert f"architecture {arch}: {tmp_path / 'config.json'} names none, and {arch} is the one class of" in result.output
+    said = f"architecture {arch}: {tmp_path / 'config.json'} names none, and {arch} is the one class of"
+    assert said in result.output
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [arch]
     _loads_equal(tmp_path / "out", {"logits": _logits(model), "model": model})
 

@@ -190,7 +190,7 @@ def test_an_output_projection_of_its_own_under_a_tied_config_is_refused(tmp_path
     assert f"{source('titan')}: holds 'lm_head.weight' apart from 'model.embed_tokens.weight', with other values" in (
         line
     )
-    assert f'ties them (from_pretrained would use \'model.embed_tokens.weight\' for both)' in line
+    assert "ties them (from_pretrained would use 'model.embed_tokens.weight' for both)" in line
     assert '"tie_word_embeddings": false' in line and "--config-from" in line
     assert digest(source("titan")) == before
     state = torch.load(source("tune_tied"), weights_only=True)  # as FullModelTorchTuneCheckpointer saves it

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import click
 
 from ckptfix.cli.render import Output, echo
@@ -22,9 +25,7 @@ SAID = ("left out", "copied", "verified", "architecture")  # an export's notes s
 def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: bool) -> None:
     """Run :func:`ckptfix.exporting.export_hf` with ``convert``'s options, and say what it wrote."""
     params = ctx.params
-    if params["out_format"] != "hf":
-        given = next(f for n, f in _HF_ONLY.items() if params[n] not in (None, False))
-        raise UsageError(f"{given} applies to --format hf (a folder from_pretrained loads); add --format hf")
+    refuse_hf_only(params)
     for name, flag in _NOT_FOR_HF.items():
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             why = "an export keeps the keys the model's config names" if name != "no_verify" else "CRCs are read"
@@ -60,6 +61,13 @@ def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: b
         echo(f"wrote {dst} ({result.wrote})")
 
     output.result(result.to_json(src, dst, dtype=result_dtype(params["dtype"])), text)
+
+
+def refuse_hf_only(params: Mapping[str, Any]) -> None:
+    """An option of ``--format hf`` given without it (``convert``, ``merge``): a usage error naming it."""
+    given = [flag for name, flag in _HF_ONLY.items() if params.get(name) not in (None, False)]
+    if params.get("out_format") != "hf" and given:
+        raise UsageError(f"{given[0]} applies to --format hf (a folder from_pretrained loads); add --format hf")
 
 
 def result_dtype(dtype: str | None) -> str | None:
