@@ -17,7 +17,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import Conversion, EntryChange, apply_maps
@@ -28,7 +28,15 @@ from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_
 from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
 from ckptfix.hf_classes import export_for
-from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
+from ckptfix.hf_export import (
+    Exported,
+    check_tied_values,
+    config_with_dtype,
+    export_state,
+    load_config,
+    meta_model,
+    output_dtype,
+)
 from ckptfix.layouts import parse_rename
 from ckptfix.plan import plan_conversion
 from ckptfix.signature import strict_keywords
@@ -110,7 +118,9 @@ def export_hf(
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
         result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
-                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast)  # fmt: skip
+                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast,
+                                check=lambda read: check_tied_values(done[-1], read=read, source=source,
+                                                                     config_path=found.config_path))  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
         config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
@@ -182,9 +192,10 @@ def merge_to_hf(
 
 def _write_weights(
     source: str, weights: str, *, in_fmt: str, transform: Any, dtype: str | None, shard_size: int | None,
-    allow: tuple[str, ...], unsafe: bool, fast: bool,
+    allow: tuple[str, ...], unsafe: bool, fast: bool, check: Callable[[Callable[[Any], bytes]], None],
 ) -> Conversion:  # fmt: skip
-    """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards."""
+    """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards.
+    ``check(read)`` runs after ``transform``, before a byte is written (``read(t)``: a tensor's bytes)."""
     limit = shard_size or ONE_SHARD  # the shard writer: one file named model.safetensors, or shards and an index
     plan = plan_conversion(in_fmt=in_fmt, out_fmt="safetensors", fast=fast, dtype=dtype, unsafe=unsafe, sharded=True)
     why = plan.reason
@@ -194,15 +205,17 @@ def _write_weights(
 
         try:
             streamed = convert_folder(source, weights, transform=transform, allow_globals=allow, dtype=dtype,
-                                      shard_size=limit)  # fmt: skip
+                                      shard_size=limit, check=check)  # fmt: skip
             streamed.method = "stream"
             return streamed
         except Fallback as e:
             why = str(e)
+    from ckptfix.formats.containers.safetensors import tensor_bytes
     from ckptfix.formats.registry import write
 
     obj = read(source, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=True)
     result: Conversion = transform(obj)
+    check(lambda t: bytes(tensor_bytes(t)))
     if dtype is not None:
         cast_floating(result, dtype)
     write(result.obj, weights, fmt="safetensors", shard_size=limit)

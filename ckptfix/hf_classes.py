@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
     from ckptfix.compare import KeyReport
 
+# what building a model class of transformers' from a config it does not suit raises (a field it lacks, a size)
+_UNBUILT = (ValueError, KeyError, TypeError, AttributeError, ImportError)
 _NUMBERED = re.compile(r"(.+?)\.(\d+)(?:\.|$)")  # a key's first numbered module list: 'model.layers' of layer 3
 
 
@@ -78,7 +80,7 @@ def refuse_missing_layers(state: Mapping[str, Any], config: Any, *, source: str,
 
 def _grows(config: Any, held: int) -> bool:
     """Whether the model of ``config`` with ``held + 1`` layers holds more layers than ``held`` (built on the meta
-    device, the bare model of its ``model_type``); True where transformers has none."""
+    device, the bare model of its ``model_type``); False where none is built (the full model's keys then say)."""
     import torch
 
     transformers = require_transformers()
@@ -87,8 +89,8 @@ def _grows(config: Any, held: int) -> bool:
     try:
         with torch.device("meta"):
             model = transformers.AutoModel.from_config(small, trust_remote_code=False)
-    except (ValueError, KeyError):  # no bare model for this model_type
-        return True
+    except _UNBUILT:
+        return False
     return len(held_layers(model.state_dict())[1]) > held
 
 
@@ -117,7 +119,10 @@ def chosen_model(
     exact: list[Any] = []
     moved: list[Any] = []
     for name in names:
-        model = meta_model(getattr(transformers, name), config)
+        try:
+            model = meta_model(getattr(transformers, name), config)
+        except _UNBUILT:  # a class the config does not suit (a field it lacks) is none the checkpoint fills
+            continue
         report: KeyReport = fit(state, model, source=source, strip_prefixes=strip_prefixes)[1]
         if report.ok:
             (exact if report.renamed_prefix is None else moved).append(model)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.compare import KeyReport
 from ckptfix.errors import MismatchError, UsageError
-from ckptfix.formats.records import identity, is_record, spec
+from ckptfix.formats.records import identity, spec
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -114,6 +114,7 @@ class Exported:
     report: KeyReport
     architecture: str = ""  # the model's class, which config.json names
     tied: dict[str, str] = field(default_factory=dict)  # left-out tied copy -> the key kept
+    apart: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # such a copy stored apart -> (it, the kept one)
     notes: list[str] = field(default_factory=list)
 
 
@@ -179,8 +180,8 @@ def export_state(
         if copy in adapted and kept in adapted:
             exported.tied[copy] = kept
             apart = identity(adapted[copy]) != identity(adapted[kept])
-            if apart:
-                _refuse_other_values(adapted, copy, kept, source=source, config_path=config_path)
+            if apart:  # its values are compared by check_tied_values
+                exported.apart[copy] = (adapted[copy], adapted[kept])
             exported.notes.append(
                 f"left out '{copy}': the config ties it to '{kept}', as save_pretrained leaves it out, and "
                 f"from_pretrained ties it back" + (f" (stored apart in {source}, equal bit for bit)" if apart else "")
@@ -192,30 +193,18 @@ def export_state(
     return exported
 
 
-def _refuse_other_values(state: Mapping[str, Any], copy: str, kept: str, *, source: str, config_path: str) -> None:
-    """A tied copy stored apart from the tensor it is tied to: from_pretrained would give it the kept one's values,
-    so they must be those, bit for bit. Only these two tensors are read (a stream's records: by the torch path)."""
-    import torch
-
-    a, b = state[copy], state[kept]
-    if is_record(a) or is_record(b):
-        from ckptfix.formats.copyable import Fallback
-
-        raise Fallback(f"'{copy}' is stored apart from '{kept}', which the config ties it to: their values are "
-                       f"compared in memory")  # fmt: skip
-    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b)):
-        return
-    raise MismatchError(
-        f"{source}: holds '{copy}' apart from '{kept}', with other values, but {config_path} ties them "
-        f"(from_pretrained would use '{kept}' for both); nothing was written; set \"tie_word_embeddings\": false "
-        f"there (or the model's tie option), or pass --config-from the config it was trained with"
-    )
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)  # NaNs of one bit pattern are equal
+def check_tied_values(exported: Exported, *, read: Callable[[Any], bytes], source: str, config_path: str) -> None:
+    """Each tied copy stored apart from the tensor it is tied to must hold its values, bit for bit: from_pretrained
+    gives it the kept one's. ``read(t)`` is a tensor's bytes; only these tensors are read, one pair at a time."""
+    for copy, (a, b) in exported.apart.items():
+        if (spec(a).dtype, spec(a).shape) == (spec(b).dtype, spec(b).shape) and read(a) == read(b):
+            continue
+        kept = exported.tied[copy]
+        raise MismatchError(
+            f"{source}: holds '{copy}' apart from '{kept}', with other values, but {config_path} ties them "
+            f"(from_pretrained would use '{kept}' for both); nothing was written; set \"tie_word_embeddings\": "
+            f"false there (or the model's tie option), or pass --config-from the config it was trained with"
+        )
 
 
 def _refuse_untied_sharing(state: Mapping[str, Any], *, source: str, config_path: str) -> None:
@@ -277,6 +266,7 @@ def config_with_dtype(config: Mapping[str, Any], dtype: str | None, *, architect
 
 __all__ = [
     "Exported",
+    "check_tied_values",
     "config_with_dtype",
     "export_state",
     "fit",
