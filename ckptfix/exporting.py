@@ -74,11 +74,10 @@ def export_hf(
 
     ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``architecture``
     names the model class (default: the config's, else the one of its ``model_type`` the keys fill). ``dtype`` casts
-    floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
-    ``model-0000N-of-0000M.safetensors`` and their index. ``verify=True`` loads ``out`` with transformers and
-    compares its logits on a fixed input with the source weights' in the same model: not equal raises
-    :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True`` replaces a folder holding only what an
-    export writes.
+    floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes shards and their index.
+    ``verify=True`` loads ``out`` with transformers and compares its logits on a fixed input with the source weights'
+    in the same model: not equal raises :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True``
+    replaces a folder holding only what an export writes.
 
     >>> ckptfix.export_hf("run/checkpoint-500/", "hf_model/", dtype="bf16")
     """
@@ -119,8 +118,7 @@ def export_hf(
     try:
         result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
                                 shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast,
-                                check=lambda read: check_tied_values(done[-1], read=read, source=source,
-                                                                     config_path=found.config_path))  # fmt: skip
+                                check=_values_check(done, source=source, config_path=found.config_path))  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
         config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
@@ -188,6 +186,11 @@ def merge_to_hf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result, exported
+
+
+def _values_check(done: list[Exported], *, source: str, config_path: str) -> Callable[[Callable[[Any], bytes]], None]:
+    """:func:`~ckptfix.hf_export.check_tied_values` of the export made last, as :func:`_write_weights` calls it."""
+    return lambda read: check_tied_values(done[-1], read=read, source=source, config_path=config_path)
 
 
 def _write_weights(
