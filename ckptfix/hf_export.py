@@ -6,7 +6,9 @@ moves them (the training wrappers' prefixes: DDP's ``module.``, ``torch.compile`
 ``_fsdp_wrapped_module.``; a LightningModule's ``model.``), then must be exactly the model's, in the form the model
 holds them or the form ``save_pretrained`` writes them (a mixture of experts' per-expert tensors, which transformers
 fuses when it loads). A tied copy is left out when the config ties it, as ``save_pretrained`` leaves it out. Values
-are never read: tensor records serve as tensors do.
+are never read (tensor records serve as tensors do), but for a tied copy stored apart: it and the tensor kept must
+hold the same bits (:func:`check_tied_values` reads those two). ``config.json`` is read with no code of the model's
+run, ever (``trust_remote_code=False``; a config only its own code reads is refused).
 """
 
 from __future__ import annotations
