@@ -241,6 +241,8 @@ def for_export(src: str, *, config_from: Any = None) -> MegatronExport | None:
     else:
         built, notes = hf_config(run.args, source=os.path.join(run.root, COMMON))
         transformers = require_transformers()
+        # for_model takes the class from transformers' own table (no auto_map, no code run); a trust_remote_code
+        # argument would only become a field of the config, and be written into config.json
         config = transformers.AutoConfig.for_model(**built)
         written = {"architectures": built["architectures"], **config.to_diff_dict()}
         found = ConfigFolder(run.root, written, ())
