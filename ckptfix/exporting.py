@@ -17,7 +17,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import Conversion, EntryChange, apply_maps
@@ -27,7 +27,16 @@ from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, 
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
 from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
-from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
+from ckptfix.hf_classes import export_for
+from ckptfix.hf_export import (
+    Exported,
+    check_tied_values,
+    config_with_dtype,
+    export_state,
+    load_config,
+    meta_model,
+    output_dtype,
+)
 from ckptfix.layouts import parse_rename
 from ckptfix.plan import plan_conversion
 from ckptfix.signature import strict_keywords
@@ -48,6 +57,7 @@ def export_hf(
     out: PathLike,
     *,
     config_from: PathLike | None = None,
+    architecture: str | None = None,
     dtype: str | None = None,
     shard_size: int | None = None,
     verify: bool = False,
@@ -62,12 +72,12 @@ def export_hf(
     """Write checkpoint ``src`` as folder ``out`` that ``from_pretrained(out)`` loads with no missing, unexpected or
     newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path).
 
-    ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``dtype`` casts
-    floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
-    ``model-0000N-of-0000M.safetensors`` and their index. ``verify=True`` loads ``out`` with transformers and
-    compares its logits on a fixed input with the source weights' in the same model: not equal raises
-    :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True`` replaces a folder holding only what an
-    export writes.
+    ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``architecture``
+    names the model class (default: the config's, else the one of its ``model_type`` the keys fill). ``dtype`` casts
+    floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes shards and their index.
+    ``verify=True`` loads ``out`` with transformers and compares its logits on a fixed input with the source weights'
+    in the same model: not equal raises :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True``
+    replaces a folder holding only what an export writes.
 
     >>> ckptfix.export_hf("run/checkpoint-500/", "hf_model/", dtype="bf16")
     """
@@ -81,7 +91,6 @@ def export_hf(
     premap = megatron.premap if megatron else None
     found = megatron.found if megatron else find_config(src, config_from=config_from)
     config = megatron.config if megatron else load_config(found.folder)
-    model = meta_model(config, config_path=found.config_path)
     _check_out(out_s, inputs=(src, found.config_path, *found.files), overwrite=overwrite)
     in_fmt = detect_format(src)
     allow = tuple(allow_globals)
@@ -94,8 +103,8 @@ def export_hf(
         state, named, llama = source_state(tree, config, source=source, entry=entry, premap=premap)
         if rules:
             state = apply_maps(state, rules, source=source)
-        exported = export_state(state, model, source=source, config_path=found.config_path,
-                                strip_prefixes=strip_prefixes)  # fmt: skip
+        exported = export_for(state, config, architecture=architecture, source=source,
+                              config_path=found.config_path, strip_prefixes=strip_prefixes)  # fmt: skip
         done.append(exported)
         report = exported.report
         renamed = llama.renamed if llama else frozenset()
@@ -108,10 +117,12 @@ def export_hf(
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
         result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
-                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast)  # fmt: skip
+                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast,
+                                check=_values_check(done, source=source, config_path=found.config_path))  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
-        names = write_side_files(tmp, found, config=config_with_dtype(found.config, written))
+        config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
+        names = write_side_files(tmp, found, config=config_out)
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
         result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
                             " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
@@ -135,6 +146,7 @@ def merge_to_hf(
     out: PathLike,
     *,
     config_from: PathLike | None = None,
+    architecture: str | None = None,
     verify: bool = False,
     overwrite: bool = False,
     allow_globals: Iterable[str] = (),
@@ -169,18 +181,24 @@ def merge_to_hf(
                              weights=weights)  # fmt: skip
         if result.diverged:
             return result, None
-        exported = export_hf(merged, out_s, config_from=found.folder, verify=verify, overwrite=overwrite,
-                             allow_globals=allow, unsafe=unsafe)  # fmt: skip
+        exported = export_hf(merged, out_s, config_from=found.folder, architecture=architecture, verify=verify,
+                             overwrite=overwrite, allow_globals=allow, unsafe=unsafe)  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result, exported
 
 
+def _values_check(done: list[Exported], *, source: str, config_path: str) -> Callable[[Callable[[Any], bytes]], None]:
+    """:func:`~ckptfix.hf_export.check_tied_values` of the export made last, as :func:`_write_weights` calls it."""
+    return lambda read: check_tied_values(done[-1], read=read, source=source, config_path=config_path)
+
+
 def _write_weights(
     source: str, weights: str, *, in_fmt: str, transform: Any, dtype: str | None, shard_size: int | None,
-    allow: tuple[str, ...], unsafe: bool, fast: bool,
+    allow: tuple[str, ...], unsafe: bool, fast: bool, check: Callable[[Callable[[Any], bytes]], None],
 ) -> Conversion:  # fmt: skip
-    """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards."""
+    """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards.
+    ``check(read)`` runs after ``transform``, before a byte is written (``read(t)``: a tensor's bytes)."""
     limit = shard_size or ONE_SHARD  # the shard writer: one file named model.safetensors, or shards and an index
     plan = plan_conversion(in_fmt=in_fmt, out_fmt="safetensors", fast=fast, dtype=dtype, unsafe=unsafe, sharded=True)
     why = plan.reason
@@ -190,15 +208,17 @@ def _write_weights(
 
         try:
             streamed = convert_folder(source, weights, transform=transform, allow_globals=allow, dtype=dtype,
-                                      shard_size=limit)  # fmt: skip
+                                      shard_size=limit, check=check)  # fmt: skip
             streamed.method = "stream"
             return streamed
         except Fallback as e:
             why = str(e)
+    from ckptfix.formats.containers.safetensors import tensor_bytes
     from ckptfix.formats.registry import write
 
     obj = read(source, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=True)
     result: Conversion = transform(obj)
+    check(lambda t: bytes(tensor_bytes(t)))
     if dtype is not None:
         cast_floating(result, dtype)
     write(result.obj, weights, fmt="safetensors", shard_size=limit)
@@ -296,7 +316,8 @@ def _verify(
     config = load_config(folder)
     cls = model_class(config, config_path=os.path.join(folder, CONFIG))
     torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-    loaded, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True)
+    loaded, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True,
+                                       trust_remote_code=False)  # fmt: skip
     wrong = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs" and v}
     if wrong or info.get("error_msgs"):
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
@@ -335,9 +356,9 @@ def _reference(
         cast = {k: v.to(dtype) if getattr(v, "is_floating_point", bool)() else v for k, v in state.items()}
         load_into(model, cast, strip_prefixes=strip_prefixes)
         return model
-    own = export_state(state, meta_model(config, config_path=CONFIG), source="source", config_path=CONFIG,
+    own = export_state(state, meta_model(cls, config), source="source", config_path=CONFIG,
                        strip_prefixes=strip_prefixes)  # fmt: skip
-    return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype)
+    return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype, trust_remote_code=False)
 
 
 def source_state(

@@ -6,14 +6,17 @@ moves them (the training wrappers' prefixes: DDP's ``module.``, ``torch.compile`
 ``_fsdp_wrapped_module.``; a LightningModule's ``model.``), then must be exactly the model's, in the form the model
 holds them or the form ``save_pretrained`` writes them (a mixture of experts' per-expert tensors, which transformers
 fuses when it loads). A tied copy is left out when the config ties it, as ``save_pretrained`` leaves it out. Values
-are never read: tensor records serve as tensors do.
+are never read (tensor records serve as tensors do), but for a tied copy stored apart: it and the tensor kept must
+hold the same bits (:func:`check_tied_values` reads those two). ``config.json`` is read with no code of the model's
+run, ever (``trust_remote_code=False``; a config only its own code reads is refused).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,36 +44,64 @@ def require_transformers() -> ModuleType:
         raise UsageError(NO_TRANSFORMERS) from e
 
 
-def model_class(config: Any, *, config_path: str) -> Any:
-    """The transformers class of ``config.architectures`` (its first entry), refused by name when there is none."""
-    transformers = require_transformers()
-    names = getattr(config, "architectures", None) or []
+def model_class(config: Any, *, config_path: str, architecture: str | None = None) -> Any:
+    """The transformers class ``architecture`` names, else ``config.architectures``' first, refused by name when
+    there is none (:func:`ckptfix.hf_classes.fitting_model` picks one from the checkpoint's keys instead)."""
+    names = [architecture] if architecture else getattr(config, "architectures", None) or []
     if not names:
-        raise UsageError(f"{config_path}: names no 'architectures', so the model class is unknown; add "
-                         f'"architectures": ["LlamaForCausalLM"] (the class the weights belong to)')  # fmt: skip
-    cls = getattr(transformers, str(names[0]), None)
-    if cls is None:
-        raise UsageError(f"{config_path}: architecture '{names[0]}' is not a class of transformers "
+        raise UsageError(f"{config_path}: names no 'architectures', so the model class is unknown; pass "
+                         f"--architecture NAME (the class the weights belong to)")  # fmt: skip
+    return named_class(str(names[0]), where="--architecture" if architecture else config_path)
+
+
+def named_class(name: str, *, where: str) -> Any:
+    """transformers' model class ``name``; refused in one line when transformers has no such model class."""
+    transformers = require_transformers()
+    cls = getattr(transformers, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise UsageError(f"{where}: architecture {name!r} is not a model class of transformers "
                          f"{transformers.__version__}; upgrade it, or name one it has")  # fmt: skip
     return cls
 
 
 def load_config(folder: str) -> Any:
-    """The ``PretrainedConfig`` of ``folder``'s ``config.json``, read locally (nothing downloaded)."""
+    """The ``PretrainedConfig`` of ``folder``'s ``config.json``, read locally (nothing downloaded, no code run: a
+    config only its own code reads is refused, naming the class it would need)."""
     transformers = require_transformers()
-    try:
-        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a config of remote code, a damaged file
+    path = os.path.join(folder, "config.json")
+    _refuse_custom_code(path)
+    try:  # trust_remote_code=False: transformers never asks on stdin, never imports a module of the folder
+        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a damaged file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{folder}/config.json: transformers {transformers.__version__} cannot read it ({first}); "
+        raise UsageError(f"{path}: transformers {transformers.__version__} cannot read it ({first}); "
                          f"pass --config-from the folder of a config it reads") from e  # fmt: skip
 
 
-def meta_model(config: Any, *, config_path: str) -> torch.nn.Module:
-    """The model ``config`` describes, on the meta device: keys, shapes and ties, no weight allocated."""
+def _refuse_custom_code(path: str) -> None:
+    """A config whose ``model_type`` transformers does not know, and whose ``auto_map`` names a module of its own:
+    only running that module would read it, and ckptfix runs no code of a checkpoint's."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ckptfix.formats.folders.hf_config import find_config
+
+    config = find_config(path, config_from=os.path.dirname(path) or ".").config
+    auto_map, kind = config.get("auto_map"), config.get("model_type")
+    if not isinstance(auto_map, dict) or (isinstance(kind, str) and kind in CONFIG_MAPPING):
+        return
+    names = config.get("architectures")
+    code = {str(v): None for v in auto_map.values() if isinstance(v, str)}  # AutoTokenizer's is a list: no model
+    need = str(names[0]) if isinstance(names, list) and names else next(iter(code), "?")
+    raise UsageError(f"{path}: model_type {kind!r} is not one transformers knows, and its auto_map names code of "
+                     f"its own ({', '.join(map(repr, code))}), which ckptfix never runs; export with a transformers "
+                     f"that has {need!r}, or pass --config-from the folder of a config transformers reads")  # fmt: skip
+
+
+def meta_model(cls: Any, config: Any) -> torch.nn.Module:
+    """The model of class ``cls`` that ``config`` describes, on the meta device: keys, shapes and ties, no weight
+    allocated."""
     import torch
 
-    cls = model_class(config, config_path=config_path)
     with torch.device("meta"):
         model: torch.nn.Module = cls._from_config(config)
     return model
@@ -83,7 +114,9 @@ class Exported:
     state: OrderedDict[str, Any]
     form: str  # "model" (the keys the model holds) or "saved" (save_pretrained's, converted when loaded)
     report: KeyReport
+    architecture: str = ""  # the model's class, which config.json names
     tied: dict[str, str] = field(default_factory=dict)  # left-out tied copy -> the key kept
+    apart: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # such a copy stored apart -> (it, the kept one)
     notes: list[str] = field(default_factory=list)
 
 
@@ -111,6 +144,23 @@ def saved_form(model: torch.nn.Module) -> Mapping[str, Any] | None:
     return None if saved.keys() == own.keys() else saved
 
 
+def fit(
+    state: Mapping[str, Any], model: torch.nn.Module, *, source: str, strip_prefixes: Iterable[str] = ()
+) -> tuple[Mapping[str, Any], KeyReport, str, list[str]]:
+    """``state`` moved to ``model``'s keys (:func:`~ckptfix.loading.adapt_to_model`), its report, its form (the
+    model's own keys, or ``save_pretrained``'s where only those fit) and the key order of that form."""
+    from ckptfix.loading import adapt_to_model
+
+    adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=strip_prefixes)
+    _floating_agrees(report)
+    if not report.ok and (saved := saved_form(model)) is not None:
+        other, other_report = adapt_to_model(state, _keys_module(saved), source=source, strip_prefixes=strip_prefixes)
+        _floating_agrees(other_report)
+        if other_report.ok:
+            return other, other_report, "saved", list(saved)
+    return adapted, report, "model", list(model.state_dict().keys())
+
+
 def export_state(
     state: Mapping[str, Any],
     model: torch.nn.Module,
@@ -122,35 +172,41 @@ def export_state(
     """``state``'s keys as ``from_pretrained`` takes them for ``model``: wrapper prefixes gone, checked exactly
     (missing, unexpected and wrong-shape keys refused by name, with the fix), tied copies left out as
     ``save_pretrained`` leaves them out. A dtype other than the model's is no mismatch: ``--dtype`` and the
-    config say which is written."""
-    from ckptfix.loading import adapt_to_model
-
-    adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=strip_prefixes)
-    _floating_agrees(report)
-    form, order = "model", list(model.state_dict().keys())
-    if not report.ok and (saved := saved_form(model)) is not None:
-        other, other_report = adapt_to_model(state, _keys_module(saved), source=source, strip_prefixes=strip_prefixes)
-        _floating_agrees(other_report)
-        if other_report.ok:
-            adapted, report, form, order = other, other_report, "saved", list(saved)
+    config say which is written. A tied copy stored apart must hold the kept tensor's values, bit for bit."""
+    adapted, report, form, order = fit(state, model, source=source, strip_prefixes=strip_prefixes)
     if not report.ok:
         raise MismatchError(_refusal(report, model, config_path=config_path))
-    exported = Exported(OrderedDict(), form, report)
+    exported = Exported(OrderedDict(), form, report, type(model).__name__)
     ties = dict(getattr(model, "all_tied_weights_keys", None) or {})
     for copy, kept in ties.items():  # {target: source}: the target is the copy save_pretrained leaves out
         if copy in adapted and kept in adapted:
             exported.tied[copy] = kept
             apart = identity(adapted[copy]) != identity(adapted[kept])
+            if apart:  # its values are compared by check_tied_values
+                exported.apart[copy] = (adapted[copy], adapted[kept])
             exported.notes.append(
                 f"left out '{copy}': the config ties it to '{kept}', as save_pretrained leaves it out, and "
-                f"from_pretrained ties it back"
-                + (f" (stored apart in {source}: from_pretrained uses '{kept}' for both)" if apart else "")
+                f"from_pretrained ties it back" + (f" (stored apart in {source}, equal bit for bit)" if apart else "")
             )
     for key in [*order, *(k for k in adapted if k not in set(order))]:
         if key in adapted and key not in exported.tied:
             exported.state[key] = adapted[key]
     _refuse_untied_sharing(exported.state, source=source, config_path=config_path)
     return exported
+
+
+def check_tied_values(exported: Exported, *, read: Callable[[Any], bytes], source: str, config_path: str) -> None:
+    """Each tied copy stored apart from the tensor it is tied to must hold its values, bit for bit: from_pretrained
+    gives it the kept one's. ``read(t)`` is a tensor's bytes; only these tensors are read, one pair at a time."""
+    for copy, (a, b) in exported.apart.items():
+        if (spec(a).dtype, spec(a).shape) == (spec(b).dtype, spec(b).shape) and read(a) == read(b):
+            continue
+        kept = exported.tied[copy]
+        raise MismatchError(
+            f"{source}: holds '{copy}' apart from '{kept}', with other values, but {config_path} ties them "
+            f"(from_pretrained would use '{kept}' for both); nothing was written; set \"tie_word_embeddings\": "
+            f"false there (or the model's tie option), or pass --config-from the config it was trained with"
+        )
 
 
 def _refuse_untied_sharing(state: Mapping[str, Any], *, source: str, config_path: str) -> None:
@@ -195,10 +251,12 @@ def output_dtype(state: Mapping[str, Any], cast: str | None) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
-def config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
+def config_with_dtype(config: Mapping[str, Any], dtype: str | None, *, architecture: str = "") -> dict[str, Any]:
     """``config.json``'s content with its dtype (``dtype`` in transformers 5, ``torch_dtype`` before) set to the
-    weights'; as it was when they mix dtypes."""
+    weights' (as it was when they mix dtypes), and ``architectures`` to the class exported for (named or chosen)."""
     out = dict(config)
+    if architecture:
+        out["architectures"] = [architecture]
     if dtype is None:
         return out
     if "torch_dtype" in out:
@@ -210,11 +268,14 @@ def config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str,
 
 __all__ = [
     "Exported",
+    "check_tied_values",
     "config_with_dtype",
     "export_state",
+    "fit",
     "load_config",
     "meta_model",
     "model_class",
+    "named_class",
     "output_dtype",
     "require_transformers",
     "saved_form",

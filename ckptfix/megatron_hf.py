@@ -295,6 +295,8 @@ def for_export(src: str, *, config_from: Any = None, dtype: str | None = None) -
     else:
         built, notes = hf_config(args, source=common)
         transformers = require_transformers()
+        # for_model takes the class from transformers' own table (no auto_map, no code run); a trust_remote_code
+        # argument would only become a field of the config, and be written into config.json
         config = transformers.AutoConfig.for_model(**built)
         written = {"architectures": built["architectures"], **config.to_diff_dict()}
         found = ConfigFolder(run.root, written, ())

@@ -284,9 +284,8 @@ def test_keys_that_do_not_fit_the_config_are_refused_by_name(tmp_path: Path) -> 
     other.save_pretrained(tmp_path / "wrong")
     result = run("convert", tmp_path / "hf", f"{tmp_path / 'out'}/", "--format", "hf", "--config-from",
                  tmp_path / "wrong")  # fmt: skip
-    assert result.exit_code == 1, result.output
-    assert "does not fit LlamaForCausalLM as" in result.output
-    assert "9 missing (e.g. 'model.layers.2.self_attn.q_proj.weight')" in result.output
+    assert result.exit_code == 1, result.output  # told from the keys, before a model of 3 layers is built
+    assert f"holds 2 layers, but {tmp_path / 'wrong' / 'config.json'} says num_hidden_layers 3" in result.output
     assert "pass --config-from the folder of the config it was trained with" in result.output
     other.num_hidden_layers, other.hidden_size, other.head_dim = 2, 48, 12
     other.save_pretrained(tmp_path / "wrong")
@@ -481,4 +480,150 @@ def test_a_config_transformers_cannot_read_is_refused_in_one_line(tmp_path: Path
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"ckptfix: error: {tmp_path}/config.json: transformers ")
     assert "cannot read it" in result.output and len(result.output.splitlines()) == 1
+    _nothing_written(tmp_path, tmp_path / "out")
+
+
+# -- the config: code it names, sizes it says, the class it leaves out, ties it says (issue 39) ----------------------
+
+_CUSTOM_CONFIG = """
+import os
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+if os.environ.get("CKPTFIX_TEST_RAN"):  # the proof that transformers ran this module
+    Path(os.environ["CKPTFIX_TEST_RAN"]).touch()
+
+
+class CustomConfig(PretrainedConfig):
+    model_type = "ckptfix-custom"
+"""
+
+
+def test_a_config_of_custom_code_is_refused_and_its_code_never_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = _trained("llama")
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "configuration_custom.py").write_text(_CUSTOM_CONFIG)
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    from configuration_custom import CustomConfig  # type: ignore[import-not-found]
+
+    CustomConfig.register_for_auto_class()  # save_pretrained then writes auto_map and copies the module
+    CustomConfig(architectures=["CustomForCausalLM"]).save_pretrained(tmp_path / "run")
+    assert "AutoConfig" in json.loads((tmp_path / "run" / "config.json").read_text())["auto_map"]
+    torch.save(model.state_dict(), tmp_path / "run" / "w.pt")
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    ran = tmp_path / "RAN"
+    monkeypatch.setenv("CKPTFIX_TEST_RAN", str(ran))
+    result = CliRunner().invoke(cli, ["convert", str(tmp_path / "run" / "w.pt"), f"{tmp_path / 'out'}/", "--format",
+                                      "hf", "--verify"], input="y\n")  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert not ran.exists()  # no prompt answered, no module imported
+    assert "Do you wish to run the custom code" not in result.output and len(result.output.splitlines()) == 1
+    assert "model_type 'ckptfix-custom' is not one transformers knows" in result.output
+    assert "'CustomForCausalLM'" in result.output and "which ckptfix never runs" in result.output
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    _nothing_written(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize(("name", "field"), [("llama", "num_hidden_layers"), ("gpt2", "n_layer")])
+def test_a_config_of_more_layers_than_the_checkpoint_is_refused_before_the_model_is_built(
+    name: str, field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, _ = _trained(name)
+    model.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: 12000}))
+    import ckptfix.hf_classes
+
+    def never(*args: Any) -> None:
+        raise AssertionError("a model of the config's size was built")
+
+    monkeypatch.setattr(ckptfix.hf_classes, "meta_model", never)
+    result = run("convert", tmp_path / "hf", f"{tmp_path / 'out'}/", "--format", "hf")
+    assert result.exit_code == 1, result.output
+    layers = "model.layers" if name == "llama" else "transformer.h"
+    assert result.output == (
+        f"ckptfix: error: {tmp_path / 'hf'}: holds 2 layers, but {tmp_path / 'hf' / 'config.json'} says {field} "
+        f"12000 (layers held: 2 ('{layers}.0' to '{layers}.1')); nothing was written; pass --config-from the folder "
+        f"of the config it was trained with\n"
+    )
+    _nothing_written(tmp_path, tmp_path / "out")
+
+
+def test_a_model_sharing_one_layer_across_its_depth_is_not_refused(tmp_path: Path) -> None:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.AlbertConfig(vocab_size=64, embedding_size=16, hidden_size=32, intermediate_size=64,
+                             num_attention_heads=4, num_hidden_layers=6, max_position_embeddings=32)  # fmt: skip
+    model = tf.AlbertModel(config).eval()
+    model.save_pretrained(tmp_path / "hf")  # 6 layers, the weights of one: albert_layer_groups.0.albert_layers.0
+    result = run("convert", tmp_path / "hf", f"{tmp_path / 'out'}/", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(("name", "arch"), [("llama", "LlamaForCausalLM"), ("gpt2", "GPT2LMHeadModel"),
+                                            ("mixtral", "MixtralForCausalLM"), ("bert", "BertModel")])  # fmt: skip
+def test_a_config_without_architectures_gets_the_class_its_keys_fill(name: str, arch: str, tmp_path: Path) -> None:
+    model, _ = _trained(name)
+    model.config.architectures = None  # as a config made in code, then model.config.save_pretrained, leaves it
+    model.config.save_pretrained(tmp_path)
+    assert "architectures" not in json.loads((tmp_path / "config.json").read_text())
+    torch.save({"model": model.state_dict(), "step": 2}, tmp_path / "run.pt")
+    result = run("convert", tmp_path / "run.pt", f"{tmp_path / 'out'}/", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    said = f"architecture {arch}: {tmp_path / 'config.json'} names none, and {arch} is the one class of"
+    assert said in result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == [arch]
+    _loads_equal(tmp_path / "out", {"logits": _logits(model), "model": model})
+
+
+def test_classes_a_checkpoint_fills_alike_are_refused_and_architecture_names_one(tmp_path: Path) -> None:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = _config("bert")
+    config.architectures = None
+    model = tf.BertForMaskedLM(config).eval()  # its keys are BertLMHeadModel's too
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "mlm.pt")
+    out = tmp_path / "out"
+    result = run("convert", tmp_path / "mlm.pt", f"{out}/", "--format", "hf")
+    assert result.exit_code == 2 and len(result.output.splitlines()) == 1, result.output
+    assert "names no 'architectures', and the keys of" in result.output
+    assert "fill BertForMaskedLM and BertLMHeadModel alike" in result.output
+    advice = result.output.rstrip().rsplit("pass ", 1)[1]  # --architecture NAME, one of BertForMaskedLM, …
+    assert advice.startswith("--architecture NAME, one of BertForMaskedLM")
+    _nothing_written(tmp_path, out)
+    result = run("convert", tmp_path / "mlm.pt", f"{out}/", "--format", "hf", "--architecture", "BertForMaskedLM",
+                 "--verify")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
+    _loads_equal(out, {"logits": _logits(model), "model": model})
+    again = ckptfix.export_hf(tmp_path / "mlm.pt", tmp_path / "lib", architecture="BertForMaskedLM")
+    assert again.method in ("stream", "torch")
+    bad = run("convert", tmp_path / "mlm.pt", f"{tmp_path / 'bad'}/", "--format", "hf", "--architecture", "Nope")
+    assert bad.exit_code == 2 and "--architecture: architecture 'Nope' is not a model class of transformers" in (
+        bad.output
+    )
+    other = run("convert", tmp_path / "mlm.pt", tmp_path / "x.pt", "--architecture", "BertForMaskedLM")
+    assert other.exit_code == 2 and "--architecture applies to --format hf" in other.output
+
+
+def test_an_output_projection_of_its_own_under_a_tying_config_is_refused(tmp_path: Path) -> None:
+    model, _ = _trained("llama")  # untied: lm_head.weight is trained apart from the embedding
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    torch.save(model.state_dict(), tmp_path / "untied.pt")
+    model.config.tie_word_embeddings = True  # the config says tied: from_pretrained would drop lm_head
+    model.config.save_pretrained(tmp_path)
+    result = run("convert", tmp_path / "untied.pt", f"{tmp_path / 'out'}/", "--format", "hf")
+    assert result.exit_code == 1, result.output
+    assert result.output == (
+        f"ckptfix: error: {tmp_path / 'untied.pt'}: holds 'lm_head.weight' apart from 'model.embed_tokens.weight', "
+        f"with other values, but {tmp_path / 'config.json'} ties them (from_pretrained would use "
+        f"'model.embed_tokens.weight' for both); nothing was written; set \"tie_word_embeddings\": false there (or "
+        f"the model's tie option), or pass --config-from the config it was trained with\n"
+    )
     _nothing_written(tmp_path, tmp_path / "out")

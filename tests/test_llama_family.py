@@ -182,6 +182,43 @@ def test_a_tied_checkpoint_with_an_untied_config_is_refused(tmp_path: Path) -> N
 
 
 @needs_transformers
+def test_an_output_projection_of_its_own_under_a_tied_config_is_refused(tmp_path: Path) -> None:
+    """torchtitan's own lm_head.weight, and a torchtune file with its own output.weight, under the tied config:
+    from_pretrained would drop the projection and give other logits."""
+    before = digest(source("titan"))
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    titan = json.loads((config("titan") / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**titan, "tie_word_embeddings": True}))
+    line = refused(tmp_path, source("titan"), "--config-from", tied)
+    assert f"{source('titan')}: holds 'lm_head.weight' apart from 'model.embed_tokens.weight', with other values" in (
+        line
+    )
+    assert "ties them (from_pretrained would use 'model.embed_tokens.weight' for both)" in line
+    assert '"tie_word_embeddings": false' in line and "--config-from" in line
+    assert digest(source("titan")) == before
+    state = torch.load(source("tune_tied"), weights_only=True)  # as FullModelTorchTuneCheckpointer saves it
+    state["output.weight"] = torch.randn_like(state["tok_embeddings.weight"])  # an untied llama3 model's
+    torch.save(state, tmp_path / "tune.bin")
+    line = refused(tmp_path, tmp_path / "tune.bin", "--config-from", tied)
+    assert "holds 'lm_head.weight' apart from 'model.embed_tokens.weight', with other values" in line
+
+
+@needs_transformers
+def test_an_output_projection_stored_apart_with_the_same_bits_is_left_out(tmp_path: Path) -> None:
+    state = torch.load(source("tune_tied"), weights_only=True)
+    state["output.weight"] = state["tok_embeddings.weight"].clone()  # tied in value, stored apart
+    torch.save(state, tmp_path / "tune.bin")
+    out = tmp_path / "hf"
+    result = run("convert", tmp_path / "tune.bin", out, "--format", "hf", "--config-from", config("tune_tied"),
+                 "--verify", "-v")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "path: stream" in result.output  # the two tensors compared, the rest copied as byte ranges
+    assert f"from_pretrained ties it back (stored apart in {tmp_path / 'tune.bin'}, equal bit for bit)" in result.output
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))
+
+
+@needs_transformers
 def test_a_mixture_of_layouts_is_refused_naming_the_key(tmp_path: Path) -> None:
     state = torch.load(source("tune_tied"), weights_only=True)  # torchtune's file, one key in torchtitan's name
     state["layers.0.attention.wo.weight"] = state.pop("layers.0.attn.output_proj.weight")

@@ -155,7 +155,7 @@ def test_streamed_export_equals_torchs_path(name: str, dtype: str | None, tmp_pa
     assert (tmp_path / "s" / "config.json").read_text() == (tmp_path / "t" / "config.json").read_text()
 
 
-def test_an_output_layer_stored_apart_from_embeddings_a_config_ties_is_said(tmp_path: Path) -> None:
+def test_an_output_layer_of_its_own_under_a_config_that_ties_it_is_refused(tmp_path: Path) -> None:
     first = tmp_path / "first"
     assert run("convert", FIXTURES / "moe_ep2_fp32", first, "--format", "hf").exit_code == 0
     other = tmp_path / "cfg"
@@ -163,8 +163,10 @@ def test_an_output_layer_stored_apart_from_embeddings_a_config_ties_is_said(tmp_
     cfg = json.loads((first / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
     result = run("convert", FIXTURES / "moe_ep2_fp32", tmp_path / "hf", "--format", "hf", "--config-from", other, "-v")
-    assert result.exit_code == 0, result.output
-    assert "left out 'lm_head.weight'" in result.output and "stored apart" in result.output
+    assert result.exit_code == 1, result.output  # from_pretrained would drop the trained output layer
+    assert "holds 'lm_head.weight' apart from 'model.embed_tokens.weight', with other values" in result.output
+    assert '"tie_word_embeddings": false' in result.output and len(result.output.splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
 
 
 def test_verify_loads_the_folder_and_compares_with_the_mapped_source(tmp_path: Path) -> None:

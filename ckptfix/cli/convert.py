@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
-from ckptfix.cli.options import force_option, json_option, safety_options, to_option
+from ckptfix.cli.options import architecture_option, force_option, json_option, safety_options, to_option
 from ckptfix.cli.render import Output, echo
 from ckptfix.layouts import Layout
 
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     help="--format hf: the folder of the model's config.json, generation_config.json and tokenizer files (default: "
     "IN's folder, then its parent).",
 )
+@architecture_option
 @click.option(
     "--verify",
     "verify_hf",
@@ -105,6 +106,7 @@ def convert(
     shard_size: int | None,
     out_format: str | None,
     config_from: str | None,
+    architecture: str | None,
     verify_hf: bool,
     verbose: bool,
     output: Output,
@@ -133,7 +135,7 @@ def convert(
     from ckptfix.conversion import convert_file, float_dtype
 
     _refuse_conflicts(click.get_current_context(), keep_layout=keep_layout, no_fast=no_fast, no_verify=no_verify)
-    if out_format == "hf" or config_from is not None or verify_hf:
+    if out_format == "hf" or config_from is not None or architecture is not None or verify_hf:
         from ckptfix.cli.export_hf import export
 
         return export(src, dst, click.get_current_context(), output=output, verbose=verbose)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import click
 
 from ckptfix.cli.render import Output, echo
@@ -15,14 +18,14 @@ _NOT_FOR_HF = {
     "optimizer": "--optimizer",
     "no_verify": "--no-verify",
 }  # fmt: skip (--model-only is what an export does anyway)
+_HF_ONLY = {"config_from": "--config-from", "architecture": "--architecture", "verify_hf": "--verify"}
+SAID = ("left out", "copied", "verified", "architecture")  # an export's notes said without --verbose
 
 
 def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: bool) -> None:
     """Run :func:`ckptfix.exporting.export_hf` with ``convert``'s options, and say what it wrote."""
     params = ctx.params
-    if params["out_format"] != "hf":
-        given = "--config-from" if params["config_from"] is not None else "--verify"
-        raise UsageError(f"{given} applies to --format hf (a folder from_pretrained loads); add --format hf")
+    refuse_hf_only(params)
     for name, flag in _NOT_FOR_HF.items():
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             why = "an export keeps the keys the model's config names" if name != "no_verify" else "CRCs are read"
@@ -33,6 +36,7 @@ def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: b
         src,
         dst,
         config_from=params["config_from"],
+        architecture=params["architecture"],
         dtype=params["dtype"],
         shard_size=params["shard_size"],
         verify=params["verify_hf"],
@@ -50,13 +54,20 @@ def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: b
             where = f"'{change.entry}'" if change.entry else "state dict"
             echo(f"{where}: {change.layout_from} -> transformers keys, {change.keys} keys ({change.renamed} renamed)")
         for note in result.notes:
-            if verbose or note.startswith(("left out", "copied", "verified")):
+            if verbose or note.startswith(SAID):
                 echo(note if not note.startswith("fast path") else f"path: {result.method}; {note}")
         if verbose and not any(n.startswith("fast path") for n in result.notes):
             echo(f"path: {result.method}", err=True)
         echo(f"wrote {dst} ({result.wrote})")
 
     output.result(result.to_json(src, dst, dtype=result_dtype(params["dtype"])), text)
+
+
+def refuse_hf_only(params: Mapping[str, Any]) -> None:
+    """An option of ``--format hf`` given without it (``convert``, ``merge``): a usage error naming it."""
+    given = [flag for name, flag in _HF_ONLY.items() if params.get(name) not in (None, False)]
+    if params.get("out_format") != "hf" and given:
+        raise UsageError(f"{given[0]} applies to --format hf (a folder from_pretrained loads); add --format hf")
 
 
 def result_dtype(dtype: str | None) -> str | None:

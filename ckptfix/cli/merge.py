@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from ckptfix.cli.export_hf import SAID, refuse_hf_only
 from ckptfix.cli.options import (
+    architecture_option,
     force_option,
     json_option,
     model_from_options,
@@ -76,6 +78,7 @@ BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
 @click.option(
     "--config-from", metavar="DIR", type=click.Path(), help="--format hf: the folder of the model's config.json."
 )
+@architecture_option
 @click.option(
     "--verify",
     "verify_hf",
@@ -103,6 +106,7 @@ def merge(
     unsafe_pickle: bool,
     out_format: str | None = None,
     config_from: str | None = None,
+    architecture: str | None = None,
     verify_hf: bool = False,
 ) -> None:
     """Merge per-rank checkpoints of one DDP run (buffer sync off), or the rank files of an FSDP2 run, into OUT.
@@ -155,23 +159,23 @@ def merge(
             if os.path.realpath(later) == os.path.realpath(earlier):
                 counts = "counts twice in the average" if averaging else "counts as two ranks"
                 warn(f"{later} is given twice; the same file {counts}")
-    _check_format(out_format, config_from=config_from, verify_hf=verify_hf, optimizer=optimizer)
+    _check_format(out_format, optimizer=optimizer)
     model = _model(model_spec, kwargs) if model_spec else None
     buffer_keys = _buffer_keys(model) if model is not None else []
     options: dict[str, Any] = {"buffers": buffers, "atol": atol, "buffer_keys": buffer_keys, "average": average,
-                               "weights": weights, "model": model}  # fmt: skip
+                               "weights": weights, "model": model, "overwrite": overwrite,
+                               "allow_globals": allow_globals, "unsafe": unsafe_pickle}  # fmt: skip
     exported = None
     if out_format == "hf":
         from ckptfix.exporting import merge_to_hf
 
-        result, exported = merge_to_hf(inputs, out, config_from=config_from, verify=verify_hf, overwrite=overwrite,
-                                       allow_globals=allow_globals, unsafe=unsafe_pickle, **options)  # fmt: skip
+        result, exported = merge_to_hf(inputs, out, config_from=config_from, architecture=architecture,
+                                       verify=verify_hf, **options)  # fmt: skip
     else:
-        result = merge_files(inputs, out, to=to, allow_globals=allow_globals, unsafe=unsafe_pickle,
-                             model_only=model_only, overwrite=overwrite, optimizer=optimizer, **options)  # fmt: skip
+        result = merge_files(inputs, out, to=to, model_only=model_only, optimizer=optimizer, **options)
     wrote = out
     if exported is not None:  # what the export did, then where it wrote
-        result.notes.extend(n for n in exported.notes if n.startswith(("left out", "copied", "verified")))
+        result.notes.extend(n for n in exported.notes if n.startswith(SAID))
         wrote, to = f"{out} ({exported.wrote})", "transformers"  # the keys are the config's
     for message in result.warnings:
         warn(message)
@@ -187,12 +191,10 @@ def merge(
         )
 
 
-def _check_format(out_format: str | None, *, config_from: str | None, verify_hf: bool, optimizer: bool) -> None:
+def _check_format(out_format: str | None, *, optimizer: bool) -> None:
     from ckptfix.errors import UsageError
 
-    if out_format != "hf" and (config_from is not None or verify_hf):
-        given = "--config-from" if config_from is not None else "--verify"
-        raise UsageError(f"{given} applies to --format hf (a folder from_pretrained loads); add --format hf")
+    refuse_hf_only(click.get_current_context().params)
     if out_format == "hf" and optimizer:
         raise UsageError("--optimizer does not apply to --format hf (the folder holds the model alone); drop it")
 

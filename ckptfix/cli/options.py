@@ -74,6 +74,13 @@ force_option = click.option(
     help="Replace OUT if it exists; the old output stays whole until the new one is. Default: refuse.",
 )
 
+architecture_option = click.option(
+    "--architecture",
+    metavar="NAME",
+    help="--format hf: the transformers model class (LlamaForCausalLM), written into config.json. Default: the "
+    "config's architectures, else the one class of its model_type whose keys the checkpoint fills.",
+)
+
 
 def model_from_options(model_spec: str, kwargs: str | None, *, device: str | None = None) -> torch.nn.Module:
     """The model of ``--model`` and ``--kwargs`` (on ``device``, see ``build_model``); errors name the flags.

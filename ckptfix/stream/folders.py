@@ -24,6 +24,7 @@ from ckptfix.formats.containers.safetensors import (
     encode_header,
     read_header,
     split_checkpoint,
+    tensor_bytes,
     tree_from_header,
 )
 from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
@@ -59,15 +60,19 @@ def convert_folder(
     dtype: str | None = None,
     shard_size: int | None = None,
     overwrite: bool = False,
+    check: Callable[[Callable[[Any], bytes]], None] | None = None,
 ) -> Conversion:
     """Write the one state dict of folder ``src`` (DCP, safetensors shards, a DeepSpeed run; or one .safetensors
     file) after ``transform`` as ``dst``. ``dtype`` casts its floating-point tensors as they are written;
     ``shard_size`` (bytes) writes transformers shards of at most that size beside ``dst`` with their index
     instead (an existing shard set of that name replaced only with ``overwrite``, as
-    :func:`ckptfix.formats.folders.hf.save_sharded` does)."""
+    :func:`ckptfix.formats.folders.hf.save_sharded` does). ``check(read)``, before a byte is written, may read the
+    values of the tensors it names (``read(t)``: :func:`value_bytes`)."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
         conversion = transform(tree)
+        if check is not None:
+            check(lambda t: value_bytes(t, files, allowed=allowed))
         # a .pt's entry of refused globals, kept opaque, is refused here as ckptfix.load refuses it
         conversion.obj = carry(conversion.obj, out_fmt="safetensors", source=src, notes=conversion.notes)
         cast = cast_records(conversion, dtype) if dtype is not None else 0
@@ -399,6 +404,26 @@ def _write_tensor(out: BinaryIO, t: Stored, files: DataFiles) -> str:
     for path, at, n in ranges:  # whole tensors, DeepSpeed partitions' slices, DCP row chunks: file to file
         _copy(files.fd(path), at, n, out)
     return "copied"
+
+
+def value_bytes(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> bytes:
+    """The bytes ``t`` is written as, read into memory: one tensor's, for a check of its values."""
+    from io import BytesIO
+
+    if not is_record(t):
+        return bytes(tensor_bytes(t))
+    prepare(t, files, allowed=allowed)
+    out, ranges = BytesIO(), copied_ranges(t, files)
+    if ranges is None:
+        write_made(out, t, files)
+    for path, at, n in ranges or ():
+        while n:
+            data = os.pread(files.fd(path), n, at)
+            if not data:
+                raise FormatError(f"{path}: ended early while reading; it was truncated while reading")
+            out.write(data)
+            at, n = at + len(data), n - len(data)
+    return out.getvalue()
 
 
 def copied_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
