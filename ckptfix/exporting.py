@@ -25,7 +25,7 @@ from ckptfix.conversion import cast_floating, float_dtype, refuse_partial
 from ckptfix.errors import MismatchError, OutputError
 from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
-from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
+from ckptfix.formats.registry import ONE_SHARD, detect, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
 from ckptfix.hf_export import Exported, config_with_dtype, export_state, load_config, meta_model, output_dtype
 from ckptfix.layouts import parse_rename
@@ -58,16 +58,19 @@ def export_hf(
     allow_globals: Iterable[str] = (),
     unsafe: bool = False,
     fast: bool = True,
+    progress: bool = False,
 ) -> Conversion:
     """Write checkpoint ``src`` as folder ``out`` that ``from_pretrained(out)`` loads with no missing, unexpected or
-    newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path).
+    newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path;
+    ``result.dropped``: the checkpoint's other entries, optimizer, step, …, which a transformers folder has no place
+    for).
 
     ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``dtype`` casts
     floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
     ``model-0000N-of-0000M.safetensors`` and their index. ``verify=True`` loads ``out`` with transformers and
     compares its logits on a fixed input with the source weights' in the same model: not equal raises
     :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True`` replaces a folder holding only what an
-    export writes.
+    export writes. ``progress`` shows a progress bar on a terminal while the weights are streamed.
 
     >>> ckptfix.export_hf("run/checkpoint-500/", "hf_model/", dtype="bf16")
     """
@@ -98,23 +101,26 @@ def export_hf(
                                 strip_prefixes=strip_prefixes)  # fmt: skip
         done.append(exported)
         report = exported.report
+        model_entry = entry or primary_entry(tree)
         renamed = llama.renamed if llama else frozenset()
-        change = EntryChange(entry or primary_entry(tree), llama.layout.name if llama else report.layout_from,
+        change = EntryChange(model_entry, llama.layout.name if llama else report.layout_from,
                              "transformers", len(exported.state),
                              sum(k not in state or k in renamed for k in exported.state))  # fmt: skip
         return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
-                          *named, *exported.notes])  # fmt: skip
+                          *named, *exported.notes], dropped=_left_out(tree, model_entry, source=source))  # fmt: skip
 
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
         result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
-                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast)  # fmt: skip
+                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast,
+                                progress=progress)  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
         names = write_side_files(tmp, found, config=config_with_dtype(found.config, written))
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
         result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
                             " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
+        result.notes.extend(found.left_out)
         if verify:
             result.notes.append(verify_export(tmp, source, found, exported, entry=entry, rules=rules,
                                               strip_prefixes=strip_prefixes, allow=allow, unsafe=unsafe,
@@ -178,7 +184,7 @@ def merge_to_hf(
 
 def _write_weights(
     source: str, weights: str, *, in_fmt: str, transform: Any, dtype: str | None, shard_size: int | None,
-    allow: tuple[str, ...], unsafe: bool, fast: bool,
+    allow: tuple[str, ...], unsafe: bool, fast: bool, progress: bool,
 ) -> Conversion:  # fmt: skip
     """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards."""
     limit = shard_size or ONE_SHARD  # the shard writer: one file named model.safetensors, or shards and an index
@@ -190,7 +196,7 @@ def _write_weights(
 
         try:
             streamed = convert_folder(source, weights, transform=transform, allow_globals=allow, dtype=dtype,
-                                      shard_size=limit)  # fmt: skip
+                                      shard_size=limit, progress=progress)  # fmt: skip
             streamed.method = "stream"
             return streamed
         except Fallback as e:
@@ -205,6 +211,20 @@ def _write_weights(
     result.method = "torch"
     result.notes.append(f"fast path not taken: {why}")
     return result
+
+
+def _left_out(tree: Any, entry: str, *, source: str) -> list[str]:
+    """The checkpoint's entries beside its model's (optimizer, step, …; an accelerate folder's, read or not): a
+    transformers folder holds only the model."""
+    if not entry or not isinstance(tree, Mapping):
+        return []
+    from ckptfix.formats.folders.hf import describe
+    from ckptfix.formats.registry import folder_format
+
+    names = dict.fromkeys(map(str, tree))
+    if detect(source) is folder_format("hf") and not (folder := describe(source)).flat:
+        names.update(dict.fromkeys(folder.entries))  # an accelerate folder's training state, left unread
+    return [name for name in names if name != entry]
 
 
 _EXPORT_FILE = (CONFIG, *SIDE_FILES, WEIGHTS, WEIGHTS + ".index.json")
