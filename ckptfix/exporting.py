@@ -61,9 +61,7 @@ def export_hf(
     progress: bool = False,
 ) -> Conversion:
     """Write checkpoint ``src`` as folder ``out`` that ``from_pretrained(out)`` loads with no missing, unexpected or
-    newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path;
-    ``result.dropped``: the checkpoint's other entries, optimizer, step, …, which a transformers folder has no place
-    for).
+    newly initialised weight; what was done (``notes``: tied copies left out, files copied; ``dropped``: optimizer, …).
 
     ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``dtype`` casts
     floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes
@@ -101,13 +99,12 @@ def export_hf(
                                 strip_prefixes=strip_prefixes)  # fmt: skip
         done.append(exported)
         report = exported.report
-        model_entry = entry or primary_entry(tree)
         renamed = llama.renamed if llama else frozenset()
-        change = EntryChange(model_entry, llama.layout.name if llama else report.layout_from,
+        change = EntryChange(entry or primary_entry(tree), llama.layout.name if llama else report.layout_from,
                              "transformers", len(exported.state),
                              sum(k not in state or k in renamed for k in exported.state))  # fmt: skip
         return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
-                          *named, *exported.notes], dropped=_left_out(tree, model_entry, source=source))  # fmt: skip
+                          *named, *exported.notes], dropped=_left_out(tree, change.entry, source=source))  # fmt: skip
 
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
@@ -118,9 +115,8 @@ def export_hf(
         written = output_dtype(exported.state, dtype)
         names = write_side_files(tmp, found, config=config_with_dtype(found.config, written))
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
-        result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
-                            " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
-        result.notes.extend(found.left_out)
+        result.notes += [f"{said}: {', '.join(names)}" + ("" if written else
+                         " (the weights mix dtypes: the config's dtype left as it was)"), *found.left_out]  # fmt: skip
         if verify:
             result.notes.append(verify_export(tmp, source, found, exported, entry=entry, rules=rules,
                                               strip_prefixes=strip_prefixes, allow=allow, unsafe=unsafe,
@@ -128,10 +124,15 @@ def export_hf(
         _put_in_place(tmp, out_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    shards = len([n for n in os.listdir(out_s) if n.startswith("model") and n.endswith(".safetensors")])
-    result.wrote = "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
-        f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
+    result.wrote = _wrote(out_s, names)
     return result
+
+
+def _wrote(out: str, names: list[str]) -> str:
+    """What the folder holds, for the "wrote" line: the weights' files, then the config and how many more."""
+    shards = len([n for n in os.listdir(out) if n.startswith("model") and n.endswith(".safetensors")])
+    return "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
+        f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
 
 
 @strict_keywords
