@@ -25,7 +25,7 @@ from ckptfix.conversion import cast_floating, float_dtype, refuse_partial
 from ckptfix.errors import MismatchError, OutputError
 from ckptfix.formats.folders.hf_config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
-from ckptfix.formats.registry import ONE_SHARD, detect_format, read, resolve_output
+from ckptfix.formats.registry import ONE_SHARD, detect, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
 from ckptfix.hf_classes import export_for
 from ckptfix.hf_export import (
@@ -68,16 +68,18 @@ def export_hf(
     allow_globals: Iterable[str] = (),
     unsafe: bool = False,
     fast: bool = True,
+    progress: bool = False,
 ) -> Conversion:
     """Write checkpoint ``src`` as folder ``out`` that ``from_pretrained(out)`` loads with no missing, unexpected or
-    newly initialised weight; returns what was done (``result.notes``: tied copies left out, files copied, the path).
+    newly initialised weight; what was done (``notes``: tied copies left out, files copied; ``dropped``: optimizer, …).
 
     ``config_from`` is the folder of ``config.json`` (default: ``src``'s folder, then its parent). ``architecture``
     names the model class (default: the config's, else the one of its ``model_type`` the keys fill). ``dtype`` casts
     floating-point weights and sets the config's dtype; ``shard_size`` (bytes) writes shards and their index.
     ``verify=True`` loads ``out`` with transformers and compares its logits on a fixed input with the source weights'
     in the same model: not equal raises :class:`MismatchError`. ``out`` must be new or empty; ``overwrite=True``
-    replaces a folder holding only what an export writes.
+    replaces a folder holding only what an export writes. ``progress`` shows a progress bar on a terminal while the
+    weights are streamed.
 
     >>> ckptfix.export_hf("run/checkpoint-500/", "hf_model/", dtype="bf16")
     """
@@ -112,20 +114,21 @@ def export_hf(
                              "transformers", len(exported.state),
                              sum(k not in state or k in renamed for k in exported.state))  # fmt: skip
         return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
-                          *named, *exported.notes])  # fmt: skip
+                          *named, *exported.notes], dropped=_left_out(tree, change.entry, source=source))  # fmt: skip
 
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
         result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
                                 shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast,
-                                check=_values_check(done, source=source, config_path=found.config_path))  # fmt: skip
+                                check=_values_check(done, source=source, config_path=found.config_path),
+                                progress=progress)  # fmt: skip
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
         config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
         names = write_side_files(tmp, found, config=config_out)
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
-        result.notes.append(f"{said}: {', '.join(names)}" + ("" if written else
-                            " (the weights mix dtypes: the config's dtype left as it was)"))  # fmt: skip
+        result.notes += [f"{said}: {', '.join(names)}" + ("" if written else
+                         " (the weights mix dtypes: the config's dtype left as it was)"), *found.left_out]  # fmt: skip
         if verify:
             result.notes.append(verify_export(tmp, source, found, exported, entry=entry, rules=rules,
                                               strip_prefixes=strip_prefixes, allow=allow, unsafe=unsafe,
@@ -133,10 +136,15 @@ def export_hf(
         _put_in_place(tmp, out_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    shards = len([n for n in os.listdir(out_s) if n.startswith("model") and n.endswith(".safetensors")])
-    result.wrote = "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
-        f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
+    result.wrote = _wrote(out_s, names)
     return result
+
+
+def _wrote(out: str, names: list[str]) -> str:
+    """What the folder holds, for the "wrote" line: the weights' files, then the config and how many more."""
+    shards = len([n for n in os.listdir(out) if n.startswith("model") and n.endswith(".safetensors")])
+    return "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
+        f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
 
 
 @strict_keywords
@@ -195,7 +203,7 @@ def _values_check(done: list[Exported], *, source: str, config_path: str) -> Cal
 
 def _write_weights(
     source: str, weights: str, *, in_fmt: str, transform: Any, dtype: str | None, shard_size: int | None,
-    allow: tuple[str, ...], unsafe: bool, fast: bool, check: Callable[[Callable[[Any], bytes]], None],
+    allow: tuple[str, ...], unsafe: bool, fast: bool, check: Callable[[Callable[[Any], bytes]], None], progress: bool,
 ) -> Conversion:  # fmt: skip
     """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards.
     ``check(read)`` runs after ``transform``, before a byte is written (``read(t)``: a tensor's bytes)."""
@@ -208,7 +216,7 @@ def _write_weights(
 
         try:
             streamed = convert_folder(source, weights, transform=transform, allow_globals=allow, dtype=dtype,
-                                      shard_size=limit, check=check)  # fmt: skip
+                                      shard_size=limit, check=check, progress=progress)  # fmt: skip
             streamed.method = "stream"
             return streamed
         except Fallback as e:
@@ -225,6 +233,20 @@ def _write_weights(
     result.method = "torch"
     result.notes.append(f"fast path not taken: {why}")
     return result
+
+
+def _left_out(tree: Any, entry: str, *, source: str) -> list[str]:
+    """The checkpoint's entries beside its model's (optimizer, step, …; an accelerate folder's, read or not): a
+    transformers folder holds only the model."""
+    if not entry or not isinstance(tree, Mapping):
+        return []
+    from ckptfix.formats.folders.hf import describe
+    from ckptfix.formats.registry import folder_format
+
+    names = dict.fromkeys(map(str, tree))
+    if detect(source) is folder_format("hf") and not (folder := describe(source)).flat:
+        names.update(dict.fromkeys(folder.entries))  # an accelerate folder's training state, left unread
+    return [name for name in names if name != entry]
 
 
 _EXPORT_FILE = (CONFIG, *SIDE_FILES, WEIGHTS, WEIGHTS + ".index.json")

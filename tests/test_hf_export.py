@@ -627,3 +627,140 @@ def test_an_output_projection_of_its_own_under_a_tying_config_is_refused(tmp_pat
         f"the model's tie option), or pass --config-from the config it was trained with\n"
     )
     _nothing_written(tmp_path, tmp_path / "out")
+# -- what goes beside the weights, and what is said ---------------------------------------------------------------
+
+
+def _tokenizer(folder: Path) -> None:
+    """A word-level tokenizer of the models' 64 ids, written by transformers' own writer (tokenizer.json,
+    tokenizer_config.json)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w2").save_pretrained(folder)
+
+
+def test_side_files_linked_out_of_the_folder_are_left_out_and_said(tmp_path: Path) -> None:
+    """A save_pretrained folder whose tokenizer.json is a link to a file elsewhere: the export leaves it out and says
+    so, copies what lies inside the folder (a link within it included), and a config.json linked out is refused."""
+    model, _ = _trained("llama")
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    _tokenizer(hf)
+    (tmp_path / "elsewhere.json").write_text('{"secret": "not the tokenizer"}')
+    (hf / "tokenizer.json").unlink()
+    (hf / "tokenizer.json").symlink_to(tmp_path / "elsewhere.json")
+    (hf / "kept").mkdir()
+    (hf / "generation_config.json").rename(hf / "kept" / "generation.json")
+    (hf / "generation_config.json").symlink_to(Path("kept") / "generation.json")  # a link inside: copied
+    out = tmp_path / "out"
+    result = run("convert", hf, f"{out}/", "--format", "hf")
+    assert result.exit_code == 0, result.output
+    assert (f"left out tokenizer.json: {hf / 'tokenizer.json'} is a link to {tmp_path / 'elsewhere.json'}, outside "
+            f"{hf}, and an export copies only the folder's own files; copy the file into the folder, or pass "
+            f"--config-from a folder that holds it") in result.output  # fmt: skip
+    assert f"copied from {hf}: config.json, generation_config.json, tokenizer_config.json" in result.output
+    assert not (out / "tokenizer.json").exists() and not (out / "generation_config.json").is_symlink()
+    assert (out / "generation_config.json").read_bytes() == (hf / "kept" / "generation.json").read_bytes()
+    (hf / "config.json").rename(tmp_path / "config.json")
+    (hf / "config.json").symlink_to(tmp_path / "config.json")
+    refused = run("convert", hf, f"{tmp_path / 'out2'}/", "--format", "hf")
+    assert refused.exit_code == 2 and len(refused.output.splitlines()) == 1, refused.output
+    assert refused.output.startswith(f"ckptfix: error: {hf / 'config.json'} is a link to {tmp_path / 'config.json'}")
+    _nothing_written(tmp_path, tmp_path / "out2")
+
+
+def test_the_run_folders_generation_config_and_tokenizer_go_beside_a_checkpoints_config(tmp_path: Path) -> None:
+    """accelerate's save_state in ``run/checkpoint-2/`` with the model's config beside it (as HF Trainer puts it),
+    the generation config and tokenizer saved once in ``run/``: the export carries all three, and transformers loads
+    the generation config and tokenizer from it."""
+    import accelerate
+    import transformers as tf
+
+    model, opt = _trained("llama")
+    model.generation_config.max_new_tokens, model.generation_config.eos_token_id = 7, [2, 3]
+    run_dir = tmp_path / "run"
+    model.generation_config.save_pretrained(run_dir)
+    _tokenizer(run_dir)
+    acc = accelerate.Accelerator(cpu=True)
+    acc.prepare(model, opt)
+    acc.save_state(str(run_dir / "checkpoint-2"))
+    model.config.save_pretrained(run_dir / "checkpoint-2")
+    out = tmp_path / "out"
+    result = run("convert", run_dir / "checkpoint-2", f"{out}/", "--format", "hf", "--verify")
+    assert result.exit_code == 0, result.output
+    assert (f"copied from {run_dir / 'checkpoint-2'}: config.json, generation_config.json, tokenizer.json, "
+            f"tokenizer_config.json") in result.output  # fmt: skip
+    loaded = tf.GenerationConfig.from_pretrained(out)
+    assert loaded.max_new_tokens == 7 and loaded.eos_token_id == [2, 3]
+    assert tf.AutoTokenizer.from_pretrained(out)("w1 w5").input_ids == [1, 5]
+    _loads_equal(out, {"logits": _logits(model), "model": model})
+
+
+def test_the_checkpoints_other_entries_are_said_left_out(tmp_path: Path) -> None:
+    """A full DataParallel checkpoint, a DCP folder of get_state_dict and accelerate's save_state: what the export
+    leaves out (the optimizer, the step, …) is said in a line, and in --json's "dropped"."""
+    import accelerate
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ckptfix.torchcompat import dcp_save_local
+
+    model, opt = _trained("qwen2")
+    model.config.save_pretrained(tmp_path)
+    torch.save({"model": torch.nn.DataParallel(model).state_dict(), "optimizer": opt.state_dict(), "epoch": 1,
+                "step": 2}, tmp_path / "dp.pt")  # fmt: skip
+    model.cpu()
+    msd, osd = get_state_dict(model, opt)
+    dcp_save_local({"model": msd, "optim": osd, "step": 2}, checkpoint_id=str(tmp_path / "dcp"))
+    acc = accelerate.Accelerator(cpu=True)
+    acc.prepare(model, opt)
+    acc.save_state(str(tmp_path / "accelerate"))
+    said = "left out the training state beside the model: "
+    for source, left in [("dp.pt", ["optimizer", "epoch", "step"]), ("dcp", ["optim", "step"]),
+                         ("accelerate", ["optimizer", "random_states_0"])]:  # fmt: skip
+        result = run("convert", tmp_path / source, f"{tmp_path / source}_hf/", "--format", "hf")
+        assert result.exit_code == 0 and said + ", ".join(left) + "\n" in result.output, result.output
+        as_json = run("convert", tmp_path / source, f"{tmp_path / source}_json/", "--format", "hf", "--json")
+        assert json.loads(as_json.output)["dropped"] == left, as_json.output
+    bare = run("convert", tmp_path / "dp.pt_hf", f"{tmp_path / 'again'}/", "--format", "hf")  # nothing to leave out
+    assert bare.exit_code == 0 and said not in bare.output, bare.output
+
+
+def test_a_progress_bar_on_a_terminal_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed weights move a bar on stderr when it is a terminal (rich's, as every copy shows one), up to the
+    bytes written; none with --json."""
+    import types
+
+    from ckptfix.stream import progress
+
+    model, _ = _trained("llama")
+    model.save_pretrained(tmp_path / "hf")
+    bars: list[list[int]] = []
+
+    class Recorded:
+        def __init__(self, *columns: Any, **kwargs: Any) -> None:
+            bars.append([])
+
+        def __enter__(self) -> Recorded:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def add_task(self, what: str, *, total: int) -> int:
+            bars[-1].append(total)
+            return 0
+
+        def advance(self, task: int, n: int) -> None:
+            bars[-1].append(n)
+
+    monkeypatch.setattr("rich.progress.Progress", Recorded)
+    monkeypatch.setattr(progress, "THRESHOLD", 0)
+    monkeypatch.setattr(progress, "sys", types.SimpleNamespace(stderr=types.SimpleNamespace(isatty=lambda: True)))
+    assert run("convert", tmp_path / "hf", f"{tmp_path / 'quiet'}/", "--format", "hf", "--json").exit_code == 0
+    assert bars == []
+    result = run("convert", tmp_path / "hf", f"{tmp_path / 'out'}/", "--format", "hf", "--shard-size", "30kB")
+    assert result.exit_code == 0, result.output
+    weights = sum(t.nbytes for t in ckptfix.load(tmp_path / "hf").values())
+    assert len(bars) == 1 and bars[0][0] == weights == sum(bars[0][1:])

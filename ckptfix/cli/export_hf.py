@@ -47,12 +47,15 @@ def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: b
         allow_globals=params["allow_globals"],
         unsafe=params["unsafe_pickle"],
         fast=not params["no_fast"],
+        progress=not output.as_json,  # on a terminal only; stdout holds the JSON document
     )
 
     def text() -> None:
         for change in result.changes:
             where = f"'{change.entry}'" if change.entry else "state dict"
             echo(f"{where}: {change.layout_from} -> transformers keys, {change.keys} keys ({change.renamed} renamed)")
+        if result.dropped:
+            echo(f"left out the training state beside the model: {', '.join(result.dropped)}")
         for note in result.notes:
             if verbose or note.startswith(SAID):
                 echo(note if not note.startswith("fast path") else f"path: {result.method}; {note}")

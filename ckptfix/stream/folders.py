@@ -44,6 +44,7 @@ from ckptfix.formats.torchio.opaque import carry
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
 from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.rows import RowsTensor, rows_of, rows_ranges
 from ckptfix.stream.single import copyable_tensor
 
@@ -61,13 +62,15 @@ def convert_folder(
     shard_size: int | None = None,
     overwrite: bool = False,
     check: Callable[[Callable[[Any], bytes]], None] | None = None,
+    progress: bool = False,
 ) -> Conversion:
     """Write the one state dict of folder ``src`` (DCP, safetensors shards, a DeepSpeed run; or one .safetensors
     file) after ``transform`` as ``dst``. ``dtype`` casts its floating-point tensors as they are written;
     ``shard_size`` (bytes) writes transformers shards of at most that size beside ``dst`` with their index
     instead (an existing shard set of that name replaced only with ``overwrite``, as
     :func:`ckptfix.formats.folders.hf.save_sharded` does). ``check(read)``, before a byte is written, may read the
-    values of the tensors it names (``read(t)``: :func:`value_bytes`)."""
+    values of the tensors it names (``read(t)``: :func:`value_bytes`). ``progress`` shows a bar on a terminal
+    (:func:`ckptfix.stream.progress.progress_bar`)."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
     try:
         conversion = transform(tree)
@@ -78,11 +81,13 @@ def convert_folder(
         cast = cast_records(conversion, dtype) if dtype is not None else 0
         verifier = VerifyInTurn(files, files.checks)
         try:
-            if shard_size is None:
-                ways, written = _write_file(dst, conversion.obj, files, allowed=allowed, verifier=verifier), 1
-            else:
-                ways, written = _write_shards(dst, conversion.obj, files, allowed=allowed, verifier=verifier,
-                                              limit=shard_size, overwrite=overwrite)  # fmt: skip
+            with progress_bar(_total(conversion.obj), enabled=progress) as bar:
+                if shard_size is None:
+                    ways, written = _write_file(dst, conversion.obj, files, allowed=allowed, verifier=verifier,
+                                                advance=bar), 1  # fmt: skip
+                else:
+                    ways, written = _write_shards(dst, conversion.obj, files, allowed=allowed, verifier=verifier,
+                                                  limit=shard_size, overwrite=overwrite, advance=bar)  # fmt: skip
         finally:
             verifier.cancel()
         files.check_unchanged()
@@ -100,9 +105,19 @@ def convert_folder(
     return conversion
 
 
+def _total(obj: Any) -> int:
+    """The bytes of the tensors of ``obj`` (a state dict, or a checkpoint of state dicts), each stored tensor once."""
+    seen: dict[int, int] = {}
+    for value in obj.values() if isinstance(obj, dict) else ():
+        for t in value.values() if isinstance(value, dict) else [value]:
+            seen[id(t)] = _record_size(t)[0]
+    return sum(seen.values())
+
+
 def _write_file(
-    dst: str, obj: Any, files: DataFiles, *, allowed: frozenset[str], verifier: VerifyInTurn | None
-) -> list[str]:
+    dst: str, obj: Any, files: DataFiles, *, allowed: frozenset[str], verifier: VerifyInTurn | None,
+    advance: Callable[[int], None] | None = None,
+) -> list[str]:  # fmt: skip
     """Write ``obj`` (one state dict, or a checkpoint with one model entry) as the .safetensors file ``dst``; how
     each stored tensor was written. ``verifier`` (the CRCs of every input record) is started once the last
     tensor is queued and joined before ``dst`` is put in place."""
@@ -119,7 +134,7 @@ def _write_file(
     with atomic_output(dst) as out:
         out.write(encode_header(state, meta, stored, aliases, out=dst))
         out.flush()
-        copier = InOrder(lambda t: _write_tensor(out, t, files))
+        copier = InOrder(lambda t: _advanced(_write_tensor(out, t, files), t, advance))
         try:
             for key, *_ in stored:  # each tensor's chunk archives parsed (pickle checked) before its bytes
                 prepare(state[key], files, allowed=allowed)
@@ -135,6 +150,13 @@ def _write_file(
     return ways
 
 
+def _advanced(way: str, t: Any, advance: Callable[[int], None] | None) -> str:
+    """``way``, once tensor ``t`` is written and counted on the progress bar (if one is shown)."""
+    if advance is not None:
+        advance(_record_size(t)[0])
+    return way
+
+
 def _write_shards(
     dst: str,
     obj: Any,
@@ -144,6 +166,7 @@ def _write_shards(
     verifier: VerifyInTurn,
     limit: int,
     overwrite: bool,
+    advance: Callable[[int], None] | None = None,
 ) -> tuple[list[str], int]:
     """Write ``obj`` as transformers shards of ``dst`` through the in-memory writer's own planning, staging and
     index (each shard a :func:`_write_file`); how each stored tensor was written, and how many shards."""
@@ -159,7 +182,8 @@ def _write_shards(
     def write(sub: Any, path: str) -> None:
         nonlocal count
         count += 1
-        ways.extend(_write_file(path, sub, files, allowed=allowed, verifier=verifier if count == last else None))
+        ways.extend(_write_file(path, sub, files, allowed=allowed, verifier=verifier if count == last else None,
+                                advance=advance))  # fmt: skip
 
     written = save_sharded(obj, dst, limit=limit, write=write, overwrite=overwrite, size=_record_size,
                            before_commit=verifier.check)  # fmt: skip
