@@ -241,9 +241,11 @@ def convert_file(
 
 
 def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: str) -> Callable[[Any], Conversion]:
-    """``options.apply`` to what is read; a transformers folder into a .pt first gets back the tied copies
-    save_pretrained leaves out (:mod:`ckptfix.hf_ties`), which a model's strict load wants."""
-    if in_kind != "hf" or out_fmt != "torch":
+    """``options.apply`` to what is read; a transformers folder (or its model file) into a .pt first gets back the
+    tied copies save_pretrained leaves out (:mod:`ckptfix.hf_ties`), which a model's strict load wants."""
+    from ckptfix.formats.folders.hf import is_model_file
+
+    if out_fmt != "torch" or not (in_kind == "hf" or is_model_file(source)):
         return lambda tree: options.apply(tree, source=source, out_fmt=out_fmt)
     from ckptfix.hf_ties import saved_ties
 
@@ -252,7 +254,7 @@ def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: s
     def restoring(tree: Any) -> Conversion:
         tree, restored = ties.restore(tree)
         conversion = options.apply(tree, source=source, out_fmt=out_fmt)
-        conversion.notes[:0] = ties.notes(restored, config="config.json")
+        conversion.notes[:0] = ties.notes(restored)
         return conversion
 
     return restoring

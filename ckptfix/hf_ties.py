@@ -46,20 +46,20 @@ class Ties:
             out._metadata = versions  # type: ignore[attr-defined]
         return out, restored
 
-    def notes(self, restored: dict[str, str], *, config: str) -> list[str]:
+    def notes(self, restored: dict[str, str]) -> list[str]:
         """What to say of the restoration (or why there was none)."""
         if self.unknown is not None:
             return [self.unknown]
         if not restored:
             return []
         pairs = ", ".join(f"'{copy}' = '{kept}'" for copy, kept in restored.items())
-        return [f"{TIES_RESTORED}: {pairs} (one storage, as torch.save writes a tied model; {config} ties them and "
-                f"save_pretrained leaves the copy out)"]  # fmt: skip
+        return [f"{TIES_RESTORED}: {pairs} (one storage, as torch.save writes a tied model; config.json ties them "
+                f"and save_pretrained leaves the copy out)"]  # fmt: skip
 
 
 def saved_ties(source: str) -> Ties:
     """The tied names of the model whose ``config.json`` sits in transformers folder ``source`` (or beside its index
-    or model file); none without a config, and a note saying so where transformers cannot read it."""
+    or model file); none without a config, and a note saying why where transformers cannot build its model."""
     folder = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):

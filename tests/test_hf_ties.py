@@ -18,14 +18,15 @@ from ckptfix.hf_ties import TIES_NOT_RESTORED, TIES_RESTORED
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
 
 
-def _gpt2(folder: Path) -> Any:
-    """A tiny GPT-2 (``lm_head.weight`` is ``transformer.wte.weight``) saved by save_pretrained into ``folder``."""
+def _gpt2(folder: Path, *, shard: str = "20KB") -> Any:
+    """A tiny GPT-2 (``lm_head.weight`` is ``transformer.wte.weight``) saved by save_pretrained into ``folder``,
+    in shards of ``shard``."""
     transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
                                      eos_token_id=0)  # fmt: skip
     model = transformers.GPT2LMHeadModel(config).eval()
-    model.save_pretrained(folder, max_shard_size="20KB")
+    model.save_pretrained(folder, max_shard_size=shard)
     return model
 
 
@@ -35,16 +36,17 @@ def _convert(*args: str | Path) -> Any:
     return result
 
 
-@pytest.mark.parametrize("route", ["stream", "torch"])
+@pytest.mark.parametrize("route", ["stream", "torch", "model-file"])
 def test_a_tied_gpt2_folder_into_a_pt_loads_strictly_into_ddp(tmp_path: Path, gloo_world: None, route: str) -> None:
     import transformers
 
-    model = _gpt2(tmp_path / "hf")
-    assert (
-        "lm_head.weight" not in json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
-    )  # what save_pretrained writes: the tied copy left out
+    model = _gpt2(tmp_path / "hf", shard="20KB" if route != "model-file" else "1GB")
+    index = tmp_path / "hf" / "model.safetensors.index.json"
+    src = tmp_path / "hf" / "model.safetensors" if route == "model-file" else tmp_path / "hf"
+    if route != "model-file":  # what save_pretrained writes: the tied copy left out
+        assert "lm_head.weight" not in json.loads(index.read_text())["weight_map"]
     out = tmp_path / "ddp.pt"
-    result = _convert(tmp_path / "hf", out, "--to", "ddp", *(["--no-fast"] if route == "torch" else []))
+    result = _convert(src, out, "--to", "ddp", *(["--no-fast"] if route == "torch" else []))
     assert f"ckptfix: {TIES_RESTORED}: 'lm_head.weight' = 'transformer.wte.weight'" in result.output
     state = torch.load(out, weights_only=True)
     head, wte = state["module.lm_head.weight"], state["module.transformer.wte.weight"]

@@ -1,7 +1,8 @@
 """Which format a path is, and the one entry point to read and write each: :data:`FORMATS` is the registry.
 
 Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
-it; :func:`detect` asks them in order. The output format is decided by OUT's extension (:func:`output_format`).
+it; :func:`detect` asks them in order (a file: the first claim reads it; a folder: every folder format is asked,
+and a folder two of them claim is refused naming both). The output format is decided by OUT's extension (:func:`output_format`).
 Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
 records also with ``records`` and ``describe``) and its tests.
 """
@@ -62,7 +63,11 @@ class Format:
     A folder format whose tensors are records (``inspect``, ``diff`` and ``convert``'s stream read them without
     torch) says how here, and nowhere else: ``records(path, allow_globals)`` gives its :class:`FolderRecords`;
     ``describe(summary)`` what ``inspect`` says of it: the words for its format, and lines of its own (escaped by
-    the renderer). Without ``records`` its loader reads it, tensors and all."""
+    the renderer). Without ``records`` its loader reads it, tensors and all.
+
+    A folder format says in ``called`` what its folders are (in a refusal naming two formats), and in ``beside``
+    the folder kinds whose claim its folders meet by design (a Megatron folder is a DCP folder too): then it alone
+    reads them."""
 
     name: str
     kind: str
@@ -75,8 +80,9 @@ class Format:
 
 
 def detect(path: PathLike) -> Format:
-    """The format of ``path``: the first of :data:`FORMATS` that claims it (a file by its first bytes, a folder
-    by what it holds); :class:`FormatError` naming the path when none does."""
+    """The format of ``path``: the first of :data:`FORMATS` that claims it (a file by its first bytes), or the one
+    folder format that claims a folder (by what it holds); :class:`FormatError` naming the path when none does, or
+    naming both formats when two claim one folder."""
     source = os.fspath(path)
     refuse_remote(source)
     probe = _probe(source)
