@@ -191,8 +191,7 @@ def convert_file(
         check_shards_output(dst, inputs=(src,), overwrite=overwrite)
     else:
         check_output(dst, inputs=(src,), overwrite=overwrite)
-    found = detect(src)
-    in_fmt = found.name
+    in_fmt = (found := detect(src)).name
     allow = tuple(allow_globals)
     notes: list[str] = []
     transform = _transform(options, source, in_kind=found.kind, out_fmt=out_fmt)
