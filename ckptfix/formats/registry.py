@@ -2,7 +2,8 @@
 
 Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
 it; :func:`detect` asks them in order (a file: the first claim reads it; a folder: every folder format is asked,
-and a folder two of them claim is refused naming both). The output format is decided by OUT's extension (:func:`output_format`).
+and a folder two of them claim is refused naming both). The output format is decided by OUT's extension
+(:func:`output_format`).
 Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
 records also with ``records`` and ``describe``) and its tests.
 """
@@ -285,7 +286,7 @@ def _json_text(probe: Probe) -> bool:
     return probe.head.lstrip().startswith(b"{")
 
 
-FORMATS: tuple[Format, ...] = (  # in the order they are asked; the first to claim a path reads it
+FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to claim a file reads it
     # a Megatron torch_dist folder is a DCP folder too; HF Trainer saves the model beside a DeepSpeed run's tag folder
     Format("folder", "megatron", _megatron_claims, _megatron_load, _megatron_records, _megatron_describe,
            called="a Megatron checkpoint (metadata.json)", beside=("dcp",)),
