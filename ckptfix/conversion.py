@@ -242,9 +242,7 @@ def convert_file(
 def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: str) -> Callable[[Any], Conversion]:
     """``options.apply`` to what is read; a transformers folder (or its model file) into a .pt first gets back the
     tied copies save_pretrained leaves out (:mod:`ckptfix.hf_ties`), which a model's strict load wants."""
-    from ckptfix.formats.folders.hf import is_model_file
-
-    if out_fmt != "torch" or not (in_kind == "hf" or is_model_file(source)):
+    if out_fmt != "torch" or not _saved_pretrained(source, in_kind=in_kind):
         return lambda tree: options.apply(tree, source=source, out_fmt=out_fmt)
     from ckptfix.hf_ties import saved_ties
 
@@ -257,6 +255,18 @@ def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: s
         return conversion
 
     return restoring
+
+
+def _saved_pretrained(source: str, *, in_kind: str) -> bool:
+    """A transformers folder or index, or a model file beside a ``config.json`` (the folder module imported only
+    then: a plain .pt conversion imports no more than it needs)."""
+    if in_kind == "hf":
+        return True
+    if not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(source)), "config.json")):
+        return False
+    from ckptfix.formats.folders.hf import is_model_file
+
+    return is_model_file(source)
 
 
 def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: int | None) -> None:
