@@ -19,7 +19,7 @@ from ckptfix.formats.containers.safetensors import losses_note
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
 from ckptfix.formats.registry import (
     describe_output,
-    detect_format,
+    detect,
     rank_file_note,
     read,
     refuse_rank_file,
@@ -194,9 +194,10 @@ def convert_file(
         check_shards_output(dst, inputs=(src,), overwrite=overwrite)
     else:
         check_output(dst, inputs=(src,), overwrite=overwrite)
-    in_fmt = detect_format(src)
+    in_fmt = (found := detect(src)).name
     allow = tuple(allow_globals)
     notes: list[str] = []
+    transform = _transform(options, source, in_kind=found.kind, out_fmt=out_fmt)
     plan = plan_conversion(in_fmt=in_fmt, out_fmt=out_fmt, fast=fast, dtype=dtype, unsafe=unsafe,
                            sharded=shard_size is not None)  # fmt: skip
     if not plan.streams:
@@ -206,7 +207,7 @@ def convert_file(
 
         try:
             streamed = _stream(plan, source, os.fspath(dst), in_fmt=in_fmt, out_fmt=out_fmt, dtype=dtype,
-                               transform=lambda tree: options.apply(tree, source=source, out_fmt=out_fmt),
+                               transform=transform,
                                allow_globals=allow,
                                verify=verify, shard_size=shard_size, overwrite=overwrite,
                                optimizer=optimizer)  # fmt: skip
@@ -222,7 +223,7 @@ def convert_file(
             from ckptfix.formats.folders.deepspeed import load_training_state
 
             obj = {"model": obj, **load_training_state(source, allow_globals=allow)}
-        conversion = options.apply(obj, source=source, out_fmt=out_fmt)
+        conversion = transform(obj)
         opaque.refuse_left(conversion.obj, source=source)
         if dtype is not None:
             cast_floating(conversion, dtype)
@@ -239,6 +240,36 @@ def convert_file(
     conversion.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
     _note_tied(conversion, dst, out_fmt=out_fmt, shard_size=shard_size)
     return conversion
+
+
+def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: str) -> Callable[[Any], Conversion]:
+    """``options.apply`` to what is read; a transformers folder (or its model file) into a .pt first gets back the
+    tied copies save_pretrained leaves out (:mod:`ckptfix.hf_ties`), which a model's strict load wants."""
+    if out_fmt != "torch" or not _saved_pretrained(source, in_kind=in_kind):
+        return lambda tree: options.apply(tree, source=source, out_fmt=out_fmt)
+    from ckptfix.hf_ties import saved_ties
+
+    ties = saved_ties(source)
+
+    def restoring(tree: Any) -> Conversion:
+        tree, restored = ties.restore(tree)
+        conversion = options.apply(tree, source=source, out_fmt=out_fmt)
+        conversion.notes[:0] = ties.notes(restored)
+        return conversion
+
+    return restoring
+
+
+def _saved_pretrained(source: str, *, in_kind: str) -> bool:
+    """A transformers folder or index, or a model file beside a ``config.json`` (the folder module imported only
+    then: a plain .pt conversion imports no more than it needs)."""
+    if in_kind == "hf":
+        return True
+    if not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(source)), "config.json")):
+        return False
+    from ckptfix.formats.folders.hf import is_model_file
+
+    return is_model_file(source)
 
 
 def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: int | None) -> None:

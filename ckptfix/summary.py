@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from ckptfix import layouts
@@ -18,7 +18,7 @@ from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.fsdp import flat_param_keys, placement
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import is_record, spec, storage_of
+from ckptfix.formats.records import identity, is_record, spec, storage_of
 from ckptfix.formats.registry import rank_file_refusal
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.opaque import OpaqueEntry
@@ -62,7 +62,8 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     """Counts, sizes, dtypes, layout, BatchNorm buffers, storage sharing and grouped keys of one state dict."""
     specs = {k: spec(v) for k, v in state.items() if is_tensor(v)}
     bn = [k for k in specs if k.rsplit(".", 1)[-1] in BN_BUFFERS]
-    params = sum(s.numel for k, s in specs.items() if k not in bn)
+    tied = _tied(state, specs)
+    params = sum(s.numel for k, s in specs.items() if k not in bn and k not in tied)
     # A DCP folder's tensors: how each is chunked across the data files; a DTensor rank file's: how each is
     # sharded (each record says, TensorRecord.spread). Keys are grouped per way, so each group line says it.
     spread = {k: s for k, v in state.items() if is_record(v) and (s := v.spread()) is not None}
@@ -98,7 +99,10 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
         "layout": layouts.detect(list(state.keys()), source=source).name,
         "tensors": len(specs),
         "parameters": params,
-        "bytes": sum(s.nbytes if s.layout == "strided" else stored_bytes(state[k]) for k, s in specs.items()),
+        "tied": tied,
+        "bytes": sum(
+            s.nbytes if s.layout == "strided" else stored_bytes(state[k]) for k, s in specs.items() if k not in tied
+        ),
         "dtypes": dict(Counter(s.dtype for s in specs.values())),
         "batchnorm_buffers": len(bn),
         "batchnorm_modules": len({k.rsplit(".", 1)[0] for k in bn}),
@@ -111,6 +115,15 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
     if flat := flat_param_keys(state):  # FSDP1: one rank's slices of many parameters, which no model loads
         summary["fsdp1_flat_params"] = flat
     return summary
+
+
+def _tied(state: Mapping[str, Any], specs: Mapping[str, Any]) -> dict[str, str]:
+    """Keys whose tensor is an earlier key's (tied weights: one tensor under two names) -> that key; counted once."""
+    first: dict[Hashable, str] = {}
+    for key in specs:
+        if storage_of(state[key]) is not None:  # an empty or sparse tensor has no bytes to share
+            first.setdefault(identity(state[key]), key)
+    return {k: kept for k in specs if storage_of(state[k]) is not None and (kept := first[identity(state[k])]) != k}
 
 
 def _sharing(state: Mapping[str, Any]) -> list[list[str]]:

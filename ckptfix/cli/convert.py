@@ -177,20 +177,22 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
     if result.dropped:
         echo(f"dropped (--model-only): {', '.join(result.dropped)}")
     from ckptfix.formats.containers.safetensors import TIED_ONCE
+    from ckptfix.hf_ties import TIES_NOT_RESTORED, TIES_RESTORED
 
+    tied = (TIED_ONCE, TIES_RESTORED, TIES_NOT_RESTORED)
     if verbose:
-        path = "".join(f"; {note}" for note in result.notes if not note.startswith(TIED_ONCE))
+        path = "".join(f"; {note}" for note in result.notes if not note.startswith(tied))
         echo(f"path: {result.method}{path}", err=True)
     # said whatever the verbosity: entries copied unbuilt (the output holds what the input held), keys a DCP folder
-    # turns into strings (a value read back differs), tied keys a .safetensors file stores once, optimizer state a
-    # resume would not bind
+    # turns into strings (a value read back differs), tied keys a .safetensors file stores once or a .pt gets back
+    # (or does not), optimizer state a resume would not bind
     from ckptfix.conversion import DCP_STRING_KEYS
     from ckptfix.formats.torchio.opaque import KEPT
     from ckptfix.optim_form import SAID
 
     for note in result.notes:
-        if note.startswith(TIED_ONCE) or (not verbose and (note.startswith((KEPT, DCP_STRING_KEYS))
-                                                           or any(s in note for s in SAID))):  # fmt: skip
+        if note.startswith(tied) or (not verbose and (note.startswith((KEPT, DCP_STRING_KEYS))
+                                                       or any(s in note for s in SAID))):  # fmt: skip
             echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 

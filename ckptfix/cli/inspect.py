@@ -78,8 +78,8 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
         label = f"model entry '{name}'" if name else "state dict"
         dtypes = ", ".join(f"{d} ×{n}" for d, n in model["dtypes"].items())
         lines.append(
-            f"{label}: layout {model['layout']}, {model['tensors']} tensors, {model['parameters']:,} parameters, "
-            f"{human_bytes(model['bytes'])} ({dtypes})"
+            f"{label}: layout {model['layout']}, {model['tensors']} tensors, {model['parameters']:,} parameters"
+            f"{_tied(model['tied'])}, {human_bytes(model['bytes'])} ({dtypes})"
         )
         if model.get("fsdp1_flat_params"):
             lines.append(
@@ -128,6 +128,13 @@ def _render(summary: dict[str, Any], *, max_groups: int) -> list[str]:
     else:  # a flipped byte or a bad CRC passes a look at the headers: say so
         lines.append("tensor bytes not read: --verify, `ckptfix validate` or `ckptfix convert` check them")
     return lines
+
+
+def _tied(tied: dict[str, str]) -> str:
+    """`` (lm_head.weight shares transformer.wte.weight's storage)``: why the parameters count a tensor once."""
+    said = [f"{copy} shares {kept}'s storage" for copy, kept in list(tied.items())[:2]]
+    more = f"; and {len(tied) - 2} more" if len(tied) > 2 else ""
+    return f" ({'; '.join(said)}{more})" if tied else ""
 
 
 def _deepspeed_lines(ds: dict[str, Any]) -> list[str]:

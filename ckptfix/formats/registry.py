@@ -1,7 +1,9 @@
 """Which format a path is, and the one entry point to read and write each: :data:`FORMATS` is the registry.
 
 Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
-it; :func:`detect` asks them in order. The output format is decided by OUT's extension (:func:`output_format`).
+it; :func:`detect` asks them in order (a file: the first claim reads it; a folder: every folder format is asked,
+and a folder two of them claim is refused naming both). The output format is decided by OUT's extension
+(:func:`output_format`).
 Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
 records also with ``records`` and ``describe``) and its tests.
 """
@@ -62,7 +64,11 @@ class Format:
     A folder format whose tensors are records (``inspect``, ``diff`` and ``convert``'s stream read them without
     torch) says how here, and nowhere else: ``records(path, allow_globals)`` gives its :class:`FolderRecords`;
     ``describe(summary)`` what ``inspect`` says of it: the words for its format, and lines of its own (escaped by
-    the renderer). Without ``records`` its loader reads it, tensors and all."""
+    the renderer). Without ``records`` its loader reads it, tensors and all.
+
+    A folder format says in ``called`` what its folders are (in a refusal naming two formats), and in ``beside``
+    the folder kinds whose claim its folders meet by design (a Megatron folder is a DCP folder too): then it alone
+    reads them."""
 
     name: str
     kind: str
@@ -70,14 +76,19 @@ class Format:
     load: Callable[[PathLike, ReadOptions], Any]
     records: Callable[[str, tuple[str, ...]], FolderRecords] | None = None
     describe: Callable[[dict[str, Any]], tuple[str, list[str]]] | None = None
+    called: str = ""  # what a folder of it is, in a refusal that names two formats
+    beside: tuple[str, ...] = ()  # folder kinds whose claim its folders meet by design (read as this one)
 
 
 def detect(path: PathLike) -> Format:
-    """The format of ``path``: the first of :data:`FORMATS` that claims it (a file by its first bytes, a folder
-    by what it holds); :class:`FormatError` naming the path when none does."""
+    """The format of ``path``: the first of :data:`FORMATS` that claims it (a file by its first bytes), or the one
+    folder format that claims a folder (by what it holds); :class:`FormatError` naming the path when none does, or
+    naming both formats when two claim one folder."""
     source = os.fspath(path)
     refuse_remote(source)
     probe = _probe(source)
+    if probe.folder:
+        return _folder(probe)
     for fmt in FORMATS:
         if fmt.claims(probe):
             return fmt
@@ -85,6 +96,29 @@ def detect(path: PathLike) -> Format:
         f"{source}: not a checkpoint ckptfix can read (expected a torch zip, legacy torch or safetensors file, "
         f"found bytes {probe.head[:8]!r})"
     )
+
+
+def _folder(probe: Probe) -> Format:
+    """The folder format that claims a folder, every one asked: two that claim it (neither holding the other's files
+    by design, ``Format.beside``) are refused naming both, never read as whichever was asked first; none: the
+    transformers row, which says what a checkpoint folder holds."""
+    claimed = [f for f in FORMATS if f.name == "folder" and f.claims(probe)]
+    found = [f for f in claimed if not any(f.kind in other.beside for other in claimed)]
+    if len(found) > 1:
+        raise FormatError(_two_checkpoints(probe.path, found[0], found[1]))
+    return found[0] if found else next(f for f in FORMATS if f.kind == "hf")
+
+
+def _two_checkpoints(path: str, first: Format, second: Format) -> str:
+    said = f"{path}: holds two checkpoints, {first.called} and {second.called}; ckptfix will not guess which is meant"
+    if "hf" not in (first.kind, second.kind):
+        return f"{said}: move one of them into a folder of its own"
+    from ckptfix.formats.folders.hf import weight_files
+
+    other = first if second.kind == "hf" else second
+    names = weight_files(path)
+    file = os.path.join(path, next((n for n in names if n.endswith(".index.json")), names[0]))
+    return f"{said}: pass {file} for the transformers weights, or move them out of the folder to read {other.called}"
 
 
 def folder_format(kind: str) -> Format | None:
@@ -231,8 +265,12 @@ def _safetensors_load(path: PathLike, options: ReadOptions) -> Any:
 
 
 def _hf_claims(probe: Probe) -> bool:
-    # any other folder, or a shard index (JSON): hf.describe checks that it is one
-    return probe.folder or _json_text(probe)
+    # a folder of transformers weights, or a shard index (JSON): hf.describe checks that it is one
+    if not probe.folder:
+        return _json_text(probe)
+    from ckptfix.formats.folders.hf import weight_files
+
+    return bool(weight_files(probe.path))
 
 
 def _hf_load(path: PathLike, options: ReadOptions) -> Any:
@@ -248,16 +286,19 @@ def _json_text(probe: Probe) -> bool:
     return probe.head.lstrip().startswith(b"{")
 
 
-FORMATS: tuple[Format, ...] = (  # in the order they are asked; the first to claim a path reads it
-    # DCP and more: asked before DCP
-    Format("folder", "megatron", _megatron_claims, _megatron_load, _megatron_records, _megatron_describe),
-    Format("folder", "dcp", _dcp_claims, _dcp_load),
-    Format("folder", "deepspeed", _deepspeed_claims, _deepspeed_load),
+FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to claim a file reads it
+    # a Megatron torch_dist folder is a DCP folder too; HF Trainer saves the model beside a DeepSpeed run's tag folder
+    Format("folder", "megatron", _megatron_claims, _megatron_load, _megatron_records, _megatron_describe,
+           called="a Megatron checkpoint (metadata.json)", beside=("dcp",)),
+    Format("folder", "dcp", _dcp_claims, _dcp_load, called="a torch.distributed.checkpoint (DCP) folder (.metadata)"),
+    Format("folder", "deepspeed", _deepspeed_claims, _deepspeed_load,
+           called="a DeepSpeed run (latest, rank files)", beside=("hf",)),
     Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),
     Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
     Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load),
-    Format("folder", "hf", _hf_claims, _hf_load),  # transformers shards with their index, accelerate folders
-)
+    # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
+    Format("folder", "hf", _hf_claims, _hf_load, called="transformers weights (an index or model file)"),
+)  # fmt: skip
 
 
 # -- one rank's file of a sharded run, told by its content --------------------------------------------------

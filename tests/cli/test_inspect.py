@@ -299,3 +299,22 @@ def test_inspect_shows_a_sparse_tensor_with_its_layout(tmp_path: Path, layout: s
     stored = sum(getattr(sparse, p)().nbytes for p in parts[layout])
     assert model["bytes"] == stored + 12  # what the file holds, not the dense size
     assert f"s  float16 [4, 4] sparse_{layout}" in _inspect(src)
+
+
+def test_a_tied_head_is_counted_once_and_said_to_share_its_storage(tmp_path: Path) -> None:
+    """GPT-2's lm_head.weight is transformer.wte.weight: torch.save stores it once, and its parameters are counted
+    once, as model.parameters() counts them; the HF folder (save_pretrained leaves the copy out) counts the same."""
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    torch.save(model.state_dict(), tmp_path / "gpt2.pt")
+    model.save_pretrained(tmp_path / "hf")
+    expected = sum(p.numel() for p in model.parameters())
+    text = run("inspect", str(tmp_path / "gpt2.pt"))
+    assert text.exit_code == 0, text.output
+    assert f"{expected:,} parameters (lm_head.weight shares transformer.wte.weight's storage), " in text.output
+    summary = json.loads(run("inspect", str(tmp_path / "gpt2.pt"), "--json").output)["models"][""]
+    assert summary["parameters"] == expected and summary["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    assert summary["bytes"] == expected * 4
+    folder = json.loads(run("inspect", str(tmp_path / "hf"), "--json").output)["models"][""]
+    assert (folder["parameters"], folder["tied"]) == (expected, {})

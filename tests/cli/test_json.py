@@ -35,7 +35,7 @@ ALWAYS = {
 }  # fmt: skip
 SOMETIMES = {"inspect": {"devices", "folder", "dtensor", "loaded_with_torch", "crc_stored", "verified", "deepspeed",
                          "deepspeed_module_file"}}  # fmt: skip
-MODEL_KEYS = {"layout", "tensors", "parameters", "bytes", "dtypes", "batchnorm_buffers", "batchnorm_modules",
+MODEL_KEYS = {"layout", "tensors", "parameters", "tied", "bytes", "dtypes", "batchnorm_buffers", "batchnorm_modules",
               "shared_storage", "non_tensor_keys", "groups"}  # fmt: skip
 GROUP_KEYS = {"keys", "count", "shape", "shapes", "dtype", "numel"}
 

@@ -145,8 +145,10 @@ def test_a_folder_format_read_as_records_is_one_row(tmp_path: Path, monkeypatch:
     dcp_save_local(state, checkpoint_id=str(path))  # the real writer's folder, and the toy's file beside it
     (path / "toy.json").write_text(json.dumps({"prefix": "toy."}))
     claims = lambda probe: probe.folder and (Path(probe.path) / "toy.json").is_file()  # noqa: E731
-    toy = Format("folder", "toy", claims, _toy_folder_load, records=_toy_records, describe=_toy_describe)
-    monkeypatch.setattr(registry, "FORMATS", (toy, *FORMATS))  # before DCP: a DCP folder and more, as Megatron's
+    toy = Format(
+        "folder", "toy", claims, _toy_folder_load, records=_toy_records, describe=_toy_describe, beside=("dcp",)
+    )  # a DCP folder and more, as Megatron's: DCP's claim is met by design
+    monkeypatch.setattr(registry, "FORMATS", (toy, *FORMATS))
     assert detect(path) is toy
     expected = {f"toy.{k}": v for k, v in state.items()}
     loaded = ckptfix.load(path)
@@ -196,3 +198,59 @@ def test_any_error_is_a_ckptfix_error(tmp_path: Path) -> None:
         path.write_bytes(data)
         with pytest.raises(CkptfixError):
             ckptfix.load(path)
+
+
+# Two checkpoints in one folder: every folder format is asked, and two claims are refused naming both.
+
+
+def _dcp_and_transformers(folder: Path, how: str) -> dict[str, torch.Tensor]:
+    """A real DCP folder (torch's writer, one process) with other weights written into it by ``how``: transformers'
+    save_pretrained (sharded, so with its index) or safetensors' save_file as model.safetensors; the DCP state."""
+    from safetensors.torch import save_file
+
+    from ckptfix.torchcompat import dcp_save_local
+
+    state = SmallNet().state_dict()
+    dcp_save_local(state, checkpoint_id=str(folder))
+    if how == "save_pretrained":
+        transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+        config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+        transformers.GPT2LMHeadModel(config).save_pretrained(folder, max_shard_size="4KB")
+    else:
+        save_file({"other.weight": torch.ones(3, 3)}, folder / "model.safetensors")
+    return state
+
+
+@pytest.mark.parametrize("how", ["save_pretrained", "save_file"])
+def test_a_dcp_folder_holding_transformers_weights_too_is_refused_naming_both(tmp_path: Path, how: str) -> None:
+    from tests.measured import refused
+
+    folder = tmp_path / "step-100"
+    state = _dcp_and_transformers(folder, how)
+    meant = folder / ("model.safetensors.index.json" if how == "save_pretrained" else "model.safetensors")
+    with pytest.raises(FormatError, match="holds two checkpoints") as info:
+        detect(folder)
+    said = str(info.value)
+    assert "(DCP) folder (.metadata)" in said and "and transformers weights (an index or model file)" in said
+    assert f"pass {meant} for the transformers weights" in said
+    message = refused("convert", folder, "out.pt", "--to", "ddp", source=folder, cwd=tmp_path,
+                      contains="holds two checkpoints")  # fmt: skip
+    assert "move them out of the folder to read a torch.distributed.checkpoint" in message
+    weights = ckptfix.load(meant)  # the file named is read as the transformers weights
+    assert "lm_head.weight" not in weights and set(weights).isdisjoint(state)
+    for name in [meant.name, *(p.name for p in folder.glob("model*.safetensors"))]:
+        (folder / name).unlink(missing_ok=True)
+    loaded = ckptfix.load(folder)  # moved out: the DCP checkpoint reads as before
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_folders_that_hold_two_things_by_design_keep_their_format(tmp_path: Path) -> None:
+    """HF Trainer saves the model beside a DeepSpeed run's tag folder; a Megatron torch_dist folder is a DCP one."""
+    import shutil
+
+    run = tmp_path / "checkpoint-1"
+    shutil.copytree(FIXTURES / "deepspeed" / "zero1_fp32", run)
+    ckptfix.save(SmallNet().state_dict(), run / "model.safetensors")
+    assert detect(run).kind == "deepspeed"
+    megatron = next(p.parent for p in sorted((FIXTURES / "megatron").rglob("metadata.json")))
+    assert detect(megatron).kind == "megatron"

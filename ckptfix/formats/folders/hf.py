@@ -70,6 +70,19 @@ def is_folder_input(path: PathLike) -> bool:
     return os.path.isdir(path) or looks_like_json(path)
 
 
+def is_model_file(path: PathLike) -> bool:
+    """A file named as save_pretrained and accelerate name a model's weights (``model.safetensors``,
+    ``pytorch_model.bin``), whose folder holds the model's ``config.json`` when save_pretrained wrote it."""
+    return not os.path.isdir(path) and bool(_MODEL_FILE.match(os.path.basename(os.fspath(path))))
+
+
+def weight_files(root: str) -> list[str]:
+    """The transformers weights in folder ``root``, by name: its shard indexes (by content) and model files
+    (``model.safetensors``, ``pytorch_model.bin``, accelerate's ``model_1.safetensors``)."""
+    names = _listing(root)
+    return [n for n in names if _MODEL_FILE.match(n) or (n.endswith(INDEX_SUFFIX) and is_index(os.path.join(root, n)))]
+
+
 def describe(path: PathLike) -> Folder:
     """Find and check what a folder (or an index file) holds; no tensor is read."""
     source = os.fspath(path)
