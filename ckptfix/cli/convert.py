@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
-from ckptfix.cli.options import force_option, json_option, safety_options, to_option
+from ckptfix.cli.options import force_option, json_option, model_flags, safety_options, to_option
 from ckptfix.cli.render import Output, echo
 from ckptfix.layouts import Layout
 
@@ -130,27 +130,28 @@ def convert(
         from ckptfix.cli.export_hf import export
 
         return export(src, dst, click.get_current_context(), output=output, verbose=verbose)
-    result = convert_file(
-        src,
-        dst,
-        to=None if keep_layout else cast("Layout", to),
-        dtype=dtype,
-        unsafe=unsafe_pickle,
-        allow_globals=allow_globals,
-        fast=not no_fast,
-        verify=not no_verify,
-        shard_size=shard_size,
-        strip_prefixes=strip_prefix,
-        add_prefixes=add_prefix,
-        renames=rename,
-        entries=list(entries) if entries else None,
-        model_only=model_only,
-        overwrite=overwrite,
-        optimizer=optimizer,
-        format=out_format,
-        optimizer_form=optimizer_form,
-        model=model_spec,
-    )
+    with model_flags():  # --model is built on the way
+        result = convert_file(
+            src,
+            dst,
+            to=None if keep_layout else cast("Layout", to),
+            dtype=dtype,
+            unsafe=unsafe_pickle,
+            allow_globals=allow_globals,
+            fast=not no_fast,
+            verify=not no_verify,
+            shard_size=shard_size,
+            strip_prefixes=strip_prefix,
+            add_prefixes=add_prefix,
+            renames=rename,
+            entries=list(entries) if entries else None,
+            model_only=model_only,
+            overwrite=overwrite,
+            optimizer=optimizer,
+            format=out_format,
+            optimizer_form=optimizer_form,
+            model=model_spec,
+        )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     output.result(result.to_json(src, dst, dtype=dtype), lambda: _text(result, dst, dtype=dtype, verbose=verbose))
 
