@@ -108,8 +108,7 @@ def test_validate_every_fixture_against_the_reference_model(name: str) -> None:
         assert result.exit_code == 1
         # the fix command repeats the --allow-global the check itself needed
         assert report["fix_command"] == (
-            f"ckptfix convert {FIXTURES / name} {stem}.single.{ext} --to single "
-            "--allow-global argparse.Namespace"
+            f"ckptfix convert {FIXTURES / name} {stem}.single.{ext} --to single --allow-global argparse.Namespace"
         )
 
 
