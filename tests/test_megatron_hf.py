@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
 from ckptfix.megatron_hf import hf_config
+from tests.extras import needs
 from tests.megatron_runs import FIXTURES, fixture_runs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason=needs("transformers"))
 
 RUNS = sorted(fixture_runs())
 
