@@ -79,6 +79,7 @@ if TYPE_CHECKING:
 @json_option("Print the result as JSON (schema: docs/json.md).")
 @force_option
 @safety_options
+@model_flags()  # --model is built on the way: its errors name the flag
 def convert(
     src: str,
     dst: str,
@@ -130,28 +131,27 @@ def convert(
         from ckptfix.cli.export_hf import export
 
         return export(src, dst, click.get_current_context(), output=output, verbose=verbose)
-    with model_flags():  # --model is built on the way
-        result = convert_file(
-            src,
-            dst,
-            to=None if keep_layout else cast("Layout", to),
-            dtype=dtype,
-            unsafe=unsafe_pickle,
-            allow_globals=allow_globals,
-            fast=not no_fast,
-            verify=not no_verify,
-            shard_size=shard_size,
-            strip_prefixes=strip_prefix,
-            add_prefixes=add_prefix,
-            renames=rename,
-            entries=list(entries) if entries else None,
-            model_only=model_only,
-            overwrite=overwrite,
-            optimizer=optimizer,
-            format=out_format,
-            optimizer_form=optimizer_form,
-            model=model_spec,
-        )
+    result = convert_file(
+        src,
+        dst,
+        to=None if keep_layout else cast("Layout", to),
+        dtype=dtype,
+        unsafe=unsafe_pickle,
+        allow_globals=allow_globals,
+        fast=not no_fast,
+        verify=not no_verify,
+        shard_size=shard_size,
+        strip_prefixes=strip_prefix,
+        add_prefixes=add_prefix,
+        renames=rename,
+        entries=list(entries) if entries else None,
+        model_only=model_only,
+        overwrite=overwrite,
+        optimizer=optimizer,
+        format=out_format,
+        optimizer_form=optimizer_form,
+        model=model_spec,
+    )
     dtype = float_dtype(dtype)  # as people write it (bf16) in the call, its name (bfloat16) in what is printed
     output.result(result.to_json(src, dst, dtype=dtype), lambda: _text(result, dst, dtype=dtype, verbose=verbose))
 

@@ -86,8 +86,8 @@ def model_from_options(model_spec: str, kwargs: str | None, *, device: str | Non
 
 @contextlib.contextmanager
 def model_flags() -> Iterator[None]:
-    """A :class:`~ckptfix.factory.ModelSpecError` raised inside, said in the CLI's terms: ``--model 'm:f'`` or
-    ``--kwargs`` instead of the library's ``build_model(spec='m:f')``."""
+    """A :class:`~ckptfix.factory.ModelSpecError` raised inside (a ``with`` block, or a command it decorates), said
+    in the CLI's terms: ``--model 'm:f'`` or ``--kwargs`` instead of the library's ``build_model(spec='m:f')``."""
     from ckptfix.factory import ModelSpecError
 
     try:
