@@ -30,11 +30,12 @@ class ModelSpecError(CkptfixError):
     """A ``spec`` or ``kwargs`` that cannot give what was asked; ``argument`` names which one.
 
     The message speaks of the library's arguments (``build_model(spec='m:f')``); a caller that took them from
-    elsewhere (command-line flags) can say it in its own terms from ``argument``, ``value`` and ``problem``.
+    elsewhere (command-line flags) can say it in its own terms from ``function``, ``argument``, ``value`` and
+    ``problem``.
     """
 
     def __init__(self, argument: str, value: object, problem: str, *, function: str = "build_model") -> None:
-        self.argument, self.value, self.problem = argument, value, problem
+        self.argument, self.value, self.problem, self.function = argument, value, problem, function
         super().__init__(f"{function}({argument}={value!r}): {problem}")
 
 

@@ -93,5 +93,7 @@ def model_flags() -> Iterator[None]:
     try:
         yield
     except ModelSpecError as e:
+        if e.function != "build_model":  # another factory's (an optimizer's): its own flag says it
+            raise
         flag = "--kwargs" if e.argument == "kwargs" else f"--model '{e.value}'"
         raise CkptfixError(f"{flag}: {e.problem}") from e
