@@ -141,15 +141,14 @@ class KeyReport:
     ) -> str | None:
         """The ``ckptfix convert`` command that makes ``path`` fit the model, or None when none does.
 
-        It repeats every option the check itself needed (``entry``, ``strip_prefixes``, ``allow_globals``,
+        It writes ``out``, by default a new file in the current folder named after ``path`` (:func:`free_name`). It
+        repeats every option the check itself needed (``entry``, ``strip_prefixes``, ``allow_globals``,
         ``unsafe``), so running it works.
         """
         if not self.fixable_by_convert:
             return None
         if out is None:
-            stem, ext = os.path.splitext(path)
-            renamed = self.rename_rules or self.renamed_prefix
-            out = f"{stem}.{'fixed' if renamed else self.target_layout}{ext or '.pt'}"
+            out = free_name(path, "fixed" if self.rename_rules or self.renamed_prefix else self.target_layout)
         words = ["ckptfix", "convert", path, out]
         if entry:
             words += ["--entry", entry]
@@ -387,3 +386,24 @@ def _compares_with_int(version: Any) -> bool:
 def _short_repr(value: Any, width: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def free_name(path: str, tag: str) -> str:
+    """A file name for a converted ``path`` in the current folder, not beside ``path`` (its folder may be shared,
+    read-only or a run that must stay as it was): ``path``'s name with ``.tag`` before its extension, numbered
+    (``ddp_run.single-2.pt``) past the names already taken there.
+
+    >>> free_name("fixtures/ddp_wrapped.pt", "single")
+    'ddp_wrapped.single.pt'
+    """
+    from ckptfix.formats.registry import SAFETENSORS_EXTENSIONS, TORCH_EXTENSIONS
+
+    name = os.path.basename(os.path.normpath(path))
+    stem, ext = (name, "") if os.path.isdir(path) else os.path.splitext(name)
+    if ext.lower() not in (*TORCH_EXTENSIONS, *SAFETENSORS_EXTENSIONS):  # a folder, an index.json: a .pt file
+        ext = ".pt"
+    out, n = f"{stem}.{tag}{ext}", 1
+    while os.path.lexists(out):
+        n += 1
+        out = f"{stem}.{tag}-{n}{ext}"
+    return out

@@ -110,7 +110,7 @@ def test_fix_command_repeats_every_option_the_check_needed() -> None:
         "run/x.pt", entry="state_dict_ema", strip_prefixes=["student."], allow_globals=["argparse.Namespace"],
         unsafe=True,
     ) == (
-        "ckptfix convert run/x.pt run/x.single.pt --entry state_dict_ema --strip-prefix student. --to single "
+        "ckptfix convert run/x.pt x.single.pt --entry state_dict_ema --strip-prefix student. --to single "
         "--allow-global argparse.Namespace --unsafe-pickle"
     )  # fmt: skip
     assert report.to_dict()["renamed_prefix"] is None and report.to_dict()["tied"] == {}

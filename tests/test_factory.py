@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
-from ckptfix.factory import ModelSpecError, build_model
+from ckptfix.factory import ModelSpecError, build_model, call_factory
 from tests.models import SmallNet
 
 
@@ -18,13 +19,13 @@ def test_build_model_from_a_spec() -> None:
     assert isinstance(build_model("tests.models:small_net", kwargs={"classes": 5}), SmallNet)
     for spec, kwargs, argument, match in [
         ("torch.nn.Linear", None, "spec", r"build_model\(spec='torch.nn.Linear'\): expected package.module:factory"),
-        ("no_such_pkg_x:f", None, "spec", "cannot import 'no_such_pkg_x'.*to sys.path or PYTHONPATH$"),
+        ("no_such_pkg_x:f", None, "spec", "cannot import 'no_such_pkg_x'.*run from the folder that holds it or add"),
         ("torch.nn:Nope", None, "spec", "has no attribute 'Nope'"),
         ("torch.nn:Linear", "{bad", "kwargs", r"build_model\(kwargs='\{bad'\): not valid JSON"),
         ("torch.nn:Linear", "[1]", "kwargs", "expected a JSON object"),
-        ("torch.nn:Linear", None, "spec", "building the model failed: TypeError"),
+        ("torch.nn:Linear", None, "spec", "calling 'Linear' failed: TypeError"),
         ("tests.models:inputs", '{"rank": 0}', "spec", "returned Tensor, not a torch.nn.Module"),
-        ("builtins:exit", None, "spec", r"building the model failed: it exited \(SystemExit: None\) instead of"),
+        ("builtins:exit", None, "spec", r"calling 'exit' failed: it exited \(SystemExit: None\) instead of"),
     ]:
         with pytest.raises(ModelSpecError, match=match) as caught:
             build_model(spec, kwargs=kwargs)
@@ -37,8 +38,8 @@ def test_build_model_searches_a_folder_last_and_only_while_building(tmp_path: Pa
     )
     (tmp_path / "torch.py").write_text("raise RuntimeError('the installed torch must win')\n")
     path_before = list(sys.path)
-    with pytest.raises(ModelSpecError, match="cannot import 'ckptfix_test_factory'"):
-        build_model("ckptfix_test_factory:build")
+    with pytest.raises(ModelSpecError, match=r"cannot import 'ckptfix_test_factory'.*to sys.path or PYTHONPATH$"):
+        build_model("ckptfix_test_factory:build", search_path=None)
     assert isinstance(build_model("ckptfix_test_factory:build", search_path=tmp_path), nn.Linear)
     assert sys.path == path_before
     (tmp_path / "ckptfix_test_broken.py").write_text("raise ValueError('no')\n")
@@ -55,6 +56,23 @@ def test_build_model_on_the_meta_device_allocates_nothing() -> None:
     assert all(t.is_meta for t in model.state_dict().values())
     assert set(model.state_dict()) == set(SmallNet().state_dict())
     assert not any(t.is_meta for t in build_model("tests.models:SmallNet").state_dict().values())
+
+
+def test_the_current_folder_is_searched_by_default_for_any_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rule for every MOD:FACTORY (--model, and any other): the folder the process runs in is searched last."""
+    (tmp_path / "ckptfix_test_here.py").write_text(
+        "import torch\n\ndef adam(params, lr):\n    return torch.optim.Adam(params, lr=lr)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    params = [nn.Parameter(torch.ones(2))]
+    optimizer = call_factory("ckptfix_test_here:adam", params, kwargs='{"lr": 0.5}')
+    assert isinstance(optimizer, torch.optim.Adam) and optimizer.param_groups[0]["lr"] == 0.5
+    with pytest.raises(ModelSpecError, match=r"^call_factory\(spec='ckptfix_test_here:adam'\): calling 'adam' failed"):
+        call_factory("ckptfix_test_here:adam", kwargs={"lr": 0.5})
+    with pytest.raises(ModelSpecError, match=r"^build_model\(spec='ckptfix_test_here:adam'\): calling 'adam' failed"):
+        build_model("ckptfix_test_here:adam")
 
 
 @pytest.mark.parametrize("command", ["validate", "validate-json", "merge"])

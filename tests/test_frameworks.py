@@ -29,6 +29,7 @@ from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.extras import FRAMEWORKS
 from tests.models import SmallNet, make_net
 
 _TORCHVISION_OPS: Any = None  # the library that declares torchvision's two op schemas, kept alive
@@ -61,7 +62,7 @@ def _library(name: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as e:
         why = "" if name != "timm" else "; timm needs torchvision, whose torch-2.13 build here is CUDA-only"
-        pytest.skip(f"{name} cannot be imported ({e}){why}; the frameworks extra installs the others")
+        pytest.skip(f"{name} cannot be imported ({e}){why}; the others: {FRAMEWORKS}")
 
 
 def run(*args: str | Path) -> Result:

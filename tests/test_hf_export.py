@@ -23,11 +23,12 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.extras import DEEPSPEED, needs
 from tests.hf_runs import IDS, train
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
-    reason="transformers is not installed (pip install -e '.[frameworks]')",
+    reason=needs("transformers"),
 )
 
 
@@ -215,7 +216,7 @@ def test_a_bf16_training_run_exports_in_bf16_and_computes_as_it(name: str, tmp_p
 
 @pytest.mark.parametrize("name", MODELS)
 def test_lightning_checkpoint_exports(name: str, tmp_path: Path) -> None:
-    lightning = pytest.importorskip("lightning.pytorch", reason="Lightning is not installed (the frameworks extra)")
+    lightning = pytest.importorskip("lightning.pytorch", reason=needs("Lightning"))
     from tests.hf_runs import loss_of
 
     model, _ = _trained(name)
@@ -404,7 +405,7 @@ def test_fsdp_dcp_run_exports_equal_to_its_full_state_dict(writer: str, name: st
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_zero3_run_exports_equal_to_deepspeeds_own_consolidation(name: str, tmp_path: Path) -> None:
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the deepspeed extra)")
+    pytest.importorskip("deepspeed", reason=needs("deepspeed", DEEPSPEED))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from tests.hf_runs import build, write_zero3
@@ -426,7 +427,7 @@ def test_zero3_run_exports_equal_to_deepspeeds_own_consolidation(name: str, tmp_
 def test_hf_trainer_with_deepspeed_zero3_exports_equal_to_deepspeeds_own_consolidation(
     name: str, tmp_path: Path
 ) -> None:
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the deepspeed extra)")
+    pytest.importorskip("deepspeed", reason=needs("deepspeed", DEEPSPEED))
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from tests.hf_runs import build, write_trainer_zero3

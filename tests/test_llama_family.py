@@ -22,12 +22,13 @@ from ckptfix.cli import cli
 from ckptfix.errors import MismatchError
 from ckptfix.llama_names import META, TORCHTITAN, TORCHTUNE, head_spans, layout_of
 from ckptfix.stream.rows import take_rows
+from tests.extras import TITAN_VENV, needs
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures" / "llama_family"
 MANIFEST = json.loads((FIXTURES / "MANIFEST.json").read_text())
 RUNS = sorted(MANIFEST["runs"])
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason=needs("transformers"))
 
 
 def run(*args: Any) -> Result:
@@ -275,8 +276,8 @@ def test_runs_made_fresh(name: str, tmp_path: Path) -> None:
     before 0.3), torchtune's untied model, and a torchtitan save at an interval (the optimizer, lr_scheduler,
     train_state and dataloader beside the model's tensors, as torchtitan flattens them); made here where torchtune
     and torchtitan import (``PYTHONPATH=. tune-venv/bin/python -m pytest -m slow tests/test_llama_family.py``)."""
-    pytest.importorskip("torchtitan", reason="needs torchtune and torchtitan (tests/llama_family_runs.py says how)")
-    pytest.importorskip("transformers", reason="needs transformers")
+    pytest.importorskip("torchtitan", reason=needs("torchtune and torchtitan", TITAN_VENV))
+    pytest.importorskip("transformers", reason=needs("transformers"))
     from transformers import LlamaForCausalLM
 
     from tests.llama_family_runs import main

@@ -29,7 +29,7 @@ def test_layout_only_difference_gives_the_convert_command(kind: str) -> None:
     assert set(adapted) == KEYS
     assert report.ok and not report.loads_as_is
     assert (report.layout_from, report.layout_to) == ("ddp" if kind == "dp" else "compiled", "single")
-    assert report.fix_command("run/ckpt.pt") == "ckptfix convert run/ckpt.pt run/ckpt.single.pt --to single"
+    assert report.fix_command("run/ckpt.pt") == "ckptfix convert run/ckpt.pt ckpt.single.pt --to single"
 
 
 def test_no_model_state_is_a_layout_error_not_a_mismatch() -> None:

@@ -20,9 +20,10 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
 from ckptfix.megatron_hf import hf_config
+from tests.extras import needs
 from tests.megatron_runs import FIXTURES, fixture_runs, prefixed
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason=needs("transformers"))
 
 RUNS = sorted(fixture_runs())
 # every argument Megatron-LM's parser has, at its default (megatron-core 0.16.1's megatron/training/arguments.py:

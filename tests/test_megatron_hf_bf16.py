@@ -24,9 +24,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckptfix.cli import cli
+from tests.extras import needs
 from tests.megatron_runs import FIXTURES, fixture_runs
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason=needs("transformers"))
 
 BF16_RUNS = sorted(name for name, made in fixture_runs().items() if made["dtype"] == "bf16")
 

@@ -54,3 +54,26 @@ def test_ci_installs_the_built_wheel_without_extras_and_uses_it() -> None:
     assert "--wheel --sdist" in smoke and 'pip" install -q "$WHEEL"' in smoke  # the wheel alone, no [extras]
     for command in ("convert", "--no-fast", "merge", "inspect", "validate"):
         assert f"$C {command}" in smoke or f" {command}" in smoke
+
+
+def test_every_skip_for_a_missing_library_says_how_to_install_it() -> None:
+    """pytest's -ra summary lists why each test skipped: one that needs an optional library names the command that
+    installs it (tests/extras.py), so a contributor whose run skipped tests knows how to run them."""
+    calls = (
+        r'importorskip\(\s*"([\w.]+)"([^\n]*)|skipif\(\s*importlib\.util\.find_spec\("([\w.]+)"\) is None,\s*([^\n]*)'
+    )
+    # installed with ckptfix itself or its dev extra, and imported at the top of the files that ask: never skipped
+    always = {"numpy", "safetensors.torch"}
+    bare, seen = [], 0
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for m in re.finditer(calls, path.read_text()):
+            seen += 1
+            module, rest = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            if module not in always and "reason=needs(" not in rest:
+                bare.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
+    assert seen > 20 and not bare, bare  # a pattern that finds nothing would pass
+    from tests.extras import DEEPSPEED, FRAMEWORKS
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command in (FRAMEWORKS, DEEPSPEED):  # the commands CI runs, in a contributor's active venv
+        assert command.replace("pip install", ".venv/bin/pip install") in ci, command

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.extras import DEEPSPEED, needs
 from tests.resume_deepspeed_runs import launch, train
 from tests.resume_runs import MORE, STEPS
 from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
@@ -42,7 +43,7 @@ pytestmark = [
     pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON),
     pytest.mark.skipif(
         importlib.util.find_spec("deepspeed") is None,
-        reason="deepspeed is an optional test dependency (pip install ckptfix[deepspeed])",
+        reason=needs("deepspeed", DEEPSPEED),
     ),
 ]
 

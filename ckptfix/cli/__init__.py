@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import click
@@ -95,7 +96,9 @@ class _Group(click.Group):
 
         debug = bool(ctx.params.get("debug"))
         try:
-            with deep_enough():  # every command walks trees as deep as the readers accept
+            with deep_enough(), warnings.catch_warnings():  # every command walks trees as deep as the readers accept
+                if ctx.params.get("quiet"):  # the library's warnings too: -q leaves errors and --json output
+                    warnings.simplefilter("ignore")
                 return super().invoke(ctx)
         except CkptfixError as e:
             if debug:  # the traceback, then the same line and exit code as without --debug
@@ -135,9 +138,19 @@ def _stopped(what: str) -> str:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="ckptfix")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors and --json output; exit codes stay.")
 @click.option("--debug", is_flag=True, help="Show Python tracebacks for errors.")
-def cli(debug: bool) -> None:
-    """Make PyTorch checkpoints portable between single-device, DataParallel, DDP and torch.compile.
+def cli(quiet: bool, debug: bool) -> None:
+    """Make PyTorch checkpoints portable between the ways a model is trained.
+
+    \b
+    Key layouts: one device, DataParallel, DDP, torch.compile and their nests.
+    Reads .pt/.bin and .safetensors files, transformers and accelerate
+    folders, DCP folders, FSDP rank files, DeepSpeed ZeRO runs and
+    Megatron-Core torch_dist folders; writes .pt, .safetensors, shards, DCP
+    folders and folders transformers' from_pretrained loads. Weights-only
+    reads (a checkpoint never runs code), atomic writes.
+    Every option, and shell completion: docs/cli.md.
 
     Exit codes: 0 success; 1 a check found a problem; 2 bad usage or an input that cannot be read safely;
     3 an internal error (a bug in ckptfix: please report it with --debug's traceback); 141 the output was closed

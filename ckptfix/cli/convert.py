@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
-from ckptfix.cli.options import architecture_option, force_option, json_option, safety_options, to_option
+from ckptfix.cli.options import architecture_option, force_option, json_option, model_flags, safety_options, to_option
 from ckptfix.cli.render import Output, echo
 from ckptfix.layouts import Layout
 
@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 @json_option("Print the result as JSON (schema: docs/json.md).")
 @force_option
 @safety_options
+@model_flags()  # --model is built on the way: its errors name the flag
 def convert(
     src: str,
     dst: str,

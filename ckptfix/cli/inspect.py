@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ckptfix.cli.options import json_option, safety_options
-from ckptfix.cli.render import Output, printable
+from ckptfix.cli.render import Output, echo, printable
 from ckptfix.formats.registry import folder_format
 from ckptfix.units import human_bytes
 
@@ -180,7 +180,7 @@ def inspect(
 
 def _text(summary: dict[str, Any], *, max_groups: int) -> None:
     for line in _render(summary, max_groups=max_groups):
-        click.echo(printable(line))
+        echo(line)
 
 
 COMMANDS: list[click.Command] = [inspect]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -83,15 +83,24 @@ architecture_option = click.option(
 
 
 def model_from_options(model_spec: str, kwargs: str | None, *, device: str | None = None) -> torch.nn.Module:
-    """The model of ``--model`` and ``--kwargs`` (on ``device``, see ``build_model``); errors name the flags.
+    """The model of ``--model`` and ``--kwargs`` (on ``device``), found as every ``MOD:FACTORY`` is
+    (:func:`ckptfix.factory.call_factory`); errors name the flags."""
+    from ckptfix.factory import build_model
 
-    A console script does not put the working folder on sys.path the way ``python -m`` does, yet factories such
-    as ``mypkg.models:build`` usually live right there: it is searched last, for the factory's module only.
-    """
-    from ckptfix.factory import ModelSpecError, build_model
+    with model_flags():
+        return build_model(model_spec, kwargs=kwargs, device=device)
+
+
+@contextlib.contextmanager
+def model_flags() -> Iterator[None]:
+    """A :class:`~ckptfix.factory.ModelSpecError` raised inside (a ``with`` block, or a command it decorates), said
+    in the CLI's terms: ``--model 'm:f'`` or ``--kwargs`` instead of the library's ``build_model(spec='m:f')``."""
+    from ckptfix.factory import ModelSpecError
 
     try:
-        return build_model(model_spec, kwargs=kwargs, search_path=os.getcwd(), device=device)
+        yield
     except ModelSpecError as e:
-        flag = "--kwargs" if e.argument == "kwargs" else f"--model '{model_spec}'"
+        if e.function != "build_model":  # another factory's (an optimizer's): its own flag says it
+            raise
+        flag = "--kwargs" if e.argument == "kwargs" else f"--model '{e.value}'"
         raise CkptfixError(f"{flag}: {e.problem}") from e

@@ -34,9 +34,16 @@ def printable(text: object) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def quiet() -> bool:
+    """Whether ``ckptfix -q`` asked for nothing but errors and ``--json`` output."""
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and bool(ctx.find_root().params.get("quiet"))
+
+
 def echo(line: str = "", *, err: bool = False) -> None:
-    """Print one line (escaped by :func:`printable`)."""
-    click.echo(printable(line), err=err)
+    """Print one line (escaped by :func:`printable`), unless ``-q``."""
+    if not quiet():
+        click.echo(printable(line), err=err)
 
 
 def verdict(line: str, colour: str) -> None:
@@ -44,6 +51,8 @@ def verdict(line: str, colour: str) -> None:
     ``colour`` on a terminal. click leaves the colour out when stdout is not a terminal (a pipe, a file, a test's
     runner), and so does this when ``NO_COLOR`` is set (https://no-color.org)."""
     line = printable(line)
+    if quiet():
+        return
     if os.environ.get("NO_COLOR"):
         click.echo(line)
         return
@@ -57,7 +66,7 @@ def warn(message: str) -> None:
 
 class Output:
     """Where one command's result goes, decided once from its ``--json`` flag: a JSON document on stdout (nothing
-    else there), or lines for people. Warnings go to stderr either way (:func:`warn`)."""
+    else there), or lines for people (none under ``-q``). Warnings go to stderr either way (:func:`warn`)."""
 
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json

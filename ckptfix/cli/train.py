@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 
 import click
 
+from ckptfix.cli.render import quiet
 from ckptfix.errors import CkptfixError
 from ckptfix.trainer.config import MODES, build_parser
 
@@ -83,7 +88,8 @@ def train(
     if mode != "ddp":
         from ckptfix.trainer.loop import train as run_training
 
-        run_training(config)
+        with _quiet_stdout():
+            run_training(config)
         return
     import torch
 
@@ -96,7 +102,32 @@ def train(
     launcher = launcher_args(
         nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id
     )
-    launch_trainer(argv, launcher)
+    with _quiet_stdout():
+        launch_trainer(argv, launcher)
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """Under ``ckptfix -q``, the trainer's progress lines go nowhere, its DDP workers' too (they inherit file
+    descriptor 1); errors are on stderr."""
+    if not quiet():
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a test runner's buffer: no worker writes to it
+        fd = -1
+    saved = os.dup(fd) if fd >= 0 else -1
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        if saved >= 0:
+            os.dup2(sink.fileno(), fd)
+        try:
+            yield
+        finally:
+            if saved >= 0:
+                os.dup2(saved, fd)
+                os.close(saved)
 
 
 COMMANDS: list[click.Command] = [train]

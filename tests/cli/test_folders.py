@@ -19,6 +19,7 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.merging import plan_merge
 from ckptfix.torchcompat import dcp_save_local
+from tests.extras import needs
 from tests.models import SmallNet
 
 
@@ -43,7 +44,7 @@ def _hf(folder: Path, state: dict[str, torch.Tensor], name: str = "model.safeten
 
 def _accelerate(folder: Path) -> dict[str, torch.Tensor]:
     """An accelerate save_state folder (model, optimizer, scheduler, numpy RNG state); the model's state dict."""
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
+    accelerate = pytest.importorskip("accelerate", reason=needs("accelerate"))
     torch.manual_seed(0)
     model = SmallNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -128,7 +129,7 @@ def test_inspect_a_dcp_folder_says_how_each_tensor_is_chunked(tmp_path: Path) ->
 
 
 def test_inspect_an_accelerate_folder_with_two_models(tmp_path: Path) -> None:
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
+    accelerate = pytest.importorskip("accelerate", reason=needs("accelerate"))
     acc = accelerate.Accelerator(cpu=True)
     acc.prepare(SmallNet(seed=1), SmallNet(seed=2, width=12))  # save_state writes every prepared model
     acc.save_state(str(tmp_path / "state"))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -232,3 +235,93 @@ def test_unsafe_pickle_warning_is_printed_whatever_the_warning_filters(tmp_path:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("ns.pt: unsafe pickle loading: this can run code from the file") == 1
+
+
+def test_help_says_what_ckptfix_reads_and_writes() -> None:
+    text = run("--help").output
+    for name in ("DataParallel", "DDP", "torch.compile", "FSDP", "DCP", "DeepSpeed", "Megatron", "safetensors",
+                 "from_pretrained", "Weights-only", "-q, --quiet", "completion"):  # fmt: skip
+        assert name in text, name
+
+
+def _commands(rank_files: list[Path], out: Path) -> dict[str, tuple[list[str], int]]:
+    """One run of each command that prints for people (notes and warnings on stderr included), and its exit code."""
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    model = ["--model", "tests.models:SmallNet"]
+    return {
+        "convert": (["convert", str(rank_files[0]), str(out / "c.safetensors"), "-v"], 0),
+        "inspect": (["inspect", str(rank_files[0])], 0),
+        "diff": (["diff", str(rank_files[0]), str(rank_files[1])], 1),
+        "merge": (["merge", str(rank_files[0]), str(rank_files[0]), "-o", str(out / "m.pt")], 0),  # a warning
+        "validate": (["validate", str(rank_files[0]), *model], 1),
+        "sanitize": (["sanitize", str(fixtures / "namespace_args.pt"), str(out / "s.pt")], 0),
+    }
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "diff", "merge", "validate", "sanitize"])
+def test_quiet_prints_only_errors_and_json(rank_files: list[Path], tmp_path: Path, command: str) -> None:
+    args, code = _commands(rank_files, tmp_path / "loud")[command]
+    (tmp_path / "loud").mkdir()
+    loud = run(*args)
+    assert loud.exit_code == code and loud.stdout, loud.output
+    assert loud.stderr or command not in ("convert", "merge")  # -v's path line, merge's warnings
+    args, _ = _commands(rank_files, tmp_path)[command]
+    quiet = run("-q", *args)
+    assert (quiet.exit_code, quiet.output) == (code, ""), quiet.output
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        p.name for p in (tmp_path / "loud").iterdir()
+    )
+    if command != "sanitize":  # no --json there
+        shutil.rmtree(tmp_path / "loud")
+        (tmp_path / "loud").mkdir()
+        as_json = run("-q", *_commands(rank_files, tmp_path / "loud")[command][0], "--json")
+        assert as_json.exit_code == code and json.loads(as_json.stdout) and not as_json.stderr
+
+
+def test_quiet_keeps_errors_and_their_exit_codes(tmp_path: Path) -> None:
+    result = run("--quiet", "inspect", str(tmp_path / "missing.pt"))
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr == f"ckptfix: error: {tmp_path / 'missing.pt'}: no such file; check the path\n"
+    result = run("-q", "convert", str(tmp_path / "missing.pt"), str(tmp_path / "o.pt"), "--to", "module")
+    assert result.exit_code == 2 and "Invalid value for '--to'" in result.stderr
+
+
+def test_quiet_silences_the_libraries_warnings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    def warns(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        warnings.warn("a library warning", UserWarning, stacklevel=1)
+        return {}
+
+    monkeypatch.setattr("ckptfix.summary.summarize", warns)
+    result = run("-q", "inspect", str(tmp_path / "x.pt"), "--json")
+    assert result.exit_code == 0 and result.stdout == "{}\n" and result.stderr == "", result.output
+    with pytest.warns(UserWarning, match="a library warning"):
+        assert run("inspect", str(tmp_path / "x.pt"), "--json").exit_code == 0
+
+
+def test_quiet_train_prints_nothing(tmp_path: Path) -> None:
+    from tests.test_trainer import SMALL_ARGS
+
+    result = run("-q", "train", "--out", str(tmp_path), "--epochs", "1", *SMALL_ARGS)
+    assert (result.exit_code, result.output) == (0, ""), result.output
+    assert ckptfix.load(tmp_path / "checkpoint.pt")["epoch"] == 1
+
+
+def test_the_documented_shell_completion_commands_print_a_script_that_completes() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    shells = re.findall(r"_CKPTFIX_COMPLETE=(\w+)_source ckptfix\b", text)
+    assert {"bash", "zsh", "fish"} <= set(shells), shells
+    for shell, marker in (
+        ("bash", "complete -o nosort -F _ckptfix_completion ckptfix"),
+        ("zsh", "compdef _ckptfix_completion ckptfix"),
+        ("fish", "complete --no-files --command ckptfix"),
+    ):
+        env = {**os.environ, "_CKPTFIX_COMPLETE": f"{shell}_source"}
+        done = subprocess.run([sys.executable, "-m", "ckptfix"], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and marker in done.stdout, done.stdout + done.stderr
+    # what the bash script asks for when a person types `ckptfix con<TAB>` and `ckptfix convert a b --to <TAB>`
+    for words, cword, want in (("ckptfix con", "1", "plain,convert"), ("ckptfix convert a b --to", "5", "plain,ddp")):
+        env = {**os.environ, "_CKPTFIX_COMPLETE": "bash_complete", "COMP_WORDS": words, "COMP_CWORD": cword}
+        done = subprocess.run([sys.executable, "-m", "ckptfix"], env=env, capture_output=True, text=True, timeout=120)
+        assert want in done.stdout.splitlines(), done.stdout + done.stderr

@@ -170,3 +170,40 @@ def test_inspect_columns_hold_when_a_key_group_is_wide(tmp_path: Path) -> None:
     details, other = lines[at + 1], next(line for line in lines if line.startswith("  b "))
     assert details.strip() == "float32 [2]" and other.split()[-2:] == ["float32", "[3]"]
     assert details.index("float32") == other.index("float32")
+
+
+NANO = "import torch\n\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))\n"
+
+
+@pytest.mark.parametrize("command", ["convert", "validate"])
+def test_model_factory_in_the_current_folder_is_found_by_every_command(tmp_path: Path, command: str) -> None:
+    """``convert --model nano:build`` run from the folder of nano.py could not import it; ``validate`` could."""
+    import subprocess
+    import sys
+
+    (tmp_path / "nano.py").write_text(NANO)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "run.pt")
+    args = {
+        "convert": ["convert", "run.pt", "named.pt", "--optimizer-form", "names", "--model", "nano:build"],
+        "validate": ["validate", "run.pt", "--model", "nano:build"],
+    }[command]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # -P: as a console script runs, without the current folder on sys.path (python -m alone puts it there)
+    done = subprocess.run([sys.executable, "-P", "-m", "ckptfix", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    if command == "convert":
+        state = torch.load(tmp_path / "named.pt", weights_only=True)["optimizer"]["state"]
+        assert sorted(state) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+
+
+def test_a_model_factory_that_cannot_be_imported_names_the_flag(tmp_path: Path, ddp: Path) -> None:
+    result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.pt"), "--model", "no_such_mod_x:build"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.startswith("ckptfix: error: --model 'no_such_mod_x:build': cannot import 'no_such_mod_x' (")
+    assert "run from the folder that holds it or add that folder to PYTHONPATH" in result.stderr
+    assert not (tmp_path / "o.pt").exists()

@@ -41,7 +41,7 @@ def test_validate_rank_files_prints_the_fix_and_the_fix_works(
     assert "layout only: the checkpoint is ddp, the model single" in result.stdout
     fix = result.stdout.splitlines()[-1].strip()
     out = tmp_path / "fixed.pt"
-    assert fix == f"ckptfix convert {rank_files[which]} {str(rank_files[which])[:-3]}.single.pt --to single"
+    assert fix == f"ckptfix convert {rank_files[which]} {rank_files[which].stem}.single.pt --to single"
     words = shlex.split(fix)
     assert run("convert", words[2], out, *words[4:]).exit_code == 0
     ok = run("validate", out, "--model", MODEL)
@@ -108,8 +108,7 @@ def test_validate_every_fixture_against_the_reference_model(name: str) -> None:
         assert result.exit_code == 1
         # the fix command repeats the --allow-global the check itself needed
         assert report["fix_command"] == (
-            f"ckptfix convert {FIXTURES / name} {FIXTURES / stem}.single.{ext} --to single "
-            "--allow-global argparse.Namespace"
+            f"ckptfix convert {FIXTURES / name} {stem}.single.{ext} --to single --allow-global argparse.Namespace"
         )
 
 
@@ -278,14 +277,16 @@ SCENARIOS: dict[str, tuple[Any, str, list[str], str, list[str]]] = {
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_every_printed_fix_command_works(tmp_path: Path, name: str) -> None:
+def test_every_printed_fix_command_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     checkpoint, model, flags, out, options = SCENARIOS[name]
-    path = tmp_path / "in.ckpt"
+    path = tmp_path / "run" / "in.ckpt"
+    path.parent.mkdir()
     torch.save(checkpoint, path)
+    monkeypatch.chdir(tmp_path)  # the fix writes here, not beside the input
     result = run("validate", path, "--model", model, *flags)
     assert result.exit_code == 1, result.output
     words = shlex.split(result.stdout.splitlines()[-1])
-    assert words == ["ckptfix", "convert", str(path), str(tmp_path / out), *options]
+    assert words == ["ckptfix", "convert", str(path), out, *options]
     assert run("validate", path, "--model", model, *flags, "--any-layout").exit_code == 0  # load_into adapts it
     converted = run(*words[1:])
     assert converted.exit_code == 0, converted.output
@@ -360,3 +361,23 @@ def test_validate_a_quantized_modules_state_dict(tmp_path: Path) -> None:
     assert ok.exit_code == 0, ok.output
     wrong = CliRunner().invoke(cli, ["validate", str(src), "--model", "torch.nn:Linear", *kwargs])
     assert wrong.exit_code == 1, wrong.output  # a plain Linear: missing and unexpected keys, not a crash
+
+
+def test_the_fix_writes_a_new_file_in_the_current_folder(
+    rank_files: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The suggested ``convert`` wrote beside the input (into a shared ``fixtures/``) and could name a file that
+    exists: it names a free one here, and running it works."""
+    monkeypatch.chdir(tmp_path)
+    taken = tmp_path / f"{rank_files[0].stem}.single.pt"
+    taken.write_bytes(b"someone's")
+    fix = json.loads(run("validate", rank_files[0], "--model", MODEL, "--json").stdout)["fix_command"]
+    assert fix == f"ckptfix convert {rank_files[0]} {rank_files[0].stem}.single-2.pt --to single"
+    assert run(*shlex.split(fix)[1:]).exit_code == 0
+    assert run("validate", f"{rank_files[0].stem}.single-2.pt", "--model", MODEL).exit_code == 0
+    assert taken.read_bytes() == b"someone's"
+    folder = tmp_path / "run_dcp"
+    assert run("convert", rank_files[0], f"{folder}/", "--to", "ddp").exit_code == 0
+    fix = json.loads(run("validate", folder, "--model", MODEL, "--json").stdout)["fix_command"]
+    assert fix == f"ckptfix convert {folder} run_dcp.single.pt --to single"
+    assert run(*shlex.split(fix)[1:]).exit_code == 0

@@ -25,6 +25,7 @@ from ckptfix.formats.containers.safetensors import stored_identity
 from ckptfix.formats.folders.deepspeed import describe_run
 from ckptfix.stream import casting
 from tests.deepspeed_runs import RUNS
+from tests.extras import needs
 from tests.models import SmallNet
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed"
@@ -284,7 +285,7 @@ def test_a_tied_weight_cast_stays_one_tensor(tmp_path: Path) -> None:
 
 
 def test_transformers_loads_the_streamed_shards(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
     from ckptfix.torchcompat import dcp_save_local
 
     torch.manual_seed(0)

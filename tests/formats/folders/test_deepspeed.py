@@ -27,6 +27,7 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.folders.deepspeed import describe_run
 from ckptfix.formats.folders.deepspeed_layout import layout_partitioned, layout_stage3
 from tests.deepspeed_runs import RUNS
+from tests.extras import DEEPSPEED, needs
 
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures" / "deepspeed"
 NAMES = [f"zero{stage}_{dtype}" for stage, dtype in RUNS]
@@ -91,7 +92,7 @@ def test_tag_folder_reads_as_the_run(tmp_path: Path) -> None:
 
 
 def test_matches_deepspeed_itself() -> None:
-    pytest.importorskip("deepspeed", reason="deepspeed is an optional test dependency (pip install ckptfix[deepspeed])")
+    pytest.importorskip("deepspeed", reason=needs("deepspeed", DEEPSPEED))
     from tests.deepspeed_runs import reference
 
     for name in NAMES:
@@ -250,7 +251,7 @@ def test_layout_stage3_crosses_groups() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "dtype"), RUNS)
 def test_fresh_run_matches_deepspeed(stage: int, dtype: str, tmp_path: Path) -> None:
-    pytest.importorskip("deepspeed", reason="deepspeed is an optional test dependency (pip install ckptfix[deepspeed])")
+    pytest.importorskip("deepspeed", reason=needs("deepspeed", DEEPSPEED))
     from tests.deepspeed_runs import make_run, reference
 
     run = make_run(tmp_path / "run", stage=stage, dtype=dtype)

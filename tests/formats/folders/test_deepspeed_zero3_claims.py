@@ -22,6 +22,7 @@ import torch
 
 import ckptfix
 from ckptfix.errors import FormatError
+from tests.extras import DEEPSPEED, needs
 from tests.formats.folders.test_deepspeed import _EditUnpickler, _StubPickler, copy_run, expected, refusal, run_cli
 from tests.formats.folders.test_deepspeed_claims import digests, swap
 
@@ -170,7 +171,7 @@ def test_swapped_optimizer_files_saved_without_their_name_cannot_be_told(dtype: 
 def test_swapped_optimizer_files_saved_without_their_name_read_as_deepspeed_reads_them(
     dtype: str, tmp_path: Path
 ) -> None:
-    pytest.importorskip("deepspeed", reason="deepspeed is an optional test dependency (pip install ckptfix[deepspeed])")
+    pytest.importorskip("deepspeed", reason=needs("deepspeed", DEEPSPEED))
     from tests.deepspeed_runs import reference
 
     run = swapped_through_file_objects(dtype, tmp_path, deepspeed=True)
@@ -199,7 +200,7 @@ def test_swapped_module_files_saved_without_their_name_refused_by_their_tied_nam
 def test_fresh_run_without_tied_parameters_refused_by_their_archive(dtype: str, tmp_path: Path) -> None:
     """A model without tied or frozen parameters, of sizes 2 ranks do not divide: its module files name no tied
     parameters, so only their archive says their rank; a swap of either kind of file is refused by it."""
-    pytest.importorskip("deepspeed", reason="deepspeed is an optional test dependency (pip install ckptfix[deepspeed])")
+    pytest.importorskip("deepspeed", reason=needs("deepspeed", DEEPSPEED))
     from tests.deepspeed_runs import make_run, reference
 
     run = make_run(tmp_path / "run", stage=3, dtype=dtype, width=3, layers=2)

@@ -17,6 +17,7 @@ from ckptfix.cli import cli
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.folders.hf import parse_size, plan_shards
 from tests.assertions import assert_same
+from tests.extras import needs
 from tests.models import SmallNet, make_net
 
 
@@ -208,7 +209,7 @@ def test_a_damaged_shard_is_named(tmp_path: Path) -> None:
 
 
 def test_an_accelerate_save_state_folder_loads_as_a_checkpoint(tmp_path: Path) -> None:
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
+    accelerate = pytest.importorskip("accelerate", reason=needs("accelerate"))
     torch.manual_seed(0)
     model = SmallNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -228,7 +229,7 @@ def test_an_accelerate_save_state_folder_loads_as_a_checkpoint(tmp_path: Path) -
 
 
 def _gpt2() -> Any:
-    transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
     return transformers.GPT2LMHeadModel(config).eval()
@@ -247,8 +248,8 @@ def test_transformers_shards_load_as_the_model_saved_them(tmp_path: Path, safe: 
 
 def test_our_shards_load_in_transformers_and_accelerate(tmp_path: Path) -> None:
     model = _gpt2()
-    transformers = pytest.importorskip("transformers")
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
+    accelerate = pytest.importorskip("accelerate", reason=needs("accelerate"))
     model.config.save_pretrained(tmp_path)
     ckptfix.save(model.state_dict(), tmp_path / "model.safetensors", shard_size=20_000)
     assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 2
@@ -324,7 +325,7 @@ def test_convert_refuses_a_damaged_folder_in_one_line_and_writes_nothing(tmp_pat
 
 
 def test_an_accelerate_folder_converts_with_model_only(tmp_path: Path) -> None:
-    accelerate = pytest.importorskip("accelerate", reason="accelerate is an optional test dependency")
+    accelerate = pytest.importorskip("accelerate", reason=needs("accelerate"))
     model = SmallNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     acc = accelerate.Accelerator(cpu=True)

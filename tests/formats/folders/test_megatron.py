@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import ckptfix
 from ckptfix.cli import cli
+from tests.extras import MEGATRON_VENV, needs
 from tests.megatron_runs import FIXTURES, fixture_runs, prefixed
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -317,7 +318,7 @@ def test_a_flipped_tensor_byte_is_refused(copy_of: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (tests/megatron_runs.py)")
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason=needs("megatron-core", MEGATRON_VENV))
 @pytest.mark.parametrize("name", ["tp2_bf16", "tp2_pp2_bf16"])  # 2 ranks; 4 (TP 2 x PP 2)
 def test_a_fresh_megatron_run_converts_exactly(tmp_path: Path, name: str) -> None:
     from tests.megatron_runs import make_run

@@ -88,7 +88,8 @@ def test_load_into_check_and_validate_use_the_weights_and_say_what_was_not_loade
     assert not marker.exists()
 
 
-def test_a_printed_fix_command_leaves_code_out(tmp_path: Path) -> None:
+def test_a_printed_fix_command_leaves_code_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # where the fix writes
     marker = tmp_path / "PWNED"
     path = tmp_path / "ddp.pt"
     state = {f"module.{k}": v for k, v in make_net().state_dict().items()}
