@@ -254,7 +254,7 @@ def test_a_wrapped_run_resumes_on_the_plain_model_by_name(wrapper: str, named: b
     fresh, fresh_opt = trained("adamw", named=False, steps=0)
     model_state, optim_state = get_state_dict(fresh, fresh_opt)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     got, want = fresh.state_dict(), model.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
