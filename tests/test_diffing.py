@@ -19,6 +19,7 @@ from tests.assertions import _bits_state, _values
 from tests.dtype_files import MATH_BITS
 from tests.models import SmallNet
 from tests.sharded_writers import _dcp_save
+from tests.writers import torch_saves
 
 
 def _ckpt(state: dict[str, torch.Tensor], epoch: int = 3) -> dict[str, object]:
@@ -216,7 +217,7 @@ def test_a_math_bit_view_is_compared_by_its_values(bit: str, tmp_path: Path) -> 
 
 def _int_dtypes() -> list[torch.dtype]:
     names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"]
-    return [getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)]
+    return [getattr(torch, n) for n in names if torch_saves(n)]  # torch 2.4 and 2.5 cannot save uint16-uint64
 
 
 def _extremes(dtype: torch.dtype) -> tuple[int, int]:

@@ -22,11 +22,15 @@ import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
 from ckptfix.optim_form import to_indices, to_names
+from ckptfix.torchcompat import version
 from ckptfix.trainer.model import build_model
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 # the run's own model and optimizer functions, which name the parameters of an optimizer of two unnamed groups
 ADAMW = ["--model", "tests.test_optim_form:tied", "--optimizer-factory", "tests.test_optim_form:adamw"]
+# an optimizer built from named_parameters() (its groups record param_names): torch 2.6 on
+NAMED = pytest.param(True, marks=pytest.mark.skipif(version(torch) < (2, 6), reason=(
+    f"torch {torch.__version__}: optimizers take named_parameters() (param_names) from torch 2.6 on")))  # fmt: skip
 
 
 def run(*args: object) -> Result:
@@ -99,7 +103,7 @@ def assert_bound(opt: torch.optim.Optimizer, model: nn.Module, want: dict[int, d
 
 
 @pytest.mark.parametrize("optim", ["adamw", "sgd"])
-@pytest.mark.parametrize("named", [True, False])
+@pytest.mark.parametrize("named", [NAMED, False])
 def test_names_are_what_get_optimizer_state_dict_returns(optim: str, named: bool) -> None:
     model, opt = trained(optim, named=named)
     osd = opt.state_dict()
@@ -248,7 +252,7 @@ def test_a_step_tensor_shared_between_parameters_is_copied_apart_in_a_pt(tmp_pat
 
 
 @pytest.mark.parametrize("wrapper", ["data_parallel", "compile"])
-@pytest.mark.parametrize("named", [True, False])
+@pytest.mark.parametrize("named", [NAMED, False])
 def test_a_wrapped_run_resumes_on_the_plain_model_by_name(wrapper: str, named: bool, tmp_path: Path) -> None:
     """A run trained under ``nn.DataParallel`` or ``torch.compile`` saves ``module.``/``_orig_mod.`` keys (and,
     built from ``named_parameters()``, such ``param_names``): its DCP folder holds the plain model's names, which
@@ -274,7 +278,7 @@ def test_a_wrapped_run_resumes_on_the_plain_model_by_name(wrapper: str, named: b
     fresh, fresh_opt = trained("adamw", named=False, steps=0)
     model_state, optim_state = get_state_dict(fresh, fresh_opt)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     got, want = fresh.state_dict(), model.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k], v) for k, v in want.items())
@@ -333,7 +337,7 @@ def _resumed_by_name(folder: Path, model: nn.Module, opt: torch.optim.Optimizer)
 
     model_state, optim_state = get_state_dict(model, opt)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

@@ -8,7 +8,7 @@ nothing. The flat name is the path joined by dots.
 
 The pickle names torch's classes by reference (``GLOBAL``) and gives each its fields as state, as ``pickle.dump``
 does for a dataclass: ``NEWOBJ`` then ``BUILD`` with the instance dict (a tuple for ``TensorProperties``, whose
-``__setstate__`` takes one). Loading sets each field by name, so a release whose dataclass lacks a field (torch 2.4:
+``__setstate__`` takes one). Loading sets each field by name, so a release whose dataclass lacks a field (torch 2.4-2.6:
 no ``StorageMeta.modules``, no ``Metadata.version``) only gets an extra attribute, and a field it has that is not
 written (``_StorageInfo.transform_descriptors``, left out as torch leaves it out) falls back to its class default.
 """
@@ -25,7 +25,7 @@ from ckptfix.formats.pickles.inert import Global, Inert, make_global
 
 Path = tuple[str | int, ...]
 _META = "torch.distributed.checkpoint.metadata"
-DCP_VERSION = "1.0.0"  # filesystem.CURRENT_DCP_VERSION of the torch releases that write one (2.6 on)
+DCP_VERSION = "1.0.0"  # filesystem.CURRENT_DCP_VERSION of the torch releases that write one (2.7 on)
 
 
 @dataclass(frozen=True)

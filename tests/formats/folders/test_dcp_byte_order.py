@@ -56,7 +56,7 @@ def _torch_reads(folder: Path) -> dict[str, torch.Tensor]:
     out = {k: torch.empty_like(v) for k, v in _values().items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+        dcp.load(out, checkpoint_id=str(folder))
     return out
 
 
@@ -132,7 +132,7 @@ def test_a_math_bit_chunk_reads_as_torch_reads_it(bit: str, tmp_path: Path) -> N
     out = {"w": torch.empty_like(base)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load(out, checkpoint_id=str(folder), no_dist=True)
+        dcp.load(out, checkpoint_id=str(folder))
     assert torch.equal(out["w"], view) and not torch.equal(out["w"], base)
     assert torch.equal(ckptfix.load(folder)["w"].resolve_conj().resolve_neg(), out["w"])
     assert diff_files(plain, folder).equal

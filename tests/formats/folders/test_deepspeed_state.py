@@ -68,7 +68,7 @@ def test_dcp_output_carries_it_too(tmp_path: Path) -> None:
     assert done.exit_code == 0, done.output
     state = {"rng": torch.zeros_like(torch.get_rng_state()), "epoch": 0, "global_steps": 0,
              "loss_scaler": {"cur_scale": 0, "scale_window": 0}}  # fmt: skip
-    dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    dcp.load(state, checkpoint_id=tmp_path / "dcp")
     assert torch.equal(state["rng"], torch.get_rng_state()) and state["epoch"] == 7 and state["global_steps"] == 1
     assert state["loss_scaler"] == {"cur_scale": 16, "scale_window": 1000}  # the fp16 run's dynamic loss scale
 
