@@ -322,10 +322,9 @@ def optimizer_parameters(model: str | None, optimizer_factory: str) -> Parameter
     if model is None:
         raise UsageError(f"optimizer_factory={optimizer_factory!r} builds the optimizer for a model: pass "
                          f"model='MOD:FACTORY' too, the model the run trained")  # fmt: skip
-    here = os.getcwd()  # a training script's functions lie beside it, in the folder the command runs in
-    built = build_model(model, device="meta", search_path=here)
+    built = build_model(model, device="meta")  # both found as every MOD:FACTORY is: the current folder searched last
     names = {id(p): n for n, p in built.named_parameters()}
-    groups = [list(g["params"]) for g in build_optimizer(optimizer_factory, built, search_path=here).param_groups]
+    groups = [list(g["params"]) for g in build_optimizer(optimizer_factory, built).param_groups]
     params = [p for g in groups for p in g]
     if stray := [g for g, group in enumerate(groups) if any(id(p) not in names for p in group)]:
         raise UsageError(f"{origin}: param group {stray[0]} holds a tensor that is not a parameter of the model "

@@ -155,37 +155,21 @@ def _searched_last(folder: str | os.PathLike[str] | None) -> Iterator[None]:
 
 
 def build_optimizer(
-    spec: str, model: torch.nn.Module, *, search_path: str | os.PathLike[str] | None = None
+    spec: str, model: torch.nn.Module, *, search_path: str | os.PathLike[str] | None = HERE
 ) -> torch.optim.Optimizer:
     """The optimizer ``package.module:function`` builds for ``model`` (its one argument), as the training script
-    builds it: its param groups say which parameter each index of its ``state_dict()`` is. ``search_path`` as for
-    :func:`build_model`.
+    builds it, found as :func:`call_factory` finds it: its param groups say which parameter each index of its
+    ``state_dict()`` is.
 
     Raises:
-        ModelSpecError: the spec is malformed, or the function cannot be imported, called, or does not return a
-            ``torch.optim.Optimizer``.
+        ModelSpecError: as :func:`call_factory`, or the function does not return a ``torch.optim.Optimizer``.
 
     >>> optimizer = build_optimizer("mytrain:configure_optimizers", build_model("mytrain:GPT"))  # doctest: +SKIP
     """
     import torch
 
-    def error(problem: str) -> ModelSpecError:
-        return ModelSpecError("spec", spec, problem, function="build_optimizer")
-
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise error("expected package.module:function, e.g. train:configure_optimizers")
-    with _searched_last(search_path):
-        try:
-            function: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                function = getattr(function, part)
-        except (Exception, SystemExit) as e:  # not importable, no such attribute, or the module's own code failed
-            raise error(f"cannot import '{attr}' from '{module_name}': {_failure(e)}") from e
-        try:
-            optimizer = function(model)
-        except (Exception, SystemExit) as e:  # the user's own code
-            raise error(f"building the optimizer for the model failed: {_failure(e)}") from e
+    optimizer = call_factory(spec, model, search_path=search_path, function="build_optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise error(f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        raise ModelSpecError("spec", spec, f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer",
+                             function="build_optimizer")  # fmt: skip
     return optimizer

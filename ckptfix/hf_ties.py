@@ -70,10 +70,11 @@ def saved_ties(source: str) -> Ties:
         return Ties(unknown=f"{TIES_NOT_RESTORED}: transformers, which reads which weights {config_path} ties "
                             f"(save_pretrained leaves the copy out), is not installed; pip install 'ckptfix[hf]' and "
                             f"convert again, or {_BY_HAND}")  # fmt: skip
-    from ckptfix.hf_export import load_config, meta_model
+    from ckptfix.hf_export import load_config, meta_model, model_class
 
     try:
-        model = meta_model(load_config(folder), config_path=config_path)
+        config = load_config(folder)
+        model = meta_model(model_class(config, config_path=config_path), config)
     except _CANNOT_BUILD as e:
         said = str(e).strip().splitlines()[0].split("; ")[0] if str(e).strip() else type(e).__name__
         return Ties(unknown=f"{TIES_NOT_RESTORED}: the model of {config_path} cannot be built to prove which weights "
