@@ -628,6 +628,8 @@ def test_an_output_projection_of_its_own_under_a_tying_config_is_refused(tmp_pat
         f"the model's tie option), or pass --config-from the config it was trained with\n"
     )
     _nothing_written(tmp_path, tmp_path / "out")
+
+
 # -- what goes beside the weights, and what is said ---------------------------------------------------------------
 
 
