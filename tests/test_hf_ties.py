@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from ckptfix.cli import cli
 from ckptfix.hf_ties import TIES_NOT_RESTORED, TIES_RESTORED
+from tests.extras import needs
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
 
@@ -21,7 +22,7 @@ IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
 def _gpt2(folder: Path, *, shard: str = "20KB") -> Any:
     """A tiny GPT-2 (``lm_head.weight`` is ``transformer.wte.weight``) saved by save_pretrained into ``folder``,
     in shards of ``shard``."""
-    transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
                                      eos_token_id=0)  # fmt: skip
@@ -82,7 +83,7 @@ def test_a_config_that_cannot_be_built_is_said_and_nothing_guessed(tmp_path: Pat
 
 
 def test_an_untied_config_restores_nothing(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16,
                                      tie_word_embeddings=False)  # fmt: skip
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")

@@ -27,6 +27,7 @@ from ckptfix.formats.containers.ziparchive import ZipWriter
 from ckptfix.formats.pickles import pickling
 from ckptfix.summary import describe, summarize_state
 from tests.dtype_files import BYTE_DTYPES, QUANTIZED, _inspect, make
+from tests.extras import needs
 from tests.models import make_net
 
 
@@ -304,7 +305,7 @@ def test_inspect_shows_a_sparse_tensor_with_its_layout(tmp_path: Path, layout: s
 def test_a_tied_head_is_counted_once_and_said_to_share_its_storage(tmp_path: Path) -> None:
     """GPT-2's lm_head.weight is transformer.wte.weight: torch.save stores it once, and its parameters are counted
     once, as model.parameters() counts them; the HF folder (save_pretrained leaves the copy out) counts the same."""
-    transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     torch.save(model.state_dict(), tmp_path / "gpt2.pt")

@@ -17,6 +17,7 @@ from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import registry
 from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format
+from tests.extras import needs
 from tests.models import SmallNet, make_file
 
 FIXTURES = Path(__file__).parents[2] / "fixtures"
@@ -213,7 +214,7 @@ def _dcp_and_transformers(folder: Path, how: str) -> dict[str, torch.Tensor]:
     state = SmallNet().state_dict()
     dcp_save_local(state, checkpoint_id=str(folder))
     if how == "save_pretrained":
-        transformers = pytest.importorskip("transformers", reason="transformers is an optional test dependency")
+        transformers = pytest.importorskip("transformers", reason=needs("transformers"))
         config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
         transformers.GPT2LMHeadModel(config).save_pretrained(folder, max_shard_size="4KB")
     else:

@@ -340,7 +340,7 @@ def test_layers_under_a_wrappers_prefix_are_unstacked_and_inspect_says_so(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core (tests/megatron_runs.py)")
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason=needs("megatron-core", MEGATRON_VENV))
 def test_a_fresh_run_saved_under_a_wrappers_prefix_is_unstacked(tmp_path: Path) -> None:
     from tests.megatron_runs import make_run
 
