@@ -12,12 +12,11 @@ and given the source's logits).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.checkpoint import Conversion, EntryChange, apply_maps
@@ -36,6 +35,7 @@ from ckptfix.hf_export import (
     load_config,
     meta_model,
     output_dtype,
+    quiet_transformers,
 )
 from ckptfix.layouts import parse_rename
 from ckptfix.plan import plan_conversion
@@ -305,26 +305,9 @@ def verify_export(
     into the same model (a Megatron folder's as ``premap`` maps them: Megatron's forward is not run); the note saying
     what was compared and the largest difference. Raises :class:`MismatchError` when transformers
     reports a missing, unexpected or mismatched key, or the logits are not equal."""
-    with _quiet():
+    with quiet_transformers():
         return _verify(folder, source, found, exported, entry=entry, rules=rules, strip_prefixes=strip_prefixes,
                        allow=allow, unsafe=unsafe, dtype=dtype, premap=premap)  # fmt: skip
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' progress bars and warnings off while it loads (ckptfix's lines say the outcome), as they were
-    after."""
-    from transformers.utils import logging
-
-    bars, level = logging.is_progress_bar_enabled(), logging.get_verbosity()
-    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        logging.set_verbosity(level)
-        if bars:
-            logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _verify(

@@ -13,10 +13,11 @@ run, ever (``trust_remote_code=False``; a config only its own code reads is refu
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,11 +72,30 @@ def load_config(folder: str) -> Any:
     path = os.path.join(folder, "config.json")
     _refuse_custom_code(path)
     try:  # trust_remote_code=False: transformers never asks on stdin, never imports a module of the folder
-        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        with quiet_transformers():
+            return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a damaged file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"{path}: transformers {transformers.__version__} cannot read it ({first}); "
                          f"pass --config-from the folder of a config it reads") from e  # fmt: skip
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars and warnings off while it reads a config or loads a model (a config's own
+    oddities are its author's to see in transformers, not ckptfix's output: ckptfix's lines say the outcome), as
+    they were after."""
+    from transformers.utils import logging
+
+    bars, level = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _refuse_custom_code(path: str) -> None:
@@ -102,7 +122,7 @@ def meta_model(cls: Any, config: Any) -> torch.nn.Module:
     allocated."""
     import torch
 
-    with torch.device("meta"):
+    with torch.device("meta"), quiet_transformers():
         model: torch.nn.Module = cls._from_config(config)
     return model
 
@@ -277,6 +297,7 @@ __all__ = [
     "model_class",
     "named_class",
     "output_dtype",
+    "quiet_transformers",
     "require_transformers",
     "saved_form",
 ]
