@@ -39,8 +39,7 @@ def _convert(*args: str | Path) -> Any:
 
 @pytest.mark.parametrize("route", ["stream", "torch", "model-file"])
 def test_a_tied_gpt2_folder_into_a_pt_loads_strictly_into_ddp(tmp_path: Path, gloo_world: None, route: str) -> None:
-    import transformers
-
+    transformers = pytest.importorskip("transformers", reason=needs("transformers"))
     model = _gpt2(tmp_path / "hf", shard="20KB" if route != "model-file" else "1GB")
     index = tmp_path / "hf" / "model.safetensors.index.json"
     src = tmp_path / "hf" / "model.safetensors" if route == "model-file" else tmp_path / "hf"
