@@ -16,7 +16,15 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import MismatchError, UsageError
-from ckptfix.hf_export import Exported, export_state, fit, meta_model, model_class, require_transformers
+from ckptfix.hf_export import (
+    Exported,
+    export_state,
+    fit,
+    meta_model,
+    model_class,
+    quiet_transformers,
+    require_transformers,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +95,7 @@ def _grows(config: Any, held: int) -> bool:
     small = copy.deepcopy(config)
     small.num_hidden_layers = held + 1
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), quiet_transformers():
             model = transformers.AutoModel.from_config(small, trust_remote_code=False)
     except _UNBUILT:
         return False
