@@ -120,10 +120,13 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
 def _tied(state: Mapping[str, Any], specs: Mapping[str, Any]) -> dict[str, str]:
     """Keys whose tensor is an earlier key's (tied weights: one tensor under two names) -> that key; counted once."""
     first: dict[Hashable, str] = {}
+    tied: dict[str, str] = {}
     for key in specs:
-        if storage_of(state[key]) is not None:  # an empty or sparse tensor has no bytes to share
-            first.setdefault(identity(state[key]), key)
-    return {k: kept for k in specs if storage_of(state[k]) is not None and (kept := first[identity(state[k])]) != k}
+        if storage_of(state[key]) is None:  # an empty or sparse tensor has no bytes to share
+            continue
+        if (kept := first.setdefault(identity(state[key]), key)) != key:
+            tied[key] = kept
+    return tied
 
 
 def _sharing(state: Mapping[str, Any]) -> list[list[str]]:
