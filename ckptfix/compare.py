@@ -208,9 +208,16 @@ class KeyReport:
     ) -> dict[str, Any]:
         """``validate --json`` (docs/json.md): :meth:`to_dict`, the counts of keys on each side, the model's spec,
         the checkpoint's other model entries, the verdict line, the command that fixes the file and the exit code."""
-        return {**self.to_dict(), "keys": keys, "model": model, "model_keys": model_keys,
-                "other_entries": other_entries, "verdict": self.verdict(), "fix_command": fix_command,
-                "exit_code": exit_code}  # fmt: skip
+        return {
+            **self.to_dict(),
+            "keys": keys,
+            "model": model,
+            "model_keys": model_keys,
+            "other_entries": other_entries,
+            "verdict": self.verdict(),
+            "fix_command": fix_command,
+            "exit_code": exit_code,
+        }
 
     def verdict(self) -> str:
         """One line: whether the checkpoint loads with ``load_state_dict(strict=True)``, and if not, what is wrong."""

@@ -36,11 +36,17 @@ from ckptfix.signature import strict_keywords
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # The names people write for them (torch's own aliases, and the mixed-precision shorthands), case-insensitive.
 DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "fp16": "float16", "half": "float16", "f16": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
     "bf16": "bfloat16",
-    "fp64": "float64", "double": "float64", "f64": "float64",
-}  # fmt: skip
+    "fp64": "float64",
+    "double": "float64",
+    "f64": "float64",
+}
 
 
 def float_dtype(name: str | None) -> str | None:
@@ -107,9 +113,16 @@ class ConvertOptions:
         if not self.model_only:
             from ckptfix.formats.records import identity
 
-            conversion.notes += reform(conversion.obj, form=self.optimizer_form, dcp_out=out_fmt == "dcp",
-                                       model_entries=[c.entry for c in conversion.changes], parameters=self.parameters,
-                                       identity=identity, copy=_own_tensor, source=source)  # fmt: skip
+            conversion.notes += reform(
+                conversion.obj,
+                form=self.optimizer_form,
+                dcp_out=out_fmt == "dcp",
+                model_entries=[c.entry for c in conversion.changes],
+                parameters=self.parameters,
+                identity=identity,
+                copy=_own_tensor,
+                source=source,
+            )
         return conversion
 
 
@@ -182,8 +195,9 @@ def convert_file(
     source = os.fspath(src)
     dst, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
     if out_fmt == "hf":
-        raise UsageError(f"format='hf': call ckptfix.export_hf({source!r}, {dst!r}), which takes config_from= and "
-                         f"verify=")  # fmt: skip
+        raise UsageError(
+            f"format='hf': call ckptfix.export_hf({source!r}, {dst!r}), which takes config_from= and verify="
+        )
     if optimizer:
         _check_optimizer(source, dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
     if out_fmt == "dcp":
@@ -198,19 +212,29 @@ def convert_file(
     allow = tuple(allow_globals)
     notes: list[str] = []
     transform = _transform(options, source, in_kind=found.kind, out_fmt=out_fmt)
-    plan = plan_conversion(in_fmt=in_fmt, out_fmt=out_fmt, fast=fast, dtype=dtype, unsafe=unsafe,
-                           sharded=shard_size is not None)  # fmt: skip
+    plan = plan_conversion(
+        in_fmt=in_fmt, out_fmt=out_fmt, fast=fast, dtype=dtype, unsafe=unsafe, sharded=shard_size is not None
+    )
     if not plan.streams:
         notes.append(f"fast path not taken: {plan.reason}")
     else:
         from ckptfix.formats.copyable import Fallback
 
         try:
-            streamed = _stream(plan, source, os.fspath(dst), in_fmt=in_fmt, out_fmt=out_fmt, dtype=dtype,
-                               transform=transform,
-                               allow_globals=allow,
-                               verify=verify, shard_size=shard_size, overwrite=overwrite,
-                               optimizer=optimizer)  # fmt: skip
+            streamed = _stream(
+                plan,
+                source,
+                os.fspath(dst),
+                in_fmt=in_fmt,
+                out_fmt=out_fmt,
+                dtype=dtype,
+                transform=transform,
+                allow_globals=allow,
+                verify=verify,
+                shard_size=shard_size,
+                overwrite=overwrite,
+                optimizer=optimizer,
+            )
             streamed.method = "stream"
             streamed.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
             _note_tied(streamed, dst, out_fmt=out_fmt, shard_size=shard_size)
@@ -320,17 +344,25 @@ def optimizer_parameters(model: str | None, optimizer_factory: str) -> Parameter
 
     origin = f"--optimizer-factory {optimizer_factory}"
     if model is None:
-        raise UsageError(f"optimizer_factory={optimizer_factory!r} builds the optimizer for a model: pass "
-                         f"model='MOD:FACTORY' too, the model the run trained")  # fmt: skip
+        raise UsageError(
+            f"optimizer_factory={optimizer_factory!r} builds the optimizer for a model: pass "
+            f"model='MOD:FACTORY' too, the model the run trained"
+        )
     built = build_model(model, device="meta")  # both found as every MOD:FACTORY is: the current folder searched last
     names = {id(p): n for n, p in built.named_parameters()}
     groups = [list(g["params"]) for g in build_optimizer(optimizer_factory, built).param_groups]
     params = [p for g in groups for p in g]
     if stray := [g for g, group in enumerate(groups) if any(id(p) not in names for p in group)]:
-        raise UsageError(f"{origin}: param group {stray[0]} holds a tensor that is not a parameter of the model "
-                         f"--model {model} builds; build the optimizer from the model it is given")  # fmt: skip
-    return Parameters(tuple(names[id(p)] for p in params), tuple(tuple(p.shape) for p in params), origin,
-                      groups=tuple(len(g) for g in groups))  # fmt: skip
+        raise UsageError(
+            f"{origin}: param group {stray[0]} holds a tensor that is not a parameter of the model "
+            f"--model {model} builds; build the optimizer from the model it is given"
+        )
+    return Parameters(
+        tuple(names[id(p)] for p in params),
+        tuple(tuple(p.shape) for p in params),
+        origin,
+        groups=tuple(len(g) for g in groups),
+    )
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:
@@ -339,48 +371,86 @@ def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bo
     from ckptfix.formats.folders.deepspeed import is_deepspeed
 
     if model_only:
-        raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
-                         "alone); drop one")  # fmt: skip
+        raise UsageError(
+            "optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
+            "alone); drop one"
+        )
     if out_fmt not in ("torch", "dcp") or shard_size is not None:
         what = "transformers shards" if shard_size is not None else "a .safetensors file (tensors only)"
-        raise UsageError(f"optimizer=True writes {{model, optimizer}} into one .pt file or a DCP folder, but "
-                         f"{os.fspath(dst)} asks for {what}; write a .pt or a folder/, or drop "
-                         f"optimizer=True")  # fmt: skip
+        raise UsageError(
+            f"optimizer=True writes {{model, optimizer}} into one .pt file or a DCP folder, but "
+            f"{os.fspath(dst)} asks for {what}; write a .pt or a folder/, or drop "
+            f"optimizer=True"
+        )
     if not is_deepspeed(source):
-        raise UsageError(f"optimizer=True applies to a DeepSpeed ZeRO run folder, and {source} is not one; drop "
-                         f"optimizer=True (a .pt input keeps its optimizer entry as it is)")  # fmt: skip
+        raise UsageError(
+            f"optimizer=True applies to a DeepSpeed ZeRO run folder, and {source} is not one; drop "
+            f"optimizer=True (a .pt input keeps its optimizer entry as it is)"
+        )
 
 
 def _stream(
-    plan: Plan, source: str, out: str, *, in_fmt: str, out_fmt: str, dtype: str | None,
-    transform: Callable[[Any], Conversion], allow_globals: tuple[str, ...], verify: bool, shard_size: int | None,
-    overwrite: bool, optimizer: bool,
-) -> Conversion:  # fmt: skip
+    plan: Plan,
+    source: str,
+    out: str,
+    *,
+    in_fmt: str,
+    out_fmt: str,
+    dtype: str | None,
+    transform: Callable[[Any], Conversion],
+    allow_globals: tuple[str, ...],
+    verify: bool,
+    shard_size: int | None,
+    overwrite: bool,
+    optimizer: bool,
+) -> Conversion:
     """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
     it does not apply."""
     if plan.route == TO_DCP:
         from ckptfix.stream.to_dcp import convert_to_dcp
 
-        streamed: Conversion = convert_to_dcp(source, out, in_fmt=in_fmt, dtype=dtype, transform=transform,
-                                              allow_globals=allow_globals, overwrite=overwrite,
-                                              optimizer=optimizer)  # fmt: skip
+        streamed: Conversion = convert_to_dcp(
+            source,
+            out,
+            in_fmt=in_fmt,
+            dtype=dtype,
+            transform=transform,
+            allow_globals=allow_globals,
+            overwrite=overwrite,
+            optimizer=optimizer,
+        )
         _note_losses(streamed, out_fmt)
         return streamed
     if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt
         from ckptfix.stream.folder_torch import convert_folder_to_torch
 
-        return convert_folder_to_torch(source, out, transform=transform, allow_globals=allow_globals,
-                                       optimizer=optimizer, dtype=dtype)  # fmt: skip
+        return convert_folder_to_torch(
+            source, out, transform=transform, allow_globals=allow_globals, optimizer=optimizer, dtype=dtype
+        )
     if plan.route == STREAM_TENSORS:
         from ckptfix.stream.folders import convert_folder
 
-        return convert_folder(source, out, transform=transform, allow_globals=allow_globals, dtype=dtype,
-                              shard_size=shard_size, overwrite=overwrite)  # fmt: skip
+        return convert_folder(
+            source,
+            out,
+            transform=transform,
+            allow_globals=allow_globals,
+            dtype=dtype,
+            shard_size=shard_size,
+            overwrite=overwrite,
+        )
     from ckptfix.stream import fast_convert
 
     # it notes what a .safetensors output does not keep, as it goes
-    return fast_convert(source, out, in_fmt=in_fmt, out_fmt=out_fmt, transform=transform,  # type: ignore[no-any-return]
-                        allow_globals=allow_globals, verify=verify)  # fmt: skip
+    return fast_convert(  # type: ignore[no-any-return]
+        source,
+        out,
+        in_fmt=in_fmt,
+        out_fmt=out_fmt,
+        transform=transform,
+        allow_globals=allow_globals,
+        verify=verify,
+    )
 
 
 def _note_losses(conversion: Conversion, out_fmt: str) -> None:

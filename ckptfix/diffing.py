@@ -119,8 +119,12 @@ class DiffReport:
 
     def to_json(self) -> dict[str, Any]:
         """``diff --json`` (docs/json.md): :meth:`to_dict` and the exit code, 0 equal, 1 different."""
-        return {**self.to_dict(), "atol": json_number(self.atol), "rtol": json_number(self.rtol),
-                "exit_code": 0 if self.equal else 1}  # fmt: skip
+        return {
+            **self.to_dict(),
+            "atol": json_number(self.atol),
+            "rtol": json_number(self.rtol),
+            "exit_code": 0 if self.equal else 1,
+        }
 
 
 def json_number(x: float) -> float | str:

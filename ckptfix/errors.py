@@ -65,11 +65,22 @@ class DistributedError(CkptfixError):
 
 # The library names its options as keywords (``renames='^a\\.='``); people at a shell read them as flags.
 _FLAGS = {
-    "strip_prefixes": "--strip-prefix", "add_prefixes": "--add-prefix", "renames": "--rename", "entries": "--entry",
-    "entry": "--entry", "allow_globals": "--allow-global", "model_only": "--model-only", "unsafe": "--unsafe-pickle",
-    "dtype": "--dtype", "to": "--to", "overwrite": "--force", "shard_size": "--shard-size",
-    "optimizer": "--optimizer", "optimizer_factory": "--optimizer-factory", "model": "--model",
-}  # fmt: skip
+    "strip_prefixes": "--strip-prefix",
+    "add_prefixes": "--add-prefix",
+    "renames": "--rename",
+    "entries": "--entry",
+    "entry": "--entry",
+    "allow_globals": "--allow-global",
+    "model_only": "--model-only",
+    "unsafe": "--unsafe-pickle",
+    "dtype": "--dtype",
+    "to": "--to",
+    "overwrite": "--force",
+    "shard_size": "--shard-size",
+    "optimizer": "--optimizer",
+    "optimizer_factory": "--optimizer-factory",
+    "model": "--model",
+}
 _KEYWORD = re.compile(r"\b(" + "|".join(_FLAGS) + r")=(True\b|None\b|'[^']*')?")
 
 

@@ -105,34 +105,72 @@ def export_hf(
         state, named, llama = source_state(tree, config, source=source, entry=entry, premap=premap)
         if rules:
             state = apply_maps(state, rules, source=source)
-        exported = export_for(state, config, architecture=architecture, source=source,
-                              config_path=found.config_path, strip_prefixes=strip_prefixes)  # fmt: skip
+        exported = export_for(
+            state,
+            config,
+            architecture=architecture,
+            source=source,
+            config_path=found.config_path,
+            strip_prefixes=strip_prefixes,
+        )
         done.append(exported)
         report = exported.report
         renamed = llama.renamed if llama else frozenset()
-        change = EntryChange(entry or primary_entry(tree), llama.layout.name if llama else report.layout_from,
-                             "transformers", len(exported.state),
-                             sum(k not in state or k in renamed for k in exported.state))  # fmt: skip
-        return Conversion(obj=exported.state, changes=[change], notes=[*(megatron.notes if megatron else ()),
-                          *named, *exported.notes], dropped=_left_out(tree, change.entry, source=source))  # fmt: skip
+        change = EntryChange(
+            entry or primary_entry(tree),
+            llama.layout.name if llama else report.layout_from,
+            "transformers",
+            len(exported.state),
+            sum(k not in state or k in renamed for k in exported.state),
+        )
+        return Conversion(
+            obj=exported.state,
+            changes=[change],
+            notes=[*(megatron.notes if megatron else ()), *named, *exported.notes],
+            dropped=_left_out(tree, change.entry, source=source),
+        )
 
     tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
-        result = _write_weights(source, os.path.join(tmp, WEIGHTS), in_fmt=in_fmt, transform=transform, dtype=dtype,
-                                shard_size=shard_size, allow=allow, unsafe=unsafe, fast=fast,
-                                check=_values_check(done, source=source, config_path=found.config_path),
-                                progress=progress)  # fmt: skip
+        result = _write_weights(
+            source,
+            os.path.join(tmp, WEIGHTS),
+            in_fmt=in_fmt,
+            transform=transform,
+            dtype=dtype,
+            shard_size=shard_size,
+            allow=allow,
+            unsafe=unsafe,
+            fast=fast,
+            check=_values_check(done, source=source, config_path=found.config_path),
+            progress=progress,
+        )
         exported = done[-1]
         written = output_dtype(exported.state, dtype)
         config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
         names = write_side_files(tmp, found, config=config_out)
         said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
-        result.notes += [f"{said}: {', '.join(names)}" + ("" if written else
-                         " (the weights mix dtypes: the config's dtype left as it was)"), *found.left_out]  # fmt: skip
+        result.notes += [
+            f"{said}: {', '.join(names)}"
+            + ("" if written else " (the weights mix dtypes: the config's dtype left as it was)"),
+            *found.left_out,
+        ]
         if verify:
-            result.notes.append(verify_export(tmp, source, found, exported, entry=entry, rules=rules,
-                                              strip_prefixes=strip_prefixes, allow=allow, unsafe=unsafe,
-                                              dtype=written, premap=premap))  # fmt: skip
+            result.notes.append(
+                verify_export(
+                    tmp,
+                    source,
+                    found,
+                    exported,
+                    entry=entry,
+                    rules=rules,
+                    strip_prefixes=strip_prefixes,
+                    allow=allow,
+                    unsafe=unsafe,
+                    dtype=written,
+                    premap=premap,
+                )
+            )
         _put_in_place(tmp, out_s)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -143,8 +181,12 @@ def export_hf(
 def _wrote(out: str, names: list[str]) -> str:
     """What the folder holds, for the "wrote" line: the weights' files, then the config and how many more."""
     shards = len([n for n in os.listdir(out) if n.startswith("model") and n.endswith(".safetensors")])
-    return "transformers folder: " + (f"{shards} shards and their index" if shards > 1 else WEIGHTS) + \
-        f", {CONFIG}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")  # fmt: skip
+    return (
+        "transformers folder: "
+        + (f"{shards} shards and their index" if shards > 1 else WEIGHTS)
+        + f", {CONFIG}"
+        + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+    )
 
 
 @strict_keywords
@@ -184,13 +226,31 @@ def merge_to_hf(
     tmp = tempfile.mkdtemp(prefix=".ckptfix-merge.", suffix=".ckptfix-tmp", dir=_parent(out_s))
     try:
         merged = os.path.join(tmp, WEIGHTS)
-        result = merge_files(paths, merged, model_only=True, allow_globals=allow, unsafe=unsafe, model=model,
-                             buffers=buffers, atol=atol, buffer_keys=buffer_keys, average=average,
-                             weights=weights)  # fmt: skip
+        result = merge_files(
+            paths,
+            merged,
+            model_only=True,
+            allow_globals=allow,
+            unsafe=unsafe,
+            model=model,
+            buffers=buffers,
+            atol=atol,
+            buffer_keys=buffer_keys,
+            average=average,
+            weights=weights,
+        )
         if result.diverged:
             return result, None
-        exported = export_hf(merged, out_s, config_from=found.folder, architecture=architecture, verify=verify,
-                             overwrite=overwrite, allow_globals=allow, unsafe=unsafe)  # fmt: skip
+        exported = export_hf(
+            merged,
+            out_s,
+            config_from=found.folder,
+            architecture=architecture,
+            verify=verify,
+            overwrite=overwrite,
+            allow_globals=allow,
+            unsafe=unsafe,
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return result, exported
@@ -202,9 +262,19 @@ def _values_check(done: list[Exported], *, source: str, config_path: str) -> Cal
 
 
 def _write_weights(
-    source: str, weights: str, *, in_fmt: str, transform: Any, dtype: str | None, shard_size: int | None,
-    allow: tuple[str, ...], unsafe: bool, fast: bool, check: Callable[[Callable[[Any], bytes]], None], progress: bool,
-) -> Conversion:  # fmt: skip
+    source: str,
+    weights: str,
+    *,
+    in_fmt: str,
+    transform: Any,
+    dtype: str | None,
+    shard_size: int | None,
+    allow: tuple[str, ...],
+    unsafe: bool,
+    fast: bool,
+    check: Callable[[Callable[[Any], bytes]], None],
+    progress: bool,
+) -> Conversion:
     """The weights, streamed where the plan and the stream allow, else loaded by torch; one file or shards.
     ``check(read)`` runs after ``transform``, before a byte is written (``read(t)``: a tensor's bytes)."""
     limit = shard_size or ONE_SHARD  # the shard writer: one file named model.safetensors, or shards and an index
@@ -215,8 +285,16 @@ def _write_weights(
         from ckptfix.stream.folders import convert_folder
 
         try:
-            streamed = convert_folder(source, weights, transform=transform, allow_globals=allow, dtype=dtype,
-                                      shard_size=limit, check=check, progress=progress)  # fmt: skip
+            streamed = convert_folder(
+                source,
+                weights,
+                transform=transform,
+                allow_globals=allow,
+                dtype=dtype,
+                shard_size=limit,
+                check=check,
+                progress=progress,
+            )
             streamed.method = "stream"
             return streamed
         except Fallback as e:
@@ -260,14 +338,17 @@ def _check_out(out: str, *, inputs: tuple[PathLike, ...], overwrite: bool) -> No
         raise OutputError(f"{out}: exists and is not a folder; --format hf writes a folder")
     names = sorted(os.listdir(out)) if os.path.isdir(out) else []
     if names and not overwrite:
-        raise OutputError(f"{out}: exists and is not empty; write to a new or empty folder, or pass --force to "
-                          f"replace it")  # fmt: skip
+        raise OutputError(
+            f"{out}: exists and is not empty; write to a new or empty folder, or pass --force to replace it"
+        )
     for name in names:
         path = os.path.join(out, name)
         shard = name.startswith("model-") and name.endswith(".safetensors")
         if not ((name in _EXPORT_FILE or shard) and stat.S_ISREG(os.lstat(path).st_mode)):
-            raise OutputError(f"{path}: is not a file a transformers export writes, and --force replaces only such a "
-                              f"folder; remove it or write to a new folder")  # fmt: skip
+            raise OutputError(
+                f"{path}: is not a file a transformers export writes, and --force replaces only such a "
+                f"folder; remove it or write to a new folder"
+            )
 
 
 def _parent(out: str) -> str:
@@ -298,22 +379,53 @@ def _umask() -> int:
 
 
 def verify_export(
-    folder: str, source: str, found: ConfigFolder, exported: Exported, *, entry: str | None, rules: list[Any],
-    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None, premap: Any = None,
-) -> str:  # fmt: skip
+    folder: str,
+    source: str,
+    found: ConfigFolder,
+    exported: Exported,
+    *,
+    entry: str | None,
+    rules: list[Any],
+    strip_prefixes: Iterable[str],
+    allow: tuple[str, ...],
+    unsafe: bool,
+    dtype: str | None,
+    premap: Any = None,
+) -> str:
     """Load ``folder`` with transformers and compare its logits on a fixed input with the source's weights loaded
     into the same model (a Megatron folder's as ``premap`` maps them: Megatron's forward is not run); the note saying
     what was compared and the largest difference. Raises :class:`MismatchError` when transformers
     reports a missing, unexpected or mismatched key, or the logits are not equal."""
     with quiet_transformers():
-        return _verify(folder, source, found, exported, entry=entry, rules=rules, strip_prefixes=strip_prefixes,
-                       allow=allow, unsafe=unsafe, dtype=dtype, premap=premap)  # fmt: skip
+        return _verify(
+            folder,
+            source,
+            found,
+            exported,
+            entry=entry,
+            rules=rules,
+            strip_prefixes=strip_prefixes,
+            allow=allow,
+            unsafe=unsafe,
+            dtype=dtype,
+            premap=premap,
+        )
 
 
 def _verify(
-    folder: str, source: str, found: ConfigFolder, exported: Exported, *, entry: str | None, rules: list[Any],
-    strip_prefixes: Iterable[str], allow: tuple[str, ...], unsafe: bool, dtype: str | None, premap: Any = None,
-) -> str:  # fmt: skip
+    folder: str,
+    source: str,
+    found: ConfigFolder,
+    exported: Exported,
+    *,
+    entry: str | None,
+    rules: list[Any],
+    strip_prefixes: Iterable[str],
+    allow: tuple[str, ...],
+    unsafe: bool,
+    dtype: str | None,
+    premap: Any = None,
+) -> str:
     import torch
 
     from ckptfix.hf_export import model_class
@@ -321,30 +433,35 @@ def _verify(
     config = load_config(folder)
     cls = model_class(config, config_path=os.path.join(folder, CONFIG))
     torch_dtype = getattr(torch, dtype) if dtype else torch.float32
-    loaded, info = cls.from_pretrained(folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True,
-                                       trust_remote_code=False)  # fmt: skip
+    loaded, info = cls.from_pretrained(
+        folder, output_loading_info=True, dtype=torch_dtype, local_files_only=True, trust_remote_code=False
+    )
     wrong = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs" and v}
     if wrong or info.get("error_msgs"):
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
     obj = read(source, fmt=detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
-    state, _, _ = source_state(obj, None if premap else load_config(found.folder), source=source, entry=entry,
-                            premap=premap)  # fmt: skip
+    state, _, _ = source_state(
+        obj, None if premap else load_config(found.folder), source=source, entry=entry, premap=premap
+    )
     if rules:
         state = apply_maps(state, rules, source=source)
     source_config = load_config(folder if premap else found.folder)  # a Megatron folder's: the one built, written
-    reference = _reference(cls, source_config, state, exported, strip_prefixes=strip_prefixes,
-                           dtype=torch_dtype)  # fmt: skip
+    reference = _reference(cls, source_config, state, exported, strip_prefixes=strip_prefixes, dtype=torch_dtype)
     ids = _fixed_input(config)
     with torch.no_grad():
         got, want = _logits(loaded.eval(), ids), _logits(reference.eval(), ids)
     diff = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
     if not torch.equal(got, want):
-        raise MismatchError(f"{folder}: its logits differ from the source weights' by up to {diff:.3g} on a fixed "
-                            f"input; nothing was written")  # fmt: skip
+        raise MismatchError(
+            f"{folder}: its logits differ from the source weights' by up to {diff:.3g} on a fixed "
+            f"input; nothing was written"
+        )
     if premap is not None:  # the map on both sides: what is checked is the folder written, not the map itself
-        return (f"verified: from_pretrained loads every key; its logits equal those of the Megatron weights as ckptfix "
-                f"maps them, in a {cls.__name__} built from the written config (largest difference {diff:g}); "
-                f"Megatron's own forward was not run")  # fmt: skip
+        return (
+            f"verified: from_pretrained loads every key; its logits equal those of the Megatron weights as ckptfix "
+            f"maps them, in a {cls.__name__} built from the written config (largest difference {diff:g}); "
+            f"Megatron's own forward was not run"
+        )
     return f"verified: from_pretrained loads every key, logits equal the source's (largest difference {diff:g})"
 
 
@@ -361,8 +478,9 @@ def _reference(
         cast = {k: v.to(dtype) if getattr(v, "is_floating_point", bool)() else v for k, v in state.items()}
         load_into(model, cast, strip_prefixes=strip_prefixes)
         return model
-    own = export_state(state, meta_model(cls, config), source="source", config_path=CONFIG,
-                       strip_prefixes=strip_prefixes)  # fmt: skip
+    own = export_state(
+        state, meta_model(cls, config), source="source", config_path=CONFIG, strip_prefixes=strip_prefixes
+    )
     return cls.from_pretrained(None, config=config, state_dict=dict(own.state), dtype=dtype, trust_remote_code=False)
 
 

@@ -170,6 +170,10 @@ def build_optimizer(
 
     optimizer = call_factory(spec, model, search_path=search_path, function="build_optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ModelSpecError("spec", spec, f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer",
-                             function="build_optimizer")  # fmt: skip
+        raise ModelSpecError(
+            "spec",
+            spec,
+            f"returned {type(optimizer).__name__}, not a torch.optim.Optimizer",
+            function="build_optimizer",
+        )
     return optimizer

@@ -37,22 +37,33 @@ _NUMBERED = re.compile(r"(.+?)\.(\d+)(?:\.|$)")  # a key's first numbered module
 
 
 def export_for(
-    state: Mapping[str, Any], config: Any, *, architecture: str | None, source: str, config_path: str,
+    state: Mapping[str, Any],
+    config: Any,
+    *,
+    architecture: str | None,
+    source: str,
+    config_path: str,
     strip_prefixes: Iterable[str] = (),
-) -> Exported:  # fmt: skip
+) -> Exported:
     """:func:`~ckptfix.hf_export.export_state` for the model :func:`fitting_model` finds; its notes say a class
     chosen."""
-    model, chosen = fitting_model(state, config, architecture=architecture, source=source, config_path=config_path,
-                                  strip_prefixes=strip_prefixes)  # fmt: skip
+    model, chosen = fitting_model(
+        state, config, architecture=architecture, source=source, config_path=config_path, strip_prefixes=strip_prefixes
+    )
     exported = export_state(state, model, source=source, config_path=config_path, strip_prefixes=strip_prefixes)
     exported.notes[:0] = chosen
     return exported
 
 
 def fitting_model(
-    state: Mapping[str, Any], config: Any, *, architecture: str | None, source: str, config_path: str,
+    state: Mapping[str, Any],
+    config: Any,
+    *,
+    architecture: str | None,
+    source: str,
+    config_path: str,
     strip_prefixes: Iterable[str] = (),
-) -> tuple[torch.nn.Module, list[str]]:  # fmt: skip
+) -> tuple[torch.nn.Module, list[str]]:
     """The meta model ``state`` is exported for, and a note where its class was chosen: ``architecture``, else the
     config's ``architectures``, else the one class of transformers' for its ``model_type`` whose keys ``state``
     fills. A config of more layers than ``state`` holds is refused before a model of that size is built."""
@@ -81,9 +92,11 @@ def refuse_missing_layers(state: Mapping[str, Any], config: Any, *, source: str,
         return
     field = getattr(config, "attribute_map", {}).get("num_hidden_layers", "num_hidden_layers")
     what = f"{len(held)} ('{name}.{min(held)}' to '{name}.{max(held)}')" if held else "none"
-    raise MismatchError(f"{source}: holds {len(held)} layers, but {config_path} says {field} {want} (layers held: "
-                        f"{what}); nothing was written; pass --config-from the folder of the config it was trained "
-                        f"with")  # fmt: skip
+    raise MismatchError(
+        f"{source}: holds {len(held)} layers, but {config_path} says {field} {want} (layers held: "
+        f"{what}); nothing was written; pass --config-from the folder of the config it was trained "
+        f"with"
+    )
 
 
 def _grows(config: Any, held: int) -> bool:
@@ -137,8 +150,10 @@ def chosen_model(
     picked = exact or moved
     if len(picked) == 1:
         chosen = type(picked[0]).__name__
-        return picked[0], [f"architecture {chosen}: {config_path} names none, and {chosen} is the one class of "
-                           f"model_type {kind!r} whose keys {source} fills (of {', '.join(names)})"]  # fmt: skip
+        return picked[0], [
+            f"architecture {chosen}: {config_path} names none, and {chosen} is the one class of "
+            f"model_type {kind!r} whose keys {source} fills (of {', '.join(names)})"
+        ]
     raise UsageError(_unchosen(picked, names, kind=kind, source=source, config_path=config_path))
 
 

@@ -50,8 +50,10 @@ def model_class(config: Any, *, config_path: str, architecture: str | None = Non
     there is none (:func:`ckptfix.hf_classes.fitting_model` picks one from the checkpoint's keys instead)."""
     names = [architecture] if architecture else getattr(config, "architectures", None) or []
     if not names:
-        raise UsageError(f"{config_path}: names no 'architectures', so the model class is unknown; pass "
-                         f"--architecture NAME (the class the weights belong to)")  # fmt: skip
+        raise UsageError(
+            f"{config_path}: names no 'architectures', so the model class is unknown; pass "
+            f"--architecture NAME (the class the weights belong to)"
+        )
     return named_class(str(names[0]), where="--architecture" if architecture else config_path)
 
 
@@ -60,8 +62,10 @@ def named_class(name: str, *, where: str) -> Any:
     transformers = require_transformers()
     cls = getattr(transformers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise UsageError(f"{where}: architecture {name!r} is not a model class of transformers "
-                         f"{transformers.__version__}; upgrade it, or name one it has")  # fmt: skip
+        raise UsageError(
+            f"{where}: architecture {name!r} is not a model class of transformers "
+            f"{transformers.__version__}; upgrade it, or name one it has"
+        )
     return cls
 
 
@@ -76,8 +80,10 @@ def load_config(folder: str) -> Any:
             return transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a damaged file
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path}: transformers {transformers.__version__} cannot read it ({first}); "
-                         f"pass --config-from the folder of a config it reads") from e  # fmt: skip
+        raise UsageError(
+            f"{path}: transformers {transformers.__version__} cannot read it ({first}); "
+            f"pass --config-from the folder of a config it reads"
+        ) from e
 
 
 @contextlib.contextmanager
@@ -112,9 +118,11 @@ def _refuse_custom_code(path: str) -> None:
     names = config.get("architectures")
     code = {str(v): None for v in auto_map.values() if isinstance(v, str)}  # AutoTokenizer's is a list: no model
     need = str(names[0]) if isinstance(names, list) and names else next(iter(code), "?")
-    raise UsageError(f"{path}: model_type {kind!r} is not one transformers knows, and its auto_map names code of "
-                     f"its own ({', '.join(map(repr, code))}), which ckptfix never runs; export with a transformers "
-                     f"that has {need!r}, or pass --config-from the folder of a config transformers reads")  # fmt: skip
+    raise UsageError(
+        f"{path}: model_type {kind!r} is not one transformers knows, and its auto_map names code of "
+        f"its own ({', '.join(map(repr, code))}), which ckptfix never runs; export with a transformers "
+        f"that has {need!r}, or pass --config-from the folder of a config transformers reads"
+    )
 
 
 def meta_model(cls: Any, config: Any) -> torch.nn.Module:

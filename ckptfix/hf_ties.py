@@ -36,8 +36,13 @@ class Ties:
         once written), and what was put back: copy -> the key it is."""
         if not self.groups or not is_state_dict(tree):
             return tree, {}
-        restored = {copy: kept for keys in self.groups if (kept := next((k for k in keys if k in tree), None))
-                    for copy in keys if copy not in tree}  # fmt: skip
+        restored = {
+            copy: kept
+            for keys in self.groups
+            if (kept := next((k for k in keys if k in tree), None))
+            for copy in keys
+            if copy not in tree
+        }
         if not restored:
             return tree, {}
         out: OrderedDict[str, Any] = OrderedDict(tree)
@@ -53,8 +58,10 @@ class Ties:
         if not restored:
             return []
         pairs = ", ".join(f"'{copy}' = '{kept}'" for copy, kept in restored.items())
-        return [f"{TIES_RESTORED}: {pairs} (one storage, as torch.save writes a tied model; config.json ties them "
-                f"and save_pretrained leaves the copy out)"]  # fmt: skip
+        return [
+            f"{TIES_RESTORED}: {pairs} (one storage, as torch.save writes a tied model; config.json ties them "
+            f"and save_pretrained leaves the copy out)"
+        ]
 
 
 def saved_ties(source: str) -> Ties:
@@ -67,9 +74,11 @@ def saved_ties(source: str) -> Ties:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        return Ties(unknown=f"{TIES_NOT_RESTORED}: transformers, which reads which weights {config_path} ties "
-                            f"(save_pretrained leaves the copy out), is not installed; pip install 'ckptfix[hf]' and "
-                            f"convert again, or {_BY_HAND}")  # fmt: skip
+        return Ties(
+            unknown=f"{TIES_NOT_RESTORED}: transformers, which reads which weights {config_path} ties "
+            f"(save_pretrained leaves the copy out), is not installed; pip install 'ckptfix[hf]' and "
+            f"convert again, or {_BY_HAND}"
+        )
     from ckptfix.hf_export import load_config, meta_model, model_class
 
     try:
@@ -77,8 +86,10 @@ def saved_ties(source: str) -> Ties:
         model = meta_model(model_class(config, config_path=config_path), config)
     except _CANNOT_BUILD as e:
         said = str(e).strip().splitlines()[0].split("; ")[0] if str(e).strip() else type(e).__name__
-        return Ties(unknown=f"{TIES_NOT_RESTORED}: the model of {config_path} cannot be built to prove which weights "
-                            f"it ties ({said}); {_BY_HAND}")  # fmt: skip
+        return Ties(
+            unknown=f"{TIES_NOT_RESTORED}: the model of {config_path} cannot be built to prove which weights "
+            f"it ties ({said}); {_BY_HAND}"
+        )
     names: dict[int, list[str]] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         names.setdefault(id(value), []).append(key)

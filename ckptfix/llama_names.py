@@ -54,31 +54,56 @@ class Layout:
 
 TORCHTUNE = Layout(
     "torchtune",
-    {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.scale": "model.norm.weight",
-     "output.weight": "lm_head.weight"},
-    {"sa_norm.scale": "input_layernorm.weight", "attn.q_proj.weight": _Q, "attn.k_proj.weight": _K,
-     "attn.v_proj.weight": "self_attn.v_proj.weight", "attn.output_proj.weight": "self_attn.o_proj.weight",
-     "mlp_norm.scale": "post_attention_layernorm.weight", **{f"mlp.{w}.weight": hf for w, hf in _MLP.items()}},
-)  # fmt: skip
+    {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.scale": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    },
+    {
+        "sa_norm.scale": "input_layernorm.weight",
+        "attn.q_proj.weight": _Q,
+        "attn.k_proj.weight": _K,
+        "attn.v_proj.weight": "self_attn.v_proj.weight",
+        "attn.output_proj.weight": "self_attn.o_proj.weight",
+        "mlp_norm.scale": "post_attention_layernorm.weight",
+        **{f"mlp.{w}.weight": hf for w, hf in _MLP.items()},
+    },
+)
 _TITAN_LAYER = {
-    "attention.wo.weight": "self_attn.o_proj.weight", "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight", **{f"feed_forward.{w}.weight": hf for w, hf in _MLP.items()},
-}  # fmt: skip
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **{f"feed_forward.{w}.weight": hf for w, hf in _MLP.items()},
+}
 TORCHTITAN = Layout(
     "torchtitan",
-    {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-     "lm_head.weight": "lm_head.weight"},
-    {"attention.qkv_linear.wq.weight": _Q, "attention.qkv_linear.wk.weight": _K,
-     "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight", **_TITAN_LAYER},
-)  # fmt: skip
+    {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    },
+    {
+        "attention.qkv_linear.wq.weight": _Q,
+        "attention.qkv_linear.wk.weight": _K,
+        "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+        **_TITAN_LAYER,
+    },
+)
 META = Layout(
     "Meta",
-    {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-     "output.weight": "lm_head.weight"},
-    {"attention.wq.weight": _Q, "attention.wk.weight": _K, "attention.wv.weight": "self_attn.v_proj.weight",
-     **_TITAN_LAYER},
+    {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    },
+    {
+        "attention.wq.weight": _Q,
+        "attention.wk.weight": _K,
+        "attention.wv.weight": "self_attn.v_proj.weight",
+        **_TITAN_LAYER,
+    },
     frozenset({"freqs_cis"}),  # torchtitan before 0.3 kept its rotary table as a persistent buffer
-)  # fmt: skip
+)
 LAYOUTS = (TORCHTUNE, TORCHTITAN, META)
 
 
@@ -103,9 +128,11 @@ def layout_of(keys: Iterable[object], *, source: str) -> Layout | None:
     best = max(LAYOUTS, key=lambda lay: sum(lay.names(k) for k in keys))
     odd = next(k for k in keys if not best.names(k))
     said = next(k for k in keys if best.names(k) and _claims(k))
-    raise MismatchError(f"{source}: '{odd}' is not a {best.name} Llama name, though '{said}' is: a mixture of "
-                        f"layouts, or not a Llama model; nothing was written; rename the odd keys with --rename, or "
-                        f"convert it to a .safetensors file in its own names instead")  # fmt: skip
+    raise MismatchError(
+        f"{source}: '{odd}' is not a {best.name} Llama name, though '{said}' is: a mixture of "
+        f"layouts, or not a Llama model; nothing was written; rename the odd keys with --rename, or "
+        f"convert it to a .safetensors file in its own names instead"
+    )
 
 
 def head_spans(heads: int, head_dim: int) -> list[tuple[int, int]]:
@@ -124,9 +151,13 @@ def head_spans(heads: int, head_dim: int) -> list[tuple[int, int]]:
 
 
 def hf_state(
-    state: Mapping[str, Any], shape: Mapping[str, Any], *, layout: Layout, source: str,
+    state: Mapping[str, Any],
+    shape: Mapping[str, Any],
+    *,
+    layout: Layout,
+    source: str,
     take: Callable[[Any, list[tuple[int, int]]], Any] | None = None,
-) -> OrderedDict[str, Any]:  # fmt: skip
+) -> OrderedDict[str, Any]:
     """``state`` (every key of ``layout``) in transformers' names for the model ``shape`` describes
     (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``hidden_size``, ``tie_word_embeddings``);
     ``take(tensor, [(start, stop), …])`` makes a tensor of those rows (default: a record of them, or a slice)."""
@@ -137,8 +168,10 @@ def hf_state(
     heads, kv, d = int(shape["num_attention_heads"]), int(shape["num_key_value_heads"]), int(shape["head_dim"])
     hidden = int(shape["hidden_size"])
     if d % 2:
-        raise UsageError(f"{source}: config.json's head_dim {d} is odd, and rotary embeddings pair a head's "
-                         f"dimensions; pass --config-from the folder of the config it was trained with")  # fmt: skip
+        raise UsageError(
+            f"{source}: config.json's head_dim {d} is odd, and rotary embeddings pair a head's "
+            f"dimensions; pass --config-from the folder of the config it was trained with"
+        )
     out: OrderedDict[str, Any] = OrderedDict()
     for name, t in state.items():
         if name in layout.dropped:
@@ -151,16 +184,24 @@ def hf_state(
         hf = layout.layer[m.group(2)]
         if hf in (_Q, _K):
             n = heads if hf == _Q else kv
-            _check_projection(name, t, rows=n * d, cols=hidden, what=f"{n} {'query' if hf == _Q else 'key-value'} "
-                              f"heads of {d}", source=source)  # fmt: skip
+            _check_projection(
+                name,
+                t,
+                rows=n * d,
+                cols=hidden,
+                what=f"{n} {'query' if hf == _Q else 'key-value'} heads of {d}",
+                source=source,
+            )
             t = take(t, head_spans(n, d))
         out[f"model.layers.{m.group(1)}.{hf}"] = t
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         if not shape.get("tie_word_embeddings"):
-            raise MismatchError(f"{source}: has no output projection ('{_output(layout)}'), so the model ties it to "
-                                f"the embedding, but config.json does not tie them; nothing was written; set "
-                                f'"tie_word_embeddings": true there, or pass --config-from the config it was '
-                                f"trained with")  # fmt: skip
+            raise MismatchError(
+                f"{source}: has no output projection ('{_output(layout)}'), so the model ties it to "
+                f"the embedding, but config.json does not tie them; nothing was written; set "
+                f'"tie_word_embeddings": true there, or pass --config-from the config it was '
+                f"trained with"
+            )
         out["lm_head.weight"] = out["model.embed_tokens.weight"]  # one tensor, two names: the export leaves it out
     return out
 
@@ -172,9 +213,11 @@ def _output(layout: Layout) -> str:
 def _check_projection(name: str, t: Any, *, rows: int, cols: int, what: str, source: str) -> None:
     shape = tuple(int(s) for s in t.shape)
     if shape != (rows, cols):
-        raise MismatchError(f"{source}: '{name}' is {list(shape)}, not [{rows}, {cols}] ({what}, hidden size {cols}, "
-                            f"as config.json says); nothing was written; pass --config-from the folder of the "
-                            f"config it was trained with")  # fmt: skip
+        raise MismatchError(
+            f"{source}: '{name}' is {list(shape)}, not [{rows}, {cols}] ({what}, hidden size {cols}, "
+            f"as config.json says); nothing was written; pass --config-from the folder of the "
+            f"config it was trained with"
+        )
 
 
 @dataclass
@@ -204,9 +247,11 @@ def model_state(tree: Any, config: Any, *, source: str, entry: str | None = None
         return None
     kind = getattr(config, "model_type", None)
     if kind not in LLAMA_TYPES:
-        raise UsageError(f"{source}: holds {layout.name} Llama names, but config.json describes model_type "
-                         f"{kind!r}; pass --config-from the folder of the Llama config.json it was trained "
-                         f"with")  # fmt: skip
+        raise UsageError(
+            f"{source}: holds {layout.name} Llama names, but config.json describes model_type "
+            f"{kind!r}; pass --config-from the folder of the Llama config.json it was trained "
+            f"with"
+        )
     heads, hidden = int(config.num_attention_heads), int(config.hidden_size)
     shape = {
         "num_attention_heads": heads,
@@ -215,8 +260,10 @@ def model_state(tree: Any, config: Any, *, source: str, entry: str | None = None
         "hidden_size": hidden,
         "tie_word_embeddings": bool(config.tie_word_embeddings),
     }
-    notes = [f"{layout.name} names mapped to transformers' Llama names; q_proj and k_proj rows reordered per head "
-             f"from Meta's rotary layout to rotate_half's"]  # fmt: skip
+    notes = [
+        f"{layout.name} names mapped to transformers' Llama names; q_proj and k_proj rows reordered per head "
+        f"from Meta's rotary layout to rotate_half's"
+    ]
     if beside:
         notes.append(f"left out the training state beside the model: {', '.join(beside)}")
     mapped = hf_state(state, shape, layout=layout, source=source)

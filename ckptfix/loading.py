@@ -190,9 +190,13 @@ def load_into(
 
         if placing.eligible(model):
             placed = _place(
-                model, path_or_state, allow_globals=allow_globals, entry=entry, strip_prefixes=strip_prefixes,
+                model,
+                path_or_state,
+                allow_globals=allow_globals,
+                entry=entry,
+                strip_prefixes=strip_prefixes,
                 strict=strict,
-            )  # fmt: skip
+            )
             if placed is not None:
                 return placed
     obj, name = _open(path_or_state, allow_globals=allow_globals, unsafe=unsafe, source=source)
@@ -277,8 +281,9 @@ def _open(
             return opened.tree, name
     from ckptfix.formats.registry import detect_format, read
 
-    return read(path_or_state, fmt=detect_format(path_or_state), allow_globals=allow_globals, unsafe=unsafe,
-                opaque=True), name  # fmt: skip
+    return read(
+        path_or_state, fmt=detect_format(path_or_state), allow_globals=allow_globals, unsafe=unsafe, opaque=True
+    ), name
 
 
 def _loadable_state(obj: Any, *, source: str, entry: str | None) -> Mapping[str, Any]:

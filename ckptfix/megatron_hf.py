@@ -41,10 +41,16 @@ from ckptfix.formats.records import is_record
 
 # Megatron-LM's argument, the HF config's key; each needed for a config (``kv_channels``, ``num_query_groups`` have
 # defaults Megatron itself applies)
-_NEEDED = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
-           ("ffn_hidden_size", "intermediate_size"), ("num_attention_heads", "num_attention_heads"),
-           ("padded_vocab_size", "vocab_size"), ("max_position_embeddings", "max_position_embeddings"),
-           ("norm_epsilon", "rms_norm_eps"), ("rotary_base", "rope_theta"))  # fmt: skip
+_NEEDED = (
+    ("num_layers", "num_hidden_layers"),
+    ("hidden_size", "hidden_size"),
+    ("ffn_hidden_size", "intermediate_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("padded_vocab_size", "vocab_size"),
+    ("max_position_embeddings", "max_position_embeddings"),
+    ("norm_epsilon", "rms_norm_eps"),
+    ("rotary_base", "rope_theta"),
+)
 # Megatron-LM's argument, what transformers' Llama and Mixtral compute, said as what they need
 _FAMILY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "normalization": (lambda v: v == "RMSNorm", "RMSNorm"),
@@ -65,9 +71,25 @@ _FAMILY: dict[str, tuple[Callable[[Any], bool], str]] = {
 # megatron-core 0.16's names of what older Megatron-LM calls norm_epsilon and apply_layernorm_1p
 _ALIASES = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
 # every argument hf_config and hf_state read (each other one is checked by ckptfix.megatron_args)
-_MAPPED = frozenset({m for m, _ in _NEEDED} | set(_FAMILY) | set(_ALIASES) | set(_ALIASES.values()) | {
-    "group_query_attention", "num_query_groups", "kv_channels", "vocab_size", "untie_embeddings_and_output_weights",
-    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "params_dtype", "bf16", "fp16"})  # fmt: skip
+_MAPPED = frozenset(
+    {m for m, _ in _NEEDED}
+    | set(_FAMILY)
+    | set(_ALIASES)
+    | set(_ALIASES.values())
+    | {
+        "group_query_attention",
+        "num_query_groups",
+        "kv_channels",
+        "vocab_size",
+        "untie_embeddings_and_output_weights",
+        "num_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "params_dtype",
+        "bf16",
+        "fp16",
+    }
+)
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
 # Megatron's name in a layer -> transformers' (a Llama layer; Mixtral's differ only in the feed-forward block)
@@ -93,8 +115,10 @@ def hf_config(args: Mapping[str, Any], *, source: str) -> tuple[dict[str, Any], 
     if gqa and args.get("num_query_groups") is None:
         missing.append("num_query_groups")
     if missing:
-        raise UsageError(f"{source}: its model arguments do not say {', '.join(missing)}, which an HF config.json "
-                         f"needs; pass --config-from the folder of the model's HF config.json")  # fmt: skip
+        raise UsageError(
+            f"{source}: its model arguments do not say {', '.join(missing)}, which an HF config.json "
+            f"needs; pass --config-from the folder of the model's HF config.json"
+        )
     check_forward(args, source=source)
     heads, hidden = int(args["num_attention_heads"]), int(args["hidden_size"])
     groups = int(args["num_query_groups"]) if gqa else heads
@@ -103,15 +127,18 @@ def hf_config(args: Mapping[str, Any], *, source: str) -> tuple[dict[str, Any], 
     vocab = args.get("vocab_size")
     if not (isinstance(vocab, int) and 0 < vocab <= padded):
         vocab = padded
-        notes.append(f"vocabulary kept at its padded size {padded}: the checkpoint does not say the tokenizer's; "
-                     f"pass --config-from a config.json whose vocab_size is it to cut the padding")  # fmt: skip
+        notes.append(
+            f"vocabulary kept at its padded size {padded}: the checkpoint does not say the tokenizer's; "
+            f"pass --config-from a config.json whose vocab_size is it to cut the padding"
+        )
     experts = args.get("num_experts")
     config: dict[str, Any] = {
         "architectures": ["MixtralForCausalLM" if experts else "LlamaForCausalLM"],
         "model_type": "mixtral" if experts else "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"]) if experts else int(
-            args["ffn_hidden_size"]),
+        "intermediate_size": int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
+        if experts
+        else int(args["ffn_hidden_size"]),
         "num_attention_heads": heads,
         "num_key_value_heads": groups,
         "head_dim": head_dim,
@@ -124,15 +151,21 @@ def hf_config(args: Mapping[str, Any], *, source: str) -> tuple[dict[str, Any], 
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-    }  # fmt: skip
+    }
     if experts:
         topk = args.get("moe_router_topk")
         if topk is None:
-            raise UsageError(f"{source}: a mixture of {experts} experts whose model arguments do not say "
-                             f"moe_router_topk, which config.json needs (num_experts_per_tok); pass --config-from "
-                             f"the folder of the model's HF config.json")  # fmt: skip
-        config.update(num_local_experts=int(experts), num_experts_per_tok=int(topk), router_jitter_noise=0.0,
-                      output_router_logits=False)  # fmt: skip
+            raise UsageError(
+                f"{source}: a mixture of {experts} experts whose model arguments do not say "
+                f"moe_router_topk, which config.json needs (num_experts_per_tok); pass --config-from "
+                f"the folder of the model's HF config.json"
+            )
+        config.update(
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(topk),
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
     else:
         config["mlp_bias"] = False
     dtype = args.get("params_dtype")
@@ -160,20 +193,27 @@ def check_forward(args: Mapping[str, Any], *, source: str) -> None:
 
     for name, (ok, wants) in _FAMILY.items():
         if not ok(args.get(name)):
-            raise UsageError(f"{source}: not a Llama-family model ({name}={args.get(name)!r}; LlamaForCausalLM and "
-                             f"MixtralForCausalLM need {wants}); --format hf exports those only: convert it to a "
-                             f".safetensors file in Megatron's names instead")  # fmt: skip
+            raise UsageError(
+                f"{source}: not a Llama-family model ({name}={args.get(name)!r}; LlamaForCausalLM and "
+                f"MixtralForCausalLM need {wants}); --format hf exports those only: convert it to a "
+                f".safetensors file in Megatron's names instead"
+            )
     if bad := changed(args, mapped=_MAPPED):
-        raise UsageError(f"{source}: its args say {', '.join(bad)}, which change{'s' * (len(bad) == 1)} the model's "
-                         f"forward in a way LlamaForCausalLM and MixtralForCausalLM do not compute; --format hf "
-                         f"exports those only: convert it to a .safetensors file in Megatron's names "
-                         f"instead")  # fmt: skip
+        raise UsageError(
+            f"{source}: its args say {', '.join(bad)}, which change{'s' * (len(bad) == 1)} the model's "
+            f"forward in a way LlamaForCausalLM and MixtralForCausalLM do not compute; --format hf "
+            f"exports those only: convert it to a .safetensors file in Megatron's names "
+            f"instead"
+        )
 
 
 def hf_state(
-    state: Mapping[str, Any], config: Mapping[str, Any], *, source: str, take: Callable[[Any, list[tuple[int, int]]],
-                                                                                         Any] | None = None,
-) -> OrderedDict[str, Any]:  # fmt: skip
+    state: Mapping[str, Any],
+    config: Mapping[str, Any],
+    *,
+    source: str,
+    take: Callable[[Any, list[tuple[int, int]]], Any] | None = None,
+) -> OrderedDict[str, Any]:
     """``state`` (a TP=1, PP=1 ``GPTModel``'s tensors by Megatron's names) in transformers' names for the model
     ``config`` describes; ``take(tensor, [(start, stop), …])`` makes a tensor of those rows (default: torch's
     ``cat`` of the slices, cloned). A name with no place in the model is refused by name."""
@@ -202,15 +242,19 @@ def hf_state(
             continue
         m = _LAYER.fullmatch(name)
         if m is None:
-            raise MismatchError(f"{source}: '{name}' has no place in a Llama-family model; nothing was written; "
-                                f"convert it to a .safetensors file in Megatron's names instead")  # fmt: skip
+            raise MismatchError(
+                f"{source}: '{name}' has no place in a Llama-family model; nothing was written; "
+                f"convert it to a .safetensors file in Megatron's names instead"
+            )
         layer, rest = f"model.layers.{m.group(1)}.", m.group(2)
         if rest == "self_attention.linear_qkv.weight":
             rows = (heads + 2 * groups) * d
             if _rows_of(t) != rows:
-                raise MismatchError(f"{source}: '{name}' has {_rows_of(t)} rows, not {rows} ({heads} query heads and "
-                                    f"{groups} groups of {d}); the model arguments do not describe it: pass "
-                                    f"--config-from the model's HF config")  # fmt: skip
+                raise MismatchError(
+                    f"{source}: '{name}' has {_rows_of(t)} rows, not {rows} ({heads} query heads and "
+                    f"{groups} groups of {d}); the model arguments do not describe it: pass "
+                    f"--config-from the model's HF config"
+                )
             for proj, spans in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"{layer}self_attn.{proj}.weight"] = take(t, spans)
         elif rest == "mlp.linear_fc1.weight" and not moe:
@@ -227,9 +271,11 @@ def hf_state(
                 _norm(t, config, name=name, source=source) if _SAME[rest].endswith("layernorm.weight") else t
             )
         else:
-            raise MismatchError(f"{source}: '{name}' has no place in a {'Mixtral' if moe else 'Llama'} layer; "
-                                f"nothing was written; convert it to a .safetensors file in Megatron's names "
-                                f"instead")  # fmt: skip
+            raise MismatchError(
+                f"{source}: '{name}' has no place in a {'Mixtral' if moe else 'Llama'} layer; "
+                f"nothing was written; convert it to a .safetensors file in Megatron's names "
+                f"instead"
+            )
     return out
 
 
@@ -242,9 +288,11 @@ def _norm(t: Any, config: Mapping[str, Any], *, name: str, source: str) -> Any:
         return t
     dtype = str(config.get("dtype") or t.dtype).removeprefix("torch.")
     if dtype != "float32":
-        raise UsageError(f"{source}: apply_layernorm_1p=True: '{name}' holds its norm's scale - 1, and the scale "
-                         f"(weight + 1) in {dtype} is rounded where Megatron adds the 1 in float32; export with "
-                         f"--dtype float32")  # fmt: skip
+        raise UsageError(
+            f"{source}: apply_layernorm_1p=True: '{name}' holds its norm's scale - 1, and the scale "
+            f"(weight + 1) in {dtype} is rounded where Megatron adds the 1 in float32; export with "
+            f"--dtype float32"
+        )
     if is_record(t):
         raise Fallback("apply_layernorm_1p: the norm weights are computed (weight + 1), not copied")
     return t.float() + 1
@@ -300,14 +348,18 @@ def for_export(src: str, *, config_from: Any = None, dtype: str | None = None) -
         config = transformers.AutoConfig.for_model(**built)
         written = {"architectures": built["architectures"], **config.to_diff_dict()}
         found = ConfigFolder(run.root, written, ())
-        notes.append(f"config.json built from {os.path.join(run.root, COMMON)}'s model arguments "
-                     f"({built['architectures'][0]})")  # fmt: skip
+        notes.append(
+            f"config.json built from {os.path.join(run.root, COMMON)}'s model arguments ({built['architectures'][0]})"
+        )
     heads = int(config.num_attention_heads)
     groups = int(getattr(config, "num_key_value_heads", None) or heads)
-    shape: dict[str, Any] = {"num_attention_heads": heads, "num_key_value_heads": groups,
-                             "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
-                             "vocab_size": int(config.vocab_size),
-                             "tie_word_embeddings": bool(config.tie_word_embeddings)}  # fmt: skip
+    shape: dict[str, Any] = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        "vocab_size": int(config.vocab_size),
+        "tie_word_embeddings": bool(config.tie_word_embeddings),
+    }
     if getattr(config, "num_local_experts", None):
         shape["num_local_experts"] = int(config.num_local_experts)
     shape.update(norm_plus_one=bool(args.get("apply_layernorm_1p")), dtype=dtype)

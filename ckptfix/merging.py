@@ -70,8 +70,9 @@ def merge(
     >>> merged = ckptfix.merge([torch.load(f"rank{r}.pt") for r in range(4)])
     >>> soup = ckptfix.merge([ckptfix.load(f) for f in ("step1000.pt", "step2000.pt")], weights=[0.3, 0.7])
     """
-    result = plan_merge(states, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys, average=average,
-                        weights=weights)  # fmt: skip
+    result = plan_merge(
+        states, buffers=buffers, atol=atol, to=to, buffer_keys=buffer_keys, average=average, weights=weights
+    )
     if result.diverged:
         first = result.diverged[0]
         raise MergeError(
@@ -107,8 +108,9 @@ def plan_merge(
     scale = weights_of(len(objs), average=average, weights=weights, buffers=buffers, atol=atol, buffer_keys=keys)
     labels = list(names) if names is not None else [f"rank{i}" for i in range(len(objs))]
     inputs = [in_memory(obj, source=label) for obj, label in zip(objs, labels, strict=True)]
-    merger = Merger(inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=keys, model_only=model_only,
-                     weights=scale)  # fmt: skip
+    merger = Merger(
+        inputs, labels, buffers=buffers, atol=atol, to=to, buffer_keys=keys, model_only=model_only, weights=scale
+    )
     return merged_in_memory(merger)
 
 
@@ -166,15 +168,30 @@ def merge_files(
     check_output(out, inputs=tuple(paths), overwrite=overwrite)
     labels = [os.fspath(p) for p in paths]
     allowed = tuple(allow_globals)
-    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "to": to, "buffer_keys": keys,
-                               "model_only": model_only, "weights": scale}  # fmt: skip
+    options: dict[str, Any] = {
+        "buffers": buffers,
+        "atol": atol,
+        "to": to,
+        "buffer_keys": keys,
+        "model_only": model_only,
+        "weights": scale,
+    }
     with contextlib.ExitStack() as stack:
-        inputs, kind, read = rank_files.open_inputs(labels, stack, allow_globals=allowed, unsafe=unsafe,
-                                                    averaging=scale is not None, optimizer=optimizer)  # fmt: skip
+        inputs, kind, read = rank_files.open_inputs(
+            labels, stack, allow_globals=allowed, unsafe=unsafe, averaging=scale is not None, optimizer=optimizer
+        )
         if kind:  # each rank file's read goes on there (the files not taken over are closed here)
-            return rank_files.merge_rank_files(labels, out, fmt=fmt, allow_globals=allowed, options=options,
-                                               fsdp1=kind != "dtensor", optimizer=optimizer, model=model,
-                                               read=read)  # fmt: skip
+            return rank_files.merge_rank_files(
+                labels,
+                out,
+                fmt=fmt,
+                allow_globals=allowed,
+                options=options,
+                fsdp1=kind != "dtensor",
+                optimizer=optimizer,
+                model=model,
+                read=read,
+            )
         for opened in inputs:
             refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
             opaque.require(opened.tree, wanted=None, source=opened.source)
@@ -204,6 +221,12 @@ def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, mod
     ``model_only`` leaves a folder's training-state files unread."""
     if not opened.described:
         return opened
-    obj = read(opened.source, fmt=detect_format(opened.source), allow_globals=allow_globals, unsafe=unsafe,
-               model_only=model_only, opaque=True)  # fmt: skip
+    obj = read(
+        opened.source,
+        fmt=detect_format(opened.source),
+        allow_globals=allow_globals,
+        unsafe=unsafe,
+        model_only=model_only,
+        opaque=True,
+    )
     return in_memory(obj, source=opened.source)

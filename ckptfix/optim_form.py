@@ -31,8 +31,10 @@ BY_MODEL_ORDER = "in the model's parameter order"
 BY_INDEX = "stays keyed by index"
 SAID = (RESUME_LOSES, BY_MODEL_ORDER, BY_INDEX)
 NAMES_FORM = "set_optimizer_state_dict's form"
-HOW_TO_NAME = ("to key it by name (FSDP2), pass --optimizer-factory MOD:FN, the function the run built its optimizer "
-               "with from the model, and --model MOD:FACTORY")  # fmt: skip
+HOW_TO_NAME = (
+    "to key it by name (FSDP2), pass --optimizer-factory MOD:FN, the function the run built its optimizer "
+    "with from the model, and --model MOD:FACTORY"
+)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ def parse_form(form: str | None) -> str | None:
     """``names`` or ``indices`` (None: the default for the output); :class:`UsageError` otherwise."""
     if form is None or form in FORMS:
         return form
-    raise UsageError(f"optimizer_form={form!r}: choose names (get_optimizer_state_dict's form) or indices "
-                     f"(optimizer.state_dict()'s)")  # fmt: skip
+    raise UsageError(
+        f"optimizer_form={form!r}: choose names (get_optimizer_state_dict's form) or indices (optimizer.state_dict()'s)"
+    )
 
 
 def is_optimizer_state(value: object) -> bool:
@@ -109,9 +112,11 @@ def restore_indices(osd: Mapping[str, Any], *, where: str) -> tuple[dict[str, An
         return dict(osd), f"{where}: holds state keys both as strings and as ints; kept as they are"
     out = {**osd, "state": state}
     if unbound:
-        return out, (f"{where}: {len(unbound)} state key(s) (e.g. {unbound[0]!r}) are not parameters its "
-                     f"param_groups name; optimizer.load_state_dict binds none of them, so {RESUME_LOSES} their "
-                     f"moments and steps")  # fmt: skip
+        return out, (
+            f"{where}: {len(unbound)} state key(s) (e.g. {unbound[0]!r}) are not parameters its "
+            f"param_groups name; optimizer.load_state_dict binds none of them, so {RESUME_LOSES} their "
+            f"moments and steps"
+        )
     if restored:
         return out, f"{where}: {restored} state key(s) put back as the ints its param_groups name (DCP stores strings)"
     return out, None
@@ -141,8 +146,10 @@ def to_names(osd: Mapping[str, Any], params: Parameters | str | None, *, where: 
         UsageError: the names are not proven, or a count or a moment's shape does not fit (naming the group)."""
     ids = order(osd)
     if ids != list(range(len(ids))):
-        raise UsageError(f"{where}: param_groups list {_sample(ids)}, not 0…{len(ids) - 1} as "
-                         f"optimizer.state_dict() numbers them; write it with --optimizer-form indices")  # fmt: skip
+        raise UsageError(
+            f"{where}: param_groups list {_sample(ids)}, not 0…{len(ids) - 1} as "
+            f"optimizer.state_dict() numbers them; write it with --optimizer-form indices"
+        )
     recorded = [n for g in osd["param_groups"] for n in g.get("param_names", ())]
     if len(recorded) == len(ids) and all(isinstance(n, str) for n in recorded):
         names, origin = recorded, "its param_groups' param_names"
@@ -157,13 +164,20 @@ def to_names(osd: Mapping[str, Any], params: Parameters | str | None, *, where: 
         groups.append({**group, "params": names[at : at + count]})
         for i in group["params"]:
             if i in osd["state"] and shapes is not None:
-                _check_shapes(osd["state"][i], shapes[i], where=f"{where}.state.{i}", name=names[i],
-                              origin=f"{origin}, param group {g}")  # fmt: skip
+                _check_shapes(
+                    osd["state"][i],
+                    shapes[i],
+                    where=f"{where}.state.{i}",
+                    name=names[i],
+                    origin=f"{origin}, param group {g}",
+                )
         at += count
     for key, value in osd["state"].items():
         if type(key) is not int or not 0 <= key < len(names):
-            raise UsageError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
-                             f"--optimizer-form indices")  # fmt: skip
+            raise UsageError(
+                f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
+                f"--optimizer-form indices"
+            )
         state[names[key]] = value
     note = f"{where}: keyed by parameter name ({NAMES_FORM}), names from {origin}"
     return {**osd, "state": state, "param_groups": groups}, note
@@ -177,24 +191,32 @@ def _proven_order(
     groups, count = osd["param_groups"], len(order(osd))
     if isinstance(params, Parameters) and params.groups is not None:
         if len(params.groups) != len(groups):
-            raise UsageError(f"{where}: {len(groups)} param group(s), but {params.origin} builds "
-                             f"{len(params.groups)}; pass the function the run built its optimizer with")  # fmt: skip
+            raise UsageError(
+                f"{where}: {len(groups)} param group(s), but {params.origin} builds "
+                f"{len(params.groups)}; pass the function the run built its optimizer with"
+            )
         for g, (group, size) in enumerate(zip(groups, params.groups, strict=True)):
             if len(group["params"]) != size:
-                raise UsageError(f"{where}: param group {g} holds {len(group['params'])} parameters, but group {g} "
-                                 f"of {params.origin} holds {size}; pass the function the run built its optimizer "
-                                 f"with")  # fmt: skip
+                raise UsageError(
+                    f"{where}: param group {g} holds {len(group['params'])} parameters, but group {g} "
+                    f"of {params.origin} holds {size}; pass the function the run built its optimizer "
+                    f"with"
+                )
         return list(params.names), list(params.shapes), params.origin
     if len(groups) != 1:
-        raise UsageError(f"{where}: its {len(groups)} param groups record no param_names, and the model's order "
-                         f"names the parameters only where one group holds them all; {HOW_TO_NAME}")  # fmt: skip
+        raise UsageError(
+            f"{where}: its {len(groups)} param groups record no param_names, and the model's order "
+            f"names the parameters only where one group holds them all; {HOW_TO_NAME}"
+        )
     if not isinstance(params, Parameters):
         why = params or f"no model entry names its {count} parameters; pass --model MOD:FACTORY"
         raise UsageError(f"{where}: {why}")
     if len(params.names) != count:
-        raise UsageError(f"{where}: param_groups list {count} parameters but {params.origin} has "
-                         f"{len(params.names)}; pass --model MOD:FACTORY for the model it was saved with, or "
-                         f"write it with --optimizer-form indices")  # fmt: skip
+        raise UsageError(
+            f"{where}: param_groups list {count} parameters but {params.origin} has "
+            f"{len(params.names)}; pass --model MOD:FACTORY for the model it was saved with, or "
+            f"write it with --optimizer-form indices"
+        )
     origin = f"{params.origin}, {BY_MODEL_ORDER} (its one param group holds every parameter)"
     return list(params.names), list(params.shapes), origin
 
@@ -209,8 +231,10 @@ def to_indices(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     state: dict[int, Any] = {}
     for key, value in osd["state"].items():
         if key not in index:
-            raise UsageError(f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
-                                f"--optimizer-form names")  # fmt: skip
+            raise UsageError(
+                f"{where}: state key {key!r} is not a parameter its param_groups name; write it with "
+                f"--optimizer-form names"
+            )
         state[index[key]] = value
     groups, at = [], 0
     for group in osd["param_groups"]:
@@ -220,8 +244,9 @@ def to_indices(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
     return {**osd, "state": state, "param_groups": groups}
 
 
-def entry_parameters(state: Mapping[str, Any], *, count: int, identity: Callable[[Any], Hashable],
-                     entry: str) -> Parameters | str:  # fmt: skip
+def entry_parameters(
+    state: Mapping[str, Any], *, count: int, identity: Callable[[Any], Hashable], entry: str
+) -> Parameters | str:
     """The parameters of a model entry (single-layout keys) in ``named_parameters()`` order, for an optimizer of
     ``count`` parameters: its keys, a tensor under two names once, BatchNorm's running statistics left out when
     the count asks; or why they cannot be told (a model holds buffers only its code knows)."""
@@ -237,8 +262,10 @@ def entry_parameters(state: Mapping[str, Any], *, count: int, identity: Callable
         keys = [k for k in keys if not k.endswith(_BUFFER_SUFFIXES) and _dtype(state[k]) in _FLOATING]
         origin += " (its running statistics left out)"
     if len(keys) != count:
-        return (f"{origin} has {len(keys)} tensors that may be parameters and the optimizer {count}: which are "
-                f"buffers only the model's code knows; pass --model MOD:FACTORY")  # fmt: skip
+        return (
+            f"{origin} has {len(keys)} tensors that may be parameters and the optimizer {count}: which are "
+            f"buffers only the model's code knows; pass --model MOD:FACTORY"
+        )
     return Parameters(tuple(keys), tuple(tuple(state[k].shape) for k in keys), origin)
 
 
@@ -251,8 +278,10 @@ def _shapes_by_name(params: Parameters | None, names: Sequence[str], *, where: s
         return None
     by_name = dict(zip(params.names, params.shapes, strict=True))
     if missing := [n for n in names if n not in by_name]:
-        raise UsageError(f"{where}: its param_groups' param_names name '{missing[0]}', which {params.origin} "
-                            f"does not have; pass --model MOD:FACTORY for the model it was saved with")  # fmt: skip
+        raise UsageError(
+            f"{where}: its param_groups' param_names name '{missing[0]}', which {params.origin} "
+            f"does not have; pass --model MOD:FACTORY for the model it was saved with"
+        )
     return [by_name[n] for n in names]
 
 
@@ -267,8 +296,10 @@ def unwrapped_names(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
         return dict(osd)
     _, maps = layouts.conversion_maps(names, to="single", source=f"{where} param_names")
     renamed = iter(apply_maps(dict.fromkeys(names), maps, source=f"{where} param_names"))
-    groups = [{**g, "param_names": [next(renamed) for _ in g["param_names"]]} if "param_names" in g else g
-              for g in osd["param_groups"]]  # fmt: skip
+    groups = [
+        {**g, "param_names": [next(renamed) for _ in g["param_names"]]} if "param_names" in g else g
+        for g in osd["param_groups"]
+    ]
     return {**osd, "param_groups": groups}
 
 
@@ -279,8 +310,10 @@ def _check_shapes(value: Any, shape: tuple[int, ...], *, where: str, name: str, 
     for key, moment in value.items():
         got = getattr(moment, "shape", None)
         if got is not None and len(got) > 0 and tuple(got) != shape:
-            raise UsageError(f"{where}.{key}: shape {list(got)}, but parameter '{name}' ({origin}) has "
-                             f"{list(shape)}; these are not the parameters it steps: {HOW_TO_NAME}")  # fmt: skip
+            raise UsageError(
+                f"{where}.{key}: shape {list(got)}, but parameter '{name}' ({origin}) has "
+                f"{list(shape)}; these are not the parameters it steps: {HOW_TO_NAME}"
+            )
 
 
 def _sample(values: Sequence[Any]) -> str:
@@ -288,8 +321,9 @@ def _sample(values: Sequence[Any]) -> str:
     return f"[{head}{', …' if len(values) > 4 else ''}]"
 
 
-def unshare_steps(osd: Mapping[str, Any], *, identity: Callable[[Any], Hashable], copy: Callable[[Any], Any],
-                  where: str) -> tuple[dict[str, Any], str | None]:  # fmt: skip
+def unshare_steps(
+    osd: Mapping[str, Any], *, identity: Callable[[Any], Hashable], copy: Callable[[Any], Any], where: str
+) -> tuple[dict[str, Any], str | None]:
     """``osd`` with each scalar state (``step``) that is one tensor with another parameter's put in a tensor of its
     own (``copy``), and a note: FSDP1 keeps one ``step`` per flat parameter, shared by its parameters' entries, and
     a plain AdamW adds 1 to each in place, so a shared one would count every parameter's step."""
@@ -311,8 +345,10 @@ def unshare_steps(osd: Mapping[str, Any], *, identity: Callable[[Any], Hashable]
         state[key] = new
     if not copied:
         return dict(osd), None
-    said = (f"{where}: {copied} scalar state tensor(s) (step) shared between parameters copied apart, so that a "
-            f"plain optimizer counts each parameter's steps once")  # fmt: skip
+    said = (
+        f"{where}: {copied} scalar state tensor(s) (step) shared between parameters copied apart, so that a "
+        f"plain optimizer counts each parameter's steps once"
+    )
     return {**osd, "state": state}, said
 
 
@@ -352,8 +388,10 @@ def reform(
                 if form is not None or parameters is not None:  # names asked for, or the model given to name them
                     raise
                 why = str(e).removeprefix(f"{where}: ")
-                notes.append(f"{where}: {BY_INDEX} (optimizer.load_state_dict's form), which an FSDP2 job's "
-                             f"set_optimizer_state_dict does not bind: {why}")  # fmt: skip
+                notes.append(
+                    f"{where}: {BY_INDEX} (optimizer.load_state_dict's form), which an FSDP2 job's "
+                    f"set_optimizer_state_dict does not bind: {why}"
+                )
         if not dcp_out:  # a DCP folder stores each key apart: nothing stays shared
             osd, note = unshare_steps(osd, identity=identity, copy=copy, where=where)
             notes += [note] if note else []
@@ -361,13 +399,16 @@ def reform(
     return notes
 
 
-def _entry_parameters(obj: Any, osd: Mapping[str, Any], model_entries: Sequence[str], *,
-                      identity: Callable[[Any], Hashable], where: str) -> Parameters | str:  # fmt: skip
+def _entry_parameters(
+    obj: Any, osd: Mapping[str, Any], model_entries: Sequence[str], *, identity: Callable[[Any], Hashable], where: str
+) -> Parameters | str:
     """The parameters of ``obj``'s one model entry (:func:`entry_parameters`), or why they cannot be told."""
     from ckptfix.checkpoint import convert_checkpoint, get_entry
 
     if len(model_entries) != 1:
-        return (f"the checkpoint holds {len(model_entries)} model entries, and which one it steps is not said; "
-                f"pass --model MOD:FACTORY")  # fmt: skip
+        return (
+            f"the checkpoint holds {len(model_entries)} model entries, and which one it steps is not said; "
+            f"pass --model MOD:FACTORY"
+        )
     state = convert_checkpoint(get_entry(obj, model_entries[0]), to="single", source=where).obj
     return entry_parameters(state, count=len(order(osd)), identity=identity, entry=model_entries[0])

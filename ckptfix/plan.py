@@ -16,8 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STREAM_FILE, STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, TORCH = (
-    "stream-file", "stream-tensors", "tensors-to-torch", "to-dcp", "torch"
-)  # fmt: skip
+    "stream-file",
+    "stream-tensors",
+    "tensors-to-torch",
+    "to-dcp",
+    "torch",
+)
 DESCRIBE = "describe"  # reading: the records as the file describes them, no tensor built
 # inputs whose tensors are byte ranges, cast or sharded as they stream (a .pt into .safetensors only)
 _RANGES = ("folder", "safetensors")
@@ -36,9 +40,14 @@ class Plan:
 
 
 def plan_conversion(
-    *, in_fmt: str, out_fmt: str, fast: bool = True, dtype: str | None = None, unsafe: bool = False,
+    *,
+    in_fmt: str,
+    out_fmt: str,
+    fast: bool = True,
+    dtype: str | None = None,
+    unsafe: bool = False,
     sharded: bool = False,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """The route from an input of format ``in_fmt`` (:func:`~ckptfix.formats.registry.detect_format`) to an
     output of ``out_fmt`` (``torch``, ``safetensors``, ``dcp``), with a cast to ``dtype`` and ``sharded`` output
     (transformers shards) as asked; ``fast=False`` and ``unsafe`` ask for torch."""

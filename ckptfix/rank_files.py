@@ -65,8 +65,10 @@ from ckptfix.writing import Placeholder, streamed_writer
 if TYPE_CHECKING:
     import torch
 
-RANK_FILES = {"dtensor": "DTensor shards (an FSDP2 rank file)",
-              "sharded-tensor": "ShardedTensor shards (an FSDP1 rank file)"}  # fmt: skip
+RANK_FILES = {
+    "dtensor": "DTensor shards (an FSDP2 rank file)",
+    "sharded-tensor": "ShardedTensor shards (an FSDP1 rank file)",
+}
 
 
 def open_inputs(
@@ -87,8 +89,9 @@ def open_inputs(
     sharded: dict[str, str] = {}  # rank file -> what its shards are ("dtensor", "sharded-tensor")
     read: list[Opened | None] = []
     for path in paths:
-        opened = stack.enter_context(open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe,
-                                                     opaque=True, ranks=True))  # fmt: skip
+        opened = stack.enter_context(
+            open_checkpoint(path, allow_globals=allow_globals, unsafe=unsafe, opaque=True, ranks=True)
+        )
         if opened.rank_kind:
             sharded[path] = opened.rank_kind
             read.append(opened)
@@ -134,8 +137,17 @@ def merge_rank_files(
     parameter cut from it. ``read``: each file's read by :func:`open_inputs` (its pickle not read again)."""
     with contextlib.ExitStack() as stack:
         ranks, full = open_ranks(paths, stack, allow_globals=allow_globals, fsdp1=fsdp1, model=model, read=read)
-        result = _merge_ranks(ranks, full, stack, out, fmt=fmt, allow_globals=allow_globals, options=options,
-                              fsdp1=fsdp1, optimizer=optimizer)  # fmt: skip
+        result = _merge_ranks(
+            ranks,
+            full,
+            stack,
+            out,
+            fmt=fmt,
+            allow_globals=allow_globals,
+            options=options,
+            fsdp1=fsdp1,
+            optimizer=optimizer,
+        )
     result.base = full.paths[0]
     if note := rank_order_note(paths, full.paths):  # the files' own ranks decide which is rank 0
         result.notes.append(note)
@@ -155,8 +167,7 @@ def _merge_ranks(
     optimizer: bool,
 ) -> MergeResult:
     paths = full.paths  # in rank order
-    optim = (RankOptimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"])
-             if fsdp1 else None)  # fmt: skip
+    optim = RankOptimizer.of(ranks, paths, wanted=optimizer, model_only=options["model_only"]) if fsdp1 else None
     if optim is not None and optim.alone:
         try:
             return optim.write_alone(full, out, fmt=fmt)
@@ -197,12 +208,16 @@ def _merged_in_memory(
 def check_optimizer(out: PathLike, *, fmt: str, model_only: bool) -> None:
     """``optimizer=True``: the optimizer state with the model, into one ``.pt`` file (a usage error otherwise)."""
     if model_only:
-        raise UsageError("optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
-                         "alone); drop one")  # fmt: skip
+        raise UsageError(
+            "optimizer=True and model_only=True ask for opposite things (the optimizer state, the model "
+            "alone); drop one"
+        )
     if fmt != "torch":
-        raise UsageError(f"optimizer=True writes the optimizer state into one .pt file, but {os.fspath(out)} asks for "
-                         f"{'a .safetensors file (tensors only)' if fmt == 'safetensors' else fmt}; write a .pt, or "
-                         f"drop optimizer=True")  # fmt: skip
+        raise UsageError(
+            f"optimizer=True writes the optimizer state into one .pt file, but {os.fspath(out)} asks for "
+            f"{'a .safetensors file (tensors only)' if fmt == 'safetensors' else fmt}; write a .pt, or "
+            f"drop optimizer=True"
+        )
 
 
 def open_ranks(
@@ -371,8 +386,11 @@ def _open_rank(
     try:
         if z is None:
             before = file_identity(fd)
-            z, tree = (describe_fsdp1_rank(fd, path, allowed=allowed, model=model) if fsdp1
-                       else describe_rank(fd, path, allowed=allowed))  # fmt: skip
+            z, tree = (
+                describe_fsdp1_rank(fd, path, allowed=allowed, model=model)
+                if fsdp1
+                else describe_rank(fd, path, allowed=allowed)
+            )
         else:
             tree = fsdp1_records(z.tree, path, model=model) if fsdp1 else rank_records(z.tree, path)
     except BaseException:

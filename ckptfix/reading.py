@@ -204,14 +204,14 @@ def open_checkpoint(
     found = detect(path)
     fmt = found.name
     if fmt == "folder" and not unsafe:
-        return _open_folder(source, found=found, allow_globals=tuple(allow_globals), need_bytes=need_bytes,
-                            verify=verify, opaque=opaque)  # fmt: skip
+        return _open_folder(
+            source, found=found, allow_globals=tuple(allow_globals), need_bytes=need_bytes, verify=verify, opaque=opaque
+        )
     reason = plan_reading(fmt, unsafe=unsafe).reason
     if reason is None:
         fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify, opaque=opaque,
-                               ranks=ranks)  # fmt: skip
+            opened = _describe(fd, source, fmt, allow_globals=allow_globals, verify=verify, opaque=opaque, ranks=ranks)
             reason = None if opened.rank_kind else _torch_only(opened, need_bytes=need_bytes)
         except BaseException:
             os.close(fd)
@@ -261,8 +261,18 @@ def _describe(
                 raise sharded
     verified = {r.name for r in z.archive.records} if verify else set()
     locations = dict(Counter(ref.location for ref in z.storages.values()))
-    return Opened(source=source, fmt=fmt, tree=z.tree, fd=fd, zip=z, before=before, verified=verified,
-                  locations=locations, crc_stored=z.archive.crc_stored, rank_kind=kind)  # fmt: skip
+    return Opened(
+        source=source,
+        fmt=fmt,
+        tree=z.tree,
+        fd=fd,
+        zip=z,
+        before=before,
+        verified=verified,
+        locations=locations,
+        crc_stored=z.archive.crc_stored,
+        rank_kind=kind,
+    )
 
 
 def _read_once(fd: int, source: str, *, allowed: frozenset[str], verify: bool) -> tuple[TorchZip, str] | None:
@@ -366,8 +376,9 @@ class OpenedFolder(Opened):
         return self.zero_fds[path]
 
 
-def _open_folder(source: str, *, found: Format, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool,
-                 opaque: bool) -> Opened:  # fmt: skip
+def _open_folder(
+    source: str, *, found: Format, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool, opaque: bool
+) -> Opened:
     """A folder or index file of the registry's ``kind`` as an :class:`OpenedFolder`, every file checked as it
     would be on its own and the folder's own rules (:mod:`ckptfix.formats.folders.hf`) on top."""
     from ckptfix.formats.folders.hf import describe as describe_folder
@@ -384,8 +395,14 @@ def _open_folder(source: str, *, found: Format, allow_globals: tuple[str, ...], 
         return Opened(source=source, fmt="folder", tree=tree, note=f"a {kind} checkpoint, read by its loader")
     folder = describe_folder(source)
     files = folder.files + ([folder.index] if folder.index else [])
-    opened = OpenedFolder(source=source, fmt="folder", tree=None, kind="shards" if folder.flat else "accelerate",
-                          files=files, index=folder.index)  # fmt: skip
+    opened = OpenedFolder(
+        source=source,
+        fmt="folder",
+        tree=None,
+        kind="shards" if folder.flat else "accelerate",
+        files=files,
+        index=folder.index,
+    )
     try:
         each = {"allow_globals": allow_globals, "need_bytes": need_bytes, "verify": verify}
         opened.tree = _shards(opened, folder, each) if folder.flat else _accelerate(opened, folder, each, opaque)
@@ -476,12 +493,23 @@ def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> O
         raise
     if why is not None:  # values holding tensors or objects: torch's DCP reader rebuilds them
         files.close()
-        return Opened(source=source, fmt="folder", tree=read(source, fmt="folder", allow_globals=allow_globals),
-                      note=f"a DCP folder whose {why}")  # fmt: skip
+        return Opened(
+            source=source,
+            fmt="folder",
+            tree=read(source, fmt="folder", allow_globals=allow_globals),
+            note=f"a DCP folder whose {why}",
+        )
     spans = _spans(tree)
     data = sorted({span.path for span in spans} | set(files.open))
-    opened = OpenedFolder(source=source, fmt="folder", tree=tree, kind="dcp", dcp=files, allowed=allowed,
-                          files=[os.path.join(source, METADATA), *data])  # fmt: skip
+    opened = OpenedFolder(
+        source=source,
+        fmt="folder",
+        tree=tree,
+        kind="dcp",
+        dcp=files,
+        allowed=allowed,
+        files=[os.path.join(source, METADATA), *data],
+    )
     return _verified(opened, spans, data, verify=verify)
 
 
@@ -500,8 +528,16 @@ def _open_records(source: str, found: Format, *, allow_globals: tuple[str, ...],
         raise
     spans = _spans(got.tree)
     data = sorted({span.path for span in spans} | set(files.open))
-    opened = OpenedFolder(source=source, fmt="folder", tree=got.tree, kind=found.kind, dcp=files, allowed=allowed,
-                          files=got.files, records=got)  # fmt: skip
+    opened = OpenedFolder(
+        source=source,
+        fmt="folder",
+        tree=got.tree,
+        kind=found.kind,
+        dcp=files,
+        allowed=allowed,
+        files=got.files,
+        records=got,
+    )
     return _verified(opened, spans, data, verify=verify)
 
 
@@ -516,8 +552,14 @@ def _verified(opened: OpenedFolder, spans: set[Any], data: list[str], *, verify:
     try:
         if verify:  # every chunk's records read and CRC-checked (the values were, when they were read)
             for span in sorted(spans, key=lambda s: (s.path, s.offset)):
-                read_torch_zip(opened.dcp.fd(span.path), span.path, allowed=opened.allowed, verify=True,
-                               start=span.offset, end=span.offset + span.length)  # fmt: skip
+                read_torch_zip(
+                    opened.dcp.fd(span.path),
+                    span.path,
+                    allowed=opened.allowed,
+                    verify=True,
+                    start=span.offset,
+                    end=span.offset + span.length,
+                )
             opened.verified.update(data)
     except BaseException:
         opened.close(check=False)
@@ -531,8 +573,15 @@ def _open_deepspeed(source: str, *, allow_globals: tuple[str, ...], verify: bool
     from ckptfix.formats.folders.deepspeed import describe_run
 
     run = describe_run(source, allow_globals=allow_globals)
-    opened = OpenedFolder(source=source, fmt="folder", tree=run.state, kind="deepspeed", zero=run,
-                          files=[f.path for f in run.files], zero_verified=set())  # fmt: skip
+    opened = OpenedFolder(
+        source=source,
+        fmt="folder",
+        tree=run.state,
+        kind="deepspeed",
+        zero=run,
+        files=[f.path for f in run.files],
+        zero_verified=set(),
+    )
     try:
         if verify:
             for path, records in sorted(run.records.items()):

@@ -34,11 +34,21 @@ from ckptfix.signature import strict_keywords
 
 # numpy dtype strings (kind and size) -> torch dtype, with the struct format of one element
 _NUMPY = {
-    "f8": ("float64", "d"), "f4": ("float32", "f"), "f2": ("float16", "e"), "i8": ("int64", "q"),
-    "i4": ("int32", "i"), "i2": ("int16", "h"), "i1": ("int8", "b"), "u8": ("uint64", "Q"), "u4": ("uint32", "I"),
-    "u2": ("uint16", "H"), "u1": ("uint8", "B"), "b1": ("bool", "?"), "c8": ("complex64", "ff"),
+    "f8": ("float64", "d"),
+    "f4": ("float32", "f"),
+    "f2": ("float16", "e"),
+    "i8": ("int64", "q"),
+    "i4": ("int32", "i"),
+    "i2": ("int16", "h"),
+    "i1": ("int8", "b"),
+    "u8": ("uint64", "Q"),
+    "u4": ("uint32", "I"),
+    "u2": ("uint16", "H"),
+    "u1": ("uint8", "B"),
+    "b1": ("bool", "?"),
+    "c8": ("complex64", "ff"),
     "c16": ("complex128", "dd"),
-}  # fmt: skip
+}
 _RECONSTRUCT = {f"{m}.multiarray._reconstruct" for m in ("numpy.core", "numpy._core")}
 _SCALAR = {f"{m}.multiarray.scalar" for m in ("numpy.core", "numpy._core")}
 _PATHS = {f"pathlib.{c}" for c in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
@@ -166,12 +176,19 @@ class _Cleaner:
         self.keep: list[Any] = []  # the inert objects, alive while their ids are keys
         self.set = inert.make_global("builtins", "set")
         self.rules: dict[str, Callable[[inert.Inert, str], Any]] = {
-            "argparse.Namespace": self._namespace, "builtins.frozenset": self._frozenset,
-            "decimal.Decimal": self._text, "fractions.Fraction": self._fraction, "uuid.UUID": self._uuid,
-            "datetime.datetime": self._datetime, "datetime.date": self._datetime, "datetime.time": self._datetime,
-            **{name: self._path for name in _PATHS}, **{name: self._array for name in _RECONSTRUCT},
-            **{name: self._scalar for name in _SCALAR}, "numpy.dtype": _dtype_name,
-        }  # fmt: skip
+            "argparse.Namespace": self._namespace,
+            "builtins.frozenset": self._frozenset,
+            "decimal.Decimal": self._text,
+            "fractions.Fraction": self._fraction,
+            "uuid.UUID": self._uuid,
+            "datetime.datetime": self._datetime,
+            "datetime.date": self._datetime,
+            "datetime.time": self._datetime,
+            **{name: self._path for name in _PATHS},
+            **{name: self._array for name in _RECONSTRUCT},
+            **{name: self._scalar for name in _SCALAR},
+            "numpy.dtype": _dtype_name,
+        }
 
     def clean(self, obj: Any, where: str) -> Any:
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, inert.StorageRef)):
@@ -198,8 +215,9 @@ class _Cleaner:
                     out[new_key] = new_value
                 except TypeError:  # a key rewritten as a dict or list (a Namespace, an array of strings)
                     what = key.func.full if isinstance(key, inert.Inert) else type(key).__name__
-                    self.result.dropped.append(Dropped(here, what, f"a dict key that becomes a {_kind(new_key)}, "
-                                                                   f"which cannot be a key"))  # fmt: skip
+                    self.result.dropped.append(
+                        Dropped(here, what, f"a dict key that becomes a {_kind(new_key)}, which cannot be a key")
+                    )
             for name, value in getattr(obj, "__dict__", {}).items():  # _metadata of an OrderedDict
                 setattr(out, name, self.clean(value, f"{where}.{name}"))
             return out
@@ -314,8 +332,10 @@ class _Cleaner:
         if not (isinstance(shape, tuple) and all(type(d) is int and d >= 0 for d in shape)):
             raise _Drop("numpy.ndarray", "an array with a malformed shape")
         if not _fits_int64(shape):
-            raise _TooBig(f"key '{where}': a numpy array of shape {list(shape)}, past 64 bits; the file is damaged "
-                          f"or crafted: drop that key")  # fmt: skip
+            raise _TooBig(
+                f"key '{where}': a numpy array of shape {list(shape)}, past 64 bits; the file is damaged "
+                f"or crafted: drop that key"
+            )
         if dtype is None and data is not None:
             nodes = _text_nodes(dtype_rec, shape, data, limit=self.budget)
             if nodes > self.budget:

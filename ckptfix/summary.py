@@ -76,8 +76,10 @@ def summarize_state(state: Mapping[str, Any], *, source: str) -> dict[str, Any]:
         parts.setdefault((ways.get(k), found.layout), []).append(k)
     order = {k: i for i, k in enumerate(specs)}
     # each line with the keys it stands for, never parsed back from the line: keys may hold braces or commas
-    lines = sorted(((line, keys, part) for part, names in parts.items() for line, keys in key_groups(names)),
-                   key=lambda item: order[item[1][0]])  # fmt: skip
+    lines = sorted(
+        ((line, keys, part) for part, names in parts.items() for line, keys in key_groups(names)),
+        key=lambda item: order[item[1][0]],
+    )
     groups = []
     for line, keys, (way, kind) in lines:
         shapes = list(dict.fromkeys(specs[k].shape for k in keys))  # distinct, in key order

@@ -159,8 +159,9 @@ class _TorchZip(StreamedWriter):
         self.opened = base
         taken = set(base.zip.storages) if base.zip is not None else set()
         # a new record's storage key -> its value, read at the end if not handed in
-        self.new = NewStorages(keys=(k for k in map(str, range(1 << 62)) if k not in taken),
-                               size=lambda value: spec(value).nbytes)  # fmt: skip
+        self.new = NewStorages(
+            keys=(k for k in map(str, range(1 << 62)) if k not in taken), size=lambda value: spec(value).nbytes
+        )
 
         def record(value: Any) -> Any:
             torch_zip = isinstance(value, (inert.InertTensor, inert.InertParameter))  # the format this writes

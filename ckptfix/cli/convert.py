@@ -38,8 +38,13 @@ if TYPE_CHECKING:
     help="Key optimizer state by parameter names (set_optimizer_state_dict, FSDP2) or indices "
     "(optimizer.load_state_dict). Default: names into a DCP folder where the model entry says them, else indices.",
 )
-@click.option("--model", "model_spec", metavar="MOD:FACTORY", help="The model, for --optimizer-form names where the "
-              "checkpoint does not say which tensors are parameters (built on the meta device).")  # fmt: skip
+@click.option(
+    "--model",
+    "model_spec",
+    metavar="MOD:FACTORY",
+    help="The model, for --optimizer-form names where the "
+    "checkpoint does not say which tensors are parameters (built on the meta device).",
+)
 @click.option(
     "--optimizer-factory",
     metavar="MOD:FN",
@@ -192,8 +197,9 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
     from ckptfix.optim_form import SAID
 
     for note in result.notes:
-        if note.startswith(tied) or (not verbose and (note.startswith((KEPT, DCP_STRING_KEYS))
-                                                       or any(s in note for s in SAID))):  # fmt: skip
+        if note.startswith(tied) or (
+            not verbose and (note.startswith((KEPT, DCP_STRING_KEYS)) or any(s in note for s in SAID))
+        ):
             echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 
@@ -208,8 +214,9 @@ def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, n
             f"--to {ctx.params['to']} and --keep-layout ask for opposite things (a layout change, none); drop one"
         )
     if no_fast and no_verify:
-        raise UsageError("--no-verify is the fast path's and --no-fast turns it off (the torch path checks every "
-                         "CRC); drop one")  # fmt: skip
+        raise UsageError(
+            "--no-verify is the fast path's and --no-fast turns it off (the torch path checks every CRC); drop one"
+        )
 
 
 def _parse_size(value: str) -> int:

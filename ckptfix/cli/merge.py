@@ -162,15 +162,24 @@ def merge(
     _check_format(out_format, optimizer=optimizer)
     model = _model(model_spec, kwargs) if model_spec else None
     buffer_keys = _buffer_keys(model) if model is not None else []
-    options: dict[str, Any] = {"buffers": buffers, "atol": atol, "buffer_keys": buffer_keys, "average": average,
-                               "weights": weights, "model": model, "overwrite": overwrite,
-                               "allow_globals": allow_globals, "unsafe": unsafe_pickle}  # fmt: skip
+    options: dict[str, Any] = {
+        "buffers": buffers,
+        "atol": atol,
+        "buffer_keys": buffer_keys,
+        "average": average,
+        "weights": weights,
+        "model": model,
+        "overwrite": overwrite,
+        "allow_globals": allow_globals,
+        "unsafe": unsafe_pickle,
+    }
     exported = None
     if out_format == "hf":
         from ckptfix.exporting import merge_to_hf
 
-        result, exported = merge_to_hf(inputs, out, config_from=config_from, architecture=architecture,
-                                       verify=verify_hf, **options)  # fmt: skip
+        result, exported = merge_to_hf(
+            inputs, out, config_from=config_from, architecture=architecture, verify=verify_hf, **options
+        )
     else:
         result = merge_files(inputs, out, to=to, model_only=model_only, optimizer=optimizer, **options)
     wrote = out

@@ -60,8 +60,9 @@ def tolerance_option(name: str, what: str) -> Callable[[Callable[..., Any]], Cal
         except ValueError:
             number = math.nan
         if not (math.isfinite(number) and number >= 0.0):
-            raise UsageError(f"{name} {value}: a tolerance is a finite number, zero or more; give one such as "
-                             f"{name} 1e-6")  # fmt: skip
+            raise UsageError(
+                f"{name} {value}: a tolerance is a finite number, zero or more; give one such as {name} 1e-6"
+            )
         return number
 
     return click.option(name, metavar="FLOAT", default="0.0", show_default=True, help=what, callback=tolerance)

@@ -66,8 +66,14 @@ def validate(
         path, entry=entry, strip_prefixes=strip_prefix, allow_globals=allow_globals, unsafe=unsafe_pickle
     )
     others = [e for e in found.entries if e not in ("", report.entry)]
-    document = report.to_json(keys=found.keys, model=model_spec, model_keys=found.model_keys, other_entries=others,
-                              fix_command=fix, exit_code=code)  # fmt: skip
+    document = report.to_json(
+        keys=found.keys,
+        model=model_spec,
+        model_keys=found.model_keys,
+        other_entries=others,
+        fix_command=fix,
+        exit_code=code,
+    )
     output.result(document, lambda: _text(found, path, model_spec, others=others, fix=fix))
     click.get_current_context().exit(code)
 

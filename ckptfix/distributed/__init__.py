@@ -184,15 +184,21 @@ def _transfer(plan: _Plan, session: protocol.Session, *, broadcast_model: bool, 
     if broadcast_model:
         tensors = [plan.own[plan.prefix + entry.key] for entry in plan.manifest]
         buckets.run(
-            buckets.plan(plan.manifest, bucket_bytes), tensors, send=session.is_src, device=session.device,
+            buckets.plan(plan.manifest, bucket_bytes),
+            tensors,
+            send=session.is_src,
+            device=session.device,
             broadcast=session.broadcast,
-        )  # fmt: skip
+        )
     if not session.is_src:
         plan.extra_tensors = [torch.empty(e.shape, dtype=e.torch_dtype()) for e in plan.extra_entries]
     buckets.run(
-        buckets.plan(plan.extra_entries, bucket_bytes), plan.extra_tensors, send=session.is_src,
-        device=session.device, broadcast=session.broadcast,
-    )  # fmt: skip
+        buckets.plan(plan.extra_entries, bucket_bytes),
+        plan.extra_tensors,
+        send=session.is_src,
+        device=session.device,
+        broadcast=session.broadcast,
+    )
 
 
 def _layout_prefix(own: Mapping[str, Any]) -> str:

@@ -237,9 +237,16 @@ def _torch_load(name: str) -> Callable[[PathLike, ReadOptions], Any]:
     def load_torch_file(path: PathLike, options: ReadOptions) -> Any:
         from ckptfix.formats.torchio.torchfile import load_torch
 
-        return load_torch(path, fmt=name, source=os.fspath(path), unsafe=options.unsafe,
-                          allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify,
-                          opaque=options.opaque)  # fmt: skip
+        return load_torch(
+            path,
+            fmt=name,
+            source=os.fspath(path),
+            unsafe=options.unsafe,
+            allow_globals=options.allow_globals,
+            mmap=options.mmap,
+            verify=options.verify,
+            opaque=options.opaque,
+        )
 
     return load_torch_file
 
@@ -288,17 +295,31 @@ def _json_text(probe: Probe) -> bool:
 
 FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to claim a file reads it
     # a Megatron torch_dist folder is a DCP folder too; HF Trainer saves the model beside a DeepSpeed run's tag folder
-    Format("folder", "megatron", _megatron_claims, _megatron_load, _megatron_records, _megatron_describe,
-           called="a Megatron checkpoint (metadata.json)", beside=("dcp",)),
+    Format(
+        "folder",
+        "megatron",
+        _megatron_claims,
+        _megatron_load,
+        _megatron_records,
+        _megatron_describe,
+        called="a Megatron checkpoint (metadata.json)",
+        beside=("dcp",),
+    ),
     Format("folder", "dcp", _dcp_claims, _dcp_load, called="a torch.distributed.checkpoint (DCP) folder (.metadata)"),
-    Format("folder", "deepspeed", _deepspeed_claims, _deepspeed_load,
-           called="a DeepSpeed run (latest, rank files)", beside=("hf",)),
+    Format(
+        "folder",
+        "deepspeed",
+        _deepspeed_claims,
+        _deepspeed_load,
+        called="a DeepSpeed run (latest, rank files)",
+        beside=("hf",),
+    ),
     Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),
     Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
     Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load),
     # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
     Format("folder", "hf", _hf_claims, _hf_load, called="transformers weights (an index or model file)"),
-)  # fmt: skip
+)
 
 
 # -- one rank's file of a sharded run, told by its content --------------------------------------------------
@@ -484,8 +505,9 @@ def read(
     found = detect(path) if fmt == "folder" else next((f for f in FORMATS if f.name == fmt), None)
     if found is None:  # a caller's slip: fmt comes from detect_format
         raise ValueError(f"fmt={fmt!r}: not a format name; use detect_format(path)")
-    options = ReadOptions(unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only,
-                          opaque=opaque)  # fmt: skip
+    options = ReadOptions(
+        unsafe=unsafe, allow_globals=allow_globals, mmap=mmap, verify=verify, model_only=model_only, opaque=opaque
+    )
     return found.load(path, options)
 
 

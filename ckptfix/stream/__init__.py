@@ -45,9 +45,17 @@ from ckptfix.units import human_bytes
 
 # Recipes the writers reproduce exactly; any other call (quantized, sparse, subclass) goes the torch way.
 _WRITABLE = frozenset(
-    {"torch.Size", "torch.device", "collections.Counter", "_codecs.encode", "builtins.bytearray", "builtins.set",
-     "builtins.complex", *allowlist.KNOWN_SAFE}
-)  # fmt: skip
+    {
+        "torch.Size",
+        "torch.device",
+        "collections.Counter",
+        "_codecs.encode",
+        "builtins.bytearray",
+        "builtins.set",
+        "builtins.complex",
+        *allowlist.KNOWN_SAFE,
+    }
+)
 
 
 def fast_convert(

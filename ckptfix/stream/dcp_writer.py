@@ -58,8 +58,9 @@ def dcp_items(obj: Any, *, tensors: tuple[type, ...] = TENSORS) -> list[Item]:
         if not isinstance(item.value, tensors) and any(
             isinstance(o, (*tensors, inert.Inert, inert.StorageRef)) for o in inert.walk(item.value)
         ):
-            raise Fallback(f"the checkpoint holds a {type(item.value).__name__} of tensors or objects, which the torch "
-                           f"path builds")  # fmt: skip
+            raise Fallback(
+                f"the checkpoint holds a {type(item.value).__name__} of tensors or objects, which the torch path builds"
+            )
     return items
 
 
@@ -79,9 +80,15 @@ class _Archive:
 
 
 def write_dcp_folder(
-    obj: Any, dst: str, *, files: DataFiles, z: TorchZip | None, source: str, allowed: frozenset[str],
+    obj: Any,
+    dst: str,
+    *,
+    files: DataFiles,
+    z: TorchZip | None,
+    source: str,
+    allowed: frozenset[str],
     overwrite: bool = False,
-) -> tuple[int, int, int]:  # fmt: skip
+) -> tuple[int, int, int]:
     """Write ``obj`` (a tree of tensor records from ``files``; a ``.pt`` input's are in ``z``) as DCP folder
     ``dst``. Returns how many objects, tensors copied and tensors gathered it wrote. Raises :class:`Fallback`
     before anything is written where the tree holds what only torch writes."""
@@ -117,9 +124,14 @@ def _object_pickle(item: Item) -> bytes:
 
 
 def _layout(
-    fd: int, objects: list[tuple[Item, bytes]], tensors: list[Item], *, files: DataFiles, z: TorchZip | None,
+    fd: int,
+    objects: list[tuple[Item, bytes]],
+    tensors: list[Item],
+    *,
+    files: DataFiles,
+    z: TorchZip | None,
     source: str,
-) -> list[_Archive]:  # fmt: skip
+) -> list[_Archive]:
     """Write every archive's head, records and tail, the objects' whole; each tensor's storage record is left for
     :func:`_fill` (its bytes, then its CRC and the central directory)."""
     archives: list[_Archive] = []

@@ -143,8 +143,11 @@ def finish_pieces(
     piece, by ``(path, offset, length)``, once the verifier has read them all."""
     for copier in copiers.values():
         copier.run([])
-    return {(path, c.offset, c.length): crc for path, got in verifier.join().items()
-            for c, crc in zip(checks[path], got, strict=True)}  # fmt: skip
+    return {
+        (path, c.offset, c.length): crc
+        for path, got in verifier.join().items()
+        for c, crc in zip(checks[path], got, strict=True)
+    }
 
 
 def piece_checks(files: DataFiles, pieces: dict[int, list[Piece]]) -> dict[str, list[Check]]:

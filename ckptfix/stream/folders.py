@@ -83,11 +83,21 @@ def convert_folder(
         try:
             with progress_bar(_total(conversion.obj), enabled=progress) as bar:
                 if shard_size is None:
-                    ways, written = _write_file(dst, conversion.obj, files, allowed=allowed, verifier=verifier,
-                                                advance=bar), 1  # fmt: skip
+                    ways, written = (
+                        _write_file(dst, conversion.obj, files, allowed=allowed, verifier=verifier, advance=bar),
+                        1,
+                    )
                 else:
-                    ways, written = _write_shards(dst, conversion.obj, files, allowed=allowed, verifier=verifier,
-                                                  limit=shard_size, overwrite=overwrite, advance=bar)  # fmt: skip
+                    ways, written = _write_shards(
+                        dst,
+                        conversion.obj,
+                        files,
+                        allowed=allowed,
+                        verifier=verifier,
+                        limit=shard_size,
+                        overwrite=overwrite,
+                        advance=bar,
+                    )
         finally:
             verifier.cancel()
         files.check_unchanged()
@@ -115,9 +125,14 @@ def _total(obj: Any) -> int:
 
 
 def _write_file(
-    dst: str, obj: Any, files: DataFiles, *, allowed: frozenset[str], verifier: VerifyInTurn | None,
+    dst: str,
+    obj: Any,
+    files: DataFiles,
+    *,
+    allowed: frozenset[str],
+    verifier: VerifyInTurn | None,
     advance: Callable[[int], None] | None = None,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Write ``obj`` (one state dict, or a checkpoint with one model entry) as the .safetensors file ``dst``; how
     each stored tensor was written. ``verifier`` (the CRCs of every input record) is started once the last
     tensor is queued and joined before ``dst`` is put in place."""
@@ -182,11 +197,15 @@ def _write_shards(
     def write(sub: Any, path: str) -> None:
         nonlocal count
         count += 1
-        ways.extend(_write_file(path, sub, files, allowed=allowed, verifier=verifier if count == last else None,
-                                advance=advance))  # fmt: skip
+        ways.extend(
+            _write_file(
+                path, sub, files, allowed=allowed, verifier=verifier if count == last else None, advance=advance
+            )
+        )
 
-    written = save_sharded(obj, dst, limit=limit, write=write, overwrite=overwrite, size=_record_size,
-                           before_commit=verifier.check)  # fmt: skip
+    written = save_sharded(
+        obj, dst, limit=limit, write=write, overwrite=overwrite, size=_record_size, before_commit=verifier.check
+    )
     return ways, sum(not p.endswith(".index.json") for p in written)
 
 

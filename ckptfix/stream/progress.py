@@ -16,9 +16,12 @@ def columns() -> tuple[Any, ...]:
     from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
 
     return (
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
         TimeRemainingColumn(),
-    )  # fmt: skip
+    )
 
 
 @contextlib.contextmanager

@@ -74,16 +74,18 @@ def convert_to_dcp(
         conversion = transform(tree)
         conversion.obj = carry(conversion.obj, out_fmt="dcp", source=src, notes=conversion.notes)  # refuses opaque
         if dtype is None:  # bytes as they are: written without torch, each tensor copied as byte ranges
-            objects, copied, gathered = write_dcp_folder(conversion.obj, dst, files=files, z=z, source=src,
-                                                         allowed=allowed, overwrite=overwrite)  # fmt: skip
+            objects, copied, gathered = write_dcp_folder(
+                conversion.obj, dst, files=files, z=z, source=src, allowed=allowed, overwrite=overwrite
+            )
             said = f", {gathered} gathered in memory" if gathered else ""
             note = (
                 f"{kind} -> dcp: {copied + gathered} tensors ({copied} copied as byte ranges{said}) and {objects} "
                 "objects, without torch, CRCs checked"
             )
         else:
-            note = _torch_writer(conversion, dst, src=src, kind=kind, files=files, z=z, allowed=allowed, dtype=dtype,
-                                 overwrite=overwrite)  # fmt: skip
+            note = _torch_writer(
+                conversion, dst, src=src, kind=kind, files=files, z=z, allowed=allowed, dtype=dtype, overwrite=overwrite
+            )
     finally:
         files.close()
     conversion.notes.extend(files.notes)
@@ -94,9 +96,17 @@ def convert_to_dcp(
 
 
 def _torch_writer(
-    conversion: Conversion, dst: str, *, src: str, kind: str, files: DataFiles, z: TorchZip | None,
-    allowed: frozenset[str], dtype: str, overwrite: bool,
-) -> str:  # fmt: skip
+    conversion: Conversion,
+    dst: str,
+    *,
+    src: str,
+    kind: str,
+    files: DataFiles,
+    z: TorchZip | None,
+    allowed: frozenset[str],
+    dtype: str,
+    overwrite: bool,
+) -> str:
     """Write the folder with torch's own writer, each tensor read (and cast to ``dtype``) when it asks for it;
     returns the note."""
     cast = cast_records(conversion, dtype)
@@ -226,8 +236,9 @@ class _Reader:
                 got = os.preadv(fd, [view[at + done : at + length]], offset + done)
                 if got <= 0:
                     path = next((p for p, (f, _) in self.files.open.items() if f == fd), self.source)
-                    raise FormatError(f"{path}: ends inside tensor '{key}'; it was truncated while reading: copy it "
-                                      f"again")  # fmt: skip
+                    raise FormatError(
+                        f"{path}: ends inside tensor '{key}'; it was truncated while reading: copy it again"
+                    )
                 done += got
             at += length
         return raw.view(getattr(torch, dtype)).reshape(shape)

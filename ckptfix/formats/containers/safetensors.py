@@ -207,9 +207,17 @@ def _is_simple(value: Any) -> bool:
 # torch globals a weights-only pickle holds as values, by the type torch.load gives them
 _TORCH_TYPES = {
     **{f"torch.{name}": "dtype" for name in DTYPES},
-    **{f"torch.{q}": "qscheme" for q in ("per_tensor_affine", "per_channel_affine", "per_tensor_symmetric",
-                                         "per_channel_symmetric", "per_channel_affine_float_qparams")},
-}  # fmt: skip
+    **{
+        f"torch.{q}": "qscheme"
+        for q in (
+            "per_tensor_affine",
+            "per_channel_affine",
+            "per_tensor_symmetric",
+            "per_channel_symmetric",
+            "per_channel_affine_float_qparams",
+        )
+    },
+}
 
 
 def _type_name(value: Any) -> str:
@@ -337,8 +345,15 @@ def tensor_bytes(t: Any) -> memoryview:
 
 def losses_note(*, params: int, views: int, grads: int) -> str | None:
     """What a .safetensors copy cannot keep (values are exact), from counts of tensors: said under ``-v``."""
-    lost = [f"{n} {what}" for n, what in ((params, "Parameters stored as tensors"), (views, "views stored as "
-            "contiguous tensors"), (grads, "requires_grad flags")) if n]  # fmt: skip
+    lost = [
+        f"{n} {what}"
+        for n, what in (
+            (params, "Parameters stored as tensors"),
+            (views, "views stored as contiguous tensors"),
+            (grads, "requires_grad flags"),
+        )
+        if n
+    ]
     return f".safetensors keeps values only: {', '.join(lost)} not kept" if lost else None
 
 
@@ -390,8 +405,7 @@ def encode_header(
     stored = list(stored)
     for key, _, shape, _ in stored:  # what a .pt output refuses, and a header the library would refuse
         if problem := shape_problem(shape):
-            raise OutputError(f"{out}: key '{key}' has shape {list(shape)}, with {problem}; "
-                              f"nothing was written")  # fmt: skip
+            raise OutputError(f"{out}: key '{key}' has shape {list(shape)}, with {problem}; nothing was written")
     if any(key == "__metadata__" for key, *_ in stored):  # replaces the metadata in place: json.dumps decides
         offset = 0
         for key, dtype, shape, nbytes in stored:

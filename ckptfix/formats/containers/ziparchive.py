@@ -220,8 +220,25 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int,
     unpack_local = _LOCAL.unpack_from
     records: list[Record] = []
     for fields, start in entries:
-        (_sig, made, needed, flags, method, mtime, mdate, crc, csize, usize, name_len, extra_len, comment_len,
-         _disk, iattr, eattr, offset) = fields  # fmt: skip
+        (
+            _sig,
+            made,
+            needed,
+            flags,
+            method,
+            mtime,
+            mdate,
+            crc,
+            csize,
+            usize,
+            name_len,
+            extra_len,
+            comment_len,
+            _disk,
+            iattr,
+            eattr,
+            offset,
+        ) = fields
         raw_name = cd[start : start + name_len]
         try:
             name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
@@ -296,8 +313,9 @@ class _LocalHeaders:
             self.buf, self.at, rel = os.pread(self.fd, span, offset), offset, 0
         data = self.buf[rel : rel + n]
         if len(data) != n:
-            raise FormatError(f"{self.path}: {what} runs past the end of the file; it is truncated, re-download or "
-                              f"re-save it")  # fmt: skip
+            raise FormatError(
+                f"{self.path}: {what} runs past the end of the file; it is truncated, re-download or re-save it"
+            )
         return data
 
 
@@ -414,10 +432,24 @@ class ZipWriter:
         only their central entries are written here, by :meth:`finish`.
         """
         self.records += [
-            Record(r.name, r.header_offset + shift, r.data_offset + shift, r.size, r.crc, r.method, r.flags,
-                   r.version_made, r.version_needed, r.mtime, r.mdate, r.internal_attr, r.external_attr, r.comment)
+            Record(
+                r.name,
+                r.header_offset + shift,
+                r.data_offset + shift,
+                r.size,
+                r.crc,
+                r.method,
+                r.flags,
+                r.version_made,
+                r.version_needed,
+                r.mtime,
+                r.mdate,
+                r.internal_attr,
+                r.external_attr,
+                r.comment,
+            )
             for r in records
-        ]  # fmt: skip
+        ]
         self.offset = end + shift
 
     def set_crc(self, index: int, crc: int) -> None:

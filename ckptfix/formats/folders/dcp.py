@@ -36,15 +36,35 @@ MAX_CHUNKS = 1 << 16  # per tensor; the overlap check is quadratic in it
 METADATA_SLACK = 1 << 20
 _META = "torch.distributed.checkpoint.metadata."
 _CLASSES = frozenset(
-    {_META + n for n in ("Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                         "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")}
-    | {"torch.distributed.checkpoint.filesystem._StorageInfo", "pathlib.PosixPath", "pathlib.WindowsPath",
-       "pathlib.PurePosixPath", "pathlib.PureWindowsPath", "torch.serialization._get_layout", "torch.Size"}
+    {
+        _META + n
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        "torch.distributed.checkpoint.filesystem._StorageInfo",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+        "torch.serialization._get_layout",
+        "torch.Size",
+    }
     # the save plans a planner may keep in the metadata (``all_local_plans``: Megatron-Core's cached plans); read as
     # records like the rest, never used
-    | {"torch.distributed.checkpoint.planner." + n for n in ("SavePlan", "WriteItem", "WriteItemType",
-                                                              "TensorWriteData")}
-)  # fmt: skip
+    | {
+        "torch.distributed.checkpoint.planner." + n
+        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -138,8 +158,10 @@ def is_dcp(path: str) -> bool:
 def _fields(obj: Any, cls: str, names: tuple[str, ...], *, source: str) -> dict[str, Any]:
     """The dataclass fields of an inert ``cls`` record (state as a dict, or as a tuple in field order)."""
     if not isinstance(obj, inert.Inert) or obj.func.full != cls:
-        raise FormatError(f"{source}: expected a {cls.rsplit('.', 1)[1]} record, found {type(obj).__name__}; the "
-                          f"metadata is damaged or from an unsupported torch")  # fmt: skip
+        raise FormatError(
+            f"{source}: expected a {cls.rsplit('.', 1)[1]} record, found {type(obj).__name__}; the "
+            f"metadata is damaged or from an unsupported torch"
+        )
     state = obj.state if obj.has_state else {}
     if isinstance(state, tuple):
         state = dict(zip(names, state, strict=False))
@@ -155,8 +177,9 @@ def _size(obj: Any, *, source: str, key: str) -> tuple[int, ...]:
             if problem := shape_problem(dims):
                 raise FormatError(f"{source}: tensor '{key}': size {list(dims)} has {problem}; the metadata is damaged")
             return dims
-    raise FormatError(f"{source}: tensor '{key}': a size is not a torch.Size of non-negative ints; the metadata is "
-                      f"damaged")  # fmt: skip
+    raise FormatError(
+        f"{source}: tensor '{key}': a size is not a torch.Size of non-negative ints; the metadata is damaged"
+    )
 
 
 def read_dcp(root: str) -> Dcp:
@@ -184,8 +207,10 @@ def read_dcp(root: str) -> Dcp:
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise FormatError(f"{source}: no state_dict_metadata or storage_data; not a DCP checkpoint ckptfix reads")
     if not isinstance(planner, dict):
-        raise FormatError(f"{source}: its planner_data is a {type(planner).__name__}, not a dict of key paths; the "
-                          f"metadata is damaged")  # fmt: skip
+        raise FormatError(
+            f"{source}: its planner_data is a {type(planner).__name__}, not a dict of key paths; the "
+            f"metadata is damaged"
+        )
     spans = _spans(storage, root=root, source=source, inside=inside)
     tensors: dict[str, TensorEntry] = {}
     values: dict[str, Span] = {}
@@ -223,15 +248,19 @@ def _check_paths(paths: dict[str, tuple[str | int, ...]], *, source: str) -> Non
     for key, path in paths.items():
         typed = tuple((type(p).__name__, p) for p in path)  # 1 and "1" are two places, as are True and 1
         if (other := owner.get(typed)) is not None:
-            raise FormatError(f"{source}: keys '{other}' and '{key}' both have planner path {list(path)}; one path "
-                              f"per planner entry: the metadata is damaged or crafted")  # fmt: skip
+            raise FormatError(
+                f"{source}: keys '{other}' and '{key}' both have planner path {list(path)}; one path "
+                f"per planner entry: the metadata is damaged or crafted"
+            )
         owner[typed] = key
     for key, path in paths.items():
         typed = tuple((type(p).__name__, p) for p in path)
         for end in range(1, len(typed)):
             if (other := owner.get(typed[:end])) is not None:
-                raise FormatError(f"{source}: key '{key}' (planner path {list(path)}) lies under the value of key "
-                                  f"'{other}' ({list(path[:end])}); the metadata is damaged or crafted")  # fmt: skip
+                raise FormatError(
+                    f"{source}: key '{key}' (planner path {list(path)}) lies under the value of key "
+                    f"'{other}' ({list(path[:end])}); the metadata is damaged or crafted"
+                )
 
 
 def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> dict[tuple[str, Any], Span]:
@@ -240,8 +269,12 @@ def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> d
     out: dict[tuple[str, Any], Span] = {}
     for index, info in storage.items():
         idx = _fields(index, _META + "MetadataIndex", ("fqn", "offset", "index"), source=source)
-        where = _fields(info, "torch.distributed.checkpoint.filesystem._StorageInfo",
-                        ("relative_path", "offset", "length", "transform_descriptors"), source=source)  # fmt: skip
+        where = _fields(
+            info,
+            "torch.distributed.checkpoint.filesystem._StorageInfo",
+            ("relative_path", "offset", "length", "transform_descriptors"),
+            source=source,
+        )
         fqn, name = idx.get("fqn"), where.get("relative_path")
         offset, length = where.get("offset"), where.get("length")
         if not isinstance(fqn, str) or not isinstance(name, str) or type(offset) is not int or type(length) is not int:
@@ -256,8 +289,10 @@ def _spans(storage: dict[Any, Any], *, root: str, source: str, inside: Any) -> d
             path = paths[name] = inside(root, name, source=source, key=fqn)
             sizes[path] = os.path.getsize(path)
         if offset < 0 or length <= 0 or offset + length > sizes[path]:
-            raise FormatError(f"{source}: '{fqn}' is stored at bytes {offset}..{offset + length} of {name}, which "
-                              f"has {sizes[path]}; the file is truncated: copy the folder again")  # fmt: skip
+            raise FormatError(
+                f"{source}: '{fqn}' is stored at bytes {offset}..{offset + length} of {name}, which "
+                f"has {sizes[path]}; the file is truncated: copy the folder again"
+            )
         chunk = None if idx.get("offset") is None else _size(idx["offset"], source=source, key=fqn)
         out[(fqn, chunk)] = Span(path, offset, length)
     _check_apart(out, source=source)
@@ -271,15 +306,21 @@ def _check_apart(spans: dict[tuple[str, Any], Span], *, source: str) -> None:
     ordered = sorted((s.path, s.offset, s.offset + s.length, i) for i, s in enumerate(spans.values()))
     for (path_a, _, end_a, a), (path_b, start_b, _, b) in itertools.pairwise(ordered):
         if path_a == path_b and start_b < end_a:
-            raise FormatError(f"{source}: '{keys[a][0]}' and '{keys[b][0]}' are stored in the same bytes of "
-                              f"{os.path.basename(path_a)} (from byte {start_b}); the metadata is damaged or "
-                              f"crafted")  # fmt: skip
+            raise FormatError(
+                f"{source}: '{keys[a][0]}' and '{keys[b][0]}' are stored in the same bytes of "
+                f"{os.path.basename(path_a)} (from byte {start_b}); the metadata is damaged or "
+                f"crafted"
+            )
 
 
 def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source: str) -> TensorEntry:
     fields = _fields(entry, _META + "TensorStorageMetadata", ("properties", "size", "chunks"), source=source)
-    props = _fields(fields.get("properties"), _META + "TensorProperties",
-                    ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"), source=source)  # fmt: skip
+    props = _fields(
+        fields.get("properties"),
+        _META + "TensorProperties",
+        ("dtype", "layout", "requires_grad", "memory_format", "pin_memory"),
+        source=source,
+    )
     dtype_glob = props.get("dtype")
     dtype = getattr(dtype_glob, "full", "").removeprefix("torch.")
     if dtype not in DTYPES or not isinstance(dtype_glob, type):
@@ -301,11 +342,15 @@ def _tensor(key: str, entry: Any, spans: dict[tuple[str, Any], Span], *, source:
     for offsets, sizes in sorted(boxes):
         span = spans.get((key, offsets))
         if span is None:
-            raise FormatError(f"{source}: tensor '{key}' chunk at {list(offsets)} has no stored bytes; the "
-                              f"checkpoint is incomplete (a rank's file missing?)")  # fmt: skip
+            raise FormatError(
+                f"{source}: tensor '{key}' chunk at {list(offsets)} has no stored bytes; the "
+                f"checkpoint is incomplete (a rank's file missing?)"
+            )
         if (need := nbytes(dtype, math.prod(sizes))) > span.length:
-            raise FormatError(f"{source}: tensor '{key}' chunk at {list(offsets)} of size {list(sizes)} needs {need} "
-                              f"bytes, stored in {span.length}; the metadata is damaged or crafted")  # fmt: skip
+            raise FormatError(
+                f"{source}: tensor '{key}' chunk at {list(offsets)} of size {list(sizes)} needs {need} "
+                f"bytes, stored in {span.length}; the metadata is damaged or crafted"
+            )
         chunks.append(Chunk(offsets, sizes, span))
     return TensorEntry(dtype=dtype, shape=shape, chunks=tuple(chunks))
 
@@ -329,8 +374,10 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], *, source:
             or len(sizes) != len(shape)
             or any(o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True))
         ):
-            raise FormatError(f"{source}: tensor '{key}' {list(shape)} has a chunk at {list(offsets)} of size "
-                              f"{list(sizes)} outside it; the metadata is damaged")  # fmt: skip
+            raise FormatError(
+                f"{source}: tensor '{key}' {list(shape)} has a chunk at {list(offsets)} of size "
+                f"{list(sizes)} outside it; the metadata is damaged"
+            )
     solid = [box for box in boxes if all(box[1])]  # a zero-size chunk holds nothing (and may be listed often)
     total = math.prod(shape)
     if total == 0 or _on_grid(shape, solid):
@@ -342,13 +389,16 @@ def _check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], *, source:
             f"the checkpoint is incomplete (a rank's file missing?)"
         )
     if len(solid) > _PAIRWISE:
-        raise FormatError(f"{source}: tensor '{key}' has {len(solid)} chunks that overlap or lie off a grid; the "
-                          f"metadata is damaged")  # fmt: skip
+        raise FormatError(
+            f"{source}: tensor '{key}' has {len(solid)} chunks that overlap or lie off a grid; the metadata is damaged"
+        )
     for i, (a_off, a_size) in enumerate(solid):
         for b_off, b_size in solid[i + 1 :]:
             if all(ao < bo + bs and bo < ao + an for ao, an, bo, bs in zip(a_off, a_size, b_off, b_size, strict=True)):
-                raise FormatError(f"{source}: tensor '{key}' has overlapping chunks at {list(a_off)} and "
-                                  f"{list(b_off)}; the metadata is damaged")  # fmt: skip
+                raise FormatError(
+                    f"{source}: tensor '{key}' has overlapping chunks at {list(a_off)} and "
+                    f"{list(b_off)}; the metadata is damaged"
+                )
 
 
 def _on_grid(shape: tuple[int, ...], boxes: list[Box]) -> bool:
@@ -431,8 +481,9 @@ def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: b
             fd = os.open(span.path, os.O_RDONLY)
             files[span.path] = (fd, file_identity(fd), None)
         fd, identity, mapped = files[span.path]
-        z = read_torch_zip(fd, span.path, allowed=allowed, verify=verify, start=span.offset,
-                           end=span.offset + span.length)  # fmt: skip
+        z = read_torch_zip(
+            fd, span.path, allowed=allowed, verify=verify, start=span.offset, end=span.offset + span.length
+        )
         if z.storages and foreign_byte_order(z):  # torch's DCP reader torch.loads the chunk, which swaps bytes
             return torch.load(io.BytesIO(os.pread(fd, span.length, span.offset)), map_location="cpu", weights_only=True)
         if mmap and mapped is None and z.storages:  # one mapping per file, shared by its chunks' tensors
@@ -487,8 +538,9 @@ def chunk_record(
 ) -> tuple[TorchZip, inert.InertTensor]:
     """The chunk's parsed archive and tensor record (its pickle checked); refused unless it is the tensor the
     metadata says."""
-    z = read_torch_zip(fd_of(c.span.path), c.span.path, allowed=allowed, start=c.span.offset,
-                       end=c.span.offset + c.span.length)  # fmt: skip
+    z = read_torch_zip(
+        fd_of(c.span.path), c.span.path, allowed=allowed, start=c.span.offset, end=c.span.offset + c.span.length
+    )
     t, shape = z.tree, c.sizes if c.stored is None else c.stored
     if not isinstance(t, inert.InertTensor) or t.shape != shape or t.dtype != entry.dtype or not t.is_contiguous():
         raise FormatError(

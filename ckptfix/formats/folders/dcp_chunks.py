@@ -19,8 +19,9 @@ def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) 
     room_for_files(len(d.files), source=src)  # each data file stays open until the end (checked unchanged then)
     flat: dict[str, Any] = {key: DcpTensor(key, entry) for key, entry in d.tensors.items()}
     for key, span in d.values.items():
-        z = read_torch_zip(fd_of(span.path), span.path, allowed=allowed, verify=True, start=span.offset,
-                           end=span.offset + span.length)  # fmt: skip
+        z = read_torch_zip(
+            fd_of(span.path), span.path, allowed=allowed, verify=True, start=span.offset, end=span.offset + span.length
+        )
         if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
             return None, f"value '{key}' holds tensors or objects, which the torch path rebuilds"
         flat[key] = z.tree

@@ -218,30 +218,49 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     _check_bytes(state.values(), source=tag_dir, what="")  # the layout checked above; this is the last word on sizes
     ordered: OrderedDict[str, ZeroTensor] = OrderedDict((k, state[k]) for k in module if k in state)
     ordered.update((k, v) for k, v in state.items() if k not in ordered)  # the module's order, as model.state_dict()
-    files = _run_files(models, ranks, stage=stage, train_dtype=train_dtype, master=master, module=module,
-                       buffers=len(buffer_names), frozen=len(frozen))  # fmt: skip
-    run = ZeroRun(root=root, tag_dir=tag_dir, stage=stage, world=world, train_dtype=train_dtype, master_dtype=master,
-                  ds_version=first.version if isinstance(first.version, str) else None, files=files,
-                  state=ordered)  # fmt: skip
+    files = _run_files(
+        models,
+        ranks,
+        stage=stage,
+        train_dtype=train_dtype,
+        master=master,
+        module=module,
+        buffers=len(buffer_names),
+        frozen=len(frozen),
+    )
+    run = ZeroRun(
+        root=root,
+        tag_dir=tag_dir,
+        stage=stage,
+        world=world,
+        train_dtype=train_dtype,
+        master_dtype=master,
+        ds_version=first.version if isinstance(first.version, str) else None,
+        files=files,
+        state=ordered,
+    )
     if stage == 1 and (note := _left_out(module, ordered)):
         run.notes.append(note)
     if optimizer:
         run.optimizer = _optimizer_state(ranks, groups, layout, stage=stage, source=tag_dir)
 
         def tensor(t: inert.InertTensor, key: str) -> ZeroTensor:
-            return ZeroTensor(key, t.dtype, t.shape, (_piece(t, main_zip, path=main_path, start=0, count=t.numel()),),
-                              "run state")  # fmt: skip
+            return ZeroTensor(
+                key, t.dtype, t.shape, (_piece(t, main_zip, path=main_path, start=0, count=t.numel()),), "run state"
+            )
 
         run.carried, left = carried_state(main, first.loss_scaler, tensor=tensor)
         run.notes.extend(left)
     else:
-        run.notes.append("optimizer state (Adam moments, step) not carried: the fp32 master weights only (--optimizer "
-                         "carries it)")  # fmt: skip
+        run.notes.append(
+            "optimizer state (Adam moments, step) not carried: the fp32 master weights only (--optimizer carries it)"
+        )
     return run
 
 
-def _layout(groups: list[list[tuple[str, tuple[int, ...]]]], ranks: list[OptimFile], *,
-            source: str) -> dict[str, list[Segment]]:  # fmt: skip
+def _layout(
+    groups: list[list[tuple[str, tuple[int, ...]]]], ranks: list[OptimFile], *, source: str
+) -> dict[str, list[Segment]]:
     """Where each trainable parameter lies in the ranks' flat fp32 partitions, by the stage's layout."""
     first = ranks[0]
     sizes = [[t.numel() for t, _ in o.groups] for o in ranks]
@@ -273,19 +292,27 @@ def _buffers(module: Mapping[str, Any], names: list[str], main_zip: Any, *, path
         if not t.is_contiguous():
             raise FormatError(f"{path}: buffer '{name}' is not contiguous; the file is damaged")
         cast = "float32" if _floating(t.dtype) and t.dtype != "float32" else None  # zero_to_fp32: v.float()
-        state[name] = ZeroTensor(name, t.dtype, t.shape, (_piece(t, main_zip, path=path, start=0,
-                                 count=t.numel()),), "buffer", cast)  # fmt: skip
+        state[name] = ZeroTensor(
+            name, t.dtype, t.shape, (_piece(t, main_zip, path=path, start=0, count=t.numel()),), "buffer", cast
+        )
     return state
 
 
-def _masters(layout: Mapping[str, list[Segment]], groups: list[list[tuple[str, tuple[int, ...]]]],
-             ranks: list[OptimFile], *, master: str) -> dict[str, ZeroTensor]:  # fmt: skip
+def _masters(
+    layout: Mapping[str, list[Segment]],
+    groups: list[list[tuple[str, tuple[int, ...]]]],
+    ranks: list[OptimFile],
+    *,
+    master: str,
+) -> dict[str, ZeroTensor]:
     """The trainable parameters: each the byte ranges of its fp32 master partitions that ``layout`` gives."""
     shapes = dict(p for g in groups for p in g)
     out: dict[str, ZeroTensor] = {}
     for name, segs in layout.items():
-        pieces = tuple(_piece(ranks[r].groups[g][0], ranks[r].groups[g][1], path=ranks[r].path, start=s, count=n)
-                       for r, g, s, n in segs)  # fmt: skip
+        pieces = tuple(
+            _piece(ranks[r].groups[g][0], ranks[r].groups[g][1], path=ranks[r].path, start=s, count=n)
+            for r, g, s, n in segs
+        )
         out[name] = ZeroTensor(name, master, shapes[name], pieces, "fp32 master")
     return out
 
@@ -294,8 +321,10 @@ def _check_bytes(tensors: Iterable[ZeroTensor], *, source: str, what: str) -> No
     """Each tensor's pieces hold exactly its shape's bytes (``what`` names the kind in the message)."""
     for zt in tensors:
         if sum(p.nbytes for p in zt.pieces) != math.prod(zt.shape) * DTYPES[zt.stored].itemsize:
-            raise FormatError(f"{source}: {what}'{zt.key}' gets {sum(p.nbytes for p in zt.pieces)} bytes "
-                              f"for shape {list(zt.shape)}; the rank files are from different runs")  # fmt: skip
+            raise FormatError(
+                f"{source}: {what}'{zt.key}' gets {sum(p.nbytes for p in zt.pieces)} bytes "
+                f"for shape {list(zt.shape)}; the rank files are from different runs"
+            )
 
 
 def _tensors(tree: Any) -> list[ZeroTensor]:
@@ -311,8 +340,14 @@ def optimizer_tensors(opt: Mapping[str, Any] | None) -> list[ZeroTensor]:
     return [v for s in opt["state"].values() for v in s.values() if isinstance(v, ZeroTensor)]
 
 
-def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[int, ...]]]],
-                     layout: Mapping[str, list[Segment]], *, stage: int, source: str) -> dict[str, Any]:  # fmt: skip
+def _optimizer_state(
+    ranks: list[OptimFile],
+    groups: list[list[tuple[str, tuple[int, ...]]]],
+    layout: Mapping[str, list[Segment]],
+    *,
+    stage: int,
+    source: str,
+) -> dict[str, Any]:
     """The full torch ``optimizer.state_dict()`` of the consolidated model: each flat group's per-element state
     (Adam's ``exp_avg``, ``exp_avg_sq``) cut exactly as its fp32 master partition is (``layout``), its scalar state
     (``step``) given to each of its parameters, and the saved param groups' hyperparameters with parameter indices
@@ -322,11 +357,16 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
     bases = []
     for o in ranks:
         base = o.base
-        if not isinstance(base, dict) or not isinstance(base.get("state"), dict) or not isinstance(
-                base.get("param_groups"), list):  # fmt: skip
+        if (
+            not isinstance(base, dict)
+            or not isinstance(base.get("state"), dict)
+            or not isinstance(base.get("param_groups"), list)
+        ):
             hint = " (an elastic checkpoint: its moments are saved unpartitioned)" if isinstance(base, list) else ""
-            raise FormatError(f"{o.path}: no optimizer state dict in the ZeRO-{stage} optimizer file{hint}; its "
-                              f"optimizer state cannot be consolidated: convert without --optimizer")  # fmt: skip
+            raise FormatError(
+                f"{o.path}: no optimizer state dict in the ZeRO-{stage} optimizer file{hint}; its "
+                f"optimizer state cannot be consolidated: convert without --optimizer"
+            )
         bases.append(base)
     saved_groups = bases[0]["param_groups"]
     order: list[int] = []  # the flat groups, in the saved param groups' order
@@ -336,8 +376,10 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
             raise FormatError(f"{first.path}: a saved param group without its parameter indices; the file is damaged")
         order.extend(flat_ids)
     if sorted(order) != list(range(len(groups))) or len(first.groups) != len(groups):
-        raise FormatError(f"{first.path}: the saved param groups hold flat groups {order}, but the run has "
-                          f"{len(groups)}; the file is damaged")  # fmt: skip
+        raise FormatError(
+            f"{first.path}: the saved param groups hold flat groups {order}, but the run has "
+            f"{len(groups)}; the file is damaged"
+        )
     state: dict[int, dict[str, Any]] = {}
     param_groups: list[dict[str, Any]] = []
     index = 0
@@ -345,8 +387,10 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
         # DeepSpeed's own param_names (torch >= 2.6, named groups) name its flat parameters, not the model's
         hyper = {str(k): v for k, v in pg.items() if k not in ("params", "param_names")}
         if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(hyper)):
-            raise FormatError(f"{first.path}: a param group's hyperparameters hold tensors or objects, which ckptfix "
-                              f"does not carry; convert without --optimizer")  # fmt: skip
+            raise FormatError(
+                f"{first.path}: a param group's hyperparameters hold tensors or objects, which ckptfix "
+                f"does not carry; convert without --optimizer"
+            )
         ids: list[int] = []
         names: list[str] = []
         for k in pg["params"]:
@@ -358,9 +402,15 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
                         piece = _piece(value, first.groups[k][1], path=first.path, start=0, count=1)
                         entry[key] = ZeroTensor(f"{name}.{key}", value.dtype, (), (piece,), "optimizer state")
                     elif isinstance(value, inert.InertTensor):
-                        entry[key] = ZeroTensor(f"{name}.{key}", value.dtype, shape, tuple(
-                            _moment_piece(ranks, per_rank, key, r, g, s, n, group=k) for r, g, s, n in layout[name]
-                        ), "optimizer state")  # fmt: skip
+                        entry[key] = ZeroTensor(
+                            f"{name}.{key}",
+                            value.dtype,
+                            shape,
+                            tuple(
+                                _moment_piece(ranks, per_rank, key, r, g, s, n, group=k) for r, g, s, n in layout[name]
+                            ),
+                            "optimizer state",
+                        )
                     else:
                         entry[key] = value
                 state[index] = entry
@@ -374,15 +424,26 @@ def _optimizer_state(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
     return {"state": state, "param_groups": param_groups}
 
 
-def _moment_piece(ranks: list[OptimFile], per_rank: list[dict[str, Any]], key: str, r: int, g: int, start: int,
-                  count: int, *, group: int) -> Piece:  # fmt: skip
+def _moment_piece(
+    ranks: list[OptimFile],
+    per_rank: list[dict[str, Any]],
+    key: str,
+    r: int,
+    g: int,
+    start: int,
+    count: int,
+    *,
+    group: int,
+) -> Piece:
     """A segment of the layout, read from rank ``r``'s per-element state ``key`` instead of its fp32 partition
     (ZeRO-3: a parameter's slice may cross into the next flat group ``g``)."""
     state = per_rank[r] if g == group else group_state(ranks[r], ranks[r].base, g, source=ranks[r].path)
     t = state.get(key)
     if not isinstance(t, inert.InertTensor) or t.shape == ():
-        raise FormatError(f"{ranks[r].path}: no optimizer state '{key}' for group {g}, which rank 0 has; the rank "
-                          f"files are from different runs")  # fmt: skip
+        raise FormatError(
+            f"{ranks[r].path}: no optimizer state '{key}' for group {g}, which rank 0 has; the rank "
+            f"files are from different runs"
+        )
     return _piece(t, ranks[r].groups[g][1], path=ranks[r].path, start=start, count=count)
 
 
@@ -394,9 +455,16 @@ def _is_placeholder(value: Any) -> bool:
     return isinstance(value, (inert.InertTensor, inert.InertParameter)) and inert.tensor_of(value).numel() == 0
 
 
-def _frozen(name: str, shape: tuple[int, ...], trees: Mapping[int | None, tuple[Any, Any]],
-            fragments: Mapping[int | None, Any], models: Mapping[int | None, str], *, stage: int,
-            world: int) -> ZeroTensor:  # fmt: skip
+def _frozen(
+    name: str,
+    shape: tuple[int, ...],
+    trees: Mapping[int | None, tuple[Any, Any]],
+    fragments: Mapping[int | None, Any],
+    models: Mapping[int | None, str],
+    *,
+    stage: int,
+    world: int,
+) -> ZeroTensor:
     """A frozen parameter: rank 0's whole tensor (ZeRO-2), or each rank's partition in order, cut (ZeRO-3)."""
     numel = math.prod(shape)
     pieces: list[Piece] = []
@@ -410,26 +478,37 @@ def _frozen(name: str, shape: tuple[int, ...], trees: Mapping[int | None, tuple[
         if t is None or not t.is_contiguous():
             raise FormatError(f"{models[r]}: frozen parameter '{name}' is not a contiguous tensor; the file is damaged")
         if dtype is not None and t.dtype != dtype:
-            raise FormatError(f"{models[r]}: frozen parameter '{name}' is {t.dtype} here, {dtype} on rank 0; the "
-                              f"folder mixes two runs")  # fmt: skip
+            raise FormatError(
+                f"{models[r]}: frozen parameter '{name}' is {t.dtype} here, {dtype} on rank 0; the "
+                f"folder mixes two runs"
+            )
         dtype = t.dtype
         # ZeRO-2 saves the parameter whole, ZeRO-3 each rank's padded partition: any other size misplaces elements
         want = numel if stage <= 2 else math.ceil(numel / world)
         if t.numel() != want:
-            raise FormatError(f"{models[r]}: frozen parameter '{name}' of shape {list(shape)} has {t.numel()} "
-                              f"elements here, not {want}; the rank files are from different runs")  # fmt: skip
+            raise FormatError(
+                f"{models[r]}: frozen parameter '{name}' of shape {list(shape)} has {t.numel()} "
+                f"elements here, not {want}; the rank files are from different runs"
+            )
         take = min(t.numel(), left)
         if take:
             pieces.append(_piece(t, trees[r][1], path=models[r], start=0, count=take))
         left -= take
     if left or dtype is None:
-        raise FormatError(f"{models[None if stage <= 2 else 0]}: frozen parameter '{name}' of shape {list(shape)} "
-                          f"has {numel - left} elements saved; the rank files are from different runs")  # fmt: skip
+        raise FormatError(
+            f"{models[None if stage <= 2 else 0]}: frozen parameter '{name}' of shape {list(shape)} "
+            f"has {numel - left} elements saved; the rank files are from different runs"
+        )
     return ZeroTensor(name, dtype, shape, tuple(pieces), "frozen")
 
 
-def _train_dtype(module: Mapping[str, Any], groups: list[list[tuple[str, tuple[int, ...]]]],
-                 state: Mapping[str, ZeroTensor], *, fallback: str) -> str:  # fmt: skip
+def _train_dtype(
+    module: Mapping[str, Any],
+    groups: list[list[tuple[str, tuple[int, ...]]]],
+    state: Mapping[str, ZeroTensor],
+    *,
+    fallback: str,
+) -> str:
     """The dtype the module trained in: its trainable parameters' records (ZeRO-3 placeholders keep it)."""
     for g in groups:
         for name, _ in g:
@@ -439,21 +518,41 @@ def _train_dtype(module: Mapping[str, Any], groups: list[list[tuple[str, tuple[i
     return fallback
 
 
-def _run_files(models: Mapping[int | None, str], ranks: list[OptimFile], *, stage: int, train_dtype: str, master: str,
-               module: Mapping[str, Any], buffers: int, frozen: int) -> list[RunFile]:  # fmt: skip
+def _run_files(
+    models: Mapping[int | None, str],
+    ranks: list[OptimFile],
+    *,
+    stage: int,
+    train_dtype: str,
+    master: str,
+    module: Mapping[str, Any],
+    buffers: int,
+    frozen: int,
+) -> list[RunFile]:
     files: list[RunFile] = []
     for r, path in sorted(models.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         if stage <= 2:
-            holds = (f"module state dict in {train_dtype} ({len(module)} keys), shapes, {buffers} buffers"
-                     f"{f', {frozen} frozen parameters' if frozen else ''}")  # fmt: skip
+            holds = (
+                f"module state dict in {train_dtype} ({len(module)} keys), shapes, {buffers} buffers"
+                f"{f', {frozen} frozen parameters' if frozen else ''}"
+            )
         else:
-            holds = (f"rank {r}'s module file: [0] placeholders for parameters, {buffers} buffers"
-                     f"{f', its partition of {frozen} frozen parameters' if frozen else ''}")  # fmt: skip
+            holds = (
+                f"rank {r}'s module file: [0] placeholders for parameters, {buffers} buffers"
+                f"{f', its partition of {frozen} frozen parameters' if frozen else ''}"
+            )
         files.append(RunFile(path, "module", r, holds))
     for o in ranks:
         n = sum(t.numel() for t, _ in o.groups)
-        files.append(RunFile(o.path, "optimizer", o.rank, f"rank {o.rank}'s {master} master partition ({len(o.groups)} "
-                             f"group{'s' * (len(o.groups) != 1)}, {n:,} elements) and optimizer state"))  # fmt: skip
+        files.append(
+            RunFile(
+                o.path,
+                "optimizer",
+                o.rank,
+                f"rank {o.rank}'s {master} master partition ({len(o.groups)} "
+                f"group{'s' * (len(o.groups) != 1)}, {n:,} elements) and optimizer state",
+            )
+        )
     return files
 
 
@@ -503,14 +602,18 @@ def load_training_state(path: str, *, allow_globals: Iterable[str] = (), verify:
 
     verified: set[tuple[str, str]] | None = set() if verify else None
     try:
-        state = {i: {k: read_zero_tensor(v, fd_of, verified=verified) if isinstance(v, ZeroTensor) else v
-                     for k, v in s.items()} for i, s in run.optimizer["state"].items()}  # fmt: skip
+        state = {
+            i: {
+                k: read_zero_tensor(v, fd_of, verified=verified) if isinstance(v, ZeroTensor) else v
+                for k, v in s.items()
+            }
+            for i, s in run.optimizer["state"].items()
+        }
         carried = map_tree(run.carried, lambda t: read_zero_tensor(t, fd_of, verified=verified), leaf=ZeroTensor)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return {"optimizer": {"state": state, "param_groups": [dict(g) for g in run.optimizer["param_groups"]]},
-            **carried}  # fmt: skip
+    return {"optimizer": {"state": state, "param_groups": [dict(g) for g in run.optimizer["param_groups"]]}, **carried}
 
 
 def load_run(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> OrderedDict[str, Any]:

@@ -114,8 +114,10 @@ def missing_run(root: str) -> str | None:
         if tags:
             return f"{latest}: DeepSpeed's 'latest' file cannot be read ({why}): {example}"
         if os.path.islink(latest):
-            return (f"{latest}: cannot be read ({why}), and no tag folder of DeepSpeed rank files is here; pass a "
-                    f"checkpoint file or a folder that holds one")  # fmt: skip
+            return (
+                f"{latest}: cannot be read ({why}), and no tag folder of DeepSpeed rank files is here; pass a "
+                f"checkpoint file or a folder that holds one"
+            )
         return None
     if not tags:
         return None
@@ -168,8 +170,10 @@ def rank_files(tag_dir: str) -> tuple[dict[int | None, str], dict[int, str]]:
             _mp_rank(m.group(2), full)
             rank = int(m.group(1))
             if rank in optims:
-                raise FormatError(f"{full}: rank {rank} has two optimizer files here ({os.path.basename(optims[rank])}"
-                                  f" too: fp32 and bf16 runs mixed); keep one run's files")  # fmt: skip
+                raise FormatError(
+                    f"{full}: rank {rank} has two optimizer files here ({os.path.basename(optims[rank])}"
+                    f" too: fp32 and bf16 runs mixed); keep one run's files"
+                )
             optims[rank] = full
         elif _OTHER_STATES.match(name):
             raise FormatError(
@@ -193,8 +197,9 @@ def _rank_file(path: str, tag_dir: str) -> None:
     except OSError as e:
         raise FormatError(f"{path}: cannot read it ({e.strerror}); copy the whole tag folder again") from e
     if not stat.S_ISREG(mode):
-        raise FormatError(f"{path}: not a regular file (a FIFO, socket, device or folder); copy the whole tag folder "
-                          f"again")  # fmt: skip
+        raise FormatError(
+            f"{path}: not a regular file (a FIFO, socket, device or folder); copy the whole tag folder again"
+        )
     real = os.path.realpath(tag_dir)
     if os.path.commonpath([real, os.path.realpath(path)]) != real:
         raise FormatError(f"{path}: a link to outside the folder; refusing it: copy the file itself into the folder")

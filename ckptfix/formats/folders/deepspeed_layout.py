@@ -22,8 +22,10 @@ def layout_partitioned(
     ``sizes[r][g]``: rank ``r``'s partition length of group ``g`` (the ranks' partitions, joined, are the group)."""
     world = len(sizes)
     if paddings is not None and (len(paddings) != len(shapes) or not all(isinstance(p, list) for p in paddings)):
-        raise FormatError(f"{source}: param_alignment_paddings is not one list per parameter group ({len(shapes)}); "
-                          f"the rank files are damaged")  # fmt: skip
+        raise FormatError(
+            f"{source}: param_alignment_paddings is not one list per parameter group ({len(shapes)}); "
+            f"the rank files are damaged"
+        )
     out: dict[str, list[Segment]] = {}
     for g, params in enumerate(shapes):
         starts = [0]
@@ -35,8 +37,10 @@ def layout_partitioned(
         if pads is not None and len(pads) != len(params):
             raise FormatError(f"{source}: group {g} has {len(params)} parameters but {len(pads)} alignment paddings")
         if pads is not None and not all(type(p) is int and p >= 0 for p in pads):  # a negative one overlaps two
-            raise FormatError(f"{source}: param_alignment_paddings of group {g} are {pads!r}, not counts of elements; "
-                              f"the rank files are damaged")  # fmt: skip
+            raise FormatError(
+                f"{source}: param_alignment_paddings of group {g} are {pads!r}, not counts of elements; "
+                f"the rank files are damaged"
+            )
         for i, (name, shape) in enumerate(params):
             numel = math.prod(shape)
             if offset + numel > avail:
@@ -75,8 +79,10 @@ def layout_stage3(
     for n in sizes[0]:
         bounds.append(bounds[-1] + n)
     if any(s != sizes[0] for s in sizes):
-        raise FormatError(f"{source}: the ranks' fp32 partitions differ in size ({sizes[0]} vs others); the rank "
-                          f"files are from different runs")  # fmt: skip
+        raise FormatError(
+            f"{source}: the ranks' fp32 partitions differ in size ({sizes[0]} vs others); the rank "
+            f"files are from different runs"
+        )
     out: dict[str, list[Segment]] = {}
     offset = 0
     for name, shape in shapes:

@@ -102,10 +102,22 @@ def optim_file(path: str, rank: int, *, allowed: frozenset[str]) -> OptimFile:
         raise FormatError(f"{path}: ZeRO-{stage} optimizer file without its '{key}' (the fp32 master partitions)")
     groups = [(flat_tensor(t, path=path, what=f"{key}[{i}]"), z) for i, t in enumerate(flats)]
     base = osd.get("base_optimizer_state" if stage <= 2 else "optimizer_state_dict")
-    return OptimFile(path, rank, stage, world, tree.get("ds_version", osd.get("ds_version")), groups,
-                  osd.get("param_alignment_paddings"), base, osd.get("dynamic_loss_scale"),
-                  osd.get("param_slice_mappings"), osd.get("group_paddings"), tree.get("ds_config"),
-                  saved_name(z), osd.get("loss_scaler"))  # fmt: skip
+    return OptimFile(
+        path,
+        rank,
+        stage,
+        world,
+        tree.get("ds_version", osd.get("ds_version")),
+        groups,
+        osd.get("param_alignment_paddings"),
+        base,
+        osd.get("dynamic_loss_scale"),
+        osd.get("param_slice_mappings"),
+        osd.get("group_paddings"),
+        tree.get("ds_config"),
+        saved_name(z),
+        osd.get("loss_scaler"),
+    )
 
 
 RENAMED = "the rank files were renamed or swapped: give each file its own rank's name"
@@ -145,8 +157,9 @@ def optimizer_ranks(optims: Mapping[int, str], *, tag_dir: str, allowed: frozens
         same(o.path, "partition_count", o.world, world, first.path)
         same(o.path, "ds_version", o.version, first.version, first.path)
         same(o.path, "number of parameter groups", len(o.groups), len(first.groups), first.path)
-        same(o.path, "fp32 master dtype", [t.dtype for t, _ in o.groups], [t.dtype for t, _ in first.groups],
-             first.path)  # fmt: skip
+        same(
+            o.path, "fp32 master dtype", [t.dtype for t, _ in o.groups], [t.dtype for t, _ in first.groups], first.path
+        )
         # an fp16 run's files are named as an fp32 run's, and hold the same partition sizes: its loss scaler differs
         same(o.path, "dynamic_loss_scale", o.dynamic_scale, first.dynamic_scale, first.path)
         same_config(o.path, o.config, first)
@@ -182,8 +195,9 @@ def same_config(path: str, config: Any, first: OptimFile) -> None:
             same(path, f"ds_config's {what}", value, expected[what], first.path)
 
 
-def module_trees(models: Mapping[int | None, str], first: OptimFile, *, tag_dir: str,
-                  allowed: frozenset[str]) -> dict[int | None, tuple[Any, Any]]:  # fmt: skip
+def module_trees(
+    models: Mapping[int | None, str], first: OptimFile, *, tag_dir: str, allowed: frozenset[str]
+) -> dict[int | None, tuple[Any, Any]]:
     """The module files the stage needs (ZeRO-1/2: the one file; ZeRO-3: one per rank), read, the main one first:
     none missing, none of another run, each saying the same of the run."""
     stage, world = first.stage, first.world
@@ -244,8 +258,10 @@ def param_groups(main: Mapping[str, Any], first: OptimFile, *, path: str) -> lis
     them; as many groups as the optimizer files hold."""
     groups = [[(str(k), shape_of(v, path=path, key=str(k))) for k, v in g.items()] for g in main["param_shapes"]]
     if len(groups) != len(first.groups):
-        raise FormatError(f"{path}: {len(groups)} parameter groups but {first.path} holds {len(first.groups)}; "
-                          f"the folder mixes two runs")  # fmt: skip
+        raise FormatError(
+            f"{path}: {len(groups)} parameter groups but {first.path} holds {len(first.groups)}; "
+            f"the folder mixes two runs"
+        )
     return groups
 
 
@@ -261,8 +277,10 @@ def group_state(o: OptimFile, base: Mapping[str, Any], k: int, *, source: str) -
             t = flat_tensor(value, path=o.path, what=f"optimizer state '{key}' of group {k}")
             # the fp32 partition is saved without the last rank's padding, the moments with it (at the end)
             if t.shape != () and (len(t.shape) != 1 or t.numel() < flat.numel()):
-                raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} has shape {list(t.shape)}, but "
-                                  f"the fp32 partition has {list(flat.shape)}; the file is damaged")  # fmt: skip
+                raise FormatError(
+                    f"{o.path}: optimizer state '{key}' of group {k} has shape {list(t.shape)}, but "
+                    f"the fp32 partition has {list(flat.shape)}; the file is damaged"
+                )
             value = t
         elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert.walk(value)):
             raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} holds objects ckptfix does not carry")
@@ -288,11 +306,14 @@ def check_partitions(ranks: list[OptimFile], groups: list[list[tuple[str, tuple[
                 other = next((r for r in range(world) if claim == _expected(offsets, r, full)), None)
                 if other is None:
                     continue  # not any rank's: the sizes below, or the layout, say what is wrong
-                holder = next((p.path for p, c in zip(ranks, claims, strict=True)
-                               if c == _expected(offsets, o.rank, full)), None)  # fmt: skip
+                holder = next(
+                    (p.path for p, c in zip(ranks, claims, strict=True) if c == _expected(offsets, o.rank, full)), None
+                )
                 also = f" ({os.path.basename(holder)} holds rank {o.rank}'s)" if holder else ""
-                raise FormatError(f"{o.path}: its param_slice_mappings are rank {other}'s partition, but its name says "
-                                  f"rank {o.rank}{also}; {RENAMED}")  # fmt: skip
+                raise FormatError(
+                    f"{o.path}: its param_slice_mappings are rank {other}'s partition, but its name says "
+                    f"rank {o.rank}{also}; {RENAMED}"
+                )
         for o, n in zip(ranks[1:], sizes[1:], strict=True):
             last = o.rank == world - 1
             if n > sizes[0] or (n != sizes[0] and not last):
@@ -322,8 +343,9 @@ def _identity(name: str) -> tuple[str, str | None, str] | None:
     return None
 
 
-def check_saved_names(models: Mapping[int | None, str], trees: Mapping[int | None, tuple[Any, Any]],
-                      ranks: list[OptimFile]) -> None:  # fmt: skip
+def check_saved_names(
+    models: Mapping[int | None, str], trees: Mapping[int | None, tuple[Any, Any]], ranks: list[OptimFile]
+) -> None:
     """Every stage: each rank file is the file its name says, where its archive says which it was saved as. Its
     rank is in its name and, where torch.save was given its path (DeepSpeed's default checkpoint engine), in its
     archive too; a ZeRO-3 file records nothing else of its rank (but rank 0's tied names), so a swap of its
@@ -335,16 +357,19 @@ def check_saved_names(models: Mapping[int | None, str], trees: Mapping[int | Non
             continue
         holder = next((p for p, w in saved.items() if w is not None and _identity(w) == _identity(name)), None)
         also = f" ({os.path.basename(holder)} was saved as {name})" if holder else ""
-        raise FormatError(f"{path}: torch.save wrote it as {was} (its archive keeps the name), but it is named "
-                          f"{name}{also}; {RENAMED}")  # fmt: skip
+        raise FormatError(
+            f"{path}: torch.save wrote it as {was} (its archive keeps the name), but it is named "
+            f"{name}{also}; {RENAMED}"
+        )
 
 
 def _offsets(params: list[tuple[str, tuple[int, ...]]], paddings: Any, g: int) -> list[tuple[str, int, int]] | None:
     """Group ``g``'s parameters as (name, first element, count) in its flat vector; None where the alignment
     paddings are not usable (the layout refuses them)."""
     pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
-    if pads is not None and (not isinstance(pads, list) or len(pads) != len(params)
-                             or not all(type(p) is int and p >= 0 for p in pads)):  # fmt: skip
+    if pads is not None and (
+        not isinstance(pads, list) or len(pads) != len(params) or not all(type(p) is int and p >= 0 for p in pads)
+    ):
         return None
     out: list[tuple[str, int, int]] = []
     at = 0

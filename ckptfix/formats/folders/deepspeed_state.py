@@ -19,11 +19,23 @@ from typing import Any
 from ckptfix.formats.pickles import inert
 
 # the module file's entries that describe the run's layout (consolidated into "model", not carried)
-LAYOUT = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "universal_checkpoint_info",
-})  # fmt: skip
+LAYOUT = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+        "universal_checkpoint_info",
+    }
+)
 TAKEN = ("model", "optimizer")  # the consolidated checkpoint's own entries
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 Tensor = Callable[[inert.InertTensor, str], Any]  # a contiguous tensor of the module file, and its key, as a record
@@ -44,14 +56,18 @@ def carried_state(
         if key in LAYOUT or value is None:
             continue
         if not isinstance(key, str) or key in TAKEN:
-            notes.append(f"client_state entry {key!r} not carried: the consolidated checkpoint's '{key}' is the "
-                         f"run's {key}; save it under another name")  # fmt: skip
+            notes.append(
+                f"client_state entry {key!r} not carried: the consolidated checkpoint's '{key}' is the "
+                f"run's {key}; save it under another name"
+            )
             continue
         try:
             carried[key] = _plain(value, key=key, tensor=tensor)
         except _NotPlainError as e:
-            notes.append(f"client_state entry '{key}' not carried: it holds {e}, which ckptfix does "
-                         f"not build; save plain values and tensors in client_state")  # fmt: skip
+            notes.append(
+                f"client_state entry '{key}' not carried: it holds {e}, which ckptfix does "
+                f"not build; save plain values and tensors in client_state"
+            )
     scaler = _loss_scaler(loss_scaler)
     if scaler and "loss_scaler" not in carried:
         carried["loss_scaler"] = scaler

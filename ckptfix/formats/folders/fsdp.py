@@ -91,8 +91,7 @@ def piece(obj: Any, *, key: str, source: str) -> Piece | None:
         ) from e
     if len(placements) != len(dims) or len(coordinate) != len(dims):
         raise FormatError(f"{source}: key '{key}': its DTensor placements do not match its mesh; the file is damaged")
-    _check_piece(key, dtype=dtype, shape=shape, mesh=dims, coordinate=coordinate, placements=placements,
-                 source=source)  # fmt: skip
+    _check_piece(key, dtype=dtype, shape=shape, mesh=dims, coordinate=coordinate, placements=placements, source=source)
     return Piece(dtype, shape, dims, coordinate, placements, local)
 
 

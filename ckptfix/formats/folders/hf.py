@@ -37,8 +37,17 @@ _STATE_FILE = re.compile(
 _FSDP_MODEL = re.compile(r"^pytorch_model_fsdp_\d+$")  # accelerate's FSDP_MODEL_NAME, SHARDED_STATE_DICT: DCP
 _FD_RESERVE = 256  # files the rest of the process (a training job: loaders, sockets, logs) may hold meanwhile
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
-          "tib": 1 << 40}  # fmt: skip
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 @dataclass(frozen=True)
@@ -144,11 +153,15 @@ def room_for_files(count: int, *, source: str) -> None:
 def _accelerate(root: str, names: list[str]) -> Folder:
     models = [n for n in names if _MODEL_FILE.match(n)]
     if not models:
-        raise FormatError(missing_run(root) or _fsdp_state(root, names) or (
-            f"{root}: no checkpoint here (no *.index.json, model.safetensors, pytorch_model.bin or "
-            f"model_N.safetensors; no DCP .metadata; no DeepSpeed 'latest' or tag folder of rank files); pass a "
-            f"checkpoint file or a folder that holds one"
-        ))  # fmt: skip
+        raise FormatError(
+            missing_run(root)
+            or _fsdp_state(root, names)
+            or (
+                f"{root}: no checkpoint here (no *.index.json, model.safetensors, pytorch_model.bin or "
+                f"model_N.safetensors; no DCP .metadata; no DeepSpeed 'latest' or tag folder of rank files); pass a "
+                f"checkpoint file or a folder that holds one"
+            )
+        )
     stems = [n.rsplit(".", 1)[0] for n in models]
     if len(set(stems)) != len(stems):
         twice = sorted({s for s in stems if stems.count(s) > 1})
@@ -156,8 +169,7 @@ def _accelerate(root: str, names: list[str]) -> Folder:
     states = [n for n in names if _STATE_FILE.match(n)]
     entries = {n.rsplit(".", 1)[0]: (inside(root, n, source=root),) for n in models + states}
     if len(entries) == 1:  # one model file (save_pretrained without sharding): the state dict itself
-        return Folder(root=root, kind="sharded", index=None, entries={"": next(iter(entries.values()))},
-                      weight_map={})  # fmt: skip
+        return Folder(root=root, kind="sharded", index=None, entries={"": next(iter(entries.values()))}, weight_map={})
     return Folder(root=root, kind="accelerate", index=None, entries=entries, weight_map={})
 
 
@@ -167,8 +179,10 @@ def _fsdp_state(root: str, names: list[str]) -> str | None:
     models = [n for n in names if _FSDP_MODEL.match(n) and os.path.isdir(os.path.join(root, n))]
     if not models:
         return None
-    return (f"{root}: accelerate's save_state of an FSDP run: its model is the DCP folder "
-            f"{os.path.join(root, models[0])}/; pass that folder (the config beside it is found)")  # fmt: skip
+    return (
+        f"{root}: accelerate's save_state of an FSDP run: its model is the DCP folder "
+        f"{os.path.join(root, models[0])}/; pass that folder (the config beside it is found)"
+    )
 
 
 def check_shard(folder: Folder, path: str, keys: Iterable[str]) -> None:

@@ -82,8 +82,10 @@ def find_config(src: PathLike, *, config_from: PathLike | None = None) -> Config
             # may hold only the config (model.config.save_pretrained), its run folder the generation config
             return ConfigFolder(place, config, *_side_files([place, *(p for p in places if p != place)]))
     if config_from is not None:
-        raise UsageError(f"{places[0]}: has no {CONFIG}; --config-from names the folder of the model's {CONFIG} "
-                         f"(save_pretrained writes it)")  # fmt: skip
+        raise UsageError(
+            f"{places[0]}: has no {CONFIG}; --config-from names the folder of the model's {CONFIG} "
+            f"(save_pretrained writes it)"
+        )
     where = " or ".join(dict.fromkeys(places))
     raise UsageError(
         f"{source}: no {CONFIG} (nor generation_config.json, tokenizer files) in {where}; a folder from_pretrained "
@@ -104,8 +106,9 @@ def _side_files(places: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if why is None:
             files.append(path)
         else:
-            left_out.append(f"left out {name}: {why}; copy the file into the folder, or pass --config-from a folder "
-                            f"that holds it")  # fmt: skip
+            left_out.append(
+                f"left out {name}: {why}; copy the file into the folder, or pass --config-from a folder that holds it"
+            )
     return tuple(files), tuple(left_out)
 
 
@@ -131,8 +134,10 @@ def _read(path: str, *, root: str) -> bytes:
             real = os.readlink(f"/proc/self/fd/{fd}")
         why = _refusal(path, real, root=os.path.realpath(root))
         if why is not None or not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UsageError(f"{why or f'{path} is not a regular file'}; copy the file into the folder, or pass "
-                             f"--config-from a folder that holds it")  # fmt: skip
+            raise UsageError(
+                f"{why or f'{path} is not a regular file'}; copy the file into the folder, or pass "
+                f"--config-from a folder that holds it"
+            )
         try:
             raw = f.read(MAX_SIDE_FILE + 1)
         except OSError as e:

@@ -45,18 +45,52 @@ _STACKED = re.compile(r"((?:[^./]+\.)*?)decoder\.layers\.(.+)")
 _EXPERTS = "mlp.experts.experts."  # stacked as [layer, expert, …]: SequentialMLP's local_experts.N once unstacked
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 # The model arguments inspect shows, by Megatron-LM's names (an HF export reads them all: ckptfix.megatron_args).
-_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-         "group_query_attention", "kv_channels", "padded_vocab_size", "max_position_embeddings", "normalization",
-         "swiglu", "position_embedding_type", "untie_embeddings_and_output_weights", "num_experts", "moe_router_topk",
-         "params_dtype", "bf16", "fp16",
-         # what an HF config is built from (ckptfix.megatron_hf), and what it refuses
-         "norm_epsilon", "rotary_base", "rotary_percent", "rotary_interleaved", "add_bias_linear", "add_qkv_bias",
-         "qk_layernorm", "vocab_size", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_router_score_function",
-         "moe_shared_expert_intermediate_size", "moe_layer_freq", "rope_scaling", "use_rope_scaling",
-         "layernorm_epsilon", "apply_layernorm_1p", "layernorm_zero_centered_gamma")  # fmt: skip
-_LAYOUT = {"tensor": "tensor_model_parallel_size", "pipeline": "pipeline_model_parallel_size",
-           "virtual_pipeline": "virtual_pipeline_model_parallel_size", "expert": "expert_model_parallel_size",
-           "context": "context_parallel_size"}  # fmt: skip
+_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "padded_vocab_size",
+    "max_position_embeddings",
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "untie_embeddings_and_output_weights",
+    "num_experts",
+    "moe_router_topk",
+    "params_dtype",
+    "bf16",
+    "fp16",
+    # what an HF config is built from (ckptfix.megatron_hf), and what it refuses
+    "norm_epsilon",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "vocab_size",
+    "moe_ffn_hidden_size",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    "rope_scaling",
+    "use_rope_scaling",
+    "layernorm_epsilon",
+    "apply_layernorm_1p",
+    "layernorm_zero_centered_gamma",
+)
+_LAYOUT = {
+    "tensor": "tensor_model_parallel_size",
+    "pipeline": "pipeline_model_parallel_size",
+    "virtual_pipeline": "virtual_pipeline_model_parallel_size",
+    "expert": "expert_model_parallel_size",
+    "context": "context_parallel_size",
+}
 
 
 @dataclass
@@ -76,16 +110,26 @@ class Megatron:
     @property
     def kind(self) -> str:
         """``Megatron-Core torch_dist (TP 2, PP 1, EP 1)``: the folder, in the words of ``convert -v``."""
-        sizes = ", ".join(f"{k} {self.layout[v]}" for k, v in (("TP", "tensor"), ("PP", "pipeline"),
-                          ("VPP", "virtual_pipeline"), ("EP", "expert")) if v in self.layout)  # fmt: skip
+        sizes = ", ".join(
+            f"{k} {self.layout[v]}"
+            for k, v in (("TP", "tensor"), ("PP", "pipeline"), ("VPP", "virtual_pipeline"), ("EP", "expert"))
+            if v in self.layout
+        )
         return f"Megatron-Core {BACKEND}" + (f" ({sizes})" if sizes else f" ({self.ranks} ranks)")
 
     def summary(self) -> dict[str, Any]:
         """What ``inspect`` shows: the layout, the model arguments, the tensor count, what is left out."""
         shown = {k: self.args[k] for k in _ARGS if k in self.args}  # the model's
-        return {"backend": BACKEND, "layout": dict(self.layout), "ranks": self.ranks, "args": shown,
-                "tensors": len(self.state), "unstacked_under": list(self.under), **self.common,
-                "notes": list(self.notes)}  # fmt: skip
+        return {
+            "backend": BACKEND,
+            "layout": dict(self.layout),
+            "ranks": self.ranks,
+            "args": shown,
+            "tensors": len(self.state),
+            "unstacked_under": list(self.under),
+            **self.common,
+            "notes": list(self.notes),
+        }
 
 
 def is_megatron(path: str) -> bool:
@@ -114,16 +158,21 @@ def resolve(path: str) -> str:
         raw = f.read(65)
     said = raw.decode("ascii", "replace").strip()
     if len(raw) > 64 or not (said.isdigit() or said == "release"):
-        raise FormatError(f"{tracker}: says {said[:64]!r}, not an iteration number or 'release'; the file is damaged: "
-                          f"pass the iter_* folder itself")  # fmt: skip
+        raise FormatError(
+            f"{tracker}: says {said[:64]!r}, not an iteration number or 'release'; the file is damaged: "
+            f"pass the iter_* folder itself"
+        )
     folder = os.path.join(path, "release" if said == "release" else f"iter_{int(said):07d}")
     if not os.path.isdir(folder):
-        raise FormatError(f"{tracker}: names iteration {said}, but {folder} is not there; copy it, or pass the "
-                          f"iter_* folder to read")  # fmt: skip
+        raise FormatError(
+            f"{tracker}: names iteration {said}, but {folder} is not there; copy it, or pass the iter_* folder to read"
+        )
     if not os.path.isfile(os.path.join(folder, METADATA_JSON)):
-        raise FormatError(f"{folder}: a Megatron-LM checkpoint without metadata.json (the legacy per-rank format, "
-                          f"mp_rank_*/model_optim_rng.pt); ckptfix reads '{BACKEND}' folders: re-save with "
-                          f"--ckpt-format torch_dist")  # fmt: skip
+        raise FormatError(
+            f"{folder}: a Megatron-LM checkpoint without metadata.json (the legacy per-rank format, "
+            f"mp_rank_*/model_optim_rng.pt); ckptfix reads '{BACKEND}' folders: re-save with "
+            f"--ckpt-format torch_dist"
+        )
     return folder
 
 
@@ -133,8 +182,11 @@ def _metadata_json(root: str) -> dict[str, Any]:
         raw = f.read(_MAX_JSON + 1)
     if len(raw) > _MAX_JSON:
         raise FormatError(f"{source}: over 1 MiB; Megatron's metadata.json is a few lines: it is damaged")
-    said = Said(duplicate="{e}; the file is damaged", invalid="not JSON ({e}); the file is damaged",
-                not_object="not a JSON object; the file is damaged")  # fmt: skip
+    said = Said(
+        duplicate="{e}; the file is damaged",
+        invalid="not JSON ({e}); the file is damaged",
+        not_object="not a JSON object; the file is damaged",
+    )
     return json_object(raw, source=source, said=said)
 
 
@@ -148,8 +200,10 @@ def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
     source = os.path.join(root, METADATA_JSON)
     backend = meta.get("sharded_backend")
     if backend != BACKEND:
-        raise FormatError(f"{source}: a Megatron-Core checkpoint of sharded backend {backend!r}; ckptfix reads "
-                          f"'{BACKEND}': convert it with Megatron (--ckpt-format torch_dist) first")  # fmt: skip
+        raise FormatError(
+            f"{source}: a Megatron-Core checkpoint of sharded backend {backend!r}; ckptfix reads "
+            f"'{BACKEND}': convert it with Megatron (--ckpt-format torch_dist) first"
+        )
     if not os.path.isfile(os.path.join(root, METADATA)):
         raise FormatError(f"{os.path.join(root, METADATA)}: missing; a torch_dist folder has one: copy it again")
     common = _common(root, allow_globals=allow_globals)
@@ -165,16 +219,20 @@ def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
         names = ", ".join(sorted({k.split("/")[0] for k in others}))
         notes.append(f"{len(others)} per-rank objects left out ({names})")
     if optimizer:
-        notes.append(f"the optimizer's state ({len(optimizer)} tensors) left out: ckptfix converts the model of a "
-                     f"Megatron checkpoint only")  # fmt: skip
+        notes.append(
+            f"the optimizer's state ({len(optimizer)} tensors) left out: ckptfix converts the model of a "
+            f"Megatron checkpoint only"
+        )
     state: dict[str, DcpTensor] = {}
     for key, entry in d.tensors.items():
         if key.startswith("optimizer."):
             continue
         for name, part in _unstacked(key, entry, args=args, source=os.path.join(root, METADATA)):
             if name in state or (name != key and name in d.tensors):
-                raise FormatError(f"{os.path.join(root, METADATA)}: '{name}' is stored both stacked and on its own; "
-                                  f"the metadata is damaged or crafted")  # fmt: skip
+                raise FormatError(
+                    f"{os.path.join(root, METADATA)}: '{name}' is stored both stacked and on its own; "
+                    f"the metadata is damaged or crafted"
+                )
             state[name] = DcpTensor(name, part)
     ranks = {int(m.group(1)) for f in d.files if (m := _RANK_FILE.fullmatch(os.path.basename(f)))}
     files = [os.path.join(root, n) for n in (METADATA_JSON, COMMON, METADATA)]
@@ -182,9 +240,17 @@ def describe(root: str, *, allow_globals: Any = ()) -> Megatron:
         files.insert(0, os.path.join(top, TRACKER))
     layout = {k: v for k, name in _LAYOUT.items() if type(v := args.get(name)) is int}
     under = sorted({p for k in d.tensors if (p := stacked_under(k)) is not None and not k.startswith("optimizer.")})
-    return Megatron(root=root, state=state, args=args, layout=layout, ranks=len(ranks), common=common,
-                    files=[f for f in files if os.path.isfile(f)] + sorted(d.files), notes=notes,
-                    under=under)  # fmt: skip
+    return Megatron(
+        root=root,
+        state=state,
+        args=args,
+        layout=layout,
+        ranks=len(ranks),
+        common=common,
+        files=[f for f in files if os.path.isfile(f)] + sorted(d.files),
+        notes=notes,
+        under=under,
+    )
 
 
 def _common(root: str, *, allow_globals: Any) -> dict[str, Any]:
@@ -246,23 +312,31 @@ def _unstacked(key: str, entry: TensorEntry, *, args: dict[str, Any], source: st
     rest = key[len(prefix) + len(_LAYERS) :]
     n = 2 if rest.startswith(_EXPERTS) or ("." + _EXPERTS) in rest else 1
     if len(entry.shape) < n:
-        raise FormatError(f"{source}: '{key}' is {list(entry.shape)}, not stacked by layer{' and expert' * (n - 1)}; "
-                          f"the metadata is damaged")  # fmt: skip
+        raise FormatError(
+            f"{source}: '{key}' is {list(entry.shape)}, not stacked by layer{' and expert' * (n - 1)}; "
+            f"the metadata is damaged"
+        )
     for axis, claim in zip(range(n), ("num_layers", "num_experts"), strict=False):
         said = args.get(claim)
         if type(said) is int and said != entry.shape[axis]:
-            raise FormatError(f"{source}: '{key}' stacks {entry.shape[axis]} along its {claim} axis but common.pt's "
-                              f"args say {claim}={said}; the folder mixes two checkpoints: copy it again")  # fmt: skip
+            raise FormatError(
+                f"{source}: '{key}' stacks {entry.shape[axis]} along its {claim} axis but common.pt's "
+                f"args say {claim}={said}; the folder mixes two checkpoints: copy it again"
+            )
     if (count := math.prod(entry.shape[:n])) > len(entry.chunks):  # each layer is a chunk at least, even empty
-        raise FormatError(f"{source}: '{key}' stacks {count} layers{' and experts' * (n - 1)} in "
-                          f"{len(entry.chunks)} chunks; Megatron stores one layer per chunk: the metadata is damaged "
-                          f"or crafted")  # fmt: skip
+        raise FormatError(
+            f"{source}: '{key}' stacks {count} layers{' and experts' * (n - 1)} in "
+            f"{len(entry.chunks)} chunks; Megatron stores one layer per chunk: the metadata is damaged "
+            f"or crafted"
+        )
     slabs: dict[tuple[int, ...], list[Chunk]] = {}
     for c in entry.chunks:
         if any(s != 1 for s in c.sizes[:n]):
-            raise FormatError(f"{source}: '{key}' has a chunk at {list(c.offsets)} of size {list(c.sizes)} "
-                              f"spanning several layers; Megatron stores one layer per chunk: the metadata is "
-                              f"damaged")  # fmt: skip
+            raise FormatError(
+                f"{source}: '{key}' has a chunk at {list(c.offsets)} of size {list(c.sizes)} "
+                f"spanning several layers; Megatron stores one layer per chunk: the metadata is "
+                f"damaged"
+            )
         slabs.setdefault(c.offsets[:n], []).append(
             Chunk(c.offsets[n:], c.sizes[n:], c.span, stored=c.sizes if c.stored is None else c.stored)
         )

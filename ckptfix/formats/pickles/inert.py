@@ -34,8 +34,12 @@ _NEGATABLE = (
     frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8"}) | _COMPLEX
 )
 _BIT_DTYPES = {"conj": _COMPLEX, "neg": _NEGATABLE}
-_VIEW_FUNCS = {"torch._utils._rebuild_tensor", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
-               "torch._utils._rebuild_qtensor"}  # fmt: skip
+_VIEW_FUNCS = {
+    "torch._utils._rebuild_tensor",
+    "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_tensor_v3",
+    "torch._utils._rebuild_qtensor",
+}
 _TENSOR_FUNCS = {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3"}
 _PARAM_FUNCS = {"torch._utils._rebuild_parameter", "torch._utils._rebuild_parameter_with_state"}
 
@@ -73,8 +77,14 @@ def make_global(module: str, name: str) -> type[Global]:
 
     full = f"{module}.{name}"
     build = tensor if full in _TENSOR_FUNCS else Inert.make
-    namespace = {"module": module, "name": name, "full": full, "__new__": new, "width": storage_itemsize(name),
-                 "build": staticmethod(build)}  # fmt: skip
+    namespace = {
+        "module": module,
+        "name": name,
+        "full": full,
+        "__new__": new,
+        "width": storage_itemsize(name),
+        "build": staticmethod(build),
+    }
     return cast("type[Global]", Frozen(name, (Global,), namespace))
 
 
@@ -94,9 +104,20 @@ def nested_class(known: dict[str, type[Global]], allowed: frozenset[str]) -> typ
             known[full] = make_global(outer.full, attr)
         return known[full]
 
-    return cast("type[Global]", Frozen("getattr", (Global,), {
-        "module": "builtins", "name": "getattr", "full": "builtins.getattr", "width": None,
-        "build": staticmethod(build)}))  # fmt: skip
+    return cast(
+        "type[Global]",
+        Frozen(
+            "getattr",
+            (Global,),
+            {
+                "module": "builtins",
+                "name": "getattr",
+                "full": "builtins.getattr",
+                "width": None,
+                "build": staticmethod(build),
+            },
+        ),
+    )
 
 
 class StorageRef:

@@ -82,12 +82,23 @@ class _Pickler:
         self._odict = make_global("collections", "OrderedDict")  # made once: a class per call costs 20 µs
         self._encode = make_global("_codecs", "encode")
         self._dispatch: dict[type, Callable[[Any], None]] = {
-            str: self._save_str, int: self._save_int, InertTensor: self._save_tensor, tuple: self._save_tuple,
-            type(None): self._save_none, bool: self._save_bool, float: self._save_float, bytes: self._save_bytes,
-            list: self._save_list, dict: self._save_dict, OrderedDict: self._save_odict,
-            CheckedOrderedDict: self._save_odict, StorageRef: self._save_ref, Inert: self._save_inert,
-            InertParameter: self._save_inert, Frozen: self._save_global,
-        }  # fmt: skip
+            str: self._save_str,
+            int: self._save_int,
+            InertTensor: self._save_tensor,
+            tuple: self._save_tuple,
+            type(None): self._save_none,
+            bool: self._save_bool,
+            float: self._save_float,
+            bytes: self._save_bytes,
+            list: self._save_list,
+            dict: self._save_dict,
+            OrderedDict: self._save_odict,
+            CheckedOrderedDict: self._save_odict,
+            StorageRef: self._save_ref,
+            Inert: self._save_inert,
+            InertParameter: self._save_inert,
+            Frozen: self._save_global,
+        }
 
     def dump(self, obj: Any) -> bytes:
         self.save(obj)

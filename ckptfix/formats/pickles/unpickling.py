@@ -38,13 +38,43 @@ _BASE_NODES = 10_000_000  # plus 8 per pickle byte: the tree's size with shared 
 # The opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py); a file using any other is
 # one torch refuses, so this reader refuses it too, before anything is built.
 _OPCODES = frozenset(
-    {pickle.APPEND, pickle.APPENDS, pickle.BINFLOAT, pickle.BINGET, pickle.BININT, pickle.BININT1, pickle.BININT2,
-     pickle.BINPERSID, pickle.BINPUT, pickle.BINUNICODE, pickle.BUILD, pickle.EMPTY_DICT, pickle.EMPTY_LIST,
-     pickle.EMPTY_SET, pickle.EMPTY_TUPLE, pickle.GLOBAL, pickle.LONG1, pickle.LONG_BINGET, pickle.LONG_BINPUT,
-     pickle.MARK, pickle.NEWFALSE, pickle.NEWOBJ, pickle.NEWTRUE, pickle.NONE, pickle.PROTO, pickle.REDUCE,
-     pickle.SETITEM, pickle.SETITEMS, pickle.SHORT_BINSTRING, pickle.STOP, pickle.TUPLE, pickle.TUPLE1,
-     pickle.TUPLE2, pickle.TUPLE3}
-)  # fmt: skip
+    {
+        pickle.APPEND,
+        pickle.APPENDS,
+        pickle.BINFLOAT,
+        pickle.BINGET,
+        pickle.BININT,
+        pickle.BININT1,
+        pickle.BININT2,
+        pickle.BINPERSID,
+        pickle.BINPUT,
+        pickle.BINUNICODE,
+        pickle.BUILD,
+        pickle.EMPTY_DICT,
+        pickle.EMPTY_LIST,
+        pickle.EMPTY_SET,
+        pickle.EMPTY_TUPLE,
+        pickle.GLOBAL,
+        pickle.LONG1,
+        pickle.LONG_BINGET,
+        pickle.LONG_BINPUT,
+        pickle.MARK,
+        pickle.NEWFALSE,
+        pickle.NEWOBJ,
+        pickle.NEWTRUE,
+        pickle.NONE,
+        pickle.PROTO,
+        pickle.REDUCE,
+        pickle.SETITEM,
+        pickle.SETITEMS,
+        pickle.SHORT_BINSTRING,
+        pickle.STOP,
+        pickle.TUPLE,
+        pickle.TUPLE1,
+        pickle.TUPLE2,
+        pickle.TUPLE3,
+    }
+)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -133,8 +163,18 @@ class _Unpickler(pickle._Unpickler):  # the Python unpickler, whose opcode table
 
 # Protocol 4 adds framing, short strings, memo shortcuts and STACK_GLOBAL (a GLOBAL whose names come from the
 # stack, resolved by the same find_class): data-only opcodes that DCP's pickled metadata uses.
-_PROTOCOL4 = frozenset({pickle.FRAME, pickle.SHORT_BINUNICODE, pickle.BINUNICODE8, pickle.MEMOIZE,
-                        pickle.STACK_GLOBAL, pickle.SHORT_BINBYTES, pickle.BINBYTES, pickle.BINBYTES8})  # fmt: skip
+_PROTOCOL4 = frozenset(
+    {
+        pickle.FRAME,
+        pickle.SHORT_BINUNICODE,
+        pickle.BINUNICODE8,
+        pickle.MEMOIZE,
+        pickle.STACK_GLOBAL,
+        pickle.SHORT_BINBYTES,
+        pickle.BINBYTES,
+        pickle.BINBYTES8,
+    }
+)
 
 
 class _Protocol4Unpickler(_Unpickler):
@@ -262,8 +302,13 @@ def _plain_odicts(tree: Any) -> Any:
 def _own_empty_hooks(record: Inert) -> bool:
     """A torch.save tensor record whose only container argument is an empty hooks dict."""
     args = record.args
-    return type(record) is InertTensor and len(args) == 6 and type(args[5]) is CheckedOrderedDict and not args[5] \
-        and not vars(args[5])  # fmt: skip
+    return (
+        type(record) is InertTensor
+        and len(args) == 6
+        and type(args[5]) is CheckedOrderedDict
+        and not args[5]
+        and not vars(args[5])
+    )
 
 
 def _rebuilt(obj: Any, done: dict[int, Any]) -> Any:

@@ -24,45 +24,137 @@ from ckptfix.formats.dtypes import DTYPES, STORAGE_DTYPES
 
 _TENSOR_TYPES = ("Double", "Float", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool")
 _EXOTIC_DTYPES = (
-    "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "complex32", "float4_e2m1fn_x2",
-    *(f"int{i}" for i in range(1, 8)), *(f"uint{i}" for i in range(1, 8)),
-    "per_channel_affine", "per_channel_affine_float_qparams", "per_channel_symmetric", "per_tensor_affine",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "bits8",
+    "complex32",
+    "float4_e2m1fn_x2",
+    *(f"int{i}" for i in range(1, 8)),
+    *(f"uint{i}" for i in range(1, 8)),
+    "per_channel_affine",
+    "per_channel_affine_float_qparams",
+    "per_channel_symmetric",
+    "per_tensor_affine",
     "per_tensor_symmetric",
-)  # fmt: skip
+)
 # torch's default weights-only allowlist (torch 2.13, torch._weights_only_unpickler._get_allowed_globals)
 TORCH_DEFAULT: frozenset[str] = frozenset(
-    {"_codecs.encode", "builtins.bytearray", "builtins.complex", "builtins.set", "collections.Counter",
-     "collections.OrderedDict", "torch.Size", "torch.Tensor", "torch.device", "torch.nn.parameter.Parameter",
-     "torch.serialization._get_layout", "torch.storage.TypedStorage", "torch.storage.UntypedStorage",
-     "torch._tensor._rebuild_from_type_v2",
-     *(f"torch._utils._rebuild_{f}" for f in (
-         "device_tensor_from_cpu_tensor", "device_tensor_from_numpy", "meta_tensor_no_storage", "nested_tensor",
-         "parameter", "parameter_with_state", "qtensor", "sparse_tensor", "tensor", "tensor_v2", "tensor_v3",
-         "wrapper_subclass")),
-     *(f"torch.{s}" for s in STORAGE_DTYPES), *(f"torch.{d}" for d in DTYPES), *(f"torch.{d}" for d in _EXOTIC_DTYPES),
-     *(f"torch.{t}Tensor" for t in _TENSOR_TYPES),
-     *(f"torch.cuda.{s}" for s in STORAGE_DTYPES if not s.startswith("Q")),
-     *(f"torch.cuda.{t}Tensor" for t in _TENSOR_TYPES),
-     *(f"torch.{m}.{t}Tensor" for m in ("sparse", "cuda.sparse") for t in _TENSOR_TYPES if t != "Bool")}
-)  # fmt: skip
+    {
+        "_codecs.encode",
+        "builtins.bytearray",
+        "builtins.complex",
+        "builtins.set",
+        "collections.Counter",
+        "collections.OrderedDict",
+        "torch.Size",
+        "torch.Tensor",
+        "torch.device",
+        "torch.nn.parameter.Parameter",
+        "torch.serialization._get_layout",
+        "torch.storage.TypedStorage",
+        "torch.storage.UntypedStorage",
+        "torch._tensor._rebuild_from_type_v2",
+        *(
+            f"torch._utils._rebuild_{f}"
+            for f in (
+                "device_tensor_from_cpu_tensor",
+                "device_tensor_from_numpy",
+                "meta_tensor_no_storage",
+                "nested_tensor",
+                "parameter",
+                "parameter_with_state",
+                "qtensor",
+                "sparse_tensor",
+                "tensor",
+                "tensor_v2",
+                "tensor_v3",
+                "wrapper_subclass",
+            )
+        ),
+        *(f"torch.{s}" for s in STORAGE_DTYPES),
+        *(f"torch.{d}" for d in DTYPES),
+        *(f"torch.{d}" for d in _EXOTIC_DTYPES),
+        *(f"torch.{t}Tensor" for t in _TENSOR_TYPES),
+        *(f"torch.cuda.{s}" for s in STORAGE_DTYPES if not s.startswith("Q")),
+        *(f"torch.cuda.{t}Tensor" for t in _TENSOR_TYPES),
+        *(f"torch.{m}.{t}Tensor" for m in ("sparse", "cuda.sparse") for t in _TENSOR_TYPES if t != "Bool"),
+    }
+)
 
 # What --allow-global may open: constructors of plain data (torch's add_safe_globals examples and the classes
 # training code keeps in its config entries).
 KNOWN_SAFE: frozenset[str] = frozenset(
-    {"argparse.Namespace", "builtins.frozenset", "builtins.slice", "builtins.range", "collections.deque",
-     "collections.defaultdict", "datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta",
-     "datetime.timezone", "decimal.Decimal", "fractions.Fraction", "uuid.UUID",
-     "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePath", "pathlib.PurePosixPath",
-     "pathlib.PureWindowsPath",
-     "numpy.dtype", "numpy.ndarray", "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
-     "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
-     *(f"numpy.dtypes.{t}DType" for t in (
-         "Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8", "UInt64", "UInt32", "UInt16", "UInt8",
-         "Bool", "Complex64", "Complex128", "Str", "Bytes")),
-     *(f"numpy.{t}" for t in (
-         "float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8",
-         "bool_", "complex64", "complex128"))}
-)  # fmt: skip
+    {
+        "argparse.Namespace",
+        "builtins.frozenset",
+        "builtins.slice",
+        "builtins.range",
+        "collections.deque",
+        "collections.defaultdict",
+        "datetime.datetime",
+        "datetime.date",
+        "datetime.time",
+        "datetime.timedelta",
+        "datetime.timezone",
+        "decimal.Decimal",
+        "fractions.Fraction",
+        "uuid.UUID",
+        "pathlib.Path",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+        "numpy.dtype",
+        "numpy.ndarray",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray.scalar",
+        "numpy.core.multiarray._reconstruct",
+        "numpy._core.multiarray._reconstruct",
+        *(
+            f"numpy.dtypes.{t}DType"
+            for t in (
+                "Float64",
+                "Float32",
+                "Float16",
+                "Int64",
+                "Int32",
+                "Int16",
+                "Int8",
+                "UInt64",
+                "UInt32",
+                "UInt16",
+                "UInt8",
+                "Bool",
+                "Complex64",
+                "Complex128",
+                "Str",
+                "Bytes",
+            )
+        ),
+        *(
+            f"numpy.{t}"
+            for t in (
+                "float64",
+                "float32",
+                "float16",
+                "int64",
+                "int32",
+                "int16",
+                "int8",
+                "uint64",
+                "uint32",
+                "uint16",
+                "uint8",
+                "bool_",
+                "complex64",
+                "complex128",
+            )
+        ),
+    }
+)
 
 # Globals torch accepts but whose values ckptfix cannot describe or use: refused as unsupported, not unsafe.
 UNSUPPORTED: dict[str, str] = {
@@ -74,23 +166,126 @@ UNSUPPORTED: dict[str, str] = {
 
 # Modules whose members can run code, touch the system or import more code.
 _NEVER_MODULES = (
-    "os", "posix", "nt", "sys", "subprocess", "_posixsubprocess", "builtins", "__builtin__", "importlib", "runpy",
-    "shutil", "socket", "pickle", "_pickle", "marshal", "code", "codeop", "ctypes", "pty", "multiprocessing",
-    "webbrowser", "types", "functools", "operator", "io", "_io", "tempfile", "signal", "threading", "_thread",
-    "asyncio", "pdb", "inspect", "dill", "cloudpickle", "joblib", "zipfile", "tarfile", "torch.hub",
-    "torch.serialization", "torch.jit", "torch.package", "torch._dynamo", "torch._C", "torch.ops", "torch._ops",
-    "torch.fx", "torch.storage", "torch.utils", "torch.distributed", "numpy.testing", "numpy.f2py",
-    "numpy.distutils", "numpy.ctypeslib", "numpy.lib.format", "platform", "sysconfig", "zipimport", "site",
-    "urllib", "http", "ssl", "smtplib", "ftplib", "telnetlib", "xmlrpc", "sqlite3", "shelve", "glob", "fileinput",
-    "cProfile", "profile", "timeit", "trace", "doctest", "unittest", "venv", "ensurepip", "distutils",
-    "setuptools", "pip",
-)  # fmt: skip
+    "os",
+    "posix",
+    "nt",
+    "sys",
+    "subprocess",
+    "_posixsubprocess",
+    "builtins",
+    "__builtin__",
+    "importlib",
+    "runpy",
+    "shutil",
+    "socket",
+    "pickle",
+    "_pickle",
+    "marshal",
+    "code",
+    "codeop",
+    "ctypes",
+    "pty",
+    "multiprocessing",
+    "webbrowser",
+    "types",
+    "functools",
+    "operator",
+    "io",
+    "_io",
+    "tempfile",
+    "signal",
+    "threading",
+    "_thread",
+    "asyncio",
+    "pdb",
+    "inspect",
+    "dill",
+    "cloudpickle",
+    "joblib",
+    "zipfile",
+    "tarfile",
+    "torch.hub",
+    "torch.serialization",
+    "torch.jit",
+    "torch.package",
+    "torch._dynamo",
+    "torch._C",
+    "torch.ops",
+    "torch._ops",
+    "torch.fx",
+    "torch.storage",
+    "torch.utils",
+    "torch.distributed",
+    "numpy.testing",
+    "numpy.f2py",
+    "numpy.distutils",
+    "numpy.ctypeslib",
+    "numpy.lib.format",
+    "platform",
+    "sysconfig",
+    "zipimport",
+    "site",
+    "urllib",
+    "http",
+    "ssl",
+    "smtplib",
+    "ftplib",
+    "telnetlib",
+    "xmlrpc",
+    "sqlite3",
+    "shelve",
+    "glob",
+    "fileinput",
+    "cProfile",
+    "profile",
+    "timeit",
+    "trace",
+    "doctest",
+    "unittest",
+    "venv",
+    "ensurepip",
+    "distutils",
+    "setuptools",
+    "pip",
+)
 _NEVER_NAMES = frozenset(
-    {"eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open", "input", "globals", "locals",
-     "vars", "breakpoint", "system", "popen", "spawn", "execv", "execve", "fork_exec", "load", "loads", "save",
-     "call", "check_output", "run", "Popen", "import_module", "attrgetter", "methodcaller", "partial", "reduce",
-     "_exec_with_source", "_load_from_bytes", "ZipFile"}
-)  # fmt: skip
+    {
+        "eval",
+        "exec",
+        "compile",
+        "getattr",
+        "setattr",
+        "delattr",
+        "__import__",
+        "open",
+        "input",
+        "globals",
+        "locals",
+        "vars",
+        "breakpoint",
+        "system",
+        "popen",
+        "spawn",
+        "execv",
+        "execve",
+        "fork_exec",
+        "load",
+        "loads",
+        "save",
+        "call",
+        "check_output",
+        "run",
+        "Popen",
+        "import_module",
+        "attrgetter",
+        "methodcaller",
+        "partial",
+        "reduce",
+        "_exec_with_source",
+        "_load_from_bytes",
+        "ZipFile",
+    }
+)
 
 
 def canonical(name: str) -> str:
@@ -242,27 +437,47 @@ def resolve(names: Iterable[str], *, source: str) -> list[Callable[..., Any] | t
 # without this module importing the reader.
 _DT = "torch.distributed.tensor."
 DTENSOR_GLOBALS = frozenset(
-    {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass", _DT + "DTensor",
-     _DT + "_api.DTensor", _DT + "_dtensor_spec.DTensorSpec", _DT + "_dtensor_spec.TensorMeta",
-     _DT + "_dtensor_spec.ShardOrderEntry", _DT + "placement_types.Shard", _DT + "placement_types.Replicate",
-     _DT + "placement_types._StridedShard", _DT + "placement_types.Partial",
-     "torch.distributed.device_mesh.DeviceMesh", "torch.distributed._mesh_layout._MeshLayout",
-     "torch.distributed._mesh_layout._FlatLayout", "torch.device", "torch.serialization._get_layout"}
-)  # fmt: skip
+    {
+        "torch._tensor._rebuild_from_type_v2",
+        "torch._utils._rebuild_wrapper_subclass",
+        _DT + "DTensor",
+        _DT + "_api.DTensor",
+        _DT + "_dtensor_spec.DTensorSpec",
+        _DT + "_dtensor_spec.TensorMeta",
+        _DT + "_dtensor_spec.ShardOrderEntry",
+        _DT + "placement_types.Shard",
+        _DT + "placement_types.Replicate",
+        _DT + "placement_types._StridedShard",
+        _DT + "placement_types.Partial",
+        "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed._mesh_layout._MeshLayout",
+        "torch.distributed._mesh_layout._FlatLayout",
+        "torch.device",
+        "torch.serialization._get_layout",
+    }
+)
 _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
 # FSDP1's ShardedTensor (SHARDED_STATE_DICT, LOCAL_STATE_DICT), read as records by formats/folders/fsdp.py. Protocol 2
 # names the nested ProcessGroupState class as getattr(ShardedTensor, "ProcessGroupState"): builtins.getattr is
 # listed for that one lookup, which the inert reader resolves to a name of this set and never calls.
 SHARDED_TENSOR_GLOBALS = frozenset(
-    {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass",
-     _SHARDED_TENSOR + ".api.ShardedTensor", _SHARDED_TENSOR + ".api.ShardedTensor.ProcessGroupState",
-     _SHARDED_TENSOR + ".shard.Shard", _SHARDED_TENSOR + ".metadata.ShardedTensorMetadata",
-     _SHARDED_TENSOR + ".metadata.TensorProperties", _SHARDED_TENSOR + ".metadata.MEM_FORMAT_ENCODING",
-     "torch.distributed._shard.metadata.ShardMetadata",
-     "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
-     "torch.distributed.remote_device._remote_device", "builtins.getattr", "torch.device",
-     "torch.serialization._get_layout"}
-)  # fmt: skip
+    {
+        "torch._tensor._rebuild_from_type_v2",
+        "torch._utils._rebuild_wrapper_subclass",
+        _SHARDED_TENSOR + ".api.ShardedTensor",
+        _SHARDED_TENSOR + ".api.ShardedTensor.ProcessGroupState",
+        _SHARDED_TENSOR + ".shard.Shard",
+        _SHARDED_TENSOR + ".metadata.ShardedTensorMetadata",
+        _SHARDED_TENSOR + ".metadata.TensorProperties",
+        _SHARDED_TENSOR + ".metadata.MEM_FORMAT_ENCODING",
+        "torch.distributed._shard.metadata.ShardMetadata",
+        "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+        "torch.distributed.remote_device._remote_device",
+        "builtins.getattr",
+        "torch.device",
+        "torch.serialization._get_layout",
+    }
+)
 
 
 class ShardedCheckpointError(FormatError):

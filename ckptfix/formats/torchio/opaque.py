@@ -175,8 +175,9 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 
     unbuilt = [e.name for e in entries(obj)]
     names = set(wanted or ())
-    if any(name in names for name in unbuilt) or (not names and unbuilt and (
-            any(model_entry_name(n) for n in unbuilt) or _tensors_only(obj))):  # fmt: skip
+    if any(name in names for name in unbuilt) or (
+        not names and unbuilt and (any(model_entry_name(n) for n in unbuilt) or _tensors_only(obj))
+    ):
         raise refusal(obj, source=source)
 
 
@@ -235,8 +236,10 @@ KEPT = "kept as their pickle records, copied, never executed: "
 def _kept(entry: OpaqueEntry) -> str:
     if not entry.runs_code:
         return entry.what()
-    return (f"{entry.what()}; it calls {', '.join(entry.runs_code)}, which can run code: load the output only as you "
-            f"would the input, or leave it out with --model-only")  # fmt: skip
+    return (
+        f"{entry.what()}; it calls {', '.join(entry.runs_code)}, which can run code: load the output only as you "
+        f"would the input, or leave it out with --model-only"
+    )
 
 
 def refuse_left(obj: Any, *, source: str) -> None:
@@ -247,6 +250,14 @@ def refuse_left(obj: Any, *, source: str) -> None:
 
 
 __all__ = [
-    "KEPT", "OpaqueEntry", "carry", "describe", "entries", "not_loaded", "refusal", "refuse_left", "require",
+    "KEPT",
+    "OpaqueEntry",
+    "carry",
+    "describe",
+    "entries",
+    "not_loaded",
+    "refusal",
+    "refuse_left",
+    "require",
     "wrap",
-]  # fmt: skip
+]
