@@ -42,7 +42,7 @@ def _du(path: Path) -> int:
 def _largest(folder: Path) -> int:
     """The largest tensor of the converted model, in bytes (from the metadata: nothing read)."""
     sys.path.insert(0, str(ROOT))
-    from ckptfix.formats.folders.megatron import describe
+    from ckptfix.formats.megatron.reader import describe
 
     return max(t.nbytes for t in describe(str(folder)).state.values())
 

@@ -95,9 +95,9 @@ def write_sparse_checkpoint(path: Path, layers: int, *, first: bytes | None = No
     ``first``: the real bytes of tensor 0 (``b.pt`` of the diff). Uses ckptfix's own torch-zip writer (the one its
     .safetensors → .pt conversion writes with), so the file is what torch.save would write, sparse.
     """
-    from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
-    from ckptfix.formats.containers.ziparchive import ZipWriter
     from ckptfix.formats.pickles import pickling
+    from ckptfix.formats.torchzip.archive import ZipWriter
+    from ckptfix.formats.torchzip.reader import HEAD, TAIL, stand_ins, tensor_record
 
     glob = stand_ins()
     tree = OrderedDict(

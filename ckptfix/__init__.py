@@ -25,24 +25,24 @@ _EXPORTS: dict[str, str] = {
     "OutputError": "ckptfix.errors",
     "UsageError": "ckptfix.errors",
     "UnsafeCheckpointError": "ckptfix.errors",
-    "Layout": "ckptfix.layouts",
-    "detect": "ckptfix.layouts",
-    "Conversion": "ckptfix.checkpoint",
-    "convert": "ckptfix.checkpoint",
-    "convert_checkpoint": "ckptfix.checkpoint",
-    "model_entries": "ckptfix.checkpoint",
+    "Layout": "ckptfix.transforms.layouts",
+    "detect": "ckptfix.transforms.layouts",
+    "Conversion": "ckptfix.transforms.checkpoint",
+    "convert": "ckptfix.transforms.checkpoint",
+    "convert_checkpoint": "ckptfix.transforms.checkpoint",
+    "model_entries": "ckptfix.transforms.checkpoint",
     "load": "ckptfix.formats.registry",
     "save": "ckptfix.formats.registry",
-    "ConvertOptions": "ckptfix.conversion",
-    "convert_file": "ckptfix.conversion",
-    "export_hf": "ckptfix.exporting",
-    "KeyReport": "ckptfix.compare",
-    "check": "ckptfix.loading",
-    "load_into": "ckptfix.loading",
+    "ConvertOptions": "ckptfix.conversion.files",
+    "convert_file": "ckptfix.conversion.files",
+    "export_hf": "ckptfix.exporting.folder",
+    "KeyReport": "ckptfix.loading.report",
+    "check": "ckptfix.loading.model",
+    "load_into": "ckptfix.loading.model",
     "DiffReport": "ckptfix.diffing",
     "diff": "ckptfix.diffing",
-    "MergeResult": "ckptfix.merging",
-    "merge": "ckptfix.merging",  # module not named merge: importing it would shadow the function
+    "MergeResult": "ckptfix.merging.files",
+    "merge": "ckptfix.merging.files",  # module not named merge: importing it would shadow the function
     "summarize": "ckptfix.summary",
     "Sanitized": "ckptfix.sanitizing",
     "sanitize": "ckptfix.sanitizing",  # module not named sanitize: importing it would shadow the function
@@ -53,25 +53,10 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from ckptfix.checkpoint import (
-        Conversion as Conversion,
-    )
-    from ckptfix.checkpoint import (
-        convert as convert,
-    )
-    from ckptfix.checkpoint import (
-        convert_checkpoint as convert_checkpoint,
-    )
-    from ckptfix.checkpoint import (
-        model_entries as model_entries,
-    )
-    from ckptfix.compare import (
-        KeyReport as KeyReport,
-    )
-    from ckptfix.conversion import (
+    from ckptfix.conversion.files import (
         ConvertOptions as ConvertOptions,
     )
-    from ckptfix.conversion import (
+    from ckptfix.conversion.files import (
         convert_file as convert_file,
     )
     from ckptfix.diffing import (
@@ -116,27 +101,24 @@ if TYPE_CHECKING:
     from ckptfix.errors import (
         UsageError as UsageError,
     )
-    from ckptfix.exporting import (
+    from ckptfix.exporting.folder import (
         export_hf as export_hf,
     )
     from ckptfix.formats.registry import load as load
     from ckptfix.formats.registry import save as save
-    from ckptfix.layouts import (
-        Layout as Layout,
-    )
-    from ckptfix.layouts import (
-        detect as detect,
-    )
-    from ckptfix.loading import (
+    from ckptfix.loading.model import (
         check as check,
     )
-    from ckptfix.loading import (
+    from ckptfix.loading.model import (
         load_into as load_into,
     )
-    from ckptfix.merging import (
+    from ckptfix.loading.report import (
+        KeyReport as KeyReport,
+    )
+    from ckptfix.merging.files import (
         MergeResult as MergeResult,
     )
-    from ckptfix.merging import (
+    from ckptfix.merging.files import (
         merge as merge,
     )
     from ckptfix.sanitizing import (
@@ -147,6 +129,24 @@ if TYPE_CHECKING:
     )
     from ckptfix.summary import (
         summarize as summarize,
+    )
+    from ckptfix.transforms.checkpoint import (
+        Conversion as Conversion,
+    )
+    from ckptfix.transforms.checkpoint import (
+        convert as convert,
+    )
+    from ckptfix.transforms.checkpoint import (
+        convert_checkpoint as convert_checkpoint,
+    )
+    from ckptfix.transforms.checkpoint import (
+        model_entries as model_entries,
+    )
+    from ckptfix.transforms.layouts import (
+        Layout as Layout,
+    )
+    from ckptfix.transforms.layouts import (
+        detect as detect,
     )
 
 

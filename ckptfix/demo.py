@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from ckptfix import layouts
 from ckptfix.errors import CkptfixError
+from ckptfix.transforms import layouts
 
 if TYPE_CHECKING:
     import torch
@@ -109,7 +109,7 @@ def _try_load(path: Path, *, wrap: bool, images: torch.Tensor) -> tuple[str, tor
 
 
 def _check(source: str, path: Path, out: Path, images: torch.Tensor, labels: torch.Tensor) -> list[Row]:
-    from ckptfix.conversion import convert_file
+    from ckptfix.conversion.files import convert_file
 
     reference = _reference(path, images)
     rows = []

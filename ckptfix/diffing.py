@@ -7,8 +7,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptfix import layouts
-from ckptfix.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, model_entries
 from ckptfix.errors import LayoutError
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
@@ -19,6 +17,8 @@ from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import opaque
 from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.reading import Opened, in_memory, open_checkpoint
+from ckptfix.transforms import layouts
+from ckptfix.transforms.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, model_entries
 
 if TYPE_CHECKING:
     import torch

@@ -21,24 +21,24 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptfix.checkpoint import is_tensor
+from ckptfix.conversion.plan import plan_reading
 from ckptfix.errors import FormatError, UnsafeCheckpointError
-from ckptfix.formats.containers.legacy import check_legacy
-from ckptfix.formats.containers.safetensors import read_header, tree_from_header
-from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
-from ckptfix.formats.containers.ziparchive import Record, stored_crc, verify_records
 from ckptfix.formats.copyable import foreign_byte_order, not_as_stored, torch_rebuilt
-from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.hf import FolderTensor
+from ckptfix.formats.dcp.reader import DcpTensor
+from ckptfix.formats.hf.folder import FolderTensor
+from ckptfix.formats.legacy.reader import check_legacy
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import FolderRecords, Holder, is_record, layout, map_tree, spec
 from ckptfix.formats.registry import RANK_GLOBALS, Format, detect, detect_format, rank_kind, read
+from ckptfix.formats.safetensors.file import read_header, tree_from_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, describe, wrap, wrapped
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
-from ckptfix.plan import plan_reading
+from ckptfix.formats.torchzip.archive import Record, stored_crc, verify_records
+from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
+from ckptfix.transforms.checkpoint import is_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -254,7 +254,7 @@ def _describe(
     else:
         z = describe(fd, source, allowed=allowed, verify=verify, keep=opaque)
         if opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
-            from ckptfix.formats.folders.fsdp import explain
+            from ckptfix.formats.fsdp.ranks import explain
             from ckptfix.formats.torchio.opaque import entries
 
             if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
@@ -324,14 +324,14 @@ def _read_through(fd: int, start: int, end: int, *, source: str) -> None:
 @dataclass
 class OpenedFolder(Opened):
     """A folder opened file by file: ``tree`` holds :class:`FolderTensor` records (shards, accelerate folders)
-    or :class:`~ckptfix.formats.folders.dcp.DcpTensor` records (DCP), each read on demand from its own file."""
+    or :class:`~ckptfix.formats.dcp.reader.DcpTensor` records (DCP), each read on demand from its own file."""
 
     kind: str = ""  # "shards", "accelerate", "dcp", "deepspeed", or a registry row's kind (its ``records``)
     files: list[str] = field(default_factory=list)  # every file the checkpoint is made of, index included
     index: str | None = None
     parts: list[Opened] = field(default_factory=list)  # shards and accelerate folders: one per file
     dcp: Any = None  # DCP: the open data files
-    zero: Any = None  # DeepSpeed: the run (ckptfix.formats.folders.deepspeed.ZeroRun)
+    zero: Any = None  # DeepSpeed: the run (ckptfix.formats.deepspeed.run.ZeroRun)
     records: FolderRecords | None = None  # a format read by its registry row's ``records`` (Megatron-Core)
     zero_fds: dict[str, int] = field(default_factory=dict)  # DeepSpeed: each rank file opened once, when first read
     zero_verified: set[tuple[str, str]] | None = None  # DeepSpeed: (file, record) CRC-checked, when verifying
@@ -380,8 +380,8 @@ def _open_folder(
     source: str, *, found: Format, allow_globals: tuple[str, ...], need_bytes: bool, verify: bool, opaque: bool
 ) -> Opened:
     """A folder or index file of the registry's ``kind`` as an :class:`OpenedFolder`, every file checked as it
-    would be on its own and the folder's own rules (:mod:`ckptfix.formats.folders.hf`) on top."""
-    from ckptfix.formats.folders.hf import describe as describe_folder
+    would be on its own and the folder's own rules (:mod:`ckptfix.formats.hf.folder`) on top."""
+    from ckptfix.formats.hf.folder import describe as describe_folder
 
     kind = found.kind
     if found.records is not None:  # the row says how it is read as records
@@ -422,7 +422,7 @@ def _open_folder(
 
 
 def _shards(opened: OpenedFolder, folder: Any, each: dict[str, Any]) -> Any:
-    from ckptfix.formats.folders.hf import merge_shards
+    from ckptfix.formats.hf.folder import merge_shards
 
     def parts() -> Iterator[tuple[str, Any]]:
         for path in folder.files:
@@ -435,7 +435,7 @@ def _shards(opened: OpenedFolder, folder: Any, each: dict[str, Any]) -> Any:
 def _accelerate(opened: OpenedFolder, folder: Any, each: dict[str, Any], opaque: bool) -> Any:
     """The model files as model entries, the training state (optimizer, scheduler, RNG) as other entries; with
     ``opaque``, a file needing globals outside the allowlist (numpy RNG state) is one unbuilt entry."""
-    from ckptfix.formats.folders.hf import _MODEL_FILE
+    from ckptfix.formats.hf.folder import _MODEL_FILE
 
     tree: OrderedDict[str, Any] = OrderedDict()
     for entry, (path,) in folder.entries.items():
@@ -453,7 +453,7 @@ def _accelerate(opened: OpenedFolder, folder: Any, each: dict[str, Any], opaque:
 
 def _opaque_file(path: str, entry: str, *, allow_globals: tuple[str, ...]) -> Opened:
     """A whole file as one :class:`OpaqueEntry` named ``entry``: its records, nothing built."""
-    from ckptfix.formats.containers.torchzip import read_torch_zip
+    from ckptfix.formats.torchzip.reader import read_torch_zip
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -480,9 +480,9 @@ def _wrapped(obj: Any, part: int) -> Any:
 
 def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
     """A DCP folder as DcpTensor records."""
-    from ckptfix.formats.folders.datafiles import DataFiles
-    from ckptfix.formats.folders.dcp import METADATA
-    from ckptfix.formats.folders.dcp_chunks import dcp_tree
+    from ckptfix.formats.dcp.chunks import dcp_tree
+    from ckptfix.formats.dcp.reader import METADATA
+    from ckptfix.formats.files import DataFiles
 
     allowed = allowlist.allowed_names(allow_globals, source=source)
     files = DataFiles()
@@ -516,7 +516,7 @@ def _open_dcp(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> O
 def _open_records(source: str, found: Format, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
     """A folder its registry row reads as records (``found.records``: Megatron-Core's), read through its data
     files; ``verify`` reads and CRC-checks every DCP chunk its records are made of."""
-    from ckptfix.formats.folders.datafiles import DataFiles
+    from ckptfix.formats.files import DataFiles
 
     assert found.records is not None  # asked by _open_folder only for such a row
     allowed = allowlist.allowed_names(allow_globals, source=source)
@@ -547,7 +547,7 @@ def _spans(tree: Any) -> set[Any]:
 
 
 def _verified(opened: OpenedFolder, spans: set[Any], data: list[str], *, verify: bool) -> OpenedFolder:
-    from ckptfix.formats.containers.torchzip import read_torch_zip
+    from ckptfix.formats.torchzip.reader import read_torch_zip
 
     try:
         if verify:  # every chunk's records read and CRC-checked (the values were, when they were read)
@@ -568,9 +568,9 @@ def _verified(opened: OpenedFolder, spans: set[Any], data: list[str], *, verify:
 
 
 def _open_deepspeed(source: str, *, allow_globals: tuple[str, ...], verify: bool) -> Opened:
-    """A DeepSpeed ZeRO run as its consolidated state dict of :class:`~ckptfix.formats.folders.deepspeed.ZeroTensor`
+    """A DeepSpeed ZeRO run as its consolidated state dict of :class:`~ckptfix.formats.deepspeed.run.ZeroTensor`
     records: the rank files' pickles read, no tensor byte (``verify`` CRC-checks every record the tensors use)."""
-    from ckptfix.formats.folders.deepspeed import describe_run
+    from ckptfix.formats.deepspeed.run import describe_run
 
     run = describe_run(source, allow_globals=allow_globals)
     opened = OpenedFolder(

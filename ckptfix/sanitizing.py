@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.torchzip import read_torch_zip
 from ckptfix.formats.output.atomic import PathLike, check_output
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.registry import detect_format, write
@@ -30,6 +29,7 @@ from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.materialize import NotBuilt, materialize
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
+from ckptfix.formats.torchzip.reader import read_torch_zip
 from ckptfix.signature import strict_keywords
 
 # numpy dtype strings (kind and size) -> torch dtype, with the struct format of one element
@@ -118,7 +118,7 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
     >>> result = ckptfix.sanitize("epoch_12.pth", "epoch_12.clean.pth")
     >>> [str(d) for d in result.dropped]   # ["message_hub['log_scalars']['train/loss']: mmengine... (...)"]
     """
-    from ckptfix.formats.folders.deepspeed import CONVERT_THE_RUN
+    from ckptfix.formats.deepspeed.run import CONVERT_THE_RUN
     from ckptfix.formats.registry import output_format, refuse_rank_file
 
     source = os.fspath(src)

@@ -12,10 +12,8 @@ from collections import Counter
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from ckptfix import layouts
-from ckptfix.checkpoint import get_entry, is_tensor, model_entries
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.fsdp import flat_param_keys, placement
+from ckptfix.formats.fsdp.ranks import flat_param_keys, placement
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import identity, is_record, spec, storage_of
@@ -24,6 +22,8 @@ from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.keytree import groups as key_groups
 from ckptfix.reading import OpenedFolder, open_checkpoint, stored_bytes
+from ckptfix.transforms import layouts
+from ckptfix.transforms.checkpoint import get_entry, is_tensor, model_entries
 
 BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 # What the real object of an inert call is, where its class name alone would mislead.
@@ -157,7 +157,7 @@ def summarize(
     A DeepSpeed run folder has ``deepspeed``; one DeepSpeed module file on its own has ``deepspeed_module_file``
     (a ZeRO-3 one's ``placeholders``: the keys whose ``[0]`` tensors are no weights, and the ``folder`` to pass).
     """
-    from ckptfix.formats.folders.deepspeed import lone_module_summary
+    from ckptfix.formats.deepspeed.run import lone_module_summary
 
     source = os.fspath(path)
     with open_checkpoint(
@@ -198,7 +198,7 @@ def summarize(
 def _rank_summary(ckpt: Any, *, verify: bool) -> dict[str, Any]:
     """One rank's file of an FSDP2 or tensor-parallel run, its DTensors as records; an FSDP1 rank file is refused
     as a full checkpoint's reader refuses it."""
-    from ckptfix.formats.folders.fsdp import rank_records
+    from ckptfix.formats.fsdp.ranks import rank_records
 
     if ckpt.rank_kind != "dtensor":
         raise rank_file_refusal(ckpt.rank_kind, source=ckpt.source)

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
-from ckptfix.checkpoint import is_tensor
-from ckptfix.formats.containers.safetensors import plan_safetensors, tensor_bytes
-from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
-from ckptfix.formats.containers.ziparchive import Record, ZipWriter, stored_crc
 from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, pickling
 from ckptfix.formats.records import TensorRecord, identity, is_record, map_tree, spec
+from ckptfix.formats.safetensors.file import plan_safetensors, tensor_bytes
+from ckptfix.formats.torchzip.archive import Record, ZipWriter, stored_crc
+from ckptfix.formats.torchzip.layout import NewStorages, storage_name, write_head, write_tail
 from ckptfix.reading import Opened
+from ckptfix.transforms.checkpoint import is_tensor
 
 if TYPE_CHECKING:
     import contextlib
@@ -147,7 +147,7 @@ class _Safetensors(StreamedWriter):
 
 
 def _state_of(tree: Any) -> Any:
-    from ckptfix.formats.containers.safetensors import split_checkpoint
+    from ckptfix.formats.safetensors.file import split_checkpoint
 
     return split_checkpoint(tree, out="")[0]
 

@@ -312,7 +312,7 @@ def corrupt_chunk(folder: Path, fqn: str, *, record: str = "data/0") -> None:
     archive in a one-process DCP folder (its CRC no longer matches)."""
     import pickle
 
-    from ckptfix.formats.containers.ziparchive import read_archive
+    from ckptfix.formats.torchzip.archive import read_archive
 
     meta = pickle.loads((folder / ".metadata").read_bytes())  # our own file: safe to unpickle here
     span = next(info for index, info in meta.storage_data.items() if index.fqn == fqn)

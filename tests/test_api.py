@@ -50,12 +50,11 @@ def test_options_are_checked_once_before_any_file_is_opened(tmp_path: Path) -> N
 # Layers, top first: a module may import its own layer and those below it, never one above.
 LAYERS = [
     "ckptfix.cli",
-    "ckptfix.conversion",
-    "ckptfix.plan",  # the route, decided above the streams it picks among
+    "ckptfix.conversion.files",
+    "ckptfix.conversion.plan",  # the route, decided above the streams it picks among
     "ckptfix.stream",
     "ckptfix.formats",
-    "ckptfix.checkpoint",
-    "ckptfix.layouts",
+    "ckptfix.transforms",
     "ckptfix.signature",
     "ckptfix.errors",
 ]
@@ -83,19 +82,20 @@ def test_layers_import_only_downwards(index: int) -> None:
 
 
 # Floors inside ckptfix.formats, top first: each entry a module or a package; a module sits on the floor of its
-# longest entry, so folders.hf_index (an index's shards, which the output checks need) and folders.deepspeed_files
-# (file names and a lone rank file's refusal, which opaque entries give) sit below the rest of folders/. A module
+# longest entry, so hf.index (an index's shards, which the output checks need) and deepspeed.files
+# (file names and a lone rank file's refusal, which opaque entries give) sit below the folder formats. A module
 # may import its own floor and those below it, never one above.
 FORMATS_FLOORS = [
     ["ckptfix.formats.registry"],
-    ["ckptfix.formats.folders"],
+    ["ckptfix.formats.dcp", "ckptfix.formats.deepspeed", "ckptfix.formats.fsdp", "ckptfix.formats.megatron",
+     "ckptfix.formats.hf", "ckptfix.formats.files"],
     ["ckptfix.formats.torchio"],
-    ["ckptfix.formats.containers"],
+    ["ckptfix.formats.torchzip", "ckptfix.formats.legacy", "ckptfix.formats.safetensors"],
     ["ckptfix.formats.pickles"],
     ["ckptfix.formats.output"],
-    ["ckptfix.formats.safety", "ckptfix.formats.folders.hf_index"],
+    ["ckptfix.formats.safety", "ckptfix.formats.hf.index"],
     ["ckptfix.formats.dtypes", "ckptfix.formats.records", "ckptfix.formats.raw", "ckptfix.formats.strict_json",
-     "ckptfix.formats.safety.depth", "ckptfix.formats.folders.deepspeed_files", "ckptfix.formats.copyable"],
+     "ckptfix.formats.safety.depth", "ckptfix.formats.deepspeed.files", "ckptfix.formats.copyable"],
 ]  # fmt: skip
 
 
@@ -134,8 +134,8 @@ def test_formats_floors_import_only_downwards(index: int) -> None:
 
 
 def test_formats_imports_only_the_layers_below_it() -> None:
-    below = ("ckptfix.formats", "ckptfix.checkpoint", "ckptfix.optim_form", "ckptfix.errors", "ckptfix.layouts",
-             "ckptfix.signature", "ckptfix.torchcompat", "ckptfix.units")  # fmt: skip
+    below = ("ckptfix.formats", "ckptfix.transforms", "ckptfix.errors", "ckptfix.signature", "ckptfix.torchcompat",
+             "ckptfix.units")  # fmt: skip
     root = INIT.parent
     for path in sorted((root / "formats").rglob("*.py")):
         for name in _modules(path):

@@ -1,4 +1,5 @@
-"""ckptfix.compare: key reports (missing, unexpected, wrong shape and dtype, bad _metadata) and the fixing command."""
+"""ckptfix.loading.report: key reports (missing, unexpected, wrong shape and dtype, bad _metadata) and the fixing
+command."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.compare import compare_keys
 from ckptfix.errors import MismatchError
-from ckptfix.formats.containers.safetensors import StTensor
-from ckptfix.loading import adapt_to_model
+from ckptfix.formats.safetensors.file import StTensor
+from ckptfix.loading.model import adapt_to_model
+from ckptfix.loading.report import compare_keys
 from tests.models import SmallNet, wrong_head
 
 

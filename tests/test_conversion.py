@@ -1,4 +1,4 @@
-"""ckptfix.conversion: ``convert_file`` on both paths (streamed and torch) between every pair of formats, the two
+"""ckptfix.conversion.files: ``convert_file`` on both paths (streamed and torch) between every pair of formats, the two
 paths held to one answer on a corpus of intact and damaged files (``test_parity``), and every file of the corpus
 through every operation (``test_corpus``)."""
 
@@ -27,7 +27,7 @@ from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
 from ckptfix.formats.registry import detect_format
 from ckptfix.torchcompat import safe_globals

@@ -1,4 +1,4 @@
-"""ckptfix.factory: build_model from a ``package.module:factory`` spec and JSON keyword arguments."""
+"""ckptfix.loading.factory: build_model from a ``package.module:factory`` spec and JSON keyword arguments."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptfix.factory import ModelSpecError, build_model, call_factory
+from ckptfix.loading.factory import ModelSpecError, build_model, call_factory
 from tests.models import SmallNet
 
 

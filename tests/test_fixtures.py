@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.layouts import LAYOUTS, chain_prefix, detect
-from ckptfix.loading import model_state_of
+from ckptfix.loading.model import model_state_of
 from ckptfix.trainer.fixtures import MANIFEST, reference_probe, sha256
 from ckptfix.trainer.model import build_model, probe
+from ckptfix.transforms.layouts import LAYOUTS, chain_prefix, detect
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MANIFEST_DATA: dict[str, Any] = json.loads((FIXTURES / MANIFEST).read_text())

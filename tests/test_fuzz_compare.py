@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptfix.diffing import diff_files
-from ckptfix.merging import merge_files
+from ckptfix.merging.files import merge_files
 from tests import hostile
 from tests.test_fuzz import FUZZ  # one campaign size for every fuzz target (CKPTFIX_FUZZ_EXAMPLES)
 from tests.writers import torch_saves

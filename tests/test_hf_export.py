@@ -536,12 +536,12 @@ def test_a_config_of_more_layers_than_the_checkpoint_is_refused_before_the_model
     model.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, field: 12000}))
-    import ckptfix.hf_classes
+    import ckptfix.exporting.classes
 
     def never(*args: Any) -> None:
         raise AssertionError("a model of the config's size was built")
 
-    monkeypatch.setattr(ckptfix.hf_classes, "meta_model", never)
+    monkeypatch.setattr(ckptfix.exporting.classes, "meta_model", never)
     result = run("convert", tmp_path / "hf", f"{tmp_path / 'out'}/", "--format", "hf")
     assert result.exit_code == 1, result.output
     layers = "model.layers" if name == "llama" else "transformer.h"

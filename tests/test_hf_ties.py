@@ -1,4 +1,4 @@
-"""ckptfix.hf_ties: a transformers folder into a .pt gets back the tied copies save_pretrained leaves out, as one
+"""ckptfix.exporting.ties: a transformers folder into a .pt gets back the tied copies save_pretrained leaves out, as one
 storage, so that a training job's strict load (DDP's) takes it; where the tie cannot be proven, the output says so."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 from ckptfix.cli import cli
-from ckptfix.hf_ties import TIES_NOT_RESTORED, TIES_RESTORED
+from ckptfix.exporting.ties import TIES_NOT_RESTORED, TIES_RESTORED
 from tests.extras import needs
 
 IDS = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix import layouts
-from ckptfix.checkpoint import convert, convert_checkpoint
 from ckptfix.errors import LayoutError, UsageError
+from ckptfix.transforms import layouts
+from ckptfix.transforms.checkpoint import convert, convert_checkpoint
 from tests.assertions import assert_same
 from tests.models import PREFIX, WRAPPERS, SmallNet, make_net
 

@@ -1,5 +1,5 @@
 """``convert SRC OUT/ --format hf --config-from DIR`` of torchtune and torchtitan Llama checkpoints
-(ckptfix/llama_names.py): each saved by the trainer's own writer (``tests/llama_family_runs.py``), exported to a
+(ckptfix/exporting/llama.py): each saved by the trainer's own writer (``tests/llama_family_runs.py``), exported to a
 folder transformers loads with no missing or unexpected key, whose tensors are ``torch.equal`` to what the trainer's
 own converter makes of them (torchtune's ``tune_to_hf``, torchtitan's ``Llama3StateDictAdapter.to_hf``:
 ``NAME.expected.safetensors``) and whose logits equal the source model's forward (``NAME.logits.safetensors``);
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ckptfix.cli import cli
 from ckptfix.errors import MismatchError
-from ckptfix.llama_names import META, TORCHTITAN, TORCHTUNE, head_spans, layout_of
+from ckptfix.exporting.llama import META, TORCHTITAN, TORCHTUNE, head_spans, layout_of
 from ckptfix.stream.rows import take_rows
 from tests.extras import TITAN_VENV, needs
 

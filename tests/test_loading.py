@@ -1,4 +1,5 @@
-"""ckptfix.loading: load_into and adapt_to_model fit a checkpoint's layout to the model's, refuse what does not fit."""
+"""ckptfix.loading.model: load_into and adapt_to_model fit a checkpoint's layout to the model's, refuse what does not
+fit."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 
 import ckptfix
 from ckptfix.errors import LayoutError, MismatchError
-from ckptfix.loading import adapt_to_model
+from ckptfix.loading.model import adapt_to_model
 from tests.dtype_files import _quantized_linear
 from tests.models import KEYS, PROBE, WRAPPERS, SmallNet, make_net, wrap
 

@@ -1,4 +1,4 @@
-"""``convert MEGATRON_DIR OUT/ --format hf`` (ckptfix/megatron_hf.py): each run saved by megatron-core itself
+"""``convert MEGATRON_DIR OUT/ --format hf`` (ckptfix/exporting/megatron.py): each run saved by megatron-core itself
 (``tests/megatron_runs.py``) exported to a folder transformers loads with no missing or unexpected key, whose logits
 on a fixed input equal ``GPTModel``'s own forward (``NAME.logits.safetensors``, computed by the generator in
 float32) within 1e-5; the config built from ``common.pt``'s args; the refusals of what a Llama config cannot say."""
@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
-from ckptfix.megatron_hf import hf_config
+from ckptfix.exporting.megatron import hf_config
 from tests.extras import needs
 from tests.megatron_runs import FIXTURES, fixture_runs, prefixed
 
@@ -74,7 +74,7 @@ def test_tied_output_is_left_out_and_said(tmp_path: Path) -> None:
 
 
 def _args(name: str) -> dict[str, Any]:
-    from ckptfix.formats.folders.megatron import describe
+    from ckptfix.formats.megatron.reader import describe
 
     return dict(describe(str(FIXTURES / name)).args)
 

@@ -14,8 +14,8 @@ from click.testing import CliRunner, Result
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import MergeError
-from ckptfix.loading import load_into
-from ckptfix.merging import plan_merge
+from ckptfix.loading.model import load_into
+from ckptfix.merging.files import plan_merge
 from tests import models
 from tests.dtype_files import MATH_BITS
 from tests.models import SmallNet
@@ -165,7 +165,7 @@ def test_inputs_that_cannot_be_merged() -> None:
 def test_merge_reads_each_ddp_file_s_pickle_once(tmp_path: Path, pickle_reads: Counter[str]) -> None:
     fixtures = Path(__file__).resolve().parent.parent / "fixtures"
     ranks = [str(fixtures / "ddp_rank0.pt"), str(fixtures / "ddp_rank1.pt")]
-    ckptfix.merging.merge_files(ranks, tmp_path / "m.pt")
+    ckptfix.merging.files.merge_files(ranks, tmp_path / "m.pt")
     assert pickle_reads == {path: 1 for path in ranks}
 
 

@@ -1,4 +1,5 @@
-"""Optimizer state between its two forms (ckptfix.optim_form): keyed by index (``optimizer.state_dict()``) and by
+"""Optimizer state between its two forms (ckptfix.transforms.optim_form): keyed by index (``optimizer.state_dict()``)
+and by
 parameter name (``get_optimizer_state_dict``), through ``convert`` into and out of DCP folders.
 
 Every optimizer here is a real one after real steps; the name-keyed form is compared with what torch's own
@@ -21,9 +22,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
-from ckptfix.optim_form import to_indices, to_names
 from ckptfix.torchcompat import version
 from ckptfix.trainer.model import build_model
+from ckptfix.transforms.optim_form import to_indices, to_names
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 # the run's own model and optimizer functions, which name the parameters of an optimizer of two unnamed groups
@@ -107,7 +108,7 @@ def assert_bound(opt: torch.optim.Optimizer, model: nn.Module, want: dict[int, d
 def test_names_are_what_get_optimizer_state_dict_returns(optim: str, named: bool) -> None:
     model, opt = trained(optim, named=named)
     osd = opt.state_dict()
-    from ckptfix.conversion import optimizer_parameters
+    from ckptfix.conversion.files import optimizer_parameters
 
     params = optimizer_parameters("tests.test_optim_form:tied", f"tests.test_optim_form:{optim}")
     names, note = to_names(osd, params, where="ckpt['optimizer']")
@@ -126,7 +127,7 @@ def test_names_are_what_get_optimizer_state_dict_returns(optim: str, named: bool
 def test_an_optimizer_that_does_not_fit_is_refused_naming_the_group() -> None:
     _, opt = trained("adamw", named=False)
     osd = opt.state_dict()
-    from ckptfix.optim_form import Parameters
+    from ckptfix.transforms.optim_form import Parameters
 
     names = ("emb.weight", "ln.weight", "ln.bias", "bn.weight", "bn.bias")
     shapes = ((10, 4), (4,), (4,), (4,), (4,))

@@ -1,4 +1,4 @@
-"""load_into reading a file straight into the model's own tensors (ckptfix.placing): the same model as
+"""load_into reading a file straight into the model's own tensors (ckptfix.loading.placing): the same model as
 load_state_dict gives, checks before the first byte is copied, and load_state_dict itself where only it is right."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix import placing
 from ckptfix.errors import FormatError
+from ckptfix.loading import placing
 from tests.models import PROBE, SmallNet, make_net, wrap
 
 

@@ -1,10 +1,10 @@
-"""The one plan per conversion (ckptfix.plan): the route each input and output take, or why torch does."""
+"""The one plan per conversion (ckptfix.conversion.plan): the route each input and output take, or why torch does."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckptfix.plan import (
+from ckptfix.conversion.plan import (
     DESCRIBE,
     STREAM_FILE,
     STREAM_TENSORS,

@@ -1,4 +1,5 @@
-"""ckptfix.renames: likely renames between missing and unexpected keys, and the --rename rule that fixes them."""
+"""ckptfix.transforms.renames: likely renames between missing and unexpected keys, and the --rename rule that fixes
+them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from torch import nn
 
 import ckptfix
 from ckptfix.errors import MismatchError
-from ckptfix.loading import adapt_to_model
-from ckptfix.renames import likely_renames, prefix_fits
+from ckptfix.loading.model import adapt_to_model
+from ckptfix.transforms.renames import likely_renames, prefix_fits
 from tests.models import KEYS, RenamedNet, SmallNet
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ckptfix.errors import UsageError
-from ckptfix.formats.folders.fsdp import RankFilesError
-from ckptfix.merging import merge_files
+from ckptfix.formats.fsdp.ranks import RankFilesError
+from ckptfix.merging.files import merge_files
 from tests import sharded_writers
 from tests.assertions import assert_equal
 from tests.models import SmallNet
@@ -215,7 +215,7 @@ def _sharing(optim: dict[str, Any]) -> list[int]:
 
 
 def _record(key: str) -> Any:
-    from ckptfix.formats.folders.fsdp import ShardedTensorRecord
+    from ckptfix.formats.fsdp.ranks import ShardedTensorRecord
 
     return ShardedTensorRecord("float32", (4,), "ShardedTensor, 2 shard(s) over 2 rank(s)", key)
 
@@ -223,7 +223,7 @@ def _record(key: str) -> Any:
 def test_consolidated_swaps_each_sharded_tensor_for_a_placeholder_and_leaves_the_input() -> None:
     from collections import OrderedDict
 
-    from ckptfix.sharded_optim import consolidated, outside_entries, without
+    from ckptfix.merging.sharded_optim import consolidated, outside_entries, without
     from ckptfix.writing import Placeholder
 
     model = OrderedDict(w=_record("model\0w"))
@@ -244,7 +244,7 @@ def test_consolidated_swaps_each_sharded_tensor_for_a_placeholder_and_leaves_the
 
 
 def test_what_differs_beside_the_shards_is_named_by_its_key() -> None:
-    from ckptfix.sharded_optim import check_beside_shards
+    from ckptfix.merging.sharded_optim import check_beside_shards
 
     def optim(lr: float, step: int, *, extra: bool = False) -> dict[str, Any]:
         state = {"exp_avg": _record("o\0state\0w\0exp_avg"), "step": torch.tensor(float(step))}

@@ -8,10 +8,10 @@ import click
 
 from ckptfix.cli.options import architecture_option, force_option, json_option, model_flags, safety_options, to_option
 from ckptfix.cli.render import Output, echo
-from ckptfix.layouts import Layout
+from ckptfix.transforms.layouts import Layout
 
 if TYPE_CHECKING:
-    from ckptfix.checkpoint import Conversion
+    from ckptfix.transforms.checkpoint import Conversion
 
 
 @click.command()
@@ -138,7 +138,7 @@ def convert(
     \b
     Example: ckptfix convert ddp_run.pt model.safetensors --to single --model-only
     """
-    from ckptfix.conversion import convert_file, float_dtype
+    from ckptfix.conversion.files import convert_file, float_dtype
 
     _refuse_conflicts(click.get_current_context(), keep_layout=keep_layout, no_fast=no_fast, no_verify=no_verify)
     if out_format == "hf" or config_from is not None or architecture is not None or verify_hf:
@@ -182,8 +182,8 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
         echo(f"kept unchanged: {', '.join(result.kept)}")
     if result.dropped:
         echo(f"dropped (--model-only): {', '.join(result.dropped)}")
-    from ckptfix.formats.containers.safetensors import TIED_ONCE
-    from ckptfix.hf_ties import TIES_NOT_RESTORED, TIES_RESTORED
+    from ckptfix.exporting.ties import TIES_NOT_RESTORED, TIES_RESTORED
+    from ckptfix.formats.safetensors.file import TIED_ONCE
 
     tied = (TIED_ONCE, TIES_RESTORED, TIES_NOT_RESTORED)
     if verbose:
@@ -192,9 +192,9 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
     # said whatever the verbosity: entries copied unbuilt (the output holds what the input held), keys a DCP folder
     # turns into strings (a value read back differs), tied keys a .safetensors file stores once or a .pt gets back
     # (or does not), optimizer state a resume would not bind
-    from ckptfix.conversion import DCP_STRING_KEYS
+    from ckptfix.conversion.files import DCP_STRING_KEYS
     from ckptfix.formats.torchio.opaque import KEPT
-    from ckptfix.optim_form import SAID
+    from ckptfix.transforms.optim_form import SAID
 
     for note in result.notes:
         if note.startswith(tied) or (
@@ -220,7 +220,7 @@ def _refuse_conflicts(ctx: click.Context, *, keep_layout: bool, no_fast: bool, n
 
 
 def _parse_size(value: str) -> int:
-    from ckptfix.formats.folders.hf import parse_size  # the folder module only when shards are asked for
+    from ckptfix.formats.hf.folder import parse_size  # the folder module only when shards are asked for
 
     return parse_size(value)
 

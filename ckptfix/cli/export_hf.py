@@ -23,14 +23,14 @@ SAID = ("left out", "copied", "verified", "architecture")  # an export's notes s
 
 
 def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: bool) -> None:
-    """Run :func:`ckptfix.exporting.export_hf` with ``convert``'s options, and say what it wrote."""
+    """Run :func:`ckptfix.exporting.folder.export_hf` with ``convert``'s options, and say what it wrote."""
     params = ctx.params
     refuse_hf_only(params)
     for name, flag in _NOT_FOR_HF.items():
         if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
             why = "an export keeps the keys the model's config names" if name != "no_verify" else "CRCs are read"
             raise UsageError(f"{flag} does not apply to --format hf ({why}); drop it")
-    from ckptfix.exporting import export_hf
+    from ckptfix.exporting.folder import export_hf
 
     result = export_hf(
         src,
@@ -74,6 +74,6 @@ def refuse_hf_only(params: Mapping[str, Any]) -> None:
 
 
 def result_dtype(dtype: str | None) -> str | None:
-    from ckptfix.conversion import float_dtype
+    from ckptfix.conversion.files import float_dtype
 
     return float_dtype(dtype)

@@ -21,9 +21,10 @@ from ckptfix.cli.render import LIST_LIMIT, Output, echo, section, warn
 from ckptfix.keytree import group_keys
 
 if TYPE_CHECKING:
-    from ckptfix.merging import MergeResult
+    from ckptfix.merging.files import MergeResult
 
-# ckptfix.merging's BUFFER_STRATEGIES, spelled out so that --help does not import the merge (tests/cli/test_group.py)
+# ckptfix.merging.files's BUFFER_STRATEGIES, spelled out so that --help does not import the merge
+# (tests/cli/test_group.py)
 BUFFER_STRATEGIES = ("pooled", "mean", "rank0")
 
 
@@ -147,7 +148,7 @@ def merge(
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
     from ckptfix.errors import MergeError, as_flags
-    from ckptfix.merging import merge_files
+    from ckptfix.merging.files import merge_files
 
     if kwargs is not None and model_spec is None:
         from ckptfix.errors import UsageError
@@ -175,7 +176,7 @@ def merge(
     }
     exported = None
     if out_format == "hf":
-        from ckptfix.exporting import merge_to_hf
+        from ckptfix.exporting.folder import merge_to_hf
 
         result, exported = merge_to_hf(
             inputs, out, config_from=config_from, architecture=architecture, verify=verify_hf, **options
@@ -275,15 +276,15 @@ def _parse_weights(value: str | None) -> list[float] | None:
 def _model(model_spec: str, kwargs: str | None) -> Any:
     """The --model factory's model, on the meta device when the factory allows (as validate builds it): the merge
     reads its names and shapes only, so a large model costs no memory."""
-    from ckptfix.loading import _build
+    from ckptfix.loading.model import _build
 
     return _build(lambda device: model_from_options(model_spec, kwargs, device=device))
 
 
 def _buffer_keys(model: Any) -> list[str]:
     """Names of the model's buffers in the single layout."""
-    from ckptfix import layouts
-    from ckptfix.checkpoint import apply_maps
+    from ckptfix.transforms import layouts
+    from ckptfix.transforms.checkpoint import apply_maps
 
     # The layout is read from every key: buffers alone may all sit under a submodule that is named `module`.
     _, maps = layouts.conversion_maps(list(model.state_dict()), to="single", source="model")

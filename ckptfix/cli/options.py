@@ -34,7 +34,7 @@ def safety_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def to_option(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--to LAYOUT``, any case (``DDP``), single by default."""
-    from ckptfix.layouts import TARGETS
+    from ckptfix.transforms.layouts import TARGETS
 
     return click.option(
         "--to", type=click.Choice(TARGETS, case_sensitive=False), default="single", show_default=True, help=what
@@ -85,8 +85,8 @@ architecture_option = click.option(
 
 def model_from_options(model_spec: str, kwargs: str | None, *, device: str | None = None) -> torch.nn.Module:
     """The model of ``--model`` and ``--kwargs`` (on ``device``), found as every ``MOD:FACTORY`` is
-    (:func:`ckptfix.factory.call_factory`); errors name the flags."""
-    from ckptfix.factory import build_model
+    (:func:`ckptfix.loading.factory.call_factory`); errors name the flags."""
+    from ckptfix.loading.factory import build_model
 
     with model_flags():
         return build_model(model_spec, kwargs=kwargs, device=device)
@@ -94,9 +94,10 @@ def model_from_options(model_spec: str, kwargs: str | None, *, device: str | Non
 
 @contextlib.contextmanager
 def model_flags() -> Iterator[None]:
-    """A :class:`~ckptfix.factory.ModelSpecError` raised inside (a ``with`` block, or a command it decorates), said
+    """A :class:`~ckptfix.loading.factory.ModelSpecError` raised inside (a ``with`` block, or a command it decorates),
+    said
     in the CLI's terms: ``--model 'm:f'`` or ``--kwargs`` instead of the library's ``build_model(spec='m:f')``."""
-    from ckptfix.factory import ModelSpecError
+    from ckptfix.loading.factory import ModelSpecError
 
     try:
         yield

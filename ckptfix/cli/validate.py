@@ -10,7 +10,7 @@ from ckptfix.cli.options import json_option, model_from_options, safety_options
 from ckptfix.cli.render import Output, by_change, echo, lines, section, verdict
 
 if TYPE_CHECKING:
-    from ckptfix.loading import Validation
+    from ckptfix.loading.model import Validation
 
 
 @click.command()
@@ -45,8 +45,8 @@ def validate(
     Exit codes: 0 it loads as is; 1 it does not; 2 the check cannot run.
     Example: ckptfix validate ddp_run.pt --model mypkg.models:ResNet --kwargs '{"depth": 18}'
     """
-    from ckptfix.formats.folders.fsdp import ShardedCheckpointError
-    from ckptfix.loading import validate_file
+    from ckptfix.formats.fsdp.ranks import ShardedCheckpointError
+    from ckptfix.loading.model import validate_file
 
     try:
         found = validate_file(
@@ -79,7 +79,7 @@ def validate(
 
 
 def _text(found: Validation, path: str, model_spec: str, *, others: list[str], fix: str | None) -> None:
-    from ckptfix.compare import module_name
+    from ckptfix.loading.report import module_name
 
     report = found.report
     where = f"entry '{report.entry}', " if report.entry else ""

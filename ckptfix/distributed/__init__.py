@@ -202,7 +202,7 @@ def _transfer(plan: _Plan, session: protocol.Session, *, broadcast_model: bool, 
 
 
 def _layout_prefix(own: Mapping[str, Any]) -> str:
-    from ckptfix import layouts
+    from ckptfix.transforms import layouts
 
     return layouts.chain_prefix(layouts.detect(own.keys(), source="model").chain)
 
@@ -220,7 +220,7 @@ def _read_on_source(
     """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
     from ckptfix.formats import registry
     from ckptfix.formats.torchio import opaque
-    from ckptfix.loading import adapt_to_model, model_state_of, primary_entry, ready_to_load
+    from ckptfix.loading.model import adapt_to_model, model_state_of, primary_entry, ready_to_load
 
     source = os.fspath(path)
     _check_device(model, session)
@@ -258,7 +258,7 @@ def _check_receiver(
     model: torch.nn.Module, payload: bytes, *, strict: bool, allowed: list[str], session: protocol.Session
 ) -> _Plan | Exception:
     """This rank's plan, or its problem with the source's payload (returned, so that every rank hears of it)."""
-    from ckptfix.compare import compare_keys
+    from ckptfix.loading.report import compare_keys
 
     try:
         manifest, skeleton, extra_entries = wire.loads(payload, allowed=allowed)
@@ -329,7 +329,7 @@ def save_for_ddp(
 def _unwrapped(obj: Any, *, source: str) -> Any:
     import torch
 
-    from ckptfix.checkpoint import convert, model_entries
+    from ckptfix.transforms.checkpoint import convert, model_entries
 
     if isinstance(obj, torch.nn.Module):
         return convert(obj.state_dict(), to="single", source=source)

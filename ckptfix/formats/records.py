@@ -9,7 +9,7 @@ without importing torch. :func:`map_tree` is the one walk that copies a tree's c
 replaced.
 
 Stdlib only (with the dtype table and the errors), so every reader and writer can know what a tensor is;
-``ckptfix.checkpoint.is_tensor`` (a layer below) knows a record by the class flag :class:`TensorRecord` sets.
+``ckptfix.transforms.checkpoint.is_tensor`` (a layer below) knows a record by the class flag :class:`TensorRecord` sets.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class TensorRecord:
     live by overriding :meth:`identity` and :meth:`_storage` (a record of its own, by default: a tensor to write)."""
 
     __slots__ = ()
-    # what ckptfix.checkpoint.is_tensor looks for: the transforms sit below formats/, so they cannot import this
+    # what ckptfix.transforms.checkpoint.is_tensor looks for: the transforms sit below formats/, so they cannot import
+    # this
     __ckptfix_tensor__: ClassVar[bool] = True
     # its tensor is made when a writer asks for it (read from the opened input that holds it, or computed and handed
     # over), not held: what writing.streamed_writer takes; a record of a format it does not read yet is not
@@ -256,7 +257,7 @@ def map_tree(
 class FolderRecords:
     """A folder format's checkpoint as tensor records, what its registry row's ``records`` gives (no tensor byte
     read): ``tree`` holds records that read themselves through the folder's data files (``Holder.file_fd``, as a
-    :class:`~ckptfix.formats.folders.dcp.DcpTensor` does); ``kind`` is the folder in the words of ``convert -v``;
+    :class:`~ckptfix.formats.dcp.reader.DcpTensor` does); ``kind`` is the folder in the words of ``convert -v``;
     ``files`` every file the checkpoint is made of; ``notes`` what was left out; ``summary`` what ``inspect`` shows
     of it (under the format's kind in ``--json``)."""
 

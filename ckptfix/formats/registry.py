@@ -113,7 +113,7 @@ def _two_checkpoints(path: str, first: Format, second: Format) -> str:
     said = f"{path}: holds two checkpoints, {first.called} and {second.called}; ckptfix will not guess which is meant"
     if "hf" not in (first.kind, second.kind):
         return f"{said}: move one of them into a folder of its own"
-    from ckptfix.formats.folders.hf import weight_files
+    from ckptfix.formats.hf.folder import weight_files
 
     other = first if second.kind == "hf" else second
     names = weight_files(path)
@@ -161,13 +161,13 @@ def _probe(source: str) -> Probe:
 def _dcp_claims(probe: Probe) -> bool:
     if not probe.folder:
         return False
-    from ckptfix.formats.folders.dcp import is_dcp
+    from ckptfix.formats.dcp.reader import is_dcp
 
     return is_dcp(probe.path)
 
 
 def _dcp_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.folders.dcp import load_dcp
+    from ckptfix.formats.dcp.reader import load_dcp
 
     return load_dcp(os.fspath(path), allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify)
 
@@ -175,25 +175,25 @@ def _dcp_load(path: PathLike, options: ReadOptions) -> Any:
 def _megatron_claims(probe: Probe) -> bool:
     if not probe.folder:
         return False
-    from ckptfix.formats.folders.megatron import is_megatron
+    from ckptfix.formats.megatron.reader import is_megatron
 
     return is_megatron(probe.path)
 
 
 def _megatron_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.folders.megatron import load_megatron
+    from ckptfix.formats.megatron.reader import load_megatron
 
     return load_megatron(os.fspath(path), allow_globals=options.allow_globals)
 
 
 def _megatron_records(path: str, allow_globals: tuple[str, ...]) -> FolderRecords:
-    from ckptfix.formats.folders.megatron import records
+    from ckptfix.formats.megatron.reader import records
 
     return records(path, allow_globals=allow_globals)
 
 
 def _megatron_describe(summary: dict[str, Any]) -> tuple[str, list[str]]:
-    from ckptfix.formats.folders.megatron import describe_summary
+    from ckptfix.formats.megatron.reader import describe_summary
 
     return describe_summary(summary)
 
@@ -201,13 +201,13 @@ def _megatron_describe(summary: dict[str, Any]) -> tuple[str, list[str]]:
 def _deepspeed_claims(probe: Probe) -> bool:
     if not probe.folder:
         return False
-    from ckptfix.formats.folders.deepspeed_files import is_deepspeed
+    from ckptfix.formats.deepspeed.files import is_deepspeed
 
     return is_deepspeed(probe.path)
 
 
 def _deepspeed_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.folders.deepspeed import load_run
+    from ckptfix.formats.deepspeed.run import load_run
 
     # the consolidated fp32 master weights, each partition's bytes read once
     return load_run(os.fspath(path), allow_globals=options.allow_globals, verify=options.verify)
@@ -228,7 +228,7 @@ def _torch_zip_claims(probe: Probe) -> bool:
 def _legacy_claims(probe: Probe) -> bool:
     if probe.head[:1] != b"\x80":
         return False
-    from ckptfix.formats.containers.legacy import MAGIC  # here: the legacy reader is for the rare old file only
+    from ckptfix.formats.legacy.reader import MAGIC  # here: the legacy reader is for the rare old file only
 
     return MAGIC in probe.head
 
@@ -266,7 +266,7 @@ def _safetensors_claims(probe: Probe) -> bool:
 
 
 def _safetensors_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.containers.safetensors import load_safetensors
+    from ckptfix.formats.safetensors.file import load_safetensors
 
     return load_safetensors(path, source=os.fspath(path))
 
@@ -275,13 +275,13 @@ def _hf_claims(probe: Probe) -> bool:
     # a folder of transformers weights, or a shard index (JSON): hf.describe checks that it is one
     if not probe.folder:
         return _json_text(probe)
-    from ckptfix.formats.folders.hf import weight_files
+    from ckptfix.formats.hf.folder import weight_files
 
     return bool(weight_files(probe.path))
 
 
 def _hf_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.folders.hf import load_folder
+    from ckptfix.formats.hf.folder import load_folder
 
     def shard(file: str) -> Any:
         return detect(file).load(file, dataclasses.replace(options, model_only=False, opaque=False))
@@ -334,10 +334,10 @@ def refuse_rank_file(
     input read whole is asked, here: with ``flat``, FSDP1 flat parameters in a model entry; a lone DeepSpeed ZeRO-3
     module file (``[0]`` placeholders); with ``model`` (a model is wanted, no entry named), a lone ZeRO optimizer
     file. ``instead`` is what DeepSpeed's refusal advises, ``{folder}`` standing for the run's folder."""
-    from ckptfix.formats.folders.deepspeed_files import refuse_optimizer_partition, refuse_placeholders
+    from ckptfix.formats.deepspeed.files import refuse_optimizer_partition, refuse_placeholders
 
     if flat:
-        from ckptfix.formats.folders.fsdp import refuse_flat_params
+        from ckptfix.formats.fsdp.ranks import refuse_flat_params
 
         refuse_flat_params(obj, source=source)
     if instead is None:
@@ -368,7 +368,7 @@ def rank_file_refusal(kind: str, *, source: str) -> FormatError:
 
 def rank_file_note(obj: Any, *, source: str) -> str | None:
     """What to say of a rank's file converted on its own (a ZeRO-1/2 module file: the training dtype's weights)."""
-    from ckptfix.formats.folders.deepspeed_files import lone_module_note
+    from ckptfix.formats.deepspeed.files import lone_module_note
 
     return lone_module_note(obj, source=source)
 
@@ -445,7 +445,7 @@ def describe_output(path: PathLike, *, fmt: str, shard_size: int | None) -> str:
     out, what = os.fspath(path), "safetensors" if fmt == "safetensors" else "torch"
     if shard_size is None:
         return ""
-    from ckptfix.formats.folders.hf import shard_set
+    from ckptfix.formats.hf.folder import shard_set
 
     files = [f for f in shard_set(out) if not f.endswith(".index.json")]
     if shard_size == ONE_SHARD:
@@ -480,7 +480,7 @@ def load(
     if found.kind == "dcp":  # DCP stores an optimizer's int keys as strings: put back where param_groups name them
         import warnings
 
-        from ckptfix.optim_form import RESUME_LOSES, restore_all
+        from ckptfix.transforms.optim_form import RESUME_LOSES, restore_all
 
         obj, notes = restore_all(obj, source=os.fspath(path))
         for note in notes:
@@ -538,17 +538,17 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
     """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
     set replace the one already there (a file output is replaced whatever it says: its check came before)."""
     if fmt == "dcp":
-        from ckptfix.formats.folders.dcp import save_dcp
+        from ckptfix.formats.dcp.reader import save_dcp
 
         save_dcp(obj, os.fspath(path), overwrite=overwrite)
     elif shard_size is not None:
-        from ckptfix.formats.folders.hf import save_sharded
+        from ckptfix.formats.hf.folder import save_sharded
 
         save_sharded(
             obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt), overwrite=overwrite
         )
     elif fmt == "safetensors":
-        from ckptfix.formats.containers.safetensors import save_safetensors
+        from ckptfix.formats.safetensors.file import save_safetensors
 
         save_safetensors(obj, path)
     else:

@@ -17,16 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import OutputError
-from ckptfix.formats.containers.safetensors import (
-    StTensor,
-    losses_note,
-    plan_safetensors,
-    read_header,
-    tree_from_header,
-)
-from ckptfix.formats.containers.torchsave import NewStorages
-from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc, verify_records
 from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, math_bit_view
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
@@ -34,9 +24,19 @@ from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import map_tree
 from ckptfix.formats.registry import detect_format, output_format
+from ckptfix.formats.safetensors.file import (
+    StTensor,
+    losses_note,
+    plan_safetensors,
+    read_header,
+    tree_from_header,
+)
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
+from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc, verify_records
+from ckptfix.formats.torchzip.layout import NewStorages
+from ckptfix.formats.torchzip.reader import TorchZip
 from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
@@ -73,7 +73,7 @@ def fast_convert(
 
     ``in_fmt``/``out_fmt`` are the formats when the caller already detected them (and checked the output).
     ``transform(tree)`` gets the checkpoint with inert tensor records and returns an object whose ``.obj`` is
-    the tree to write (a ``ckptfix.checkpoint.Conversion``); a line on what was copied is added to its notes.
+    the tree to write (a ``ckptfix.transforms.checkpoint.Conversion``); a line on what was copied is added to its notes.
     ``verify=False`` skips reading the input for its CRCs where the output keeps them (.pt to .pt): a corrupt
     record then stays detectable in the output. A .safetensors output has no CRCs to keep, and a .pt made from
     a .safetensors needs the CRCs computed, so those still read the input.

@@ -1,6 +1,6 @@
 """``--dtype`` on the streaming path: each floating-point tensor cast as it is written, a block at a time.
 
-The rule of which tensors are cast is the torch path's (:func:`ckptfix.conversion.cast_floating`): the
+The rule of which tensors are cast is the torch path's (:func:`ckptfix.conversion.files.cast_floating`): the
 floating-point tensors of the converted model entries, integer buffers kept, a tensor already of the dtype
 copied as it is, a tensor under two names cast once. A cast is elementwise, so casting a block of a tensor's
 bytes gives the bytes the whole tensor would: memory holds one block (or, for a tensor that must be gathered
@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.checkpoint import Conversion, is_tensor, replace_model_tensors
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.records import TensorRecord
+from ckptfix.transforms.checkpoint import Conversion, is_tensor, replace_model_tensors
 
 _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB out (float16 to float32)
 
@@ -85,7 +85,7 @@ def write_cast(
     ``stored``, in order) a block at a time, or, when None, from ``whole()`` (the source tensor gathered)."""
     import torch
 
-    from ckptfix.formats.containers.safetensors import tensor_bytes
+    from ckptfix.formats.safetensors.file import tensor_bytes
 
     target = getattr(torch, t.dtype)
     if pieces is None:

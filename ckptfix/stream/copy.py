@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.ziparchive import BLOCK
 from ckptfix.formats.output.crc import Check, Verifier
 from ckptfix.formats.output.linux import libc
+from ckptfix.formats.torchzip.archive import BLOCK
 
 CHUNK = 16 << 20
 CLONE_STEP = 1 << 30  # one ioctl per GiB shared: progress still moves, and each call returns in milliseconds

@@ -1,10 +1,10 @@
 """A checkpoint into a DCP folder without torch: each tensor's bytes copied as byte ranges from its source file.
 
 The folder is what torch's ``FileSystemWriter`` writes from one process with one thread (``__0_0.distcp`` and
-``.metadata``): the items of DCP's flattening (:func:`~ckptfix.formats.folders.dcp_metadata.flatten`), each object
+``.metadata``): the items of DCP's flattening (:func:`~ckptfix.formats.dcp.metadata.flatten`), each object
 as the ``torch.save`` archive of that object, then each tensor as the ``torch.save`` archive of that tensor, whole
 and contiguous, one after the other, and the ``Metadata`` pickle that says where each one is. A tensor's archive is
-laid out around its bytes (:mod:`~ckptfix.formats.containers.torchsave`), which come from the input's byte ranges
+laid out around its bytes (:mod:`~ckptfix.formats.torchzip.layout`), which come from the input's byte ranges
 through the same copier as the other streamed routes (in the kernel; a file system with shared extents shares
 them); a large tensor's archive starts on a block so that its bytes can keep the input's offset modulo 4096. Only a
 DCP tensor stored in blocks and a half-precision ZeRO buffer (cast to float32 as ``zero_to_fp32`` casts) are
@@ -24,18 +24,18 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.formats.containers.safetensors import StTensor
-from ckptfix.formats.containers.torchsave import storage_name, write_head, write_tail
-from ckptfix.formats.containers.torchzip import TorchZip, stand_ins, tensor_record
-from ckptfix.formats.containers.ziparchive import ALIGN, BLOCK, ZipWriter
+from ckptfix.formats.dcp.metadata import Item, Stored, TensorMeta, flatten, metadata_pickle
+from ckptfix.formats.dcp.reader import DcpTensor
+from ckptfix.formats.deepspeed.run import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.dcp_metadata import Item, Stored, TensorMeta, flatten, metadata_pickle
-from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.atomic import staged_folder
 from ckptfix.formats.output.crc import crc32_combine
 from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.safetensors.file import StTensor
+from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter
+from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
+from ckptfix.formats.torchzip.reader import TorchZip, stand_ins, tensor_record
 from ckptfix.stream.copy import SHARE_MIN, Copier, Job
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folder_torch import Sink, finish_pieces, piece_checks

@@ -17,21 +17,21 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from ckptfix.checkpoint import Conversion
-from ckptfix.formats.containers.safetensors import StTensor
-from ckptfix.formats.containers.torchsave import NewStorages, storage_name, write_head, write_tail
-from ckptfix.formats.containers.ziparchive import ZipWriter
+from ckptfix.formats.dcp.reader import DcpTensor
+from ckptfix.formats.deepspeed.run import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import DcpTensor
-from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.atomic import atomic_output
 from ckptfix.formats.output.crc import Check, crc32_combine
 from ckptfix.formats.pickles import pickling
 from ckptfix.formats.records import map_tree
+from ckptfix.formats.safetensors.file import StTensor
+from ckptfix.formats.torchzip.archive import ZipWriter
+from ckptfix.formats.torchzip.layout import NewStorages, storage_name, write_head, write_tail
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.copy import Copier, Job
 from ckptfix.stream.folders import InOrder, Stored, VerifyInTurn, copied_ranges, open_tree, prepare, write_made
+from ckptfix.transforms.checkpoint import Conversion
 
 # A piece of an output storage: (source file, offset, length) of the bytes copied into it.
 Piece = tuple[str, int, int]

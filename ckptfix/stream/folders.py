@@ -17,9 +17,20 @@ import threading
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from ckptfix.checkpoint import Conversion, is_tensor
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.containers.safetensors import (
+from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
+from ckptfix.formats.dcp.chunks import dcp_tree
+from ckptfix.formats.dcp.reader import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region, rows
+from ckptfix.formats.deepspeed.run import ZeroTensor, describe_run, read_zero_tensor
+from ckptfix.formats.dtypes import DTYPES, safetensors_code
+from ckptfix.formats.files import DataFiles
+from ckptfix.formats.hf.folder import describe, merge_shards, room_for_files
+from ckptfix.formats.output.atomic import Worker, atomic_output
+from ckptfix.formats.output.crc import Check, Verifier
+from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import is_record
+from ckptfix.formats.registry import detect, detect_format
+from ckptfix.formats.safetensors.file import (
     StTensor,
     encode_header,
     read_header,
@@ -27,18 +38,6 @@ from ckptfix.formats.containers.safetensors import (
     tensor_bytes,
     tree_from_header,
 )
-from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
-from ckptfix.formats.dtypes import DTYPES, safetensors_code
-from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region, rows
-from ckptfix.formats.folders.dcp_chunks import dcp_tree
-from ckptfix.formats.folders.deepspeed import ZeroTensor, describe_run, read_zero_tensor
-from ckptfix.formats.folders.hf import describe, merge_shards, room_for_files
-from ckptfix.formats.output.atomic import Worker, atomic_output
-from ckptfix.formats.output.crc import Check, Verifier
-from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import is_record
-from ckptfix.formats.registry import detect, detect_format
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
@@ -47,6 +46,7 @@ from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.rows import RowsTensor, rows_of, rows_ranges
 from ckptfix.stream.single import copyable_tensor
+from ckptfix.transforms.checkpoint import Conversion, is_tensor
 
 _COPY = 1 << 26
 Stored = DcpTensor | StTensor | ZeroTensor | CastTensor | RowsTensor  # a record whose bytes a folder stream writes
@@ -68,7 +68,7 @@ def convert_folder(
     file) after ``transform`` as ``dst``. ``dtype`` casts its floating-point tensors as they are written;
     ``shard_size`` (bytes) writes transformers shards of at most that size beside ``dst`` with their index
     instead (an existing shard set of that name replaced only with ``overwrite``, as
-    :func:`ckptfix.formats.folders.hf.save_sharded` does). ``check(read)``, before a byte is written, may read the
+    :func:`ckptfix.formats.hf.folder.save_sharded` does). ``check(read)``, before a byte is written, may read the
     values of the tensors it names (``read(t)``: :func:`value_bytes`). ``progress`` shows a bar on a terminal
     (:func:`ckptfix.stream.progress.progress_bar`)."""
     tree, kind, files, allowed = open_tree(src, allow_globals=allow_globals)
@@ -185,7 +185,7 @@ def _write_shards(
 ) -> tuple[list[str], int]:
     """Write ``obj`` as transformers shards of ``dst`` through the in-memory writer's own planning, staging and
     index (each shard a :func:`_write_file`); how each stored tensor was written, and how many shards."""
-    from ckptfix.formats.folders.hf import plan_shards, save_sharded
+    from ckptfix.formats.hf.folder import plan_shards, save_sharded
 
     ways: list[str] = []
     # the CRCs are read while the last shard is copied: a DCP folder's checks are known once its chunks are parsed
@@ -388,7 +388,7 @@ def _zero_tree(
     """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records (with ``optimizer``, beside
     its consolidated optimizer state dict); the CRC of every storage record they are read from (the flat
     partitions; the moments too with ``optimizer``) is checked as the copy runs."""
-    from ckptfix.formats.containers.ziparchive import stored_crc
+    from ckptfix.formats.torchzip.archive import stored_crc
 
     run = describe_run(src, allow_globals=allow_globals, optimizer=optimizer)
     room_for_files(len(run.files), source=src)
@@ -482,12 +482,12 @@ def write_made(out: Any, t: Stored, files: DataFiles) -> str:
         write_cast_record(out.write, t, files)
         return "cast"
     if isinstance(t, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
-        from ckptfix.formats.containers.safetensors import tensor_bytes
+        from ckptfix.formats.safetensors.file import tensor_bytes
 
         out.write(tensor_bytes(read_zero_tensor(t, files.fd)))
         return "gathered"
     if isinstance(t, RowsTensor):
-        from ckptfix.formats.containers.safetensors import tensor_bytes
+        from ckptfix.formats.safetensors.file import tensor_bytes
 
         out.write(tensor_bytes(_whole(t, files)))
         return "gathered"
@@ -551,7 +551,7 @@ def _whole(t: Any, files: DataFiles) -> Any:
 
 
 def _gather(out: BinaryIO, t: DcpTensor, files: DataFiles) -> None:
-    from ckptfix.formats.containers.safetensors import tensor_bytes
+    from ckptfix.formats.safetensors.file import tensor_bytes
 
     out.write(tensor_bytes(_gathered(t, files)))
 

@@ -1,6 +1,6 @@
 """A tensor made of row ranges of another tensor record: Megatron's fused QKV split per query group into q, k and v,
-its ``[gate; up]`` split in two, its padded vocabulary cut (:mod:`ckptfix.megatron_hf`); a Llama query or key
-projection's rows reordered within each head (:mod:`ckptfix.llama_names`).
+its ``[gate; up]`` split in two, its padded vocabulary cut (:mod:`ckptfix.exporting.megatron`); a Llama query or key
+projection's rows reordered within each head (:mod:`ckptfix.exporting.llama`).
 
 The rows of a row-major tensor are runs of its bytes, so where the source's bytes are runs of files (a DCP tensor
 chunked by rows) the new tensor's are sub-runs of them: copied file to file, never held. Where they are not (a DCP
@@ -41,7 +41,7 @@ class RowsTensor(TensorRecord):
 def take_rows(t: Any, spans: list[tuple[int, int]]) -> Any:
     """The rows ``spans`` of tensor ``t``, in a tensor of their own (no storage shared with ``t``); of a tensor
     record, a record of them (its bytes copied as sub-ranges of the source's when written). The one way a name
-    map (:mod:`ckptfix.megatron_hf`, :mod:`ckptfix.llama_names`) splits or reorders a tensor's rows."""
+    map (:mod:`ckptfix.exporting.megatron`, :mod:`ckptfix.exporting.llama`) splits or reorders a tensor's rows."""
     if len(spans) == 1 and spans[0] == (0, int(t.shape[0])):
         return t
     if is_record(t):

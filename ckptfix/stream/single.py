@@ -10,15 +10,15 @@ import math
 from collections.abc import Hashable
 from typing import Any
 
-from ckptfix.formats.containers.safetensors import StTensor, losses_note, read_header, tree_from_header
-from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.copyable import foreign_byte_order, parameter_hooks_or_state, values_as_stored
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.datafiles import DataFiles
+from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import map_tree
+from ckptfix.formats.safetensors.file import StTensor, losses_note, read_header, tree_from_header
 from ckptfix.formats.torchio.opaque import describe
+from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
 from ckptfix.stream.fallback import Fallback
 
 
@@ -81,8 +81,8 @@ class _PtRecords:
     def losses(self, obj: Any) -> str | None:
         """What a .safetensors copy of ``obj``'s model entries does not keep, counted key by key as the torch path
         counts its tensors (``safetensors_losses``): a tensor it casts is a new, plain one of its own storage."""
-        from ckptfix.checkpoint import model_entries
         from ckptfix.stream.casting import CastTensor
+        from ckptfix.transforms.checkpoint import model_entries
 
         entries = model_entries(obj)
         states = [obj] if entries == [""] else [obj[e] for e in entries]

@@ -26,26 +26,26 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ckptfix.checkpoint import Conversion
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.safetensors import StTensor, read_header, tree_from_header
-from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.containers.ziparchive import NO_CRC, stored_crc
 from ckptfix.formats.copyable import foreign_byte_order
+from ckptfix.formats.dcp.reader import DcpTensor, chunk_region, rows, save_dcp
+from ckptfix.formats.deepspeed.run import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.folders.datafiles import DataFiles
-from ckptfix.formats.folders.dcp import DcpTensor, chunk_region, rows, save_dcp
-from ckptfix.formats.folders.deepspeed import ZeroTensor
+from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import is_record, map_tree, torch_dtype
+from ckptfix.formats.safetensors.file import StTensor, read_header, tree_from_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
+from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
+from ckptfix.formats.torchzip.reader import TorchZip
 from ckptfix.stream.casting import CastTensor, cast_records
 from ckptfix.stream.dcp_writer import dcp_items, write_dcp_folder
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import VerifyInTurn, open_tree, prepare
+from ckptfix.transforms.checkpoint import Conversion
 
 _RECORDS = (CastTensor, DcpTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 # (file descriptor, offset, length) of a run of a tensor's bytes, in order

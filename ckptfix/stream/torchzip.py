@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.torchsave import storage_name, write_head, write_tail
-from ckptfix.formats.containers.torchzip import TorchZip
-from ckptfix.formats.containers.ziparchive import ALIGN, BLOCK, ZipWriter, stored_crc
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter, stored_crc
+from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
+from ckptfix.formats.torchzip.reader import TorchZip
 from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
 from ckptfix.stream.fallback import Fallback
 

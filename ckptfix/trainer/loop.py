@@ -155,7 +155,7 @@ def _set_rng_state(state: Any) -> None:
 def _resume(config: TrainConfig, model: nn.Module, env: Env) -> dict[str, Any]:
     """Load ``--resume`` into the unwrapped model; return the checkpoint's other entries on every rank."""
     import ckptfix
-    from ckptfix.loading import primary_entry
+    from ckptfix.loading.model import primary_entry
 
     path = config.resume
     if path is None:

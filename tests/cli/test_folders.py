@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.merging import plan_merge
+from ckptfix.merging.files import plan_merge
 from ckptfix.torchcompat import dcp_save_local
 from tests.extras import needs
 from tests.models import SmallNet
@@ -79,7 +79,7 @@ def test_inspect_a_sharded_folder_and_its_index_file(tmp_path: Path) -> None:
 
 
 def test_inspect_reads_no_tensor_byte_of_a_folder_but_verify_reads_them_all(tmp_path: Path) -> None:
-    from ckptfix.formats.containers.ziparchive import read_archive
+    from ckptfix.formats.torchzip.archive import read_archive
 
     folder = _hf(tmp_path / "hf", _state(), "pytorch_model.bin")
     shard = folder / "pytorch_model-00001-of-00004.bin"
@@ -246,7 +246,7 @@ def test_merge_per_rank_sharded_folders(tmp_path: Path) -> None:
 def test_folders_merge_tensor_by_tensor_without_loading_either(
     tmp_path: Path, kind: str, out: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptfix import merging
+    from ckptfix.merging import files as merging
 
     def whole(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a folder was loaded whole")

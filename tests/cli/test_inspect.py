@@ -19,13 +19,13 @@ import torch
 from click.testing import CliRunner
 
 import ckptfix
-from ckptfix.checkpoint import get_entry, model_entries
 from ckptfix.cli import cli
-from ckptfix.formats.containers.safetensors import encode_header
-from ckptfix.formats.containers.torchzip import HEAD, TAIL, stand_ins, tensor_record
-from ckptfix.formats.containers.ziparchive import ZipWriter
 from ckptfix.formats.pickles import pickling
+from ckptfix.formats.safetensors.file import encode_header
+from ckptfix.formats.torchzip.archive import ZipWriter
+from ckptfix.formats.torchzip.reader import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.summary import describe, summarize_state
+from ckptfix.transforms.checkpoint import get_entry, model_entries
 from tests.dtype_files import BYTE_DTYPES, QUANTIZED, _inspect, make
 from tests.extras import needs
 from tests.models import make_net

@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import AverageError
-from ckptfix.merging import merge_files
+from ckptfix.merging.files import merge_files
 from ckptfix.reading import Opened
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"

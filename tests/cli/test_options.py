@@ -137,7 +137,7 @@ def test_an_option_without_the_one_it_needs_is_a_usage_error_naming_both(
 
 
 def test_a_bad_shard_size_names_the_flag_in_the_cli_and_the_keyword_in_the_library(ddp: Path, tmp_path: Path) -> None:
-    from ckptfix.formats.folders.hf import parse_size
+    from ckptfix.formats.hf.folder import parse_size
 
     result = CliRunner().invoke(cli, ["convert", str(ddp), str(tmp_path / "o.safetensors"), "--shard-size", "lots"])
     assert result.exit_code == 2 and result.output.startswith("ckptfix: error: --shard-size 'lots': not a size")

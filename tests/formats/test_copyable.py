@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptfix.formats.containers.torchzip import read_torch_zip
 from ckptfix.formats.copyable import not_as_stored, values_as_stored
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchzip.reader import read_torch_zip
 from ckptfix.reading import open_checkpoint
 
 _VIEWS = {

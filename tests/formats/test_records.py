@@ -6,11 +6,11 @@ from collections import OrderedDict, namedtuple
 
 import torch
 
-from ckptfix.checkpoint import is_tensor
-from ckptfix.formats.containers.safetensors import StTensor
-from ckptfix.formats.folders.dcp import Chunk, DcpTensor, Span, TensorEntry
-from ckptfix.formats.folders.hf import FolderTensor
+from ckptfix.formats.dcp.reader import Chunk, DcpTensor, Span, TensorEntry
+from ckptfix.formats.hf.folder import FolderTensor
 from ckptfix.formats.records import TensorRecord, identity, is_record, map_tree, spec, storage_of
+from ckptfix.formats.safetensors.file import StTensor
+from ckptfix.transforms.checkpoint import is_tensor
 from ckptfix.writing import Placeholder
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.diffing import diff_files
 from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import registry
@@ -113,14 +113,14 @@ def _prefix(path: object) -> str:
 
 def _toy_folder_load(p: object, options: ReadOptions) -> dict[str, torch.Tensor]:
     """A folder format's loader: a DCP folder's tensors, renamed by the prefix its toy.json names."""
-    from ckptfix.formats.folders.dcp import load_dcp
+    from ckptfix.formats.dcp.reader import load_dcp
 
     return {_prefix(p) + k: v for k, v in load_dcp(str(p), allow_globals=options.allow_globals).items()}
 
 
 def _toy_records(path: str, allow_globals: tuple[str, ...]) -> FolderRecords:
     """The same folder as records, no tensor byte read: each tensor its DCP chunks, under its new name."""
-    from ckptfix.formats.folders.dcp import DcpTensor, read_dcp
+    from ckptfix.formats.dcp.reader import DcpTensor, read_dcp
 
     d, prefix = read_dcp(path), _prefix(path)
     tree = {prefix + k: DcpTensor(prefix + k, entry) for k, entry in d.tensors.items()}

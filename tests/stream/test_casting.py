@@ -18,12 +18,12 @@ import torch
 from click.testing import CliRunner
 
 import ckptfix
-from ckptfix.checkpoint import Conversion
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.containers.safetensors import stored_identity
-from ckptfix.formats.folders.deepspeed import describe_run
+from ckptfix.formats.deepspeed.run import describe_run
+from ckptfix.formats.safetensors.file import stored_identity
 from ckptfix.stream import casting
+from ckptfix.transforms.checkpoint import Conversion
 from tests.deepspeed_runs import RUNS
 from tests.extras import needs
 from tests.models import SmallNet
@@ -42,7 +42,7 @@ def expected(name: str, dtype: str | None = None) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = torch.load(FIXTURES / f"{name}.expected.pt", weights_only=True)
     if dtype is None:
         return state
-    target = getattr(torch, ckptfix.conversion.float_dtype(dtype) or "")
+    target = getattr(torch, ckptfix.conversion.files.float_dtype(dtype) or "")
     cast: dict[Any, torch.Tensor] = {}
     for key, t in state.items():
         if t.is_floating_point():
@@ -92,7 +92,7 @@ def test_a_deepspeed_run_streams_what_the_torch_path_writes(name: str, options: 
     assert_same(read_back(folder), want)
     records = {id(t): t for t in describe_run(str(FIXTURES / name)).state.values()}.values()  # tied: one record
     if "dtype" in options:  # each floating tensor not of the dtype cast (frozen ones are bf16 already), the rest copied
-        target = ckptfix.conversion.float_dtype(options["dtype"])
+        target = ckptfix.conversion.files.float_dtype(options["dtype"])
         cast = sum(t.dtype.startswith(("float", "bfloat")) and t.dtype != target for t in records)
         ways = (
             f"{len(records) - cast} copied as byte ranges, 0 gathered in memory, {cast} cast to {target} a block at a "
@@ -163,7 +163,7 @@ def test_other_inputs_stream_what_the_torch_path_writes(
     want = want.get("model", want)
     if "dtype" in options:
         conversion = Conversion(obj=want, changes=ckptfix.convert_checkpoint(want).changes)
-        ckptfix.conversion.cast_floating(conversion, ckptfix.conversion.float_dtype(options["dtype"]) or "")
+        ckptfix.conversion.files.cast_floating(conversion, ckptfix.conversion.files.float_dtype(options["dtype"]) or "")
         want = conversion.obj
     assert_same(read_back(folder), want)
 
@@ -346,7 +346,7 @@ def test_a_pt_the_stream_does_not_copy_goes_the_torch_way(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("options", CASES)
 def test_a_corrupt_pt_record_is_refused_and_nothing_is_written(options: dict[str, Any], tmp_path: Path) -> None:
-    from ckptfix.formats.containers.ziparchive import read_archive
+    from ckptfix.formats.torchzip.archive import read_archive
 
     torch.save(_state(), tmp_path / "model.pt")
     with open(tmp_path / "model.pt", "r+b") as f:

@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.ziparchive import read_archive
 from ckptfix.formats.registry import save
+from ckptfix.formats.torchzip.archive import read_archive
 from tests.assertions import assert_same
 
 try:

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 import ckptfix
-from ckptfix.checkpoint import convert_checkpoint
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.errors import FormatError, UnsafeCheckpointError
-from ckptfix.formats.containers.ziparchive import read_archive
+from ckptfix.formats.torchzip.archive import read_archive
 from ckptfix.stream import Fallback, fast_convert
+from ckptfix.transforms.checkpoint import convert_checkpoint
 from tests.assertions import assert_same
 from tests.models import make_net
 
@@ -292,7 +292,8 @@ def test_fast_path_does_not_import_torch(tmp_path: Path) -> None:
     src = tmp_path / "in.pt"
     torch.save({"module.w": torch.ones(2)}, src)
     code = (
-        "import sys; from ckptfix.stream import fast_convert; from ckptfix.checkpoint import convert_checkpoint;"
+        "import sys; from ckptfix.stream import fast_convert; "
+        "from ckptfix.transforms.checkpoint import convert_checkpoint;"
         f"fast_convert({str(src)!r}, {str(tmp_path / 'out.pt')!r}, transform=lambda t: convert_checkpoint(t));"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
@@ -323,9 +324,9 @@ def _zeros_crc(n: int) -> int:
 def _write_sparse_torch(path: Path, *, start: int, big: int = 0) -> torch.Tensor:
     """A torch zip whose records after data.pkl begin past byte ``start`` (a hole), optionally with a ``big``-byte
     uint8 tensor that is a hole except for its last 8 bytes; returns the small tensor it holds."""
-    from ckptfix.formats.containers.torchzip import stand_ins, tensor_record
-    from ckptfix.formats.containers.ziparchive import ZipWriter
     from ckptfix.formats.pickles import pickling
+    from ckptfix.formats.torchzip.archive import ZipWriter
+    from ckptfix.formats.torchzip.reader import stand_ins, tensor_record
 
     small = torch.arange(6, dtype=torch.float32)
     glob = stand_ins()

@@ -24,7 +24,7 @@ from click.testing import CliRunner, Result
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats.folders.deepspeed import describe_run
+from ckptfix.formats.deepspeed.run import describe_run
 from ckptfix.stream import to_dcp
 from tests import sharded_writers
 from tests.assertions import assert_equal
@@ -279,7 +279,7 @@ def test_peak_memory_is_a_tensor_or_two_above_importing_torch_never_the_model(tm
     from safetensors.torch import save_file
 
     save_file({f"layer{i}.weight": torch.full((1024, 2048), float(i)) for i in range(12)}, tmp_path / "m.safetensors")
-    floor = _peak_rss("import torch, torch.distributed.checkpoint, ckptfix.conversion")
+    floor = _peak_rss("import torch, torch.distributed.checkpoint, ckptfix.conversion.files")
     convert = "import ckptfix; ckptfix.convert_file({!r}, {!r}, fast={})"
     streamed = _peak_rss(convert.format(str(tmp_path / "m.safetensors"), f"{tmp_path / 's'}/", True))
     loaded = _peak_rss(convert.format(str(tmp_path / "m.safetensors"), f"{tmp_path / 'l'}/", False))

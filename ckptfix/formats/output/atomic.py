@@ -124,7 +124,7 @@ def _within(path: str, folder: str) -> bool:
 
 def _files_read(src: str) -> list[str]:
     """The input file, and for an index file (transformers shards) the shards it names."""
-    from ckptfix.formats.folders.hf_index import looks_like_json, shards  # json, only once an output is checked
+    from ckptfix.formats.hf.index import looks_like_json, shards  # json, only once an output is checked
 
     if not looks_like_json(src):  # a FIFO or a device is never opened here (it could block)
         return [src]

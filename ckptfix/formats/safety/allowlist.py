@@ -433,7 +433,7 @@ def resolve(names: Iterable[str], *, source: str) -> list[Callable[..., Any] | t
     return objects
 
 
-# Sharded tensors (formats/folders/fsdp.py reads them): named here, so that a refusal can say what such a file is
+# Sharded tensors (formats/fsdp/ranks.py reads them): named here, so that a refusal can say what such a file is
 # without this module importing the reader.
 _DT = "torch.distributed.tensor."
 DTENSOR_GLOBALS = frozenset(
@@ -457,7 +457,7 @@ DTENSOR_GLOBALS = frozenset(
     }
 )
 _SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor"
-# FSDP1's ShardedTensor (SHARDED_STATE_DICT, LOCAL_STATE_DICT), read as records by formats/folders/fsdp.py. Protocol 2
+# FSDP1's ShardedTensor (SHARDED_STATE_DICT, LOCAL_STATE_DICT), read as records by formats/fsdp/ranks.py. Protocol 2
 # names the nested ProcessGroupState class as getattr(ShardedTensor, "ProcessGroupState"): builtins.getattr is
 # listed for that one lookup, which the inert reader resolves to a name of this set and never calls.
 SHARDED_TENSOR_GLOBALS = frozenset(
@@ -512,7 +512,7 @@ def sharded_error(kind: str, *, source: str) -> ShardedCheckpointError:
         return ShardedCheckpointError(
             f"{source}: holds DTensor shards (one rank's part of an FSDP2 or tensor-parallel model), not full "
             f"tensors; reassemble them from every rank's file with `ckptfix merge rank0.pt … rankN.pt -o "
-            f"full.safetensors` (in Python: ckptfix.formats.folders.fsdp.load_ranks) or save "
+            f"full.safetensors` (in Python: ckptfix.formats.fsdp.ranks.load_ranks) or save "
             f"get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))",
             kind="dtensor",
         )

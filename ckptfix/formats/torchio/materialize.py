@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.containers.torchzip import TorchZip
 from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, parameter_hooks_or_state, torch_rebuilt
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio import devices
 from ckptfix.formats.torchio.opaque import OpaqueEntry
+from ckptfix.formats.torchzip.reader import TorchZip
 
 
 class NotBuilt(Exception):  # noqa: N818 - a signal to the caller, not an error

@@ -27,9 +27,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptfix.errors import CkptfixError
-from ckptfix.formats.containers.torchzip import TorchZip, read_torch_zip
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
 
 # What a record builds, where its function's name would mislead (numpy pickles an array as a call of _reconstruct).
 _BUILDS = {
@@ -94,7 +94,7 @@ def wrapped(z: TorchZip, refused: list[str], *, source: str, keep: bool = True) 
 def wrap(tree: Any, refused: Iterable[str], *, source: str) -> Any:
     """``tree`` (a checkpoint's inert tree) with each top-level entry that names a refused global replaced by its
     :class:`OpaqueEntry`; raises the refusal when a refused global sits anywhere else."""
-    from ckptfix.checkpoint import is_state_dict
+    from ckptfix.transforms.checkpoint import is_state_dict
 
     names = {allowlist.canonical(n) for n in refused}
     if (
@@ -171,7 +171,7 @@ def not_loaded(obj: Any) -> dict[str, str]:
 def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
     """Refuse, as ``ckptfix.load`` would, when an entry the operation needs is opaque: one it names in ``wanted``,
     or, naming none, one that would be taken for a model entry (another must not be picked in its place)."""
-    from ckptfix.checkpoint import model_entry_name
+    from ckptfix.transforms.checkpoint import model_entry_name
 
     unbuilt = [e.name for e in entries(obj)]
     names = set(wanted or ())
@@ -184,15 +184,15 @@ def require(obj: Any, *, wanted: Iterable[str] | None, source: str) -> None:
 def _tensors_only(obj: Mapping[Any, Any]) -> bool:
     """Whether ``obj`` is a state dict of its own, some tensors unbuilt (one rank's DTensors, whatever their keys
     are called): the model is then what is unbuilt."""
-    from ckptfix.checkpoint import is_tensor
+    from ckptfix.transforms.checkpoint import is_tensor
 
     return all(isinstance(v, OpaqueEntry) or is_tensor(v) for v in obj.values())
 
 
 def refusal(obj: Any, *, source: str) -> CkptfixError:
     """The allowlist's refusal of every global the opaque entries need, with what rescues the weights."""
-    from ckptfix.checkpoint import model_entries
-    from ckptfix.formats.folders.deepspeed_files import refuse_optimizer_partition
+    from ckptfix.formats.deepspeed.files import refuse_optimizer_partition
+    from ckptfix.transforms.checkpoint import model_entries
 
     try:  # one rank's DeepSpeed optimizer file: the folder is what to pass, not unsafe=True
         refuse_optimizer_partition(obj, source=source)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats.containers.legacy import check_legacy
+from ckptfix.formats.legacy.reader import check_legacy
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio import devices

@@ -1,4 +1,4 @@
-"""ckptfix.formats.containers.torchzip: a torch zip's storage records checked against the tensors that use them."""
+"""ckptfix.formats.torchzip.reader: a torch zip's storage records checked against the tensors that use them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.diffing import diff_files
 from ckptfix.errors import FormatError
 from tests import hostile

@@ -1,4 +1,4 @@
-"""ckptfix.formats.containers.ziparchive: the zip container torch.save writes, and the archive tricks it refuses."""
+"""ckptfix.formats.torchzip.archive: the zip container torch.save writes, and the archive tricks it refuses."""
 
 from __future__ import annotations
 

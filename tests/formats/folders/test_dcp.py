@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptfix
 from ckptfix.errors import FormatError, OutputError, UnsafeCheckpointError
-from ckptfix.formats.folders import dcp as dcp_folders
+from ckptfix.formats.dcp import reader as dcp_folders
 from ckptfix.torchcompat import dcp_save_local
 from tests import sharded_writers, st_spec
 from tests.assertions import _assert_values, _bits_state, _values, assert_equal, assert_same
@@ -183,7 +183,7 @@ def test_fsdp2_resumes_from_a_single_device_checkpoint_converted_to_dcp(tmp_path
 
 
 def _stream(folder: Path, out: Path) -> Any:
-    from ckptfix.conversion import ConvertOptions
+    from ckptfix.conversion.files import ConvertOptions
     from ckptfix.stream.folders import convert_folder
 
     options = ConvertOptions(model_only=True, entries=("model",))
@@ -227,7 +227,7 @@ def test_convert_streams_a_dcp_folder_and_writes_one(single: Path, tmp_path: Pat
 
 
 def test_a_corrupt_chunk_is_refused_and_no_output_is_left(single: Path, tmp_path: Path) -> None:
-    from ckptfix.conversion import ConvertOptions
+    from ckptfix.conversion.files import ConvertOptions
     from ckptfix.stream.folders import convert_folder
 
     sharded_writers.corrupt_chunk(single, "model.features.3.weight")
@@ -244,7 +244,7 @@ def test_a_damaged_chunk_pickle_late_in_the_folder_stops_the_copy_and_leaves_not
     # the last tensor's archive is parsed while the earlier tensors are already being copied on the copy thread
     import threading
 
-    from ckptfix.conversion import ConvertOptions
+    from ckptfix.conversion.files import ConvertOptions
     from ckptfix.stream.folders import convert_folder
 
     last = list(SmallNet().state_dict())[-1]
@@ -260,7 +260,7 @@ def test_a_damaged_chunk_pickle_late_in_the_folder_stops_the_copy_and_leaves_not
 def test_an_error_on_the_copy_thread_reaches_the_caller_and_leaves_nothing(
     single: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptfix.conversion import ConvertOptions
+    from ckptfix.conversion.files import ConvertOptions
     from ckptfix.stream import folders
 
     def fail(*args: Any) -> str:

@@ -24,8 +24,8 @@ from torch import nn
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats.folders.deepspeed import describe_run
-from ckptfix.formats.folders.deepspeed_layout import layout_partitioned, layout_stage3
+from ckptfix.formats.deepspeed.layout import layout_partitioned, layout_stage3
+from ckptfix.formats.deepspeed.run import describe_run
 from tests.deepspeed_runs import RUNS
 from tests.extras import DEEPSPEED, needs
 
@@ -414,7 +414,7 @@ def test_optimizer_usage_errors(tmp_path: Path) -> None:
 def test_optimizer_moments_reproduce_the_saved_step(name: str) -> None:
     """A check apart from any layout: the fixtures trained one AdamW step from the seed-0 model, so the consolidated
     moments, applied to the initial weights, give the saved fp32 master weights, element for element."""
-    from ckptfix.formats.folders.deepspeed import load_training_state
+    from ckptfix.formats.deepspeed.run import load_training_state
 
     torch.manual_seed(0)  # as tests/deepspeed_runs.py builds the model
     model = Net(half=half(name))
@@ -522,7 +522,7 @@ def test_frozen_tied_groups_and_buffers(name: str, tmp_path: Path) -> None:
 
 
 def load_optimizer_groups(name: str) -> list[dict[str, Any]]:
-    from ckptfix.formats.folders.deepspeed import load_training_state
+    from ckptfix.formats.deepspeed.run import load_training_state
 
     return load_training_state(str(FIXTURES / name))["optimizer"]["param_groups"]  # type: ignore[no-any-return]
 

@@ -1,4 +1,4 @@
-"""A ZeRO run's state beyond the model and optimizer (``ckptfix.formats.folders.deepspeed_state``): the client
+"""A ZeRO run's state beyond the model and optimizer (``ckptfix.formats.deepspeed.state``): the client
 scheduler, the engine's counters and ``client_state`` carried by ``convert --optimizer``, what cannot be built left
 out and named. The runs are the fixtures' (DeepSpeed's own files), their module file saved again with a client
 state as ``engine.save_checkpoint(dir, client_state=...)`` writes it: at the top level of the module file."""

@@ -20,8 +20,8 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import MergeError
-from ckptfix.formats.folders import fsdp as shards
-from ckptfix.formats.folders.fsdp import ShardedCheckpointError, load_ranks
+from ckptfix.formats.fsdp import ranks as shards
+from ckptfix.formats.fsdp.ranks import ShardedCheckpointError, load_ranks
 from tests import sharded_writers
 from tests.models import SmallNet
 
@@ -174,7 +174,7 @@ def test_inspect_shows_a_rank_file_as_shards_of_full_tensors(run: Path) -> None:
 def test_merge_streams_rank_files_a_tensor_at_a_time(
     run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ckptfix.formats.folders import fsdp as shards
+    from ckptfix.formats.fsdp import ranks as shards
 
     def whole(*args: object, **kwargs: object) -> None:
         raise AssertionError("every rank file loaded whole")
@@ -197,7 +197,7 @@ def test_merge_reads_each_rank_file_s_pickle_once(run: Path, tmp_path: Path, pic
 
 @pytest.mark.slow
 def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Path) -> None:
-    from ckptfix.formats.containers.ziparchive import read_archive
+    from ckptfix.formats.torchzip.archive import read_archive
 
     bad = tmp_path / "rank1.pt"
     data = bytearray((run / "rank1.pt").read_bytes())
@@ -212,7 +212,7 @@ def test_merge_refuses_a_rank_file_with_a_corrupt_shard(run: Path, tmp_path: Pat
 
 @pytest.mark.slow
 def test_merge_pools_the_ranks_batchnorm_statistics_beside_the_reassembled_weights(run: Path, tmp_path: Path) -> None:
-    from ckptfix.merging import plan_merge
+    from ckptfix.merging.files import plan_merge
 
     result = _cli("merge", *_ranks(run), "-o", tmp_path / "m.safetensors", "--json")
     assert result.exit_code == 0, result.output
@@ -383,7 +383,7 @@ def test_inspect_says_fsdp1_flat_parameters_are_no_model(fsdp1: Path) -> None:
 def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:
     import dataclasses
 
-    from ckptfix.formats.folders.fsdp import DTENSOR_GLOBALS, RankFilesError, assemble, check_pieces, describe_rank
+    from ckptfix.formats.fsdp.ranks import DTENSOR_GLOBALS, RankFilesError, assemble, check_pieces, describe_rank
     from ckptfix.formats.safety import allowlist
 
     pieces = []
@@ -414,7 +414,7 @@ def test_a_shard_of_the_wrong_size_is_refused(run: Path) -> None:
 )  # fmt: skip
 def test_dtensor_dtype_and_shape_proven(dtype: str, shape: tuple[int, ...], says: str) -> None:
     from ckptfix.errors import FormatError
-    from ckptfix.formats.folders import fsdp as shards
+    from ckptfix.formats.fsdp import ranks as shards
 
     with pytest.raises(FormatError, match=rf"^rank1\.pt: key 'w': its DTensor .*{says}"):
         shards._check_piece("w", dtype=dtype, shape=shape, mesh=(2,), coordinate=(0,), placements=(("replicate", 0),),

@@ -16,10 +16,10 @@ from torch import nn
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError
-from ckptfix.formats.folders import fsdp as shards
-from ckptfix.formats.folders import fsdp1
-from ckptfix.formats.folders.fsdp import RankFilesError
-from ckptfix.merging import merge_files
+from ckptfix.formats.fsdp import fsdp1
+from ckptfix.formats.fsdp import ranks as shards
+from ckptfix.formats.fsdp.ranks import RankFilesError
+from ckptfix.merging.files import merge_files
 from tests import sharded_writers
 from tests.models import SmallNet, TiedNet
 

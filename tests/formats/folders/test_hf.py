@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.folders.hf import parse_size, plan_shards
+from ckptfix.formats.hf.folder import parse_size, plan_shards
 from tests.assertions import assert_same
 from tests.extras import needs
 from tests.models import SmallNet, make_net
@@ -265,7 +265,7 @@ def test_our_shards_load_in_transformers_and_accelerate(tmp_path: Path) -> None:
 
 
 def _stream(folder: Path, out: Path) -> Any:
-    from ckptfix.conversion import ConvertOptions
+    from ckptfix.conversion.files import ConvertOptions
     from ckptfix.stream.folders import convert_folder
 
     options = ConvertOptions()

@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 import ckptfix
 from ckptfix.cli import cli
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.errors import OutputError
 from tests.inputs import _hf, _tree_hash
 from tests.models import make_file, make_net, wrap

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckptfix
-from ckptfix.conversion import convert_file
+from ckptfix.conversion.files import convert_file
 from ckptfix.errors import CkptfixError, FormatError, UnsafeCheckpointError
 from ckptfix.formats.pickles import unpickling
 from ckptfix.formats.safety import opscan

@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO runs."""

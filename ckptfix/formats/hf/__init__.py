@@ -1,0 +1,1 @@
+"""transformers and accelerate folders, their index and side files."""

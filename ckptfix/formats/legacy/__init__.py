@@ -1,0 +1,1 @@
+"""torch's pre-1.6 checkpoint format."""
