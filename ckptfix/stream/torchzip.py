@@ -25,7 +25,7 @@ def _dump(tree: Any) -> tuple[bytes, list[str]]:
 
 
 @dataclass
-class Plan:
+class ZipCopy:
     """What to write: headers already laid out by ``writer``, then ``jobs`` to copy and ``checks`` to verify."""
 
     writer: ZipWriter
@@ -40,7 +40,7 @@ class Plan:
 
 
 @inert.gc_paused()  # a record, a job and a check per storage: nothing to collect, only to rescan
-def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
+def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> ZipCopy:
     """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim.
 
     Records stay where they were modulo 4096, so the copy can share blocks: the first record after the new
@@ -58,7 +58,7 @@ def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> Plan:
     dropped = {data_dir + key for key in stored if key not in keep}
     if not computable:
         dropped.add(inp.archive.prefix + ".format_version")
-    plan = Plan(ZipWriter(dst_fd, data_after_finish=True))  # the Copier runs after finish()
+    plan = ZipCopy(ZipWriter(dst_fd, data_after_finish=True))  # the Copier runs after finish()
     verbatim = len(records)
     while verbatim > 0 and records[verbatim - 1] is not inp.pkl and records[verbatim - 1].name not in dropped:
         verbatim -= 1
@@ -100,7 +100,7 @@ class Source:
 @inert.gc_paused()
 def plan_new_torch(
     tree: Any, sources: list[Source], dst_fd: int, *, src_fd: int | None = None, source: str = "input"
-) -> Plan:
+) -> ZipCopy:
     """A torch zip laid out as torch.save does, storage ``data/<i>`` copied from ``sources[i]``.
 
     A storage whose source is 64-byte aligned and long enough to gain is placed at its source offset modulo
@@ -112,7 +112,7 @@ def plan_new_torch(
     its header: a million tiny tensors then take a few thousand calls instead of four each.
     """
     pkl, _ = _dump(tree)
-    plan = Plan(ZipWriter(dst_fd))
+    plan = ZipCopy(ZipWriter(dst_fd))
     placed = [src.offset if src.length >= SHARE_MIN and src.offset % ALIGN == 0 else None for src in sources]
     write_head(plan.writer, pkl, format_version=all(p is None for p in placed[1:]))
     window = _Reader(src_fd, source) if src_fd is not None else None

@@ -36,7 +36,7 @@ class Unit:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ParamOwners:
     """The full state dict's keys in FULL_STATE_DICT's order, and where each parameter's values live."""
 
     units: dict[str, Unit]
@@ -57,7 +57,7 @@ class FlatSliceRecord(TensorRecord):
     key: str = ""  # its path in the checkpoint, parts joined by NUL
 
 
-def plan(model: Any, prefixes: Iterable[str], *, source: str) -> Plan:
+def plan(model: Any, prefixes: Iterable[str], *, source: str) -> ParamOwners:
     """Which of ``model``'s parameters each FSDP unit (at ``prefixes``) flattens, and the full state dict's keys.
 
     Units are claimed innermost first, as FSDP wraps them: an outer unit skips what a nested one holds. The keys
@@ -91,7 +91,7 @@ def plan(model: Any, prefixes: Iterable[str], *, source: str) -> Plan:
                 f"{source}: the model's parameter '{key}' is in none of the file's flat parameters "
                 f"({', '.join(repr(_flat_key(u)) for u in units)}); pass the model that was wrapped"
             )
-    return Plan(units, tuple(_keys(model, owner)), owner)
+    return ParamOwners(units, tuple(_keys(model, owner)), owner)
 
 
 def _is_flat(key: str) -> bool:
