@@ -293,9 +293,9 @@ def test_merge_accelerate_folders_keeps_or_leaves_out_their_training_state(tmp_p
 
 @pytest.fixture
 def mmengine_ckpt(tmp_path: Path) -> Path:
-    from tests.test_frameworks import _mmengine_checkpoint
+    from tests.frameworks import mmengine_checkpoint
 
-    return _mmengine_checkpoint(tmp_path)
+    return mmengine_checkpoint(tmp_path)
 
 
 @pytest.mark.slow  # importing mmengine.optim takes seconds
