@@ -180,7 +180,7 @@ def rank_files(out: Path) -> list[Path]:
 
     DDP gives every rank the sum of the ranks' gradients each scaled by 1/WORLD, and with buffer sync off each
     rank keeps the BatchNorm statistics of its own data; doing the same here gives the same bits
-    (tests/test_merging.py checks that against a real gloo run).
+    (tests/merging/test_files.py checks that against a real gloo run).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the DDP workers run: the same summation order in the convolutions

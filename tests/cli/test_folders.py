@@ -1,7 +1,8 @@
 """``inspect``, ``diff`` and ``merge`` on folders: transformers shards (or their index), accelerate ``save_state``
 folders and DCP folders, read file by file as single files are; and diff/merge beside entries that were not loaded.
 
-The FSDP2 rank files ``merge`` reassembles are in test_shards.py; two-rank DCP folders in test_dcp.py.
+The FSDP2 rank files ``merge`` reassembles are in formats/fsdp/test_ranks.py; two-rank DCP folders in
+formats/dcp/test_reader.py.
 """
 
 from __future__ import annotations

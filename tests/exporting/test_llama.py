@@ -275,7 +275,7 @@ def test_runs_made_fresh(name: str, tmp_path: Path) -> None:
     """The runs too large for fixtures/: Meta's names (torchtune's FullModelMetaCheckpointer: those of torchtitan
     before 0.3), torchtune's untied model, and a torchtitan save at an interval (the optimizer, lr_scheduler,
     train_state and dataloader beside the model's tensors, as torchtitan flattens them); made here where torchtune
-    and torchtitan import (``PYTHONPATH=. tune-venv/bin/python -m pytest -m slow tests/test_llama_family.py``)."""
+    and torchtitan import (``PYTHONPATH=. tune-venv/bin/python -m pytest -m slow tests/exporting/test_llama.py``)."""
     pytest.importorskip("torchtitan", reason=needs("torchtune and torchtitan", TITAN_VENV))
     pytest.importorskip("transformers", reason=needs("transformers"))
     from transformers import LlamaForCausalLM
