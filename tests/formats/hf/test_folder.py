@@ -407,7 +407,8 @@ def test_a_damaged_index_is_named_not_called_missing(tmp_path: Path, text: str |
 
 def test_an_accelerate_fsdp_folder_names_its_model_folder(tmp_path: Path) -> None:
     """accelerate's save_state under FSDP (SHARDED_STATE_DICT) keeps the model as a DCP folder beside the optimizer's:
-    the folder itself is refused naming it, and that one converts (tests/exporting/test_folder.py: from a real 2-rank run)."""
+    the folder itself is refused naming it, and that one converts (tests/exporting/test_folder.py: from a real 2-rank
+    run)."""
     from ckptfix.torchcompat import dcp_save_local
 
     run = tmp_path / "checkpoint"
