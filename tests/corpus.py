@@ -4,7 +4,7 @@
 a file: every dtype it saves, views, tied weights, channels_last, stride 0, big-endian bytes, sparse and quantized
 tensors, conj and neg bits, Parameters, dict and OrderedDict containers, pickle protocols 2 to 5, the legacy
 format, CUDA device tags (made without a GPU), CRC-less zips; and .safetensors files of every dtype safetensors
-stores. test_corpus (tests/test_conversion.py) runs each one through each operation.
+stores. test_corpus (tests/conversion/test_files.py) runs each one through each operation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Small transformers models trained on 2 gloo ranks (CPU), saved by the sharded writers (tests/test_hf_export.py).
+"""Small transformers models trained on 2 gloo ranks (CPU), saved by the sharded writers
+(tests/exporting/test_folder.py).
 
 ``write_fsdp2``: ``fully_shard`` on every decoder layer and the root, two AdamW steps, then ``dcp.save`` of
 ``get_state_dict`` (model and optimizer), each rank's ``torch.save(model.state_dict())`` (``rank{R}.pt``; FSDP1's

@@ -1,7 +1,7 @@
 """The one test model, the few variants that particular checks need, its real wrapped forms, and a 2-rank DDP run.
 
 Factories for ``--model``: ``tests.models:SmallNet``, ``…:small_net``, ``…:wrong_head``, ``…:RenamedNet``,
-``…:Refusing``, ``…:ScaledHead``, ``…:TiedNet``.
+``…:Refusing``, ``…:ScaledHead``, ``…:TiedNet``, ``…:TiedLM``, ``…:Holder``.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def rank_files(out: Path) -> list[Path]:
 
     DDP gives every rank the sum of the ranks' gradients each scaled by 1/WORLD, and with buffer sync off each
     rank keeps the BatchNorm statistics of its own data; doing the same here gives the same bits
-    (tests/test_merging.py checks that against a real gloo run).
+    (tests/merging/test_files.py checks that against a real gloo run).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the DDP workers run: the same summation order in the convolutions
@@ -262,3 +262,22 @@ def make_file(tmp_path: Path, fmt: str) -> Path:
     else:
         torch.save(state, path, _use_new_zipfile_serialization=fmt == "zip")
     return path
+
+
+class TiedLM(nn.Module):
+    """A language model whose output layer is its input embedding, as GPT-2's ``lm_head`` is ``wte``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(8, 4)
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class Holder(nn.Module):
+    """A training wrapper that keeps the network as an attribute, as a LightningModule keeps ``self.net``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SmallNet(seed=3)

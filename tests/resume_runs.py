@@ -249,6 +249,17 @@ def launch(setup: str, phase: str, *, world: int, paths: dict[str, str], out: Pa
     return run_ranks(run, args, in_process=setup == "single", world=world, out=out)
 
 
+def ckptfix(*args: object) -> str:
+    """``ckptfix ARGS`` in this process (the conversion between a run and its resumption): what it said."""
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    done = CliRunner().invoke(cli, [str(a) for a in args])
+    assert done.exit_code == 0, done.output
+    return done.stderr + done.stdout
+
+
 def run_ranks(target: Any, args: tuple[Any, ...], *, in_process: bool, world: int, out: Path) -> dict[str, Any]:
     """``target(rank, *args)`` in this process (``in_process``) or on ``world`` spawned ranks (:func:`spawn`, each
     marking ``{out}.done{rank}`` when its work is over); what rank 0 wrote to ``out``."""

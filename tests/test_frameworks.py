@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import builtins
-import importlib
-import importlib.util
 import pathlib
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -29,40 +25,8 @@ from torch import nn
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.extras import FRAMEWORKS
+from tests.frameworks import library, mmengine_checkpoint
 from tests.models import SmallNet, make_net
-
-_TORCHVISION_OPS: Any = None  # the library that declares torchvision's two op schemas, kept alive
-
-
-def _usable_torchvision() -> None:
-    """Let torchvision's Python side import under a CPU-only torch (timm imports it, and Lightning when present).
-
-    PyPI has one torchvision per torch release, built for CUDA: under the CPU build of torch its C ops do not load,
-    and then its import fails on two fake registrations it does not guard ("operator torchvision::nms does not
-    exist"). Declaring those two schemas first lets the import finish; nothing here calls them.
-    """
-    global _TORCHVISION_OPS
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
-        return
-    try:
-        import torchvision  # type: ignore[import-untyped]
-    except RuntimeError:
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-        _TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")  # type: ignore[no-untyped-call]
-        for op in ("nms", "qnms"):
-            _TORCHVISION_OPS.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        import torchvision  # noqa: F401
-
-
-def _library(name: str) -> ModuleType:
-    _usable_torchvision()
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        why = "" if name != "timm" else "; timm needs torchvision, whose torch-2.13 build here is CUDA-only"
-        pytest.skip(f"{name} cannot be imported ({e}){why}; the others: {FRAMEWORKS}")
 
 
 def run(*args: str | Path) -> Result:
@@ -165,15 +129,15 @@ def test_a_payload_next_to_the_weights_never_runs(tmp_path: Path) -> None:
 
 def tiny_gpt2() -> Any:
     """A GPT-2 small enough for a test; ``lm_head.weight`` is ``transformer.wte.weight`` (tied)."""
-    transformers = _library("transformers")
+    transformers = library("transformers")
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=64, n_positions=32)
     return transformers.GPT2LMHeadModel(config)
 
 
 @pytest.mark.slow  # importing transformers and three from_pretrained calls: about 10 s on 2 cores
 def test_transformers_gpt2_tied_weights_load_as_from_pretrained_loads_them(tmp_path: Path) -> None:
-    transformers = _library("transformers")
-    remove_tied_weights_from_state_dict = _library("transformers.modeling_utils").remove_tied_weights_from_state_dict
+    transformers = library("transformers")
+    remove_tied_weights_from_state_dict = library("transformers.modeling_utils").remove_tied_weights_from_state_dict
 
     torch.manual_seed(0)
     model = tiny_gpt2()
@@ -206,8 +170,8 @@ def test_transformers_gpt2_tied_weights_load_as_from_pretrained_loads_them(tmp_p
 
 
 def _timm_checkpoint(tmp_path: Path, **args: Any) -> tuple[Any, Path]:
-    timm = _library("timm")
-    utils = _library("timm.utils")
+    timm = library("timm")
+    utils = library("timm.utils")
 
     torch.manual_seed(0)
     model = timm.create_model("test_resnet", num_classes=3)
@@ -227,7 +191,7 @@ def _timm_checkpoint(tmp_path: Path, **args: Any) -> tuple[Any, Path]:
 @pytest.mark.slow  # timm and torchvision imports, two models, a CLI run: about 5 s
 def test_timm_ema_checkpoint_loads_as_timms_own_loader_loads_it(tmp_path: Path) -> None:
     timm, path = _timm_checkpoint(tmp_path)
-    load_checkpoint = _library("timm.models").load_checkpoint
+    load_checkpoint = library("timm.models").load_checkpoint
 
     with pytest.raises(ckptfix.UnsafeCheckpointError, match=r"allow_globals='argparse\.Namespace'"):
         ckptfix.load(path)
@@ -278,7 +242,7 @@ class TinyNet(nn.Module):
 
 
 def _lightning_fit(tmp_path: Path, **hparams: Any) -> tuple[Any, Path]:
-    lightning = _library("lightning")
+    lightning = library("lightning")
 
     class Classifier(lightning.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self, data_dir: pathlib.Path, lr: float = 0.1, **extra: Any) -> None:
@@ -344,48 +308,9 @@ def test_lightning_ckpt_with_a_path_in_hparams_loads_into_the_inner_network(tmp_
 # --- mmengine: a Runner checkpoint, whose message_hub pickles bound methods through builtins.getattr ---------------
 
 
-def _mmengine_checkpoint(tmp_path: Path, **meta: Any) -> Path:
-    """What mmengine's ``Runner.save_checkpoint`` writes, made with mmengine's own objects.
-
-    The Runner itself is out of reach of a test: mmengine-lite's ``mmengine.runner`` imports cv2 (and its
-    visualizer matplotlib), which the lite package does not install. Its checkpoint is this dict, passed to
-    ``torch.save``: ``meta``, the model's ``state_dict``, ``message_hub.state_dict()`` (``HistoryBuffer`` objects
-    per logged scalar), ``optim_wrapper.state_dict()`` and each scheduler's ``state_dict()``.
-    """
-    mmengine = _library("mmengine")
-    logging = _library("mmengine.logging")
-    optim = _library("mmengine.optim")
-
-    model = make_net()
-    model.train()
-    wrapper = optim.OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    scheduler = optim.MultiStepLR(wrapper, milestones=[2], by_epoch=False)
-    hub = logging.MessageHub.get_instance(f"ckptfix-{tmp_path.name}")
-    torch.manual_seed(0)
-    for step in range(4):
-        loss = model(torch.randn(8, 3, 6, 6)).square().mean()
-        wrapper.update_params(loss)
-        scheduler.step()
-        hub.update_scalar("train/loss", loss.item())
-        hub.update_scalar("train/lr", wrapper.get_lr()["lr"][0])
-        hub.update_info("iter", step + 1)
-    model.eval()
-    info = {"epoch": 1, "iter": 4, "seed": 0, "experiment_name": "ckptfix", "mmengine_version": mmengine.__version__}
-    checkpoint = {
-        "meta": {**info, **meta},
-        "state_dict": {k: v.cpu() for k, v in model.state_dict().items()},
-        "message_hub": hub.state_dict(),
-        "optimizer": wrapper.state_dict(),
-        "param_schedulers": [scheduler.state_dict()],
-    }  # fmt: skip
-    path = tmp_path / "epoch_1.pth"
-    torch.save(checkpoint, path)
-    return path
-
-
 @pytest.mark.slow  # importing mmengine.optim takes seconds
 def test_mmengine_weights_are_rescued_beside_its_message_hub(tmp_path: Path) -> None:
-    path = _mmengine_checkpoint(tmp_path)
+    path = mmengine_checkpoint(tmp_path)
     trusted = torch.load(path, weights_only=False)  # what mmengine's own loader reads (before torch 2.6's default)
     expected = SmallNet(seed=9)
     expected.load_state_dict(trusted["state_dict"])  # mmengine's load_checkpoint: load_state_dict of 'state_dict'
@@ -435,7 +360,7 @@ def test_mmengine_weights_are_rescued_beside_its_message_hub(tmp_path: Path) -> 
 @pytest.mark.slow  # importing mmengine.optim takes seconds
 def test_mmengine_payload_in_meta_never_runs(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
-    path = _mmengine_checkpoint(tmp_path, cfg=Payload(marker))
+    path = mmengine_checkpoint(tmp_path, cfg=Payload(marker))
     expected = torch.load(path, weights_only=False)["state_dict"]  # the premise: the full unpickler runs it
     assert marker.exists()
     marker.unlink()

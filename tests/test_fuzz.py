@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import struct
 import tempfile
 import zipfile
@@ -26,24 +25,17 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import ckptfix
 from ckptfix.errors import CkptfixError
 from tests import hostile
+from tests.fuzzing import FUZZ
 from tests.hostile import P
 from tests.models import make_net
 
 MARKER = Path(tempfile.gettempdir()) / "ckptfix-fuzz-PWNED"  # what the payloads in generated files would create
-EXAMPLES = int(os.environ.get("CKPTFIX_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize="CKPTFIX_FUZZ_EXAMPLES" not in os.environ,
-    suppress_health_check=list(HealthCheck),
-    database=None,
-)
 
 
 def _seeds() -> dict[str, bytes]:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from ckptfix.diffing import diff_files
 from ckptfix.merging.files import merge_files
 from tests import hostile
-from tests.test_fuzz import FUZZ  # one campaign size for every fuzz target (CKPTFIX_FUZZ_EXAMPLES)
+from tests.fuzzing import FUZZ  # one campaign size for every fuzz target (CKPTFIX_FUZZ_EXAMPLES)
 from tests.writers import torch_saves
 
 _NAMES = ["float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",

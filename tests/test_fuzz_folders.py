@@ -39,8 +39,8 @@ from hypothesis import strategies as st
 import ckptfix
 from ckptfix.cli import cli
 from tests import sharded_writers
+from tests.fuzzing import FUZZ
 from tests.models import make_net
-from tests.test_fuzz import FUZZ
 
 SECONDS = 20  # the most one command may take on any input of these sizes
 

@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
 
-from ckptfix.cli import cli
-from tests.resume_runs import DCP, MORE, OPTIMIZERS, SCALER, launch, rank_file, run_ranks
+from tests.resume_runs import DCP, MORE, OPTIMIZERS, SCALER, ckptfix, launch, rank_file, run_ranks
 from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_FSDP2_REASON)]
@@ -26,12 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not FSDP2_ON_CPU, reason=NO_F
 # Another world size sums each gradient in another order (see the module's docstring).
 OTHER_WORLD = {"rtol": 1e-5, "atol": 1e-6}
 WORLD = {"single": 1, "ddp": 2, "fsdp2": 2, "fsdp1": 2, "fsdp1local": 2, "ddp_dcp": 2}
-
-
-def ckptfix(*args: object) -> str:
-    done = CliRunner().invoke(cli, [str(a) for a in args])
-    assert done.exit_code == 0, done.output
-    return done.stderr + done.stdout
 
 
 def _saved(setup: str, folder: Path) -> dict[str, str]:

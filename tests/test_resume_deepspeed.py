@@ -34,9 +34,8 @@ import torch
 
 from tests.extras import DEEPSPEED, needs
 from tests.resume_deepspeed_runs import launch, train
-from tests.resume_runs import MORE, STEPS
+from tests.resume_runs import MORE, STEPS, ckptfix
 from tests.sharded_writers import FSDP2_ON_CPU, NO_FSDP2_REASON
-from tests.test_resume import ckptfix
 
 pytestmark = [
     pytest.mark.slow,

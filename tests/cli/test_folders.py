@@ -1,7 +1,8 @@
 """``inspect``, ``diff`` and ``merge`` on folders: transformers shards (or their index), accelerate ``save_state``
 folders and DCP folders, read file by file as single files are; and diff/merge beside entries that were not loaded.
 
-The FSDP2 rank files ``merge`` reassembles are in test_shards.py; two-rank DCP folders in test_dcp.py.
+The FSDP2 rank files ``merge`` reassembles are in formats/fsdp/test_ranks.py; two-rank DCP folders in
+formats/dcp/test_reader.py.
 """
 
 from __future__ import annotations
@@ -293,9 +294,9 @@ def test_merge_accelerate_folders_keeps_or_leaves_out_their_training_state(tmp_p
 
 @pytest.fixture
 def mmengine_ckpt(tmp_path: Path) -> Path:
-    from tests.test_frameworks import _mmengine_checkpoint
+    from tests.frameworks import mmengine_checkpoint
 
-    return _mmengine_checkpoint(tmp_path)
+    return mmengine_checkpoint(tmp_path)
 
 
 @pytest.mark.slow  # importing mmengine.optim takes seconds

@@ -301,7 +301,7 @@ def test_quiet_silences_the_libraries_warnings(tmp_path: Path, monkeypatch: pyte
 
 
 def test_quiet_train_prints_nothing(tmp_path: Path) -> None:
-    from tests.test_trainer import SMALL_ARGS
+    from tests.training import SMALL_ARGS
 
     result = run("-q", "train", "--out", str(tmp_path), "--epochs", "1", *SMALL_ARGS)
     assert (result.exit_code, result.output) == (0, ""), result.output

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import ckptfix
 from ckptfix.cli import cli
-from tests.test_trainer import FIXTURES, SMALL_ARGS, _ckptfix
+from tests.training import FIXTURES, SMALL_ARGS, ckptfix_process
 
 
 def test_cli_train_single(tmp_path: Path) -> None:
@@ -23,6 +23,6 @@ def test_cli_train_single(tmp_path: Path) -> None:
 def test_ddp_worker_error_is_one_line_and_exit_code(tmp_path: Path) -> None:
     # The ckptfix.distributed loader refuses a checkpoint that does not fit, on every rank, promptly.
     args = ["--mode", "ddp", "--nproc-per-node", "2", "--out", str(tmp_path), "--norm", "none", *SMALL_ARGS]
-    result = _ckptfix("train", *args, "--resume", str(FIXTURES / "single.pt"))
+    result = ckptfix_process("train", *args, "--resume", str(FIXTURES / "single.pt"))
     assert result.returncode == 1, result.stderr[-3000:]
     assert "ckptfix: error: ddp: " in result.stderr

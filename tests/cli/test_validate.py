@@ -19,8 +19,7 @@ from torch import nn
 import ckptfix
 from ckptfix.cli import cli
 from tests.dtype_files import _quantized_linear
-from tests.models import Refusing, SmallNet, make_net
-from tests.test_loading import Holder, TiedLM
+from tests.models import Holder, Refusing, SmallNet, TiedLM, make_net
 
 MODEL = "tests.models:SmallNet"
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"  # the trainer's (python -m ckptfix.trainer.fixtures)
@@ -249,7 +248,7 @@ SCENARIOS: dict[str, tuple[Any, str, list[str], str, list[str]]] = {
         MODEL, [], "in.fixed.ckpt", ["--strip-prefix", "module.model.", "--to", "single"],
     ),
     "add-prefix": (
-        {"model": _plain()}, "tests.test_loading:Holder", [], "in.fixed.ckpt",
+        {"model": _plain()}, "tests.models:Holder", [], "in.fixed.ckpt",
         ["--to", "single", "--add-prefix", "net."],
     ),
     "add-prefix-compiled": (
@@ -300,14 +299,14 @@ def test_validate_reports_tied_keys_as_loaded(tmp_path: Path) -> None:
     state = TiedLM().state_dict()
     del state["head.weight"]
     torch.save(state, tmp_path / "lm.pt")
-    result = run("validate", tmp_path / "lm.pt", "--model", "tests.test_loading:TiedLM")
+    result = run("validate", tmp_path / "lm.pt", "--model", "tests.models:TiedLM")
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-3:] == [
         "tied: left out, the same tensor in the model as a key that is there (1):",
         "  head.weight = emb.weight",
         "OK: loads with load_state_dict(strict=True) once the tied keys are passed along (load_into does)",
     ]
-    report = json.loads(run("validate", tmp_path / "lm.pt", "--model", "tests.test_loading:TiedLM", "--json").stdout)
+    report = json.loads(run("validate", tmp_path / "lm.pt", "--model", "tests.models:TiedLM", "--json").stdout)
     assert report["tied"] == {"head.weight": "emb.weight"} and report["missing"] == []
 
 

@@ -322,8 +322,7 @@ def test_not_initialized_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_load_for_ddp_takes_the_entry_prefix_and_tied_keys_load_into_does(tmp_path: Path, gloo_world: None) -> None:
-    from tests.models import SmallNet, make_net
-    from tests.test_loading import TiedLM
+    from tests.models import SmallNet, TiedLM, make_net
 
     trained, ema = make_net(), make_net(seed=9)
     path = tmp_path / "lightning.ckpt"
