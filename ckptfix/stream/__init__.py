@@ -28,9 +28,9 @@ from ckptfix.formats.safetensors.file import (
     StTensor,
     losses_note,
     plan_safetensors,
-    read_header,
     tree_from_header,
 )
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity

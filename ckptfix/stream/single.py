@@ -16,7 +16,8 @@ from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import map_tree
-from ckptfix.formats.safetensors.file import StTensor, losses_note, read_header, tree_from_header
+from ckptfix.formats.safetensors.file import StTensor, losses_note, tree_from_header
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.torchio.opaque import describe
 from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
 from ckptfix.stream.fallback import Fallback

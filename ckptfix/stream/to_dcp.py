@@ -36,7 +36,8 @@ from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.records import is_record, map_tree, torch_dtype
-from ckptfix.formats.safetensors.file import StTensor, read_header, tree_from_header
+from ckptfix.formats.safetensors.file import StTensor, tree_from_header
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
