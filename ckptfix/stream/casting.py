@@ -17,7 +17,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.records import RunReader, TensorRecord
 from ckptfix.transforms.checkpoint import Conversion, is_tensor, replace_model_tensors
 
 _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB out (float16 to float32)
@@ -43,6 +43,16 @@ class CastTensor(TensorRecord):
     @property
     def requires_grad(self) -> bool:
         return bool(self.source.requires_grad)  # as Tensor.to keeps it
+
+    @property
+    def cast_from(self) -> Any:
+        return self.source
+
+    def read_runs(self, reader: RunReader, *, key: str) -> Any:
+        """The source read whole, then cast: two tensors of this one held."""
+        import torch
+
+        return self.source.read_runs(reader, key=key).to(getattr(torch, self.dtype))
 
 
 def is_floating(dtype: str) -> bool:

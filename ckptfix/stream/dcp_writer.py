@@ -168,8 +168,7 @@ def _layout(
 
 def _pieces(t: Any, files: DataFiles, *, z: TorchZip | None, source: str) -> list[Piece] | None:
     """The byte ranges that are ``t``'s values in order; None where they are made in memory."""
-    if isinstance(t, (inert.InertTensor, inert.InertParameter)):
-        record = inert.tensor_of(t)
+    if (record := t.zip_tensor) is not None:  # a .pt's tensor: its bytes in the input's storage record
         assert z is not None  # a .pt record comes from a .pt input
         item = DTYPES[record.dtype].itemsize
         n = math.prod(record.shape) * item

@@ -326,6 +326,10 @@ class StTensor(TensorRecord):
         return RawTensor(self.dtype, tuple(self.shape), holder.pread(self.start, self.end - self.start), holder.source)
 
     def file_span(self, holder: Holder) -> tuple[int, int]:
+        return self.stored_span
+
+    @property
+    def stored_span(self) -> tuple[int, int]:
         return self.start, self.end - self.start
 
 
