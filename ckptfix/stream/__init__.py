@@ -219,10 +219,10 @@ class _PtLocator:
         self.params = self.grads = 0  # what a .safetensors output cannot keep (a view makes the fast path step aside)
 
     def __call__(self, value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-        t = value.zip_tensor if is_record(value) else None  # a .pt's tensor, or the one a Parameter wraps
+        t = getattr(value, "zip_tensor", None)  # a .pt's tensor, or the one a Parameter wraps (one call: per tensor)
         if t is None:
             raise Fallback("not a plain tensor")
-        self.params += value.is_parameter
+        self.params += t is not value and value.is_parameter
         self.grads += value.requires_grad
         shape, stride, dtype = t.shape, t.stride, t.dtype
         if bits := math_bit_view(t):
