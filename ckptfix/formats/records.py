@@ -192,6 +192,10 @@ class TensorRecord:
     # What a writer asks of a record it copies, rebuilds or notes (the streams, ckptfix.writing, sanitize, convert's
     # notes), each answered by the class that differs: a writer never asks which class a record is.
 
+    # its bytes are in the input a conversion stream opened, read by read_runs and copied from its byte ranges (a
+    # safetensors range, a .pt's storage, DCP chunks, ZeRO pieces, a cast of one): a tensor to the DCP writers
+    streamable: ClassVar[bool] = False
+
     @property
     def zip_tensor(self) -> Any:
         """The torch zip tensor whose storage holds its bytes (storage key, element offset, shape, strides, math
@@ -241,6 +245,12 @@ class TensorRecord:
 def is_record(value: object) -> bool:
     """True for a tensor record of any reader or writer (not for a real tensor)."""
     return isinstance(value, TensorRecord)
+
+
+def is_streamable(value: object) -> bool:
+    """True for a tensor record whose bytes a conversion stream reads from its input
+    (:attr:`TensorRecord.streamable`)."""
+    return isinstance(value, TensorRecord) and value.streamable
 
 
 def spec(value: Any) -> Spec:
@@ -351,6 +361,7 @@ __all__ = [
     "TensorRecord",
     "identity",
     "is_record",
+    "is_streamable",
     "layout",
     "map_tree",
     "spec",

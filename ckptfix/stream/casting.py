@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
@@ -27,6 +27,8 @@ _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB o
 class CastTensor(TensorRecord):
     """Tensor record ``source`` (its bytes in ``stored``, read through ``via`` first where the reader casts, as
     a DeepSpeed half-precision buffer becomes float32) written as ``dtype``."""
+
+    streamable: ClassVar[bool] = True
 
     key: str
     source: Any

@@ -28,26 +28,23 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import foreign_byte_order
-from ckptfix.formats.dcp.reader import DcpTensor, save_dcp
-from ckptfix.formats.deepspeed.run import ZeroTensor
+from ckptfix.formats.dcp.reader import save_dcp
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
-from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import map_tree, torch_dtype
-from ckptfix.formats.safetensors.file import StTensor, tree_from_header
+from ckptfix.formats.records import is_streamable, map_tree, torch_dtype
+from ckptfix.formats.safetensors.file import tree_from_header
 from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
 from ckptfix.formats.torchzip.reader import TorchZip
-from ckptfix.stream.casting import CastTensor, cast_records
+from ckptfix.stream.casting import cast_records
 from ckptfix.stream.dcp_writer import dcp_items, write_dcp_folder
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import VerifyInTurn, open_tree, prepare
 from ckptfix.transforms.checkpoint import Conversion
 
-_RECORDS = (CastTensor, DcpTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 # (file descriptor, offset, length) of a run of a tensor's bytes, in order
 Run = tuple[int, int, int]
 _TRIM = 1 << 20  # a tensor at least this large freed: the C heap trimmed
@@ -163,7 +160,7 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
     the torch path does with the tensor itself (Fallback, from the items DCP writes)."""
     import torch
 
-    dcp_items(obj, tensors=_RECORDS)
+    dcp_items(obj)
     records: dict[int, Any] = {}
     made: dict[int, Any] = {}  # one meta tensor per record: a tied tensor stays one object, as it was loaded
 
@@ -176,7 +173,7 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
             records[id(m)] = record
         return made[id(record)]
 
-    return map_tree(obj, meta, leaf=_RECORDS), records
+    return map_tree(obj, meta, leaf=is_streamable), records
 
 
 class _Reader:

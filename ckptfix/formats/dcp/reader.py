@@ -105,6 +105,7 @@ class DcpTensor(TensorRecord):
     """A full tensor of a DCP folder, known from the metadata: its bytes come from its chunks."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     key: str
     entry: TensorEntry

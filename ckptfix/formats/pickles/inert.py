@@ -237,6 +237,7 @@ class InertTensor(Inert, TensorRecord):
     """``_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks[, dtype])``."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     __slots__ = ()
 
@@ -424,6 +425,7 @@ class InertParameter(Inert, TensorRecord):
     """``_rebuild_parameter(data, requires_grad, hooks[, state])``: a Parameter around an InertTensor."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     __slots__ = ()
 

@@ -293,6 +293,7 @@ class StTensor(TensorRecord):
     contiguous tensor of a ``.pt`` file, read as one by the streaming path)."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     dtype: str
     shape: tuple[int, ...]
