@@ -1,4 +1,4 @@
-"""ckptfix.formats.safetensors.file: the header read and written by the format's rules."""
+"""ckptfix.formats.safetensors: the header read and written by its rules (header.py), the files they make."""
 
 from __future__ import annotations
 
