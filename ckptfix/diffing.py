@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from ckptfix.errors import LayoutError
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.raw import RawTensor, as_tensor, resolved
+from ckptfix.formats.raw import as_tensor, resolved
 from ckptfix.formats.records import is_record, spec
 from ckptfix.formats.registry import read
 from ckptfix.formats.safety.depth import deep
@@ -346,8 +346,8 @@ def same_bytes(x: Any, y: Any) -> bool:
     slower than the memory itself. Two :class:`~ckptfix.formats.raw.RawTensor` are compared without torch. A neg
     or conj view is compared by its values' bytes (:func:`~ckptfix.formats.raw.resolved`), as torch.load gives it.
     """
-    if isinstance(x, RawTensor) and isinstance(y, RawTensor):
-        return x.same_bytes(y)
+    if is_record(x) and (same := x.same_bytes(y)) is not None:
+        return bool(same)
     import torch
 
     x, y = resolved(as_tensor(x)), resolved(as_tensor(y))  # a neg or conj view's bytes are not its values

@@ -24,6 +24,7 @@ from typing import Any
 from ckptfix.errors import FormatError
 from ckptfix.formats.output.atomic import PathLike, check_output
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.records import is_record
 from ckptfix.formats.registry import detect_format, write
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import deep
@@ -195,7 +196,7 @@ class _Cleaner:
             return obj
         if id(obj) in self.done:
             return self.done[id(obj)]
-        if isinstance(obj, (inert.InertTensor, inert.InertParameter)):
+        if is_record(obj):  # a tensor or Parameter of the .pt
             return obj  # built as it is (materialize refuses one it cannot build)
         value = self._new(obj, where)
         self.done[id(obj)] = value

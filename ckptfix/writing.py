@@ -164,7 +164,7 @@ class _TorchZip(StreamedWriter):
         )
 
         def record(value: Any) -> Any:
-            torch_zip = isinstance(value, (inert.InertTensor, inert.InertParameter))  # the format this writes
+            torch_zip = is_record(value) and value.zip_tensor is not None  # the format this writes
             if torch_zip and self.base is not None:
                 return value  # kept: its storage record is copied, or written from the tensor handed in
             if torch_zip or not (is_record(value) and value.on_demand):
@@ -187,7 +187,7 @@ class _TorchZip(StreamedWriter):
     def put(self, value: Any, tensor: torch.Tensor) -> None:
         rec = self.new.made.get(id(value))
         if rec is None:
-            t = inert.tensor_of(value)
+            t = value.zip_tensor
             assert self.base is not None  # a kept value comes from the base zip
             source = self.base.record(t)
             whole = t.offset == 0 and t.is_contiguous() and spec(t).nbytes == source.size

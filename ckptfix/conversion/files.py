@@ -492,17 +492,16 @@ def _non_string_keys(obj: Any, path: str = "") -> tuple[int, str] | None:
 
 def safetensors_losses(obj: Any) -> str | None:
     """What a .safetensors copy of ``obj`` cannot keep (values are exact): said once, under ``-v``."""
-    from ckptfix.formats.pickles import inert
+    from ckptfix.formats.records import is_record
 
     entries = model_entries(obj)
     states = [obj] if entries == [""] else [obj[e] for e in entries]
     params = views = grads = 0
     for value in (v for state in states for v in state.values()):
-        if isinstance(value, inert.Inert):
-            t = inert.tensor_of(value)
-            params += isinstance(value, inert.InertParameter)
-            views += not t.is_contiguous()
-            grads += bool(value.args[1] if isinstance(value, inert.InertParameter) else t.args[4])
+        if is_record(value):  # a .pt's tensor or Parameter, read without torch
+            params += value.is_parameter
+            views += not value.zip_tensor.is_contiguous()
+            grads += value.requires_grad
         elif is_tensor(value) and hasattr(value, "requires_grad"):  # a torch tensor (not a safetensors record)
             params += type(value).__name__ == "Parameter"
             views += not value.is_contiguous() or value.untyped_storage().nbytes() > value.nbytes

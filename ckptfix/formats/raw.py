@@ -33,7 +33,9 @@ class RawTensor(TensorRecord):
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def same_bytes(self, other: RawTensor) -> bool:
+    def same_bytes(self, other: Any) -> bool | None:
+        if not isinstance(other, RawTensor):
+            return None  # a torch tensor: compared by torch
         return self.dtype == other.dtype and self.shape == other.shape and self.data == other.data
 
     def to_torch(self) -> torch.Tensor:

@@ -89,6 +89,33 @@ class Holder(Protocol):
         ...
 
 
+class RunReader(Protocol):
+    """What a writer reads a record's bytes through into a tensor of its own (:meth:`TensorRecord.read_runs`): the
+    files the stream holds open, and what preparing the records found."""
+
+    @property
+    def source(self) -> str: ...  # the input, for messages
+
+    def fd(self, path: str) -> int:
+        """The data file ``path``, opened once."""
+        ...
+
+    def located(self, chunk: Any) -> tuple[int, int]:
+        """``(fd, offset)`` of a DCP chunk's bytes, found when its archive was parsed."""
+        ...
+
+    def storage_record(self, key: str) -> Any:
+        """The input torch zip's zip record of storage ``key`` (``data_offset``, ``size``)."""
+        ...
+
+    def runs(
+        self, runs: list[tuple[int, int, int]], dtype: str, shape: tuple[int, ...], *, key: str, cast: str | None = None
+    ) -> Any:
+        """The bytes of ``runs`` (file descriptor, offset, length), in order, as a tensor of ``dtype`` and
+        ``shape`` in memory of its own (then cast to ``cast``)."""
+        ...
+
+
 class TensorRecord:
     """Base of every tensor record; a subclass has ``dtype`` (torch's name) and ``shape``, and says where its bytes
     live by overriding :meth:`identity` and :meth:`_storage` (a record of its own, by default: a tensor to write)."""
@@ -162,10 +189,68 @@ class TensorRecord:
         contiguous tensor, unchecked: the caller checks CRCs), for a copy straight into place; else None."""
         return None
 
+    # What a writer asks of a record it copies, rebuilds or notes (the streams, ckptfix.writing, sanitize, convert's
+    # notes), each answered by the class that differs: a writer never asks which class a record is.
+
+    # its bytes are in the input a conversion stream opened, read by read_runs and copied from its byte ranges (a
+    # safetensors range, a .pt's storage, DCP chunks, ZeRO pieces, a cast of one): a tensor to the DCP writers
+    streamable: ClassVar[bool] = False
+
+    @property
+    def zip_tensor(self) -> Any:
+        """The torch zip tensor whose storage holds its bytes (storage key, element offset, shape, strides, math
+        bits), where it was read from a torch zip: itself, or the tensor a Parameter wraps; None for a record of
+        any other format (its bytes are not a zip's storage record)."""
+        return None
+
+    @property
+    def stored_span(self) -> tuple[int, int] | None:
+        """``(offset, length)`` of its values in the file it names, where the record alone says (a safetensors
+        tensor's ``[start, end)``); None where finding them takes the opened file (:meth:`file_span`)."""
+        return None
+
+    @property
+    def is_parameter(self) -> bool:
+        """Loaded as an ``nn.Parameter`` (what a .safetensors output does not keep)."""
+        return False
+
+    @property
+    def parameter_state(self) -> bool:
+        """Saved as a Parameter with backward hooks or state, which only torch's unpickler rebuilds."""
+        return False
+
+    @property
+    def cast_from(self) -> TensorRecord | None:
+        """The record whose values it is, cast to its dtype (``--dtype``: a new tensor of a storage of its own);
+        None for a record that is not a cast."""
+        return None
+
+    def same_bytes(self, other: Any) -> bool | None:
+        """Whether it and ``other`` hold the same bytes, where both are bytes in memory compared without torch
+        (two :class:`~ckptfix.formats.raw.RawTensor`); None where only torch can tell."""
+        return None
+
+    def read_runs(self, reader: RunReader, *, key: str) -> Any:
+        """The tensor it stands for, in memory torch allocated for it alone (a writer frees it once written), its
+        bytes read through ``reader`` from the files the stream holds open: its :meth:`byte_ranges`, cast where
+        its reader casts them (a ZeRO half-precision buffer). ``key`` names it in errors."""
+        ranges = self.byte_ranges()
+        if ranges is None:  # a record of something still to compute: no bytes to read
+            raise FormatError(f"{reader.source}: tensor '{key}' has no bytes in the input to read")
+        runs = [(reader.fd(path), at, n) for path, at, n in ranges]
+        cast = self.dtype if self.stored_dtype != self.dtype else None
+        return reader.runs(runs, self.stored_dtype, tuple(self.shape), key=key, cast=cast)
+
 
 def is_record(value: object) -> bool:
     """True for a tensor record of any reader or writer (not for a real tensor)."""
     return isinstance(value, TensorRecord)
+
+
+def is_streamable(value: object) -> bool:
+    """True for a tensor record whose bytes a conversion stream reads from its input
+    (:attr:`TensorRecord.streamable`)."""
+    return isinstance(value, TensorRecord) and value.streamable
 
 
 def spec(value: Any) -> Spec:
@@ -271,10 +356,12 @@ class FolderRecords:
 __all__ = [
     "FolderRecords",
     "Holder",
+    "RunReader",
     "Spec",
     "TensorRecord",
     "identity",
     "is_record",
+    "is_streamable",
     "layout",
     "map_tree",
     "spec",

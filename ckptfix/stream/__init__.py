@@ -22,15 +22,14 @@ from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import map_tree
+from ckptfix.formats.records import is_record, map_tree
 from ckptfix.formats.registry import detect_format, output_format
 from ckptfix.formats.safetensors.file import (
-    StTensor,
     losses_note,
     plan_safetensors,
-    read_header,
     tree_from_header,
 )
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
@@ -220,11 +219,10 @@ class _PtLocator:
         self.params = self.grads = 0  # what a .safetensors output cannot keep (a view makes the fast path step aside)
 
     def __call__(self, value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-        t = value if type(value) is inert.InertTensor else inert.tensor_of(value)
-        if not isinstance(t, inert.InertTensor):
+        t = getattr(value, "zip_tensor", None)  # a .pt's tensor, or the one a Parameter wraps (one call: per tensor)
+        if t is None:
             raise Fallback("not a plain tensor")
-        param = t is not value and isinstance(value, inert.InertParameter)
-        self.params += param
+        self.params += t is not value and value.is_parameter
         self.grads += value.requires_grad
         shape, stride, dtype = t.shape, t.stride, t.dtype
         if bits := math_bit_view(t):
@@ -255,16 +253,18 @@ class _PtLocator:
 
 
 def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
-    if not isinstance(value, StTensor):
+    span = value.stored_span if is_record(value) else None
+    if span is None:
         raise Fallback("not a safetensors tensor")
-    return value.dtype, value.shape, value.start, value.end - value.start, id(value)
+    return value.dtype, value.shape, *span, id(value)
 
 
 def _st_to_torch_tree(tree: Any) -> tuple[Any, list[Source]]:
-    """Replace StTensors by the records torch.save would write, storages numbered in pickling order."""
+    """Replace a safetensors file's records by the records torch.save would write, storages numbered in pickling
+    order."""
     new = NewStorages()
-    out = map_tree(tree, new, leaf=StTensor, exact=False)
-    return out, [Source(t.start, t.nbytes) for t in new.stored.values()]
+    out = map_tree(tree, new, exact=False)
+    return out, [Source(*t.stored_span) for t in new.stored.values()]
 
 
 __all__ = ["Fallback", "fast_convert"]

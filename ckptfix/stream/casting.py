@@ -13,11 +13,11 @@ import math
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.records import TensorRecord
+from ckptfix.formats.records import RunReader, TensorRecord
 from ckptfix.transforms.checkpoint import Conversion, is_tensor, replace_model_tensors
 
 _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB out (float16 to float32)
@@ -27,6 +27,8 @@ _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB o
 class CastTensor(TensorRecord):
     """Tensor record ``source`` (its bytes in ``stored``, read through ``via`` first where the reader casts, as
     a DeepSpeed half-precision buffer becomes float32) written as ``dtype``."""
+
+    streamable: ClassVar[bool] = True
 
     key: str
     source: Any
@@ -43,6 +45,16 @@ class CastTensor(TensorRecord):
     @property
     def requires_grad(self) -> bool:
         return bool(self.source.requires_grad)  # as Tensor.to keeps it
+
+    @property
+    def cast_from(self) -> Any:
+        return self.source
+
+    def read_runs(self, reader: RunReader, *, key: str) -> Any:
+        """The source read whole, then cast: two tensors of this one held."""
+        import torch
+
+        return self.source.read_runs(reader, key=key).to(getattr(torch, self.dtype))
 
 
 def is_floating(dtype: str) -> bool:

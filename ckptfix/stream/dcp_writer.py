@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.formats.dcp.metadata import Item, Stored, TensorMeta, flatten, metadata_pickle
-from ckptfix.formats.dcp.reader import DcpTensor
-from ckptfix.formats.deepspeed.run import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.atomic import staged_folder
 from ckptfix.formats.output.crc import crc32_combine
 from ckptfix.formats.pickles import inert, pickling
-from ckptfix.formats.safetensors.file import StTensor
+from ckptfix.formats.records import is_streamable
 from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter
 from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
 from ckptfix.formats.torchzip.reader import TorchZip, stand_ins, tensor_record
@@ -41,22 +39,21 @@ from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folder_torch import Sink, finish_pieces, piece_checks
 from ckptfix.stream.folders import VerifyInTurn, copied_ranges, prepare, write_made
 
-# the tensor records the writer copies (a cast, --dtype, goes through torch's writer: see to_dcp)
-TENSORS = (DcpTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 DATA_FILE = "__0_0.distcp"
 Piece = tuple[str, int, int]
 
 
-def dcp_items(obj: Any, *, tensors: tuple[type, ...] = TENSORS) -> list[Item]:
-    """The items DCP writes for ``obj`` (a dict), in its order, ``tensors`` the tensor records; :class:`Fallback`
-    where an object holds a tensor or an object only torch rebuilds (a tuple of tensors, a custom class: DCP
-    pickles them whole)."""
+def dcp_items(obj: Any) -> list[Item]:
+    """The items DCP writes for ``obj`` (a dict), in its order, its tensors the records a stream reads
+    (:func:`~ckptfix.formats.records.is_streamable`; a cast, --dtype, goes through torch's writer: see to_dcp);
+    :class:`Fallback` where an object holds a tensor or an object only torch rebuilds (a tuple of tensors, a custom
+    class: DCP pickles them whole)."""
     if not isinstance(obj, dict):
         raise Fallback(f"the checkpoint is a {type(obj).__name__}, not a dict")
-    items = flatten(obj, is_tensor=lambda v: isinstance(v, tensors))
+    items = flatten(obj, is_tensor=is_streamable)
     for item in items:
-        if not isinstance(item.value, tensors) and any(
-            isinstance(o, (*tensors, inert.Inert, inert.StorageRef)) for o in inert.walk(item.value)
+        if not is_streamable(item.value) and any(
+            is_streamable(o) or isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(item.value)
         ):
             raise Fallback(
                 f"the checkpoint holds a {type(item.value).__name__} of tensors or objects, which the torch path builds"
@@ -94,10 +91,10 @@ def write_dcp_folder(
     before anything is written where the tree holds what only torch writes."""
     items = dcp_items(obj)
     for item in items:
-        if isinstance(item.value, TENSORS):
+        if is_streamable(item.value):
             prepare(item.value, files, allowed=allowed)  # views refused, chunk archives parsed, CRCs queued
-    values = [i for i in items if not isinstance(i.value, TENSORS)]  # objects first, as torch's writer puts them
-    tensors = [i for i in items if isinstance(i.value, TENSORS)]
+    values = [i for i in items if not is_streamable(i.value)]  # objects first, as torch's writer puts them
+    tensors = [i for i in items if is_streamable(i.value)]
     objects = [(i, _object_pickle(i)) for i in values]  # a value torch.save cannot write: before any write
     with staged_folder(dst, overwrite=overwrite) as tmp:
         fd = os.open(os.path.join(tmp, DATA_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -168,8 +165,7 @@ def _layout(
 
 def _pieces(t: Any, files: DataFiles, *, z: TorchZip | None, source: str) -> list[Piece] | None:
     """The byte ranges that are ``t``'s values in order; None where they are made in memory."""
-    if isinstance(t, (inert.InertTensor, inert.InertParameter)):
-        record = inert.tensor_of(t)
+    if (record := t.zip_tensor) is not None:  # a .pt's tensor: its bytes in the input's storage record
         assert z is not None  # a .pt record comes from a .pt input
         item = DTYPES[record.dtype].itemsize
         n = math.prod(record.shape) * item
@@ -227,4 +223,4 @@ def _write_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-__all__ = ["TENSORS", "dcp_items", "write_dcp_folder"]
+__all__ = ["dcp_items", "write_dcp_folder"]

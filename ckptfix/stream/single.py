@@ -10,13 +10,14 @@ import math
 from collections.abc import Hashable
 from typing import Any
 
-from ckptfix.formats.copyable import foreign_byte_order, parameter_hooks_or_state, values_as_stored
+from ckptfix.formats.copyable import foreign_byte_order, values_as_stored
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import map_tree
-from ckptfix.formats.safetensors.file import StTensor, losses_note, read_header, tree_from_header
+from ckptfix.formats.records import TensorRecord, is_record, map_tree
+from ckptfix.formats.safetensors.file import StTensor, losses_note, tree_from_header
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.torchio.opaque import describe
 from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
 from ckptfix.stream.fallback import Fallback
@@ -41,15 +42,16 @@ def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) 
     return tree, "pt"
 
 
-def copyable_tensor(value: inert.InertTensor | inert.InertParameter) -> inert.InertTensor:
-    """The tensor record of ``value`` when its bytes are what the torch path would build: a Parameter without
-    hooks or state, a tensor without hooks, extra state or a conj/neg bit; else :class:`Fallback`."""
-    if isinstance(value, inert.InertParameter) and parameter_hooks_or_state(value):
+def copyable_tensor(value: TensorRecord) -> inert.InertTensor:
+    """The torch zip tensor of ``value`` (a .pt's record) when its bytes are what the torch path would build: a
+    Parameter without hooks or state, a tensor without hooks, extra state or a conj/neg bit; else
+    :class:`Fallback`."""
+    if value.parameter_state:
         raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
-    t = inert.tensor_of(value)
-    if not isinstance(t, inert.InertTensor) or not values_as_stored(t):
+    t = value.zip_tensor
+    if t is None or not values_as_stored(t):
         raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
-    return t
+    return t  # type: ignore[no-any-return]
 
 
 class _PtRecords:
@@ -63,7 +65,7 @@ class _PtRecords:
         self.kinds: dict[int, tuple[bool, bool, bool]] = {}  # id(value) -> (Parameter, view, requires_grad)
 
     def __call__(self, value: Any) -> StTensor:
-        param = isinstance(value, inert.InertParameter)
+        param = value.is_parameter
         t = copyable_tensor(value)
         if not t.is_contiguous():
             raise Fallback("a tensor is a non-contiguous view, which the torch path makes contiguous")
@@ -81,15 +83,15 @@ class _PtRecords:
     def losses(self, obj: Any) -> str | None:
         """What a .safetensors copy of ``obj``'s model entries does not keep, counted key by key as the torch path
         counts its tensors (``safetensors_losses``): a tensor it casts is a new, plain one of its own storage."""
-        from ckptfix.stream.casting import CastTensor
         from ckptfix.transforms.checkpoint import model_entries
 
         entries = model_entries(obj)
         states = [obj] if entries == [""] else [obj[e] for e in entries]
         params = views = grads = 0
         for value in (v for state in states for v in state.values()):
-            cast = isinstance(value, CastTensor)
-            kind = self.kinds.get(id(value.source if cast else value))
+            source = value.cast_from if is_record(value) else None  # a cast: a new tensor of its own storage
+            cast = source is not None
+            kind = self.kinds.get(id(source if cast else value))
             if kind is not None:
                 params += kind[0] and not cast
                 views += kind[1] and not cast

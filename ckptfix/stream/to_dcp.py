@@ -28,26 +28,23 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import foreign_byte_order
-from ckptfix.formats.dcp.reader import DcpTensor, chunk_region, rows, save_dcp
-from ckptfix.formats.deepspeed.run import ZeroTensor
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.dcp.reader import save_dcp
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc
-from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import is_record, map_tree, torch_dtype
-from ckptfix.formats.safetensors.file import StTensor, read_header, tree_from_header
+from ckptfix.formats.records import is_streamable, map_tree, torch_dtype
+from ckptfix.formats.safetensors.file import tree_from_header
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry, describe
 from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
 from ckptfix.formats.torchzip.reader import TorchZip
-from ckptfix.stream.casting import CastTensor, cast_records
+from ckptfix.stream.casting import cast_records
 from ckptfix.stream.dcp_writer import dcp_items, write_dcp_folder
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folders import VerifyInTurn, open_tree, prepare
 from ckptfix.transforms.checkpoint import Conversion
 
-_RECORDS = (CastTensor, DcpTensor, ZeroTensor, StTensor, inert.InertTensor, inert.InertParameter)
 # (file descriptor, offset, length) of a run of a tensor's bytes, in order
 Run = tuple[int, int, int]
 _TRIM = 1 << 20  # a tensor at least this large freed: the C heap trimmed
@@ -163,7 +160,7 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
     the torch path does with the tensor itself (Fallback, from the items DCP writes)."""
     import torch
 
-    dcp_items(obj, tensors=_RECORDS)
+    dcp_items(obj)
     records: dict[int, Any] = {}
     made: dict[int, Any] = {}  # one meta tensor per record: a tied tensor stays one object, as it was loaded
 
@@ -176,53 +173,42 @@ def _meta_tree(obj: Any, *, source: str) -> tuple[Any, dict[int, Any]]:
             records[id(m)] = record
         return made[id(record)]
 
-    return map_tree(obj, meta, leaf=_RECORDS), records
+    return map_tree(obj, meta, leaf=is_streamable), records
 
 
 class _Reader:
-    """Reads one tensor record into a tensor of its own (storage torch allocated, so that it can be freed)."""
+    """Reads one tensor record into a tensor of its own (storage torch allocated, so that it can be freed): the
+    :class:`~ckptfix.formats.records.RunReader` each record reads itself through
+    (:meth:`~ckptfix.formats.records.TensorRecord.read_runs`)."""
 
     def __init__(self, source: str, files: DataFiles, z: TorchZip | None) -> None:
         self.source, self.files, self.z = source, files, z
 
     def read(self, record: Any, *, key: str) -> Any:
         """The tensor of ``record`` (planned as ``key``) in memory of its own."""
-        import torch
+        return record.read_runs(self, key=key)
 
-        if isinstance(record, CastTensor):  # the source read whole, then cast: two tensors of this one held
-            return self.read(record.source, key=key).to(getattr(torch, record.dtype))
-        if isinstance(record, DcpTensor):
-            return self._dcp(record, key=key)
-        if is_record(record) and (ranges := record.byte_ranges()) is not None:  # safetensors, a ZeRO run's pieces
-            runs = [(self.files.fd(path), at, n) for path, at, n in ranges]
-            out = self._runs(runs, record.stored_dtype, record.shape, key=key)
-            # a ZeRO half-precision buffer, cast as zero_to_fp32 casts
-            return out.to(getattr(torch, record.dtype)) if record.stored_dtype != record.dtype else out
-        t = inert.tensor_of(record)
+    def fd(self, path: str) -> int:
+        return self.files.fd(path)
+
+    def located(self, chunk: Any) -> tuple[int, int]:
+        return self.files.located[id(chunk)]
+
+    def storage_record(self, key: str) -> Any:
         assert self.z is not None  # a .pt record comes from a .pt input
-        rec = self.z.archive.storage(t.storage.key)
-        item = DTYPES[t.dtype].itemsize
-        n = item
-        for d in t.shape:
-            n *= d
-        return self._runs(
-            [(self.files.fd(self.source), rec.data_offset + t.offset * item, n)], t.dtype, t.shape, key=key
-        )
+        return self.z.archive.storage(key)
 
-    def _dcp(self, t: DcpTensor, *, key: str) -> Any:
+    def runs(self, runs: list[Run], dtype: str, shape: tuple[int, ...], *, key: str, cast: str | None = None) -> Any:
+        """The bytes of ``runs``, in order, as a tensor of ``dtype`` and ``shape`` (cast to ``cast``: a ZeRO
+        half-precision buffer, as zero_to_fp32 casts)."""
+        out = self._runs(runs, dtype, shape, key=key)
+        if cast is None:
+            return out
         import torch
 
-        entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
-        runs = [(*self.files.located[id(c)], _numel(c.sizes) * item) for c in entry.chunks]
-        if all(rows(entry, c) for c in entry.chunks):  # sorted by offsets: the row ranges are the tensor in order
-            return self._runs(runs, entry.dtype, entry.shape, key=key)
-        full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))  # the one tensor, gathered from blocks
-        for c, run in zip(entry.chunks, runs, strict=True):
-            chunk_region(full, c).copy_(self._runs([run], entry.dtype, c.sizes, key=key))
-        return full
+        return out.to(getattr(torch, cast))
 
     def _runs(self, runs: list[Run], dtype: str, shape: tuple[int, ...], *, key: str) -> Any:
-        """The bytes of ``runs``, in order, as a tensor of ``dtype`` and ``shape``."""
         import torch
 
         total = sum(n for _, _, n in runs)
@@ -242,13 +228,6 @@ class _Reader:
                 done += got
             at += length
         return raw.view(getattr(torch, dtype)).reshape(shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def streaming_planner(records: dict[int, Any], read: Callable[..., Any]) -> Any:

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.formats.pickles import pickling
-from ckptfix.formats.safetensors.file import encode_header
+from ckptfix.formats.safetensors.header import encode_header
 from ckptfix.formats.torchzip.archive import ZipWriter
 from ckptfix.formats.torchzip.reader import HEAD, TAIL, stand_ins, tensor_record
 from ckptfix.summary import describe, summarize_state

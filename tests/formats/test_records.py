@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from collections import OrderedDict, namedtuple
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
+from ckptfix.errors import FormatError
 from ckptfix.formats.dcp.reader import Chunk, DcpTensor, Span, TensorEntry
 from ckptfix.formats.hf.folder import FolderTensor
+from ckptfix.formats.raw import RawTensor
 from ckptfix.formats.records import TensorRecord, identity, is_record, map_tree, spec, storage_of
 from ckptfix.formats.safetensors.file import StTensor
+from ckptfix.formats.safety import allowlist
+from ckptfix.formats.torchio.opaque import describe
+from ckptfix.stream.casting import CastTensor
 from ckptfix.transforms.checkpoint import is_tensor
 from ckptfix.writing import Placeholder
 
@@ -81,3 +89,60 @@ def test_byte_ranges_are_the_runs_of_file_bytes_a_record_is() -> None:
     assert StTensor("int8", (3,), 10, 13, "a.safetensors").byte_ranges() == [("a.safetensors", 10, 3)]
     assert StTensor("int8", (0,), 10, 10, "a.safetensors").byte_ranges() == []
     assert Placeholder("int8", (3,)).byte_ranges() is None  # still to compute: no bytes anywhere yet
+
+
+def test_a_writer_asks_the_record_what_it_is_never_its_class(tmp_path: Path) -> None:
+    """What the streams, ckptfix.writing and sanitize ask of a record: each answer is its own class's."""
+    st, todo = StTensor("float32", (2,), 8, 16, "a.safetensors"), Placeholder("float16", (4,))
+    assert st.stored_span == (8, 8) and todo.stored_span is None  # a safetensors record says where it lies
+    for r in (st, todo):
+        assert r.zip_tensor is None and not r.is_parameter and not r.parameter_state and r.cast_from is None
+    cast = CastTensor("w", st, "bfloat16")
+    assert cast.cast_from is st and cast.stored_span is None and cast.zip_tensor is None
+    raw = RawTensor("float32", (1,), bytearray(4))
+    assert raw.same_bytes(RawTensor("float32", (1,), bytearray(4))) is True
+    assert raw.same_bytes(RawTensor("float32", (1,), bytearray(b"\1\0\0\0"))) is False
+    assert raw.same_bytes(torch.zeros(1)) is None and st.same_bytes(raw) is None  # torch tells
+    path = tmp_path / "m.pt"
+    torch.save({"p": torch.nn.Parameter(torch.ones(2)), "t": torch.ones(2)}, path)
+    with open(path, "rb") as f:
+        tree = describe(f.fileno(), str(path), allowed=allowlist.allowed_names((), source=str(path))).tree
+    p, t = tree["p"], tree["t"]
+    assert p.zip_tensor is p.data and p.is_parameter and not p.parameter_state and p.zip_tensor.storage.key
+    assert t.zip_tensor is t and not t.is_parameter and t.stored_span is None  # its place: the archive's to say
+
+
+class _Run(TensorRecord):
+    """A record type no writer has heard of: float32 values, a run of one file's bytes."""
+
+    def __init__(self, path: str, offset: int, shape: tuple[int, ...]) -> None:
+        self.path, self.offset, self.dtype, self.shape = path, offset, "float32", shape
+
+    def byte_ranges(self) -> list[tuple[str, int, int]]:
+        return [(self.path, self.offset, self.nbytes)]
+
+
+class _Runs:
+    """The least a record reads its bytes through (what a stream's reader gives)."""
+
+    source = "test"
+
+    def __init__(self) -> None:
+        self.read: list[tuple[list[tuple[int, int, int]], str, tuple[int, ...], str | None]] = []
+
+    def fd(self, path: str) -> int:
+        return {"x.bin": 7}[path]
+
+    def runs(
+        self, runs: list[tuple[int, int, int]], dtype: str, shape: tuple[int, ...], *, key: str, cast: str | None = None
+    ) -> Any:
+        self.read.append((runs, dtype, shape, cast))
+        return key
+
+
+def test_a_record_reads_its_own_runs_and_a_record_without_bytes_says_so() -> None:
+    reader = _Runs()
+    assert _Run("x.bin", 16, (2, 3)).read_runs(reader, key="w") == "w"  # type: ignore[arg-type]
+    assert reader.read == [([(7, 16, 24)], "float32", (2, 3), None)]
+    with pytest.raises(FormatError, match="'b' has no bytes in the input"):
+        Placeholder("float16", (4,)).read_runs(reader, key="b")  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, unpickling
-from ckptfix.formats.records import Holder, TensorRecord
+from ckptfix.formats.records import Holder, RunReader, TensorRecord
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
 
@@ -105,6 +105,7 @@ class DcpTensor(TensorRecord):
     """A full tensor of a DCP folder, known from the metadata: its bytes come from its chunks."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     key: str
     entry: TensorEntry
@@ -129,6 +130,20 @@ class DcpTensor(TensorRecord):
 
     def read(self, holder: Holder) -> Any:
         return read_dcp_tensor(self, holder.file_fd, allowed=holder.allowed)
+
+    def read_runs(self, reader: RunReader, *, key: str) -> Any:
+        """Its chunks' bytes, where preparing it located them: chunks of whole rows read in order as the tensor,
+        blocks gathered into it (the one tensor in memory)."""
+        import torch
+
+        entry, item = self.entry, DTYPES[self.entry.dtype].itemsize
+        runs = [(*reader.located(c), math.prod(c.sizes) * item) for c in entry.chunks]
+        if all(rows(entry, c) for c in entry.chunks):  # sorted by offsets: the row ranges are the tensor in order
+            return reader.runs(runs, entry.dtype, entry.shape, key=key)
+        full = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        for c, run in zip(entry.chunks, runs, strict=True):
+            chunk_region(full, c).copy_(reader.runs([run], entry.dtype, c.sizes, key=key))
+        return full
 
     def spread(self) -> tuple[str, str]:  # 2 row chunks in __0_0.distcp, __1_0.distcp
         kind = "row" if all(rows(self.entry, c) for c in self.entry.chunks) else "block"

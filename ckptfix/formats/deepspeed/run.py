@@ -44,7 +44,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.deepspeed.files import (
@@ -93,6 +93,8 @@ class Piece:
 class ZeroTensor(TensorRecord):
     """A consolidated tensor of a ZeRO run: its bytes are ``pieces`` in order (dtype ``stored``), cast to ``dtype``
     where zero_to_fp32 casts (a half-precision buffer becomes float32)."""
+
+    streamable: ClassVar[bool] = True
 
     key: str
     stored: str

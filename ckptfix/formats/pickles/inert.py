@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.copyable import values_as_stored
+from ckptfix.formats.copyable import parameter_hooks_or_state, values_as_stored
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
 from ckptfix.formats.raw import RawTensor
-from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
+from ckptfix.formats.records import Holder, RunReader, TensorRecord, torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import MAX_DEPTH
 
@@ -237,6 +237,7 @@ class InertTensor(Inert, TensorRecord):
     """``_rebuild_tensor_v2/v3(storage, offset, size, stride, requires_grad, hooks[, dtype])``."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     __slots__ = ()
 
@@ -359,6 +360,16 @@ class InertTensor(Inert, TensorRecord):
             )
         return rec.data_offset + start, length
 
+    @property
+    def zip_tensor(self) -> InertTensor:
+        return self
+
+    def read_runs(self, reader: RunReader, *, key: str) -> Any:
+        """Its one run of the input's storage record (a strided view was refused when it was prepared)."""
+        item = DTYPES[self.dtype].itemsize
+        start = reader.storage_record(self.storage.key).data_offset + self.offset * item
+        return reader.runs([(reader.fd(reader.source), start, self.numel() * item)], self.dtype, self.shape, key=key)
+
 
 @functools.lru_cache(maxsize=4096)  # shapes repeat (a state dict has a few dozen); bounded for hostile files
 def contiguous(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -414,6 +425,7 @@ class InertParameter(Inert, TensorRecord):
     """``_rebuild_parameter(data, requires_grad, hooks[, state])``: a Parameter around an InertTensor."""
 
     on_demand: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True
 
     __slots__ = ()
 
@@ -452,6 +464,21 @@ class InertParameter(Inert, TensorRecord):
 
     def file_span(self, holder: Holder) -> tuple[int, int] | None:
         return self.data.file_span(holder)
+
+    @property
+    def zip_tensor(self) -> InertTensor:
+        return self.data
+
+    @property
+    def is_parameter(self) -> bool:
+        return True
+
+    @property
+    def parameter_state(self) -> bool:
+        return parameter_hooks_or_state(self)
+
+    def read_runs(self, reader: RunReader, *, key: str) -> Any:
+        return self.data.read_runs(reader, key=key)
 
 
 def tensor_of(value: Any) -> InertTensor:

@@ -1,4 +1,4 @@
-"""ckptfix.formats.safetensors.file: the header read and written by the format's rules."""
+"""ckptfix.formats.safetensors: the header read and written by its rules (header.py), the files they make."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_empty_tensor_past_64_bits_from_safetensors(tmp_path: Path, size: int) -
 
 def test_written_headers_are_ones_the_library_reads(tmp_path: Path) -> None:
     from ckptfix.errors import OutputError
-    from ckptfix.formats.safetensors.file import LIBRARY_MAX_HEADER, encode_header
+    from ckptfix.formats.safetensors.header import LIBRARY_MAX_HEADER, encode_header
 
     with pytest.raises(OutputError, match=r"^x\.safetensors: key 'e' has shape \[0, 18446744073709551616\]"):
         encode_header({"e": None}, {}, [("e", "float32", (0, 2**64), 0)], {}, out="x.safetensors")
