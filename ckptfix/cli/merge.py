@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptfix.cli.export_hf import SAID, refuse_hf_only
+from ckptfix.cli.export_hf import refuse_hf_only
 from ckptfix.cli.options import (
     architecture_option,
     force_option,
@@ -185,7 +185,9 @@ def merge(
         result = merge_files(inputs, out, to=to, model_only=model_only, optimizer=optimizer, **options)
     wrote = out
     if exported is not None:  # what the export did, then where it wrote
-        result.notes.extend(n for n in exported.notes if n.startswith(SAID))
+        from ckptfix.notes import Level, level_of
+
+        result.notes.extend(n for n in exported.notes if level_of(n) is Level.ALWAYS)
         wrote, to = f"{out} ({exported.wrote})", "transformers"  # the keys are the config's
     for message in result.warnings:
         warn(message)

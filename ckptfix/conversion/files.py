@@ -28,6 +28,7 @@ from ckptfix.formats.registry import (
 from ckptfix.formats.safetensors.file import losses_note
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
+from ckptfix.notes import Kind, always
 from ckptfix.signature import strict_keywords
 from ckptfix.transforms.checkpoint import (
     Conversion,
@@ -319,10 +320,10 @@ def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: in
 
 def _own_tensor(value: Any) -> Any:
     """A copy of a torch tensor; for a record (a stream reads no values), the torch path, which copies."""
-    from ckptfix.formats.copyable import Fallback
+    from ckptfix.formats.copyable import Fallback, Reason
 
     if not hasattr(value, "clone"):
-        raise Fallback("an optimizer's step tensor is shared between parameters (FSDP1); torch copies it apart")
+        raise Fallback(Reason.SHARED_STEP)
     copied = value.clone()
     devices.inherit(copied, value)
     return copied
@@ -465,8 +466,11 @@ def _note_losses(conversion: Conversion, out_fmt: str) -> None:
     if out_fmt == "dcp" and (named := _non_string_keys(conversion.obj)):
         count, first = named
         conversion.notes.append(
-            f"{DCP_STRING_KEYS}: {count} non-string key(s) become strings (e.g. '{first}'), as torch's DCP writer "
-            f"stores every key; write a .pt to keep them"
+            always(
+                f"{DCP_STRING_KEYS}: {count} non-string key(s) become strings (e.g. '{first}'), as torch's DCP "
+                f"writer stores every key; write a .pt to keep them",
+                kind=Kind.LOSS,
+            )
         )
 
 

@@ -37,6 +37,7 @@ from ckptfix.formats.hf.config import CONFIG, SIDE_FILES, ConfigFolder, find_con
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
 from ckptfix.formats.registry import ONE_SHARD, detect, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
+from ckptfix.notes import Level, Note, always
 from ckptfix.signature import strict_keywords
 from ckptfix.transforms.checkpoint import Conversion, EntryChange, apply_maps
 from ckptfix.transforms.layouts import parse_rename
@@ -149,26 +150,27 @@ def export_hf(
         written = output_dtype(exported.state, dtype)
         config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
         names = write_side_files(tmp, found, config=config_out)
-        said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
-        result.notes += [
-            f"{said}: {', '.join(names)}"
-            + ("" if written else " (the weights mix dtypes: the config's dtype left as it was)"),
-            *found.left_out,
-        ]
+        built = megatron and config_from is None  # the config built, not copied: said under --verbose only
+        said = "written" if built else f"copied from {found.folder}"
+        mixed = "" if written else " (the weights mix dtypes: the config's dtype left as it was)"
+        result.notes += [Note(f"{said}: {', '.join(names)}{mixed}", level=Level.VERBOSE if built else Level.ALWAYS)]
+        result.notes += found.left_out
         if verify:
             result.notes.append(
-                verify_export(
-                    tmp,
-                    source,
-                    found,
-                    exported,
-                    entry=entry,
-                    rules=rules,
-                    strip_prefixes=strip_prefixes,
-                    allow=allow,
-                    unsafe=unsafe,
-                    dtype=written,
-                    premap=premap,
+                always(
+                    verify_export(
+                        tmp,
+                        source,
+                        found,
+                        exported,
+                        entry=entry,
+                        rules=rules,
+                        strip_prefixes=strip_prefixes,
+                        allow=allow,
+                        unsafe=unsafe,
+                        dtype=written,
+                        premap=premap,
+                    )
                 )
             )
         _put_in_place(tmp, out_s)

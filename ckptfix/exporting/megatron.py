@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import MismatchError, UsageError
-from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.hf.config import ConfigFolder
 from ckptfix.formats.records import is_record
 
@@ -294,7 +294,7 @@ def _norm(t: Any, config: Mapping[str, Any], *, name: str, source: str) -> Any:
             f"--dtype float32"
         )
     if is_record(t):
-        raise Fallback("apply_layernorm_1p: the norm weights are computed (weight + 1), not copied")
+        raise Fallback(Reason.LAYERNORM_1P)
     return t.float() + 1
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.pickles.inert import gc_paused
@@ -32,6 +32,7 @@ from ckptfix.formats.raw import RawTensor, resolved
 from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
 from ckptfix.formats.strict_json import Said, json_object
 from ckptfix.formats.torchzip.archive import BLOCK
+from ckptfix.notes import Kind, always
 from ckptfix.transforms.checkpoint import is_state_dict, is_tensor, model_entries
 
 MAX_HEADER = 100 * 1024 * 1024
@@ -371,9 +372,10 @@ def tied_note(paths: Iterable[str]) -> str | None:
         return None
     pairs = ", ".join(f"'{alias}' = '{key}'" for alias, key in list(aliases.items())[:3])
     more = f" and {len(aliases) - 3} more" if len(aliases) > 3 else ""
-    return (
+    return always(
         f"{TIED_ONCE}: {pairs}{more} (one tensor, stored once with the alias in the metadata); ckptfix.load and "
-        f"safetensors.torch.load_model(model, path) give both back, safetensors.torch.load_file only the first"
+        f"safetensors.torch.load_model(model, path) give both back, safetensors.torch.load_file only the first",
+        kind=Kind.TIES,
     )
 
 
@@ -577,10 +579,10 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any, keep_offsets: bool = Fa
     seen: dict[Any, str] = {}
     for key, value in state.items():
         if not is_tensor(value):
-            raise Fallback(f"key '{key}' holds a {type(value).__name__}, not a tensor")
+            raise Fallback(Reason.NOT_A_TENSOR, key=key, kind=type(value).__name__)
         dtype, shape, src, nbytes, ident = locate(value)
         if safetensors_code(dtype) is None:
-            raise Fallback(f"key '{key}' has dtype {dtype}, which the fast path does not write to safetensors")
+            raise Fallback(Reason.DTYPE_NOT_IN_SAFETENSORS, key=key, dtype=dtype)
         if nbytes > 0 and ident in seen:
             aliases[key] = seen[ident]
             continue
