@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.conversion.plan import STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, Plan, plan_conversion
+from ckptfix.conversion.run import run_conversion
 from ckptfix.errors import UsageError
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
 from ckptfix.formats.registry import (
@@ -198,15 +199,81 @@ def convert_file(
         optimizer_form=optimizer_form,
         parameters=_parameters(model, optimizer_factory),
     )
-    dtype = options.dtype  # the canonical name (bf16 is bfloat16)
+    return _convert(
+        src,
+        dst,
+        options,
+        format=format,
+        shard_size=shard_size,
+        allow=tuple(allow_globals),
+        unsafe=unsafe,
+        verify=verify,
+        overwrite=overwrite,
+        optimizer=optimizer,
+        fast=fast,
+    )
+
+
+def _convert(
+    src: PathLike,
+    dst: PathLike,
+    options: ConvertOptions,
+    *,
+    format: str | None,
+    shard_size: int | None,
+    allow: tuple[str, ...],
+    unsafe: bool,
+    verify: bool,
+    overwrite: bool,
+    optimizer: bool,
+    fast: bool,
+) -> Conversion:
+    """:func:`convert_file` once its options are checked: the output checked, the input detected (once), the plan
+    carried out (:func:`~ckptfix.conversion.run.run_conversion`)."""
     source = os.fspath(src)
-    dst, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
+    out, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
+    _check_output(
+        src,
+        out,
+        out_fmt=out_fmt,
+        shard_size=shard_size,
+        overwrite=overwrite,
+        optimizer=optimizer,
+        model_only=options.model_only,
+    )
+    found = detect(src)
+    job = _FileJob(
+        source=source,
+        dst=out,
+        in_fmt=found.name,
+        out_fmt=out_fmt,
+        shard_size=shard_size,
+        options=options,
+        transform=_transform(options, source, in_kind=found.kind, out_fmt=out_fmt),
+        allow=allow,
+        unsafe=unsafe,
+        verify=verify,
+        overwrite=overwrite,
+        optimizer=optimizer,
+    )
+    sharded = shard_size is not None
+    plan = plan_conversion(
+        in_fmt=found.name, out_fmt=out_fmt, fast=fast, dtype=options.dtype, unsafe=unsafe, sharded=sharded
+    )
+    return job.finish(run_conversion(plan, stream=lambda: job.stream(plan), torch=job.torch))
+
+
+def _check_output(
+    src: PathLike, dst: str, *, out_fmt: str, shard_size: int | None, overwrite: bool, optimizer: bool, model_only: bool
+) -> None:
+    """OUT as :func:`convert_file` may write it (a folder --format hf is :func:`~ckptfix.exporting.folder.export_hf`'s
+    call; ``optimizer=True``, :func:`_check_optimizer`'s); an existing one only with ``overwrite``."""
     if out_fmt == "hf":
         raise UsageError(
-            f"format='hf': call ckptfix.export_hf({source!r}, {dst!r}), which takes config_from= and verify="
+            f"format='hf': call ckptfix.export_hf({os.fspath(src)!r}, {dst!r}), which takes config_from= and verify="
         )
     if optimizer:
-        _check_optimizer(source, dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
+        _check_optimizer(os.fspath(src), dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
     if out_fmt == "dcp":
         check_output_folder(dst, inputs=(src,), overwrite=overwrite)
     elif shard_size is not None:
@@ -215,62 +282,82 @@ def convert_file(
         check_shards_output(dst, inputs=(src,), overwrite=overwrite)
     else:
         check_output(dst, inputs=(src,), overwrite=overwrite)
-    in_fmt = (found := detect(src)).name
-    allow = tuple(allow_globals)
-    notes: list[str] = []
-    transform = _transform(options, source, in_kind=found.kind, out_fmt=out_fmt)
-    plan = plan_conversion(
-        in_fmt=in_fmt, out_fmt=out_fmt, fast=fast, dtype=dtype, unsafe=unsafe, sharded=shard_size is not None
-    )
-    if not plan.streams:
-        notes.append(f"fast path not taken: {plan.reason}")
-    else:
-        from ckptfix.formats.copyable import Fallback
 
-        try:
-            streamed = _stream(
-                plan,
-                source,
-                os.fspath(dst),
-                in_fmt=in_fmt,
-                out_fmt=out_fmt,
-                dtype=dtype,
-                transform=transform,
-                allow_globals=allow,
-                verify=verify,
-                shard_size=shard_size,
-                overwrite=overwrite,
-                optimizer=optimizer,
+
+@dataclass(frozen=True, kw_only=True)
+class _FileJob:
+    """One :func:`convert_file` call, as its stream and its torch path take it: where from and to, in what formats,
+    and how."""
+
+    source: str
+    dst: str
+    in_fmt: str
+    out_fmt: str
+    shard_size: int | None
+    options: ConvertOptions
+    transform: Callable[[Any], Conversion]
+    allow: tuple[str, ...]
+    unsafe: bool
+    verify: bool
+    overwrite: bool
+    optimizer: bool
+
+    def stream(self, plan: Plan) -> Conversion:
+        """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
+        it does not apply."""
+        return _stream(
+            plan,
+            self.source,
+            self.dst,
+            in_fmt=self.in_fmt,
+            out_fmt=self.out_fmt,
+            dtype=self.options.dtype,
+            transform=self.transform,
+            allow_globals=self.allow,
+            verify=self.verify,
+            shard_size=self.shard_size,
+            overwrite=self.overwrite,
+            optimizer=self.optimizer,
+        )
+
+    def torch(self) -> Conversion:
+        """Load with torch, transform, cast, save."""
+        # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
+        with devices.keeping_locations():
+            model_only = self.options.model_only
+            obj = read(
+                self.source,
+                fmt=self.in_fmt,
+                unsafe=self.unsafe,
+                allow_globals=self.allow,
+                model_only=model_only,
+                opaque=True,
             )
-            streamed.method = "stream"
-            streamed.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
-            _note_tied(streamed, dst, out_fmt=out_fmt, shard_size=shard_size)
-            return streamed
-        except Fallback as e:
-            notes.append(f"fast path not taken: {e}")
-    with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
-        obj = read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only, opaque=True)
-        if optimizer:
-            from ckptfix.formats.deepspeed.run import load_training_state
+            if self.optimizer:
+                from ckptfix.formats.deepspeed.run import load_training_state
 
-            obj = {"model": obj, **load_training_state(source, allow_globals=allow)}
-        conversion = transform(obj)
-        opaque.refuse_left(conversion.obj, source=source)
-        if dtype is not None:
-            cast_floating(conversion, dtype)
-        write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size, overwrite=overwrite)
-    conversion.method = "torch"
-    conversion.notes.extend(notes)
-    if in_fmt == "torch-zip" and not unsafe:
-        from ckptfix.formats.torchzip.archive import NO_CRC
-        from ckptfix.formats.torchzip.reader import stores_crcs
+                obj = {"model": obj, **load_training_state(self.source, allow_globals=self.allow)}
+            conversion = self.transform(obj)
+            opaque.refuse_left(conversion.obj, source=self.source)
+            if self.options.dtype is not None:
+                cast_floating(conversion, self.options.dtype)
+            write(conversion.obj, self.dst, fmt=self.out_fmt, shard_size=self.shard_size, overwrite=self.overwrite)
+        return conversion
 
-        if not stores_crcs(source):  # the output gets CRCs of its own, computed by torch.save
-            conversion.notes.append(f"{NO_CRC} in the input")
-    _note_losses(conversion, out_fmt)
-    conversion.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
-    _note_tied(conversion, dst, out_fmt=out_fmt, shard_size=shard_size)
-    return conversion
+    def finish(self, conversion: Conversion) -> Conversion:
+        """What either path says last: (torch) a CRC-less input, what a .safetensors or DCP output loses; what the
+        output holds, and tied keys a .safetensors output stores once."""
+        if conversion.method == "torch":
+            if self.in_fmt == "torch-zip" and not self.unsafe:
+                from ckptfix.formats.torchzip.archive import NO_CRC
+                from ckptfix.formats.torchzip.reader import stores_crcs
+
+                if not stores_crcs(self.source):  # the output gets CRCs of its own, computed by torch.save
+                    conversion.notes.append(f"{NO_CRC} in the input")
+            _note_losses(conversion, self.out_fmt)
+        conversion.wrote = describe_output(self.dst, fmt=self.out_fmt, shard_size=self.shard_size)
+        _note_tied(conversion, self.dst, out_fmt=self.out_fmt, shard_size=self.shard_size)
+        return conversion
 
 
 def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: str) -> Callable[[Any], Conversion]:
