@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfix.conversion.parameters import optimizer_parameters as optimizer_parameters
+from ckptfix.conversion.parameters import parameters
 from ckptfix.conversion.plan import STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, Plan, plan_conversion
 from ckptfix.conversion.run import run_conversion
 from ckptfix.errors import UsageError
@@ -197,7 +199,7 @@ def convert_file(
         model_only=model_only,
         dtype=dtype,
         optimizer_form=optimizer_form,
-        parameters=_parameters(model, optimizer_factory),
+        parameters=parameters(model, optimizer_factory),
     )
     return _convert(
         src,
@@ -305,19 +307,55 @@ class _FileJob:
     def stream(self, plan: Plan) -> Conversion:
         """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
         it does not apply."""
-        return _stream(
-            plan,
+        if plan.route == TO_DCP:
+            from ckptfix.stream.to_dcp import convert_to_dcp
+
+            streamed: Conversion = convert_to_dcp(
+                self.source,
+                self.dst,
+                in_fmt=self.in_fmt,
+                dtype=self.options.dtype,
+                transform=self.transform,
+                allow_globals=self.allow,
+                overwrite=self.overwrite,
+                optimizer=self.optimizer,
+            )
+            _note_losses(streamed, self.out_fmt)
+            return streamed
+        if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt
+            from ckptfix.stream.folder_torch import convert_folder_to_torch
+
+            return convert_folder_to_torch(
+                self.source,
+                self.dst,
+                transform=self.transform,
+                allow_globals=self.allow,
+                optimizer=self.optimizer,
+                dtype=self.options.dtype,
+            )
+        if plan.route == STREAM_TENSORS:
+            from ckptfix.stream.folders import convert_folder
+
+            return convert_folder(
+                self.source,
+                self.dst,
+                transform=self.transform,
+                allow_globals=self.allow,
+                dtype=self.options.dtype,
+                shard_size=self.shard_size,
+                overwrite=self.overwrite,
+            )
+        from ckptfix.stream import fast_convert
+
+        # it notes what a .safetensors output does not keep, as it goes
+        return fast_convert(  # type: ignore[no-any-return]
             self.source,
             self.dst,
             in_fmt=self.in_fmt,
             out_fmt=self.out_fmt,
-            dtype=self.options.dtype,
             transform=self.transform,
             allow_globals=self.allow,
             verify=self.verify,
-            shard_size=self.shard_size,
-            overwrite=self.overwrite,
-            optimizer=self.optimizer,
         )
 
     def torch(self) -> Conversion:
@@ -402,7 +440,7 @@ def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: in
 
         paths = [p for p in shard_set(dst) if not p.endswith(".index.json")]
     if note := tied_note(paths):
-        conversion.notes.insert(0, note)  # the route's note stays the last
+        conversion.notes.insert(0, always(note, kind=Kind.TIES))  # the route's note stays the last
 
 
 def _own_tensor(value: Any) -> Any:
@@ -414,49 +452,6 @@ def _own_tensor(value: Any) -> Any:
     copied = value.clone()
     devices.inherit(copied, value)
     return copied
-
-
-def model_parameters(spec: str) -> Parameters:
-    """The parameters of the model ``spec`` builds (on the meta device: no weights made), as ``named_parameters()``
-    gives them (tied ones once)."""
-    from ckptfix.loading.factory import build_model
-
-    named = list(build_model(spec, device="meta").named_parameters())
-    return Parameters(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), f"--model {spec}")
-
-
-def _parameters(model: str | None, optimizer_factory: str | None) -> Parameters | None:
-    if optimizer_factory is not None:
-        return optimizer_parameters(model, optimizer_factory)
-    return None if model is None else model_parameters(model)
-
-
-def optimizer_parameters(model: str | None, optimizer_factory: str) -> Parameters:
-    """The parameters of the optimizer ``optimizer_factory`` builds for the model ``model`` builds (on the meta
-    device), in the optimizer's order, group by group: each named as the model's ``named_parameters()`` name it."""
-    from ckptfix.loading.factory import build_model, build_optimizer
-
-    origin = f"--optimizer-factory {optimizer_factory}"
-    if model is None:
-        raise UsageError(
-            f"optimizer_factory={optimizer_factory!r} builds the optimizer for a model: pass "
-            f"model='MOD:FACTORY' too, the model the run trained"
-        )
-    built = build_model(model, device="meta")  # both found as every MOD:FACTORY is: the current folder searched last
-    names = {id(p): n for n, p in built.named_parameters()}
-    groups = [list(g["params"]) for g in build_optimizer(optimizer_factory, built).param_groups]
-    params = [p for g in groups for p in g]
-    if stray := [g for g, group in enumerate(groups) if any(id(p) not in names for p in group)]:
-        raise UsageError(
-            f"{origin}: param group {stray[0]} holds a tensor that is not a parameter of the model "
-            f"--model {model} builds; build the optimizer from the model it is given"
-        )
-    return Parameters(
-        tuple(names[id(p)] for p in params),
-        tuple(tuple(p.shape) for p in params),
-        origin,
-        groups=tuple(len(g) for g in groups),
-    )
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:
@@ -481,70 +476,6 @@ def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bo
             f"optimizer=True applies to a DeepSpeed ZeRO run folder, and {source} is not one; drop "
             f"optimizer=True (a .pt input keeps its optimizer entry as it is)"
         )
-
-
-def _stream(
-    plan: Plan,
-    source: str,
-    out: str,
-    *,
-    in_fmt: str,
-    out_fmt: str,
-    dtype: str | None,
-    transform: Callable[[Any], Conversion],
-    allow_globals: tuple[str, ...],
-    verify: bool,
-    shard_size: int | None,
-    overwrite: bool,
-    optimizer: bool,
-) -> Conversion:
-    """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
-    it does not apply."""
-    if plan.route == TO_DCP:
-        from ckptfix.stream.to_dcp import convert_to_dcp
-
-        streamed: Conversion = convert_to_dcp(
-            source,
-            out,
-            in_fmt=in_fmt,
-            dtype=dtype,
-            transform=transform,
-            allow_globals=allow_globals,
-            overwrite=overwrite,
-            optimizer=optimizer,
-        )
-        _note_losses(streamed, out_fmt)
-        return streamed
-    if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt
-        from ckptfix.stream.folder_torch import convert_folder_to_torch
-
-        return convert_folder_to_torch(
-            source, out, transform=transform, allow_globals=allow_globals, optimizer=optimizer, dtype=dtype
-        )
-    if plan.route == STREAM_TENSORS:
-        from ckptfix.stream.folders import convert_folder
-
-        return convert_folder(
-            source,
-            out,
-            transform=transform,
-            allow_globals=allow_globals,
-            dtype=dtype,
-            shard_size=shard_size,
-            overwrite=overwrite,
-        )
-    from ckptfix.stream import fast_convert
-
-    # it notes what a .safetensors output does not keep, as it goes
-    return fast_convert(  # type: ignore[no-any-return]
-        source,
-        out,
-        in_fmt=in_fmt,
-        out_fmt=out_fmt,
-        transform=transform,
-        allow_globals=allow_globals,
-        verify=verify,
-    )
 
 
 def _note_losses(conversion: Conversion, out_fmt: str) -> None:

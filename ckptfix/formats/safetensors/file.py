@@ -32,7 +32,6 @@ from ckptfix.formats.raw import RawTensor, resolved
 from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
 from ckptfix.formats.strict_json import Said, json_object
 from ckptfix.formats.torchzip.archive import BLOCK
-from ckptfix.notes import Kind, always
 from ckptfix.transforms.checkpoint import is_state_dict, is_tensor, model_entries
 
 MAX_HEADER = 100 * 1024 * 1024
@@ -372,10 +371,9 @@ def tied_note(paths: Iterable[str]) -> str | None:
         return None
     pairs = ", ".join(f"'{alias}' = '{key}'" for alias, key in list(aliases.items())[:3])
     more = f" and {len(aliases) - 3} more" if len(aliases) > 3 else ""
-    return always(
+    return (
         f"{TIED_ONCE}: {pairs}{more} (one tensor, stored once with the alias in the metadata); ckptfix.load and "
-        f"safetensors.torch.load_model(model, path) give both back, safetensors.torch.load_file only the first",
-        kind=Kind.TIES,
+        f"safetensors.torch.load_model(model, path) give both back, safetensors.torch.load_file only the first"
     )
 
 
