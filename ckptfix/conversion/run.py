@@ -31,21 +31,23 @@ class Ran(Generic[R]):
 
 def run(plan: Plan, *, stream: Callable[[], R], torch: Callable[[], R]) -> Ran[R]:
     """``stream()`` where ``plan`` streams, else (or where it raises :class:`Fallback`) ``torch()``; and why."""
-    why = plan.reason
-    if plan.streams:
-        try:
-            return Ran(stream())
-        except Fallback as e:
-            why = str(e)
-    return Ran(torch(), why or "")
+    if not plan.streams:
+        return Ran(torch(), plan.reason or "")  # a torch plan always says why
+    try:
+        return Ran(stream())
+    except Fallback as e:  # raised before the stream wrote anything
+        why = str(e)
+    return Ran(torch(), why)
 
 
 def run_conversion(plan: Plan, *, stream: Callable[[], Conversion], torch: Callable[[], Conversion]) -> Conversion:
     """:func:`run`, its result's ``method`` set (``stream`` or ``torch``) and, for torch, a note saying why."""
     ran = run(plan, stream=stream, torch=torch)
     done = ran.result
-    done.method = "stream" if ran.why is None else "torch"
-    if ran.why is not None:
+    if ran.why is None:
+        done.method = "stream"
+    else:
+        done.method = "torch"
         done.notes.append(Note(f"fast path not taken: {ran.why}", kind=Kind.ROUTE))
     return done
 
