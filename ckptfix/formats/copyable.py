@@ -1,11 +1,12 @@
 """When a tensor's stored bytes are not its values: the rules every reader and writer that copies bytes asks, and
-:class:`Fallback`, the one signal that a copy does not apply.
+:class:`Fallback`, the one signal that a copy does not apply, with its :class:`Reason`.
 
 The streaming writers copy records byte for byte, the readers hand records to torch as they are, and
 :mod:`~ckptfix.formats.torchio.materialize` maps storages as they lie in the file. Each steps aside for torch (which
-swaps, applies the bits, or copies the view) where one of these rules says the bytes are not the values; each says
-so in its own words, from the reason returned here. A torch zip's tensor (a file's, a DCP chunk's) is asked both
-questions: its archive's byte order (:func:`foreign_byte_order`) and its record's (:func:`values_as_stored`).
+swaps, applies the bits, or copies the view) where one of these rules says the bytes are not the values, naming one
+of the reasons of :class:`Reason`, each written once here (what ``convert -v`` and ``--json`` say). A torch zip's
+tensor (a file's, a DCP chunk's) is asked both questions: its archive's byte order (:func:`foreign_byte_order`) and
+its record's (:func:`values_as_stored`).
 
 It imports nothing of ckptfix (a record and an archive are asked for the attributes named here), so the tensor
 records themselves (:mod:`~ckptfix.formats.pickles.inert`) answer by these rules.
