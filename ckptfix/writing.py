@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
-from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, pickling
@@ -113,7 +113,7 @@ class _Safetensors(StreamedWriter):
 
         def locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
             if not (is_record(value) and value.on_demand):
-                raise Fallback("a tensor already in memory")
+                raise Fallback(Reason.IN_MEMORY)
             found = spec(value)
             return found.dtype, found.shape, 0, found.nbytes, identity(value)
 
@@ -168,7 +168,7 @@ class _TorchZip(StreamedWriter):
             if torch_zip and self.base is not None:
                 return value  # kept: its storage record is copied, or written from the tensor handed in
             if torch_zip or not (is_record(value) and value.on_demand):
-                raise Fallback(f"a {type(value).__name__} value")
+                raise Fallback(Reason.VALUE_TYPE, kind=type(value).__name__)
             return self.new(value)
 
         # a container reached twice stays one, as the pickle written shares it
@@ -176,7 +176,7 @@ class _TorchZip(StreamedWriter):
         try:
             self.pickle = pickling.dump(self.tree)
         except TypeError as e:
-            raise Fallback(str(e)) from e
+            raise Fallback(Reason.UNPICKLABLE, error=e) from e
         self.storages = {ref.key: ref for ref in inert.walk(self.tree) if isinstance(ref, inert.StorageRef)}
         self.written: set[str] = set()
 

@@ -182,24 +182,14 @@ def _text(result: Conversion, dst: str, *, dtype: str | None, verbose: bool) -> 
         echo(f"kept unchanged: {', '.join(result.kept)}")
     if result.dropped:
         echo(f"dropped (--model-only): {', '.join(result.dropped)}")
-    from ckptfix.exporting.ties import TIES_NOT_RESTORED, TIES_RESTORED
-    from ckptfix.formats.safetensors.file import TIED_ONCE
+    from ckptfix.notes import Kind, Level, kind_of, level_of
 
-    tied = (TIED_ONCE, TIES_RESTORED, TIES_NOT_RESTORED)
-    if verbose:
-        path = "".join(f"; {note}" for note in result.notes if not note.startswith(tied))
+    if verbose:  # every note but the tied names' in the path line
+        path = "".join(f"; {note}" for note in result.notes if kind_of(note) is not Kind.TIES)
         echo(f"path: {result.method}{path}", err=True)
-    # said whatever the verbosity: entries copied unbuilt (the output holds what the input held), keys a DCP folder
-    # turns into strings (a value read back differs), tied keys a .safetensors file stores once or a .pt gets back
-    # (or does not), optimizer state a resume would not bind
-    from ckptfix.conversion.files import DCP_STRING_KEYS
-    from ckptfix.formats.torchio.opaque import KEPT
-    from ckptfix.transforms.optim_form import SAID
-
+    # tied names on a line of their own; without --verbose, every note said whatever the verbosity
     for note in result.notes:
-        if note.startswith(tied) or (
-            not verbose and (note.startswith((KEPT, DCP_STRING_KEYS)) or any(s in note for s in SAID))
-        ):
+        if kind_of(note) is Kind.TIES or (not verbose and level_of(note) is Level.ALWAYS):
             echo(f"ckptfix: {note}", err=True)
     echo(f"wrote {dst}" + (f" ({result.wrote})" if result.wrote else ""))
 

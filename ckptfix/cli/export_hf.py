@@ -9,6 +9,7 @@ import click
 
 from ckptfix.cli.render import Output, echo
 from ckptfix.errors import UsageError
+from ckptfix.notes import Kind, Level, kind_of, level_of
 
 # convert's options that an export does not take: the keys are the model's, CRCs always checked
 _NOT_FOR_HF = {
@@ -19,7 +20,6 @@ _NOT_FOR_HF = {
     "no_verify": "--no-verify",
 }  # fmt: skip (--model-only is what an export does anyway)
 _HF_ONLY = {"config_from": "--config-from", "architecture": "--architecture", "verify_hf": "--verify"}
-SAID = ("left out", "copied", "verified", "architecture")  # an export's notes said without --verbose
 
 
 def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: bool) -> None:
@@ -57,9 +57,9 @@ def export(src: str, dst: str, ctx: click.Context, *, output: Output, verbose: b
         if result.dropped:
             echo(f"left out the training state beside the model: {', '.join(result.dropped)}")
         for note in result.notes:
-            if verbose or note.startswith(SAID):
-                echo(note if not note.startswith("fast path") else f"path: {result.method}; {note}")
-        if verbose and not any(n.startswith("fast path") for n in result.notes):
+            if verbose or level_of(note) is Level.ALWAYS:
+                echo(note if kind_of(note) is not Kind.ROUTE else f"path: {result.method}; {note}")
+        if verbose and not any(kind_of(n) is Kind.ROUTE for n in result.notes):
             echo(f"path: {result.method}", err=True)
         echo(f"wrote {dst} ({result.wrote})")
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptfix.cli.export_hf import SAID, refuse_hf_only
+from ckptfix.cli.export_hf import refuse_hf_only
 from ckptfix.cli.options import (
     architecture_option,
     force_option,
@@ -22,6 +22,7 @@ from ckptfix.keytree import group_keys
 
 if TYPE_CHECKING:
     from ckptfix.merging.files import MergeResult
+    from ckptfix.transforms.checkpoint import Conversion
 
 # ckptfix.merging.files's BUFFER_STRATEGIES, spelled out so that --help does not import the merge
 # (tests/cli/test_group.py)
@@ -147,33 +148,11 @@ def merge(
     Example: ckptfix merge step8000.pt step9000.pt step10000.pt -o avg.pt --average
     Example: ckptfix merge soup_a.safetensors soup_b.safetensors -o soup.safetensors --weights 0.3,0.7
     """
-    from ckptfix.errors import MergeError, as_flags
-    from ckptfix.merging.files import merge_files
-
-    if kwargs is not None and model_spec is None:
-        from ckptfix.errors import UsageError
-
-        raise UsageError("--kwargs are the --model factory's and no --model was given; add --model or drop --kwargs")
+    params = click.get_current_context().params  # every option as given, for the checks and the library's options
     averaging = average or weights is not None
-    for j, later in enumerate(inputs):
-        for earlier in inputs[:j]:
-            if os.path.realpath(later) == os.path.realpath(earlier):
-                counts = "counts twice in the average" if averaging else "counts as two ranks"
-                warn(f"{later} is given twice; the same file {counts}")
-    _check_format(out_format, optimizer=optimizer)
+    _check(params, averaging=averaging)
     model = _model(model_spec, kwargs) if model_spec else None
-    buffer_keys = _buffer_keys(model) if model is not None else []
-    options: dict[str, Any] = {
-        "buffers": buffers,
-        "atol": atol,
-        "buffer_keys": buffer_keys,
-        "average": average,
-        "weights": weights,
-        "model": model,
-        "overwrite": overwrite,
-        "allow_globals": allow_globals,
-        "unsafe": unsafe_pickle,
-    }
+    options = _options(params, model)
     exported = None
     if out_format == "hf":
         from ckptfix.exporting.folder import merge_to_hf
@@ -182,10 +161,64 @@ def merge(
             inputs, out, config_from=config_from, architecture=architecture, verify=verify_hf, **options
         )
     else:
+        from ckptfix.merging.files import merge_files
+
         result = merge_files(inputs, out, to=to, model_only=model_only, optimizer=optimizer, **options)
+    _report(result, exported, inputs, out, output=output, to=to, buffers=buffers, atol=atol, averaging=averaging)
+
+
+def _check(params: dict[str, Any], *, averaging: bool) -> None:
+    """Before any file is read: --kwargs without --model refused, an input given twice warned of, the options of
+    --format hf given without it (or --optimizer with it) refused."""
+    if params["kwargs"] is not None and params["model_spec"] is None:
+        from ckptfix.errors import UsageError
+
+        raise UsageError("--kwargs are the --model factory's and no --model was given; add --model or drop --kwargs")
+    inputs = params["inputs"]
+    for j, later in enumerate(inputs):
+        for earlier in inputs[:j]:
+            if os.path.realpath(later) == os.path.realpath(earlier):
+                counts = "counts twice in the average" if averaging else "counts as two ranks"
+                warn(f"{later} is given twice; the same file {counts}")
+    _check_format(params.get("out_format"), optimizer=params["optimizer"])
+
+
+def _options(params: dict[str, Any], model: Any) -> dict[str, Any]:
+    """The options :func:`~ckptfix.merging.files.merge_files` and :func:`~ckptfix.exporting.folder.merge_to_hf`
+    both take, from the command's."""
+    return {
+        "buffers": params["buffers"],
+        "atol": params["atol"],
+        "buffer_keys": _buffer_keys(model) if model is not None else [],
+        "average": params["average"],
+        "weights": params["weights"],
+        "model": model,
+        "overwrite": params["overwrite"],
+        "allow_globals": params["allow_globals"],
+        "unsafe": params["unsafe_pickle"],
+    }
+
+
+def _report(
+    result: MergeResult,
+    exported: Conversion | None,
+    inputs: tuple[str, ...],
+    out: str,
+    *,
+    output: Output,
+    to: str,
+    buffers: str,
+    atol: float,
+    averaging: bool,
+) -> None:
+    """The merge's warnings, its result (text or JSON) with what an export said whatever the verbosity, and exit 1
+    where the ranks disagree."""
+    from ckptfix.errors import MergeError, as_flags
+    from ckptfix.notes import Level, level_of
+
     wrote = out
     if exported is not None:  # what the export did, then where it wrote
-        result.notes.extend(n for n in exported.notes if n.startswith(SAID))
+        result.notes.extend(n for n in exported.notes if level_of(n) is Level.ALWAYS)
         wrote, to = f"{out} ({exported.wrote})", "transformers"  # the keys are the config's
     for message in result.warnings:
         warn(message)

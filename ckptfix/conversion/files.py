@@ -13,7 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfix.conversion.parameters import optimizer_parameters as optimizer_parameters
+from ckptfix.conversion.parameters import parameters
 from ckptfix.conversion.plan import STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, Plan, plan_conversion
+from ckptfix.conversion.run import run_conversion
 from ckptfix.errors import UsageError
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
 from ckptfix.formats.registry import (
@@ -28,6 +31,7 @@ from ckptfix.formats.registry import (
 from ckptfix.formats.safetensors.file import losses_note
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
+from ckptfix.notes import Kind, always
 from ckptfix.signature import strict_keywords
 from ckptfix.transforms.checkpoint import (
     Conversion,
@@ -195,17 +199,83 @@ def convert_file(
         model_only=model_only,
         dtype=dtype,
         optimizer_form=optimizer_form,
-        parameters=_parameters(model, optimizer_factory),
+        parameters=parameters(model, optimizer_factory),
     )
-    dtype = options.dtype  # the canonical name (bf16 is bfloat16)
+    return _convert(
+        src,
+        dst,
+        options,
+        format=format,
+        shard_size=shard_size,
+        allow=tuple(allow_globals),
+        unsafe=unsafe,
+        verify=verify,
+        overwrite=overwrite,
+        optimizer=optimizer,
+        fast=fast,
+    )
+
+
+def _convert(
+    src: PathLike,
+    dst: PathLike,
+    options: ConvertOptions,
+    *,
+    format: str | None,
+    shard_size: int | None,
+    allow: tuple[str, ...],
+    unsafe: bool,
+    verify: bool,
+    overwrite: bool,
+    optimizer: bool,
+    fast: bool,
+) -> Conversion:
+    """:func:`convert_file` once its options are checked: the output checked, the input detected (once), the plan
+    carried out (:func:`~ckptfix.conversion.run.run_conversion`)."""
     source = os.fspath(src)
-    dst, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
+    out, out_fmt, shard_size = resolve_output(dst, fmt=format, shard_size=shard_size)
+    _check_output(
+        src,
+        out,
+        out_fmt=out_fmt,
+        shard_size=shard_size,
+        overwrite=overwrite,
+        optimizer=optimizer,
+        model_only=options.model_only,
+    )
+    found = detect(src)
+    job = _FileJob(
+        source=source,
+        dst=out,
+        in_fmt=found.name,
+        out_fmt=out_fmt,
+        shard_size=shard_size,
+        options=options,
+        transform=_transform(options, source, in_kind=found.kind, out_fmt=out_fmt),
+        allow=allow,
+        unsafe=unsafe,
+        verify=verify,
+        overwrite=overwrite,
+        optimizer=optimizer,
+    )
+    sharded = shard_size is not None
+    plan = plan_conversion(
+        in_fmt=found.name, out_fmt=out_fmt, fast=fast, dtype=options.dtype, unsafe=unsafe, sharded=sharded
+    )
+    return job.finish(run_conversion(plan, stream=lambda: job.stream(plan), torch=job.torch))
+
+
+def _check_output(
+    src: PathLike, dst: str, *, out_fmt: str, shard_size: int | None, overwrite: bool, optimizer: bool, model_only: bool
+) -> None:
+    """OUT as :func:`convert_file` may write it (a folder --format hf is :func:`~ckptfix.exporting.folder.export_hf`'s
+    call; ``optimizer=True``, :func:`_check_optimizer`'s); an existing one only with ``overwrite``."""
     if out_fmt == "hf":
         raise UsageError(
-            f"format='hf': call ckptfix.export_hf({source!r}, {dst!r}), which takes config_from= and verify="
+            f"format='hf': call ckptfix.export_hf({os.fspath(src)!r}, {dst!r}), which takes config_from= and verify="
         )
     if optimizer:
-        _check_optimizer(source, dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
+        _check_optimizer(os.fspath(src), dst, out_fmt=out_fmt, model_only=model_only, shard_size=shard_size)
     if out_fmt == "dcp":
         check_output_folder(dst, inputs=(src,), overwrite=overwrite)
     elif shard_size is not None:
@@ -214,62 +284,118 @@ def convert_file(
         check_shards_output(dst, inputs=(src,), overwrite=overwrite)
     else:
         check_output(dst, inputs=(src,), overwrite=overwrite)
-    in_fmt = (found := detect(src)).name
-    allow = tuple(allow_globals)
-    notes: list[str] = []
-    transform = _transform(options, source, in_kind=found.kind, out_fmt=out_fmt)
-    plan = plan_conversion(
-        in_fmt=in_fmt, out_fmt=out_fmt, fast=fast, dtype=dtype, unsafe=unsafe, sharded=shard_size is not None
-    )
-    if not plan.streams:
-        notes.append(f"fast path not taken: {plan.reason}")
-    else:
-        from ckptfix.formats.copyable import Fallback
 
-        try:
-            streamed = _stream(
-                plan,
-                source,
-                os.fspath(dst),
-                in_fmt=in_fmt,
-                out_fmt=out_fmt,
-                dtype=dtype,
-                transform=transform,
-                allow_globals=allow,
-                verify=verify,
-                shard_size=shard_size,
-                overwrite=overwrite,
-                optimizer=optimizer,
+
+@dataclass(frozen=True, kw_only=True)
+class _FileJob:
+    """One :func:`convert_file` call, as its stream and its torch path take it: where from and to, in what formats,
+    and how."""
+
+    source: str
+    dst: str
+    in_fmt: str
+    out_fmt: str
+    shard_size: int | None
+    options: ConvertOptions
+    transform: Callable[[Any], Conversion]
+    allow: tuple[str, ...]
+    unsafe: bool
+    verify: bool
+    overwrite: bool
+    optimizer: bool
+
+    def stream(self, plan: Plan) -> Conversion:
+        """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
+        it does not apply."""
+        if plan.route == TO_DCP:
+            from ckptfix.stream.to_dcp import convert_to_dcp
+
+            streamed: Conversion = convert_to_dcp(
+                self.source,
+                self.dst,
+                in_fmt=self.in_fmt,
+                dtype=self.options.dtype,
+                transform=self.transform,
+                allow_globals=self.allow,
+                overwrite=self.overwrite,
+                optimizer=self.optimizer,
             )
-            streamed.method = "stream"
-            streamed.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
-            _note_tied(streamed, dst, out_fmt=out_fmt, shard_size=shard_size)
+            _note_losses(streamed, self.out_fmt)
             return streamed
-        except Fallback as e:
-            notes.append(f"fast path not taken: {e}")
-    with devices.keeping_locations():  # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
-        obj = read(src, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=model_only, opaque=True)
-        if optimizer:
-            from ckptfix.formats.deepspeed.run import load_training_state
+        if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt
+            from ckptfix.stream.folder_torch import convert_folder_to_torch
 
-            obj = {"model": obj, **load_training_state(source, allow_globals=allow)}
-        conversion = transform(obj)
-        opaque.refuse_left(conversion.obj, source=source)
-        if dtype is not None:
-            cast_floating(conversion, dtype)
-        write(conversion.obj, dst, fmt=out_fmt, shard_size=shard_size, overwrite=overwrite)
-    conversion.method = "torch"
-    conversion.notes.extend(notes)
-    if in_fmt == "torch-zip" and not unsafe:
-        from ckptfix.formats.torchzip.archive import NO_CRC
-        from ckptfix.formats.torchzip.reader import stores_crcs
+            return convert_folder_to_torch(
+                self.source,
+                self.dst,
+                transform=self.transform,
+                allow_globals=self.allow,
+                optimizer=self.optimizer,
+                dtype=self.options.dtype,
+            )
+        if plan.route == STREAM_TENSORS:
+            from ckptfix.stream.folders import convert_folder
 
-        if not stores_crcs(source):  # the output gets CRCs of its own, computed by torch.save
-            conversion.notes.append(f"{NO_CRC} in the input")
-    _note_losses(conversion, out_fmt)
-    conversion.wrote = describe_output(dst, fmt=out_fmt, shard_size=shard_size)
-    _note_tied(conversion, dst, out_fmt=out_fmt, shard_size=shard_size)
-    return conversion
+            return convert_folder(
+                self.source,
+                self.dst,
+                transform=self.transform,
+                allow_globals=self.allow,
+                dtype=self.options.dtype,
+                shard_size=self.shard_size,
+                overwrite=self.overwrite,
+            )
+        from ckptfix.stream import fast_convert
+
+        # it notes what a .safetensors output does not keep, as it goes
+        return fast_convert(  # type: ignore[no-any-return]
+            self.source,
+            self.dst,
+            in_fmt=self.in_fmt,
+            out_fmt=self.out_fmt,
+            transform=self.transform,
+            allow_globals=self.allow,
+            verify=self.verify,
+        )
+
+    def torch(self) -> Conversion:
+        """Load with torch, transform, cast, save."""
+        # a tensor saved on cuda:0 is written as one (the fast path copies its tag)
+        with devices.keeping_locations():
+            model_only = self.options.model_only
+            obj = read(
+                self.source,
+                fmt=self.in_fmt,
+                unsafe=self.unsafe,
+                allow_globals=self.allow,
+                model_only=model_only,
+                opaque=True,
+            )
+            if self.optimizer:
+                from ckptfix.formats.deepspeed.run import load_training_state
+
+                obj = {"model": obj, **load_training_state(self.source, allow_globals=self.allow)}
+            conversion = self.transform(obj)
+            opaque.refuse_left(conversion.obj, source=self.source)
+            if self.options.dtype is not None:
+                cast_floating(conversion, self.options.dtype)
+            write(conversion.obj, self.dst, fmt=self.out_fmt, shard_size=self.shard_size, overwrite=self.overwrite)
+        return conversion
+
+    def finish(self, conversion: Conversion) -> Conversion:
+        """What either path says last: (torch) a CRC-less input, what a .safetensors or DCP output loses; what the
+        output holds, and tied keys a .safetensors output stores once."""
+        if conversion.method == "torch":
+            if self.in_fmt == "torch-zip" and not self.unsafe:
+                from ckptfix.formats.torchzip.archive import NO_CRC
+                from ckptfix.formats.torchzip.reader import stores_crcs
+
+                if not stores_crcs(self.source):  # the output gets CRCs of its own, computed by torch.save
+                    conversion.notes.append(f"{NO_CRC} in the input")
+            _note_losses(conversion, self.out_fmt)
+        conversion.wrote = describe_output(self.dst, fmt=self.out_fmt, shard_size=self.shard_size)
+        _note_tied(conversion, self.dst, out_fmt=self.out_fmt, shard_size=self.shard_size)
+        return conversion
 
 
 def _transform(options: ConvertOptions, source: str, *, in_kind: str, out_fmt: str) -> Callable[[Any], Conversion]:
@@ -314,61 +440,18 @@ def _note_tied(conversion: Conversion, dst: str, *, out_fmt: str, shard_size: in
 
         paths = [p for p in shard_set(dst) if not p.endswith(".index.json")]
     if note := tied_note(paths):
-        conversion.notes.insert(0, note)  # the route's note stays the last
+        conversion.notes.insert(0, always(note, kind=Kind.TIES))  # the route's note stays the last
 
 
 def _own_tensor(value: Any) -> Any:
     """A copy of a torch tensor; for a record (a stream reads no values), the torch path, which copies."""
-    from ckptfix.formats.copyable import Fallback
+    from ckptfix.formats.copyable import Fallback, Reason
 
     if not hasattr(value, "clone"):
-        raise Fallback("an optimizer's step tensor is shared between parameters (FSDP1); torch copies it apart")
+        raise Fallback(Reason.SHARED_STEP)
     copied = value.clone()
     devices.inherit(copied, value)
     return copied
-
-
-def model_parameters(spec: str) -> Parameters:
-    """The parameters of the model ``spec`` builds (on the meta device: no weights made), as ``named_parameters()``
-    gives them (tied ones once)."""
-    from ckptfix.loading.factory import build_model
-
-    named = list(build_model(spec, device="meta").named_parameters())
-    return Parameters(tuple(n for n, _ in named), tuple(tuple(p.shape) for _, p in named), f"--model {spec}")
-
-
-def _parameters(model: str | None, optimizer_factory: str | None) -> Parameters | None:
-    if optimizer_factory is not None:
-        return optimizer_parameters(model, optimizer_factory)
-    return None if model is None else model_parameters(model)
-
-
-def optimizer_parameters(model: str | None, optimizer_factory: str) -> Parameters:
-    """The parameters of the optimizer ``optimizer_factory`` builds for the model ``model`` builds (on the meta
-    device), in the optimizer's order, group by group: each named as the model's ``named_parameters()`` name it."""
-    from ckptfix.loading.factory import build_model, build_optimizer
-
-    origin = f"--optimizer-factory {optimizer_factory}"
-    if model is None:
-        raise UsageError(
-            f"optimizer_factory={optimizer_factory!r} builds the optimizer for a model: pass "
-            f"model='MOD:FACTORY' too, the model the run trained"
-        )
-    built = build_model(model, device="meta")  # both found as every MOD:FACTORY is: the current folder searched last
-    names = {id(p): n for n, p in built.named_parameters()}
-    groups = [list(g["params"]) for g in build_optimizer(optimizer_factory, built).param_groups]
-    params = [p for g in groups for p in g]
-    if stray := [g for g, group in enumerate(groups) if any(id(p) not in names for p in group)]:
-        raise UsageError(
-            f"{origin}: param group {stray[0]} holds a tensor that is not a parameter of the model "
-            f"--model {model} builds; build the optimizer from the model it is given"
-        )
-    return Parameters(
-        tuple(names[id(p)] for p in params),
-        tuple(tuple(p.shape) for p in params),
-        origin,
-        groups=tuple(len(g) for g in groups),
-    )
 
 
 def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bool, shard_size: int | None) -> None:
@@ -395,78 +478,17 @@ def _check_optimizer(source: str, dst: PathLike, *, out_fmt: str, model_only: bo
         )
 
 
-def _stream(
-    plan: Plan,
-    source: str,
-    out: str,
-    *,
-    in_fmt: str,
-    out_fmt: str,
-    dtype: str | None,
-    transform: Callable[[Any], Conversion],
-    allow_globals: tuple[str, ...],
-    verify: bool,
-    shard_size: int | None,
-    overwrite: bool,
-    optimizer: bool,
-) -> Conversion:
-    """Run ``plan``'s stream route; :class:`~ckptfix.formats.copyable.Fallback` before anything is written where
-    it does not apply."""
-    if plan.route == TO_DCP:
-        from ckptfix.stream.to_dcp import convert_to_dcp
-
-        streamed: Conversion = convert_to_dcp(
-            source,
-            out,
-            in_fmt=in_fmt,
-            dtype=dtype,
-            transform=transform,
-            allow_globals=allow_globals,
-            overwrite=overwrite,
-            optimizer=optimizer,
-        )
-        _note_losses(streamed, out_fmt)
-        return streamed
-    if plan.route == TENSORS_TO_TORCH:  # optimizer=True, or a cast into one .pt
-        from ckptfix.stream.folder_torch import convert_folder_to_torch
-
-        return convert_folder_to_torch(
-            source, out, transform=transform, allow_globals=allow_globals, optimizer=optimizer, dtype=dtype
-        )
-    if plan.route == STREAM_TENSORS:
-        from ckptfix.stream.folders import convert_folder
-
-        return convert_folder(
-            source,
-            out,
-            transform=transform,
-            allow_globals=allow_globals,
-            dtype=dtype,
-            shard_size=shard_size,
-            overwrite=overwrite,
-        )
-    from ckptfix.stream import fast_convert
-
-    # it notes what a .safetensors output does not keep, as it goes
-    return fast_convert(  # type: ignore[no-any-return]
-        source,
-        out,
-        in_fmt=in_fmt,
-        out_fmt=out_fmt,
-        transform=transform,
-        allow_globals=allow_globals,
-        verify=verify,
-    )
-
-
 def _note_losses(conversion: Conversion, out_fmt: str) -> None:
     if out_fmt == "safetensors" and (lost := safetensors_losses(conversion.obj)):
         conversion.notes.append(lost)
     if out_fmt == "dcp" and (named := _non_string_keys(conversion.obj)):
         count, first = named
         conversion.notes.append(
-            f"{DCP_STRING_KEYS}: {count} non-string key(s) become strings (e.g. '{first}'), as torch's DCP writer "
-            f"stores every key; write a .pt to keep them"
+            always(
+                f"{DCP_STRING_KEYS}: {count} non-string key(s) become strings (e.g. '{first}'), as torch's DCP "
+                f"writer stores every key; write a .pt to keep them",
+                kind=Kind.LOSS,
+            )
         )
 
 

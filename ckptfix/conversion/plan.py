@@ -6,7 +6,9 @@ write one ``.pt`` from them (``tensors-to-torch``) or write a DCP folder (``to-d
 checkpoint and saves it. A stream route can still step aside when it meets what only torch rebuilds (a view, a
 tensor with hooks, a big-endian file): it raises :class:`~ckptfix.formats.copyable.Fallback` with the reason,
 before anything is written, and the torch route runs. Either reason is a note, shown under ``convert -v``.
-Reading (``inspect``, ``diff``, ``merge``) decides the same way between describing a file and loading it.
+Reading (``inspect``, ``diff``, ``merge``) decides the same way between describing a file and loading it; a merge
+streams key by key (``stream-merge``) until what it reads asks for torch. :mod:`ckptfix.conversion.run` carries a
+plan out.
 
 It imports nothing of ckptfix: the rules are about the formats' names and the options only.
 """
@@ -22,6 +24,7 @@ STREAM_FILE, STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, TORCH = (
     "to-dcp",
     "torch",
 )
+STREAM_MERGE = "stream-merge"  # merging: key by key from every input into the output (else loaded, in memory)
 DESCRIBE = "describe"  # reading: the records as the file describes them, no tensor built
 # inputs whose tensors are byte ranges, cast or sharded as they stream (a .pt into .safetensors only)
 _RANGES = ("folder", "safetensors")
@@ -94,6 +97,7 @@ def _torch_reason(
 __all__ = [
     "DESCRIBE",
     "STREAM_FILE",
+    "STREAM_MERGE",
     "STREAM_TENSORS",
     "TENSORS_TO_TORCH",
     "TORCH",

@@ -25,6 +25,7 @@ from ckptfix.exporting.model import (
     quiet_transformers,
     require_transformers,
 )
+from ckptfix.notes import always
 
 if TYPE_CHECKING:
     import torch
@@ -151,8 +152,10 @@ def chosen_model(
     if len(picked) == 1:
         chosen = type(picked[0]).__name__
         return picked[0], [
-            f"architecture {chosen}: {config_path} names none, and {chosen} is the one class of "
-            f"model_type {kind!r} whose keys {source} fills (of {', '.join(names)})"
+            always(
+                f"architecture {chosen}: {config_path} names none, and {chosen} is the one class of "
+                f"model_type {kind!r} whose keys {source} fills (of {', '.join(names)})"
+            )
         ]
     raise UsageError(_unchosen(picked, names, kind=kind, source=source, config_path=config_path))
 

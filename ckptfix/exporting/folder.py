@@ -17,10 +17,12 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.conversion.files import cast_floating, float_dtype, refuse_partial
 from ckptfix.conversion.plan import plan_conversion
+from ckptfix.conversion.run import run_conversion
 from ckptfix.errors import MismatchError, OutputError
 from ckptfix.exporting.classes import export_for
 from ckptfix.exporting.model import (
@@ -35,8 +37,9 @@ from ckptfix.exporting.model import (
 )
 from ckptfix.formats.hf.config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
-from ckptfix.formats.registry import ONE_SHARD, detect, detect_format, read, resolve_output
+from ckptfix.formats.registry import ONE_SHARD, Format, detect, detect_format, read, resolve_output
 from ckptfix.formats.safety.depth import deep
+from ckptfix.notes import Level, Note, always
 from ckptfix.signature import strict_keywords
 from ckptfix.transforms.checkpoint import Conversion, EntryChange, apply_maps
 from ckptfix.transforms.layouts import parse_rename
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from ckptfix.exporting.llama import Mapped
+    from ckptfix.exporting.megatron import MegatronExport
     from ckptfix.merging.policy import MergeResult
 
 WEIGHTS = "model.safetensors"
@@ -87,38 +91,104 @@ def export_hf(
     rules = [parse_rename(r) for r in renames]
     resolve_output(out, fmt="hf")  # a file OUT is refused first, as convert refuses it for every folder format
     source, out_s = os.fspath(src), os.fspath(out).rstrip(os.sep) or os.sep
-    from ckptfix.exporting.megatron import for_export
-
-    megatron = for_export(source, config_from=config_from, dtype=dtype)  # a Megatron folder: names mapped, config built
-    premap = megatron.premap if megatron else None
+    # the input's format, asked once: a folder's first (a Megatron folder's config is built, not found), a file's
+    # once its config and OUT are checked
+    found_in = detect(src) if os.path.isdir(source) else None
+    megatron = _megatron(found_in, source, config_from=config_from, dtype=dtype)
     found = megatron.found if megatron else find_config(src, config_from=config_from)
     config = megatron.config if megatron else load_config(found.folder)
     _check_out(out_s, inputs=(src, found.config_path, *found.files), overwrite=overwrite)
-    in_fmt = detect_format(src)
+    export = _Export(
+        source=source,
+        found_in=found_in or detect(src),
+        found=found,
+        config=config,
+        megatron=megatron,
+        entry=entry,
+        rules=rules,
+        architecture=architecture,
+        strip_prefixes=tuple(strip_prefixes),
+    )
     allow = tuple(allow_globals)
-    done: list[Exported] = []
+    tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
+    try:
+        result = _write_weights(
+            source,
+            os.path.join(tmp, WEIGHTS),
+            in_fmt=export.found_in.name,
+            transform=export.transform,
+            dtype=dtype,
+            shard_size=shard_size,
+            allow=allow,
+            unsafe=unsafe,
+            fast=fast,
+            check=export.check,
+            progress=progress,
+        )
+        names = _side_files(tmp, result, export, dtype=dtype, built=bool(megatron and config_from is None))
+        if verify:
+            written = output_dtype(export.done[-1].state, dtype)
+            result.notes.append(always(export.verify(tmp, allow=allow, unsafe=unsafe, dtype=written)))
+        _put_in_place(tmp, out_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result.wrote = _wrote(out_s, names)
+    return result
 
-    def transform(tree: Any) -> Conversion:
+
+def _megatron(
+    found_in: Format | None, source: str, *, config_from: PathLike | None, dtype: str | None
+) -> MegatronExport | None:
+    """A Megatron folder's export (names mapped, config built or read from ``config_from``); None for any other."""
+    if found_in is None or found_in.kind != "megatron":
+        return None
+    from ckptfix.exporting.megatron import for_export
+
+    return for_export(source, config_from=config_from, dtype=dtype)
+
+
+@dataclass(kw_only=True)
+class _Export:
+    """One :func:`export_hf` call's source and what it is exported as: its config, a Megatron folder's mapping, the
+    options; ``done``: each :class:`Exported` :meth:`transform` made (the stream's, then the torch path's)."""
+
+    source: str
+    found_in: Format
+    found: ConfigFolder
+    config: Any
+    megatron: MegatronExport | None
+    entry: str | None
+    rules: list[Any]
+    architecture: str | None
+    strip_prefixes: tuple[str, ...]
+    done: list[Exported] = field(default_factory=list)
+
+    @property
+    def premap(self) -> Any:
+        return self.megatron.premap if self.megatron else None
+
+    def transform(self, tree: Any) -> Conversion:
+        """The model state of ``tree`` as transformers' model of the config names it; what changed and was left out."""
         from ckptfix.loading.model import primary_entry
 
+        source, entry = self.source, self.entry
         refuse_partial(tree, source=source, entries=(entry,) if entry else None)
-        state, named, llama = source_state(tree, config, source=source, entry=entry, premap=premap)
-        if rules:
-            state = apply_maps(state, rules, source=source)
+        state, named, llama = source_state(tree, self.config, source=source, entry=entry, premap=self.premap)
+        if self.rules:
+            state = apply_maps(state, self.rules, source=source)
         exported = export_for(
             state,
-            config,
-            architecture=architecture,
+            self.config,
+            architecture=self.architecture,
             source=source,
-            config_path=found.config_path,
-            strip_prefixes=strip_prefixes,
+            config_path=self.found.config_path,
+            strip_prefixes=self.strip_prefixes,
         )
-        done.append(exported)
-        report = exported.report
+        self.done.append(exported)
         renamed = llama.renamed if llama else frozenset()
         change = EntryChange(
             entry or primary_entry(tree),
-            llama.layout.name if llama else report.layout_from,
+            llama.layout.name if llama else exported.report.layout_from,
             "transformers",
             len(exported.state),
             sum(k not in state or k in renamed for k in exported.state),
@@ -126,56 +196,45 @@ def export_hf(
         return Conversion(
             obj=exported.state,
             changes=[change],
-            notes=[*(megatron.notes if megatron else ()), *named, *exported.notes],
-            dropped=_left_out(tree, change.entry, source=source),
+            notes=[*(self.megatron.notes if self.megatron else ()), *named, *exported.notes],
+            dropped=_left_out(tree, change.entry, hf=self.found_in.kind == "hf", source=source),
         )
 
-    tmp = tempfile.mkdtemp(prefix=".ckptfix-hf.", suffix=".ckptfix-tmp", dir=_parent(out_s))
-    try:
-        result = _write_weights(
-            source,
-            os.path.join(tmp, WEIGHTS),
-            in_fmt=in_fmt,
-            transform=transform,
-            dtype=dtype,
-            shard_size=shard_size,
+    def check(self, read: Callable[[Any], bytes]) -> None:
+        """:func:`~ckptfix.exporting.model.check_tied_values` of the export made last (``read(t)``: a tensor's
+        bytes), as :func:`_write_weights` calls it."""
+        check_tied_values(self.done[-1], read=read, source=self.source, config_path=self.found.config_path)
+
+    def verify(self, folder: str, *, allow: tuple[str, ...], unsafe: bool, dtype: str | None) -> str:
+        """:func:`verify_export` of ``folder`` against this source."""
+        return verify_export(
+            folder,
+            self.source,
+            self.found,
+            self.done[-1],
+            entry=self.entry,
+            rules=self.rules,
+            strip_prefixes=self.strip_prefixes,
             allow=allow,
             unsafe=unsafe,
-            fast=fast,
-            check=_values_check(done, source=source, config_path=found.config_path),
-            progress=progress,
+            dtype=dtype,
+            premap=self.premap,
+            fmt=self.found_in.name,
         )
-        exported = done[-1]
-        written = output_dtype(exported.state, dtype)
-        config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
-        names = write_side_files(tmp, found, config=config_out)
-        said = "written" if megatron and config_from is None else f"copied from {found.folder}"  # built, not copied
-        result.notes += [
-            f"{said}: {', '.join(names)}"
-            + ("" if written else " (the weights mix dtypes: the config's dtype left as it was)"),
-            *found.left_out,
-        ]
-        if verify:
-            result.notes.append(
-                verify_export(
-                    tmp,
-                    source,
-                    found,
-                    exported,
-                    entry=entry,
-                    rules=rules,
-                    strip_prefixes=strip_prefixes,
-                    allow=allow,
-                    unsafe=unsafe,
-                    dtype=written,
-                    premap=premap,
-                )
-            )
-        _put_in_place(tmp, out_s)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    result.wrote = _wrote(out_s, names)
-    return result
+
+
+def _side_files(tmp: str, result: Conversion, export: _Export, *, dtype: str | None, built: bool) -> list[str]:
+    """The config (its dtype the weights'), generation config and tokenizer's files written into ``tmp``, said in
+    ``result.notes`` (a Megatron folder's ``built`` config under --verbose only); their names."""
+    exported, found = export.done[-1], export.found
+    written = output_dtype(exported.state, dtype)
+    config_out = config_with_dtype(found.config, written, architecture=exported.architecture)
+    names = write_side_files(tmp, found, config=config_out)
+    said = "written" if built else f"copied from {found.folder}"
+    mixed = "" if written else " (the weights mix dtypes: the config's dtype left as it was)"
+    result.notes += [Note(f"{said}: {', '.join(names)}{mixed}", level=Level.VERBOSE if built else Level.ALWAYS)]
+    result.notes += found.left_out
+    return names
 
 
 def _wrote(out: str, names: list[str]) -> str:
@@ -256,12 +315,6 @@ def merge_to_hf(
     return result, exported
 
 
-def _values_check(done: list[Exported], *, source: str, config_path: str) -> Callable[[Callable[[Any], bytes]], None]:
-    """:func:`~ckptfix.exporting.model.check_tied_values` of the export made last, as :func:`_write_weights` calls
-    it."""
-    return lambda read: check_tied_values(done[-1], read=read, source=source, config_path=config_path)
-
-
 def _write_weights(
     source: str,
     weights: str,
@@ -280,50 +333,45 @@ def _write_weights(
     ``check(read)`` runs after ``transform``, before a byte is written (``read(t)``: a tensor's bytes)."""
     limit = shard_size or ONE_SHARD  # the shard writer: one file named model.safetensors, or shards and an index
     plan = plan_conversion(in_fmt=in_fmt, out_fmt="safetensors", fast=fast, dtype=dtype, unsafe=unsafe, sharded=True)
-    why = plan.reason
-    if plan.streams:
-        from ckptfix.formats.copyable import Fallback
+
+    def stream() -> Conversion:
         from ckptfix.stream.folders import convert_folder
 
-        try:
-            streamed = convert_folder(
-                source,
-                weights,
-                transform=transform,
-                allow_globals=allow,
-                dtype=dtype,
-                shard_size=limit,
-                check=check,
-                progress=progress,
-            )
-            streamed.method = "stream"
-            return streamed
-        except Fallback as e:
-            why = str(e)
-    from ckptfix.formats.registry import write
-    from ckptfix.formats.safetensors.file import tensor_bytes
+        return convert_folder(
+            source,
+            weights,
+            transform=transform,
+            allow_globals=allow,
+            dtype=dtype,
+            shard_size=limit,
+            check=check,
+            progress=progress,
+        )
 
-    obj = read(source, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=True)
-    result: Conversion = transform(obj)
-    check(lambda t: bytes(tensor_bytes(t)))
-    if dtype is not None:
-        cast_floating(result, dtype)
-    write(result.obj, weights, fmt="safetensors", shard_size=limit)
-    result.method = "torch"
-    result.notes.append(f"fast path not taken: {why}")
-    return result
+    def torch() -> Conversion:
+        from ckptfix.formats.registry import write
+        from ckptfix.formats.safetensors.file import tensor_bytes
+
+        obj = read(source, fmt=in_fmt, unsafe=unsafe, allow_globals=allow, model_only=True)
+        result: Conversion = transform(obj)
+        check(lambda t: bytes(tensor_bytes(t)))
+        if dtype is not None:
+            cast_floating(result, dtype)
+        write(result.obj, weights, fmt="safetensors", shard_size=limit)
+        return result
+
+    return run_conversion(plan, stream=stream, torch=torch)
 
 
-def _left_out(tree: Any, entry: str, *, source: str) -> list[str]:
-    """The checkpoint's entries beside its model's (optimizer, step, …; an accelerate folder's, read or not): a
-    transformers folder holds only the model."""
+def _left_out(tree: Any, entry: str, *, hf: bool, source: str) -> list[str]:
+    """The checkpoint's entries beside its model's (optimizer, step, …; an accelerate folder's, read or not, where
+    ``hf``: the source is a transformers or accelerate folder): a transformers folder holds only the model."""
     if not entry or not isinstance(tree, Mapping):
         return []
     from ckptfix.formats.hf.folder import describe
-    from ckptfix.formats.registry import folder_format
 
     names = dict.fromkeys(map(str, tree))
-    if detect(source) is folder_format("hf") and not (folder := describe(source)).flat:
+    if hf and not (folder := describe(source)).flat:
         names.update(dict.fromkeys(folder.entries))  # an accelerate folder's training state, left unread
     return [name for name in names if name != entry]
 
@@ -392,11 +440,13 @@ def verify_export(
     unsafe: bool,
     dtype: str | None,
     premap: Any = None,
+    fmt: str | None = None,
 ) -> str:
     """Load ``folder`` with transformers and compare its logits on a fixed input with the source's weights loaded
     into the same model (a Megatron folder's as ``premap`` maps them: Megatron's forward is not run); the note saying
     what was compared and the largest difference. Raises :class:`MismatchError` when transformers
-    reports a missing, unexpected or mismatched key, or the logits are not equal."""
+    reports a missing, unexpected or mismatched key, or the logits are not equal. ``fmt``: ``source``'s format
+    (detected where not given)."""
     with quiet_transformers():
         return _verify(
             folder,
@@ -410,6 +460,7 @@ def verify_export(
             unsafe=unsafe,
             dtype=dtype,
             premap=premap,
+            fmt=fmt,
         )
 
 
@@ -426,6 +477,7 @@ def _verify(
     unsafe: bool,
     dtype: str | None,
     premap: Any = None,
+    fmt: str | None = None,
 ) -> str:
     import torch
 
@@ -440,7 +492,7 @@ def _verify(
     wrong = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs" and v}
     if wrong or info.get("error_msgs"):
         raise MismatchError(f"{folder}: from_pretrained reports {wrong or info['error_msgs']}; nothing was written")
-    obj = read(source, fmt=detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
+    obj = read(source, fmt=fmt or detect_format(source), unsafe=unsafe, allow_globals=allow, model_only=True)
     state, _, _ = source_state(
         obj, None if premap else load_config(found.folder), source=source, entry=entry, premap=premap
     )

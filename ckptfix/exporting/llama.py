@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import MismatchError, UsageError
+from ckptfix.notes import always
 from ckptfix.transforms.checkpoint import is_tensor
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -265,7 +266,7 @@ def model_state(tree: Any, config: Any, *, source: str, entry: str | None = None
         f"from Meta's rotary layout to rotate_half's"
     ]
     if beside:
-        notes.append(f"left out the training state beside the model: {', '.join(beside)}")
+        notes.append(always(f"left out the training state beside the model: {', '.join(beside)}"))
     mapped = hf_state(state, shape, layout=layout, source=source)
     return Mapped(mapped, layout, frozenset(k for k in mapped if k not in state), notes)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import MismatchError, UsageError
-from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.hf.config import ConfigFolder
 from ckptfix.formats.records import is_record
 
@@ -294,7 +294,7 @@ def _norm(t: Any, config: Mapping[str, Any], *, name: str, source: str) -> Any:
             f"--dtype float32"
         )
     if is_record(t):
-        raise Fallback("apply_layernorm_1p: the norm weights are computed (weight + 1), not copied")
+        raise Fallback(Reason.LAYERNORM_1P)
     return t.float() + 1
 
 
@@ -323,16 +323,15 @@ class MegatronExport:
         return hf_state({k.removeprefix(self.prefix): v for k, v in state.items()}, self.shape, source=self.source)
 
 
-def for_export(src: str, *, config_from: Any = None, dtype: str | None = None) -> MegatronExport | None:
-    """None when ``src`` is no Megatron folder; else its config: built from ``common.pt``'s model arguments, or
-    read from ``config_from`` (a folder of an HF ``config.json``, which also says the tokenizer's vocabulary); either
-    way, the arguments that change the forward are checked (:func:`check_forward`). ``dtype``: the export's."""
+def for_export(src: str, *, config_from: Any = None, dtype: str | None = None) -> MegatronExport:
+    """Megatron folder ``src`` (as the registry detects it) for an export: its config built from ``common.pt``'s
+    model arguments, or read from ``config_from`` (a folder of an HF ``config.json``, which also says the tokenizer's
+    vocabulary); either way, the arguments that change the forward are checked (:func:`check_forward`). ``dtype``:
+    the export's."""
     from ckptfix.exporting.model import load_config, require_transformers
     from ckptfix.formats.hf.config import find_config
-    from ckptfix.formats.megatron.reader import COMMON, describe, is_megatron
+    from ckptfix.formats.megatron.reader import COMMON, describe
 
-    if not is_megatron(src):
-        return None
     run = describe(src)
     args, common = named(run.args), os.path.join(run.root, COMMON)
     notes: list[str] = []

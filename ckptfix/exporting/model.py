@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckptfix.errors import MismatchError, UsageError
 from ckptfix.formats.records import identity, spec
 from ckptfix.loading.report import KeyReport
+from ckptfix.notes import always
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -213,8 +214,11 @@ def export_state(
             if apart:  # its values are compared by check_tied_values
                 exported.apart[copy] = (adapted[copy], adapted[kept])
             exported.notes.append(
-                f"left out '{copy}': the config ties it to '{kept}', as save_pretrained leaves it out, and "
-                f"from_pretrained ties it back" + (f" (stored apart in {source}, equal bit for bit)" if apart else "")
+                always(
+                    f"left out '{copy}': the config ties it to '{kept}', as save_pretrained leaves it out, and "
+                    f"from_pretrained ties it back"
+                    + (f" (stored apart in {source}, equal bit for bit)" if apart else "")
+                )
             )
     for key in [*order, *(k for k in adapted if k not in set(order))]:
         if key in adapted and key not in exported.tied:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import UsageError
+from ckptfix.notes import Kind, Note, always
 from ckptfix.transforms.checkpoint import is_state_dict
 
 TIES_RESTORED = "tied copies restored"  # said whatever the verbosity: the output holds keys the input's files do not
@@ -51,16 +52,19 @@ class Ties:
             out._metadata = versions  # type: ignore[attr-defined]
         return out, restored
 
-    def notes(self, restored: dict[str, str]) -> list[str]:
+    def notes(self, restored: dict[str, str]) -> list[Note]:
         """What to say of the restoration (or why there was none)."""
         if self.unknown is not None:
-            return [self.unknown]
+            return [always(self.unknown, kind=Kind.TIES)]
         if not restored:
             return []
         pairs = ", ".join(f"'{copy}' = '{kept}'" for copy, kept in restored.items())
         return [
-            f"{TIES_RESTORED}: {pairs} (one storage, as torch.save writes a tied model; config.json ties them "
-            f"and save_pretrained leaves the copy out)"
+            always(
+                f"{TIES_RESTORED}: {pairs} (one storage, as torch.save writes a tied model; config.json ties them "
+                f"and save_pretrained leaves the copy out)",
+                kind=Kind.TIES,
+            )
         ]
 
 

@@ -1,11 +1,12 @@
 """When a tensor's stored bytes are not its values: the rules every reader and writer that copies bytes asks, and
-:class:`Fallback`, the one signal that a copy does not apply.
+:class:`Fallback`, the one signal that a copy does not apply, with its :class:`Reason`.
 
 The streaming writers copy records byte for byte, the readers hand records to torch as they are, and
 :mod:`~ckptfix.formats.torchio.materialize` maps storages as they lie in the file. Each steps aside for torch (which
-swaps, applies the bits, or copies the view) where one of these rules says the bytes are not the values; each says
-so in its own words, from the reason returned here. A torch zip's tensor (a file's, a DCP chunk's) is asked both
-questions: its archive's byte order (:func:`foreign_byte_order`) and its record's (:func:`values_as_stored`).
+swaps, applies the bits, or copies the view) where one of these rules says the bytes are not the values, naming one
+of the reasons of :class:`Reason`, each written once here (what ``convert -v`` and ``--json`` say). A torch zip's
+tensor (a file's, a DCP chunk's) is asked both questions: its archive's byte order (:func:`foreign_byte_order`) and
+its record's (:func:`values_as_stored`).
 
 It imports nothing of ckptfix (a record and an archive are asked for the attributes named here), so the tensor
 records themselves (:mod:`~ckptfix.formats.pickles.inert`) answer by these rules.
@@ -13,15 +14,62 @@ records themselves (:mod:`~ckptfix.formats.pickles.inert`) answer by these rules
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Protocol
 
 
+class Reason(enum.Enum):
+    """Why a stream steps aside for torch, each in the words ``convert -v`` and ``--json`` say, written once here:
+    a template whose ``{fields}`` the raise names (``Fallback(Reason.INPUT_FORMAT, fmt="torch-legacy")``)."""
+
+    # the input as a whole
+    INPUT_FORMAT = "input is a {fmt} file"
+    BYTE_ORDER = "input is {order}"
+    BYTE_ORDER_TO_SAFETENSORS = "input is {order}; safetensors is little-endian"
+    READ_BY_LOADER = "a {kind} checkpoint is read by its loader"
+    ACCELERATE_FOLDER = "an accelerate folder is read file by file"
+    TORCH_SHARD = "shard {shard} is a torch file"
+    BIG_ENDIAN_RANK_FILE = "a big-endian rank file, whose bytes torch swaps"
+    # what the checkpoint holds beside tensors
+    NOT_A_DICT = "the checkpoint is a {kind}, not a dict"
+    OBJECTS = "the checkpoint holds objects other than tensors, which the torch path builds"
+    CONTAINER_OF_TENSORS = "the checkpoint holds a {kind} of tensors or objects, which the torch path builds"
+    REBUILT_CALL = "the checkpoint holds {call}(...), which the torch path rebuilds"
+    DCP_VALUE_REBUILT = "value '{key}' holds tensors or objects, which the torch path rebuilds"
+    VALUE_TYPE = "a {kind} value"
+    NOT_A_TENSOR = "key '{key}' holds a {kind}, not a tensor"
+    UNPICKLABLE = "{error}"  # what the pickle writer says of a value it does not write
+    UNPICKLABLE_ENTRY = "'{name}': {error}"
+    # a tensor whose stored bytes are not its values, or not a record the stream copies
+    IN_MEMORY = "a tensor already in memory"
+    NOT_PLAIN_TENSOR = "not a plain tensor"
+    NOT_SAFETENSORS_TENSOR = "not a safetensors tensor"
+    HOOKS_OR_METADATA = "a tensor carries backward hooks or extra metadata"
+    PARAMETER_HOOKS = "a Parameter carries hooks or state, which the torch path rebuilds"
+    TENSOR_HOOKS_OR_BITS = "a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds"
+    MATH_BIT_VIEW = "a tensor is a {bits} view: its bytes are not its values"
+    CHUNK_BYTE_ORDER = "chunk of '{key}' is {order}: its bytes are not its values"
+    CHUNK_MATH_BIT_VIEW = "chunk of '{key}' is a {bits} view: its bytes are not its values"
+    NON_CONTIGUOUS = "a tensor is a non-contiguous view"
+    NON_CONTIGUOUS_TO_TORCH = "a tensor is a non-contiguous view, which the torch path makes contiguous"
+    STRIDED_VIEW_TO_DCP = "a tensor is a strided view, which torch's DCP writer keeps as it is"
+    DTYPE_NOT_IN_SAFETENSORS = "key '{key}' has dtype {dtype}, which the fast path does not write to safetensors"
+    DCP_NAME_TWICE = "two entries flatten to the DCP name '{fqn}'"
+    SHARED_STEP = "an optimizer's step tensor is shared between parameters (FSDP1); torch copies it apart"
+    LAYERNORM_1P = "apply_layernorm_1p: the norm weights are computed (weight + 1), not copied"
+
+
 class Fallback(Exception):  # noqa: N818 - a signal, not an error: the name is its contract with its callers
-    """A stream does not apply to this input or output tree; ``str(e)`` says why, for ``--verbose``.
+    """A stream does not apply to this input or output tree: ``reason`` says why, ``str(e)`` in words, for
+    ``--verbose``.
 
     Raised before anything is written, by the stream readers and writers (:mod:`ckptfix.stream`) and by
     :func:`ckptfix.writing.streamed_writer` for a tree only ``ckptfix.save`` writes; the caller then takes the torch
-    path (``convert``) or writes with ``ckptfix.save`` (``merge``)."""
+    path (:func:`ckptfix.conversion.run.run`)."""
+
+    def __init__(self, reason: Reason, /, **fields: object) -> None:
+        super().__init__(reason.value.format(**fields))
+        self.reason = reason
 
 
 class _Archive(Protocol):
@@ -93,6 +141,7 @@ def values_as_stored(t: _Tensor) -> bool:
 
 __all__ = [
     "Fallback",
+    "Reason",
     "foreign_byte_order",
     "hooks_or_state",
     "math_bit_view",

@@ -480,11 +480,12 @@ def load(
     if found.kind == "dcp":  # DCP stores an optimizer's int keys as strings: put back where param_groups name them
         import warnings
 
-        from ckptfix.transforms.optim_form import RESUME_LOSES, restore_all
+        from ckptfix.notes import Kind, kind_of
+        from ckptfix.transforms.optim_form import restore_all
 
         obj, notes = restore_all(obj, source=os.fspath(path))
         for note in notes:
-            if RESUME_LOSES in note:
+            if kind_of(note) is Kind.LOSS:
                 warnings.warn(note, stacklevel=2)
     return obj
 

@@ -28,8 +28,9 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ckptfix.conversion.plan import STREAM_MERGE, Plan
+from ckptfix.conversion.run import run
 from ckptfix.errors import MergeError
-from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.fsdp.ranks import refuse_flat_params
 from ckptfix.formats.output.atomic import PathLike, check_output
 from ckptfix.formats.registry import detect_format, output_format, read, write
@@ -192,28 +193,48 @@ def merge_files(
                 model=model,
                 read=read,
             )
-        for opened in inputs:
-            refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
-            opaque.require(opened.tree, wanted=None, source=opened.source)
-        merger = Merger(inputs, labels, **options)
-        try:
-            tree = merger.assemble(merger.template)
-            # the input the other entries come from: the first, or the last when averaging
-            tree = opaque.carry(tree, out_fmt=fmt, source=merger.labels[0], notes=merger.result.notes)
-            writer = streamed_writer(tree, out, fmt=fmt, base=merger.inputs[0])
-        except Fallback:  # real tensors, records of folders, entries only ckptfix.save writes: in memory
-            loaded = [_loaded(i, allow_globals=allowed, unsafe=unsafe, model_only=model_only) for i in inputs]
-            left_out = merger.finish().left_out  # what the description holds beyond the model (the load has less)
-            result = merged_in_memory(Merger(loaded, labels, **options))
-            if not result.diverged:
-                result.left_out = left_out
-            if result.obj is not None:
-                opaque.refuse_left(result.obj, source=merger.labels[0])  # torch writes only values it built
-                write(result.obj, out, fmt=fmt)
-                result.obj = None
-            return result
-        stream_merged(merger, writer)
-    return merger.finish()
+        return _merge_opened(inputs, labels, out, fmt=fmt, options=options, allow_globals=allowed, unsafe=unsafe)
+
+
+def _merge_opened(
+    inputs: list[Opened],
+    labels: list[str],
+    out: PathLike,
+    *,
+    fmt: str,
+    options: dict[str, Any],
+    allow_globals: tuple[str, ...],
+    unsafe: bool,
+) -> MergeResult:
+    """Merge opened files that are not one sharded run's rank files: streamed key by key into ``out``, or, where the
+    stream does not apply (real tensors, records of folders, entries only ckptfix.save writes), loaded and merged in
+    memory (:func:`~ckptfix.conversion.run.run`)."""
+    for opened in inputs:
+        refuse_flat_params(opened.tree, source=opened.source)  # FSDP1: slices that cannot be merged here
+        opaque.require(opened.tree, wanted=None, source=opened.source)
+    merger = Merger(inputs, labels, **options)
+
+    def stream() -> MergeResult:
+        tree = merger.assemble(merger.template)
+        # the input the other entries come from: the first, or the last when averaging
+        tree = opaque.carry(tree, out_fmt=fmt, source=merger.labels[0], notes=merger.result.notes)
+        stream_merged(merger, streamed_writer(tree, out, fmt=fmt, base=merger.inputs[0]))
+        return merger.finish()
+
+    def in_memory() -> MergeResult:
+        model_only = options["model_only"]
+        loaded = [_loaded(i, allow_globals=allow_globals, unsafe=unsafe, model_only=model_only) for i in inputs]
+        left_out = merger.finish().left_out  # what the description holds beyond the model (the load has less)
+        result = merged_in_memory(Merger(loaded, labels, **options))
+        if not result.diverged:
+            result.left_out = left_out
+        if result.obj is not None:
+            opaque.refuse_left(result.obj, source=merger.labels[0])  # torch writes only values it built
+            write(result.obj, out, fmt=fmt)
+            result.obj = None
+        return result
+
+    return run(Plan(STREAM_MERGE), stream=stream, torch=in_memory).result
 
 
 def _loaded(opened: Opened, *, allow_globals: tuple[str, ...], unsafe: bool, model_only: bool) -> Opened:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import AverageError, UsageError
-from ckptfix.formats.copyable import Fallback, foreign_byte_order
+from ckptfix.formats.copyable import Fallback, Reason, foreign_byte_order
 from ckptfix.formats.fsdp.flatparams import FlatSliceRecord
 from ckptfix.formats.fsdp.fsdp1 import assemble_sharded, check_sharded, describe_fsdp1_rank, fsdp1_records
 from ckptfix.formats.fsdp.ranks import (
@@ -276,7 +276,7 @@ def reassembled(ranks: list[Rank]) -> dict[str, str]:
 
 def check_little_endian(ranks: list[Rank]) -> None:
     if any(rank.zip is None or foreign_byte_order(rank.zip) for rank in ranks):
-        raise Fallback("a big-endian rank file, whose bytes torch swaps")
+        raise Fallback(Reason.BIG_ENDIAN_RANK_FILE)
 
 
 def unstreamable(path: str, e: Fallback) -> RankFilesError:

@@ -37,7 +37,7 @@ from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc, verify_records
 from ckptfix.formats.torchzip.layout import NewStorages
 from ckptfix.formats.torchzip.reader import TorchZip
 from ckptfix.stream.copy import Copier, Job, Progress, new_tuple
-from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.fallback import Fallback, Reason
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.torchzip import Source, plan_new_torch, plan_torch_to_torch
 from ckptfix.units import human_bytes
@@ -96,7 +96,7 @@ def fast_convert(
         elif in_fmt == "safetensors":
             conversion = transform(tree_from_header(read_header(source), source=source))
         else:
-            raise Fallback(f"input is a {in_fmt} file")
+            raise Fallback(Reason.INPUT_FORMAT, fmt=in_fmt)
         tree = carry(conversion.obj, out_fmt=out_fmt, source=source, notes=conversion.notes)
         total = os.fstat(fd).st_size
         losses: list[str] = []
@@ -122,9 +122,9 @@ def _check_writable(tree: Any) -> None:
     for obj in inert.records(tree):
         # a conj or neg bit is kept as it is in a .pt output (the .safetensors locator refuses it)
         if type(obj) is inert.InertTensor and hooks_or_state(obj):
-            raise Fallback("a tensor carries backward hooks or extra metadata")
+            raise Fallback(Reason.HOOKS_OR_METADATA)
         if type(obj) is inert.Inert and obj.func.full not in _WRITABLE:
-            raise Fallback(f"the checkpoint holds {obj.func.full}(...), which the torch path rebuilds")
+            raise Fallback(Reason.REBUILT_CALL, call=obj.func.full)
 
 
 def _write(
@@ -214,21 +214,21 @@ class _PtLocator:
 
     def __init__(self, inp: TorchZip) -> None:
         if order := foreign_byte_order(inp):
-            raise Fallback(f"input is {order}; safetensors is little-endian")
+            raise Fallback(Reason.BYTE_ORDER_TO_SAFETENSORS, order=order)
         self.inp, self.keys = inp, set[str]()
         self.params = self.grads = 0  # what a .safetensors output cannot keep (a view makes the fast path step aside)
 
     def __call__(self, value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
         t = getattr(value, "zip_tensor", None)  # a .pt's tensor, or the one a Parameter wraps (one call: per tensor)
         if t is None:
-            raise Fallback("not a plain tensor")
+            raise Fallback(Reason.NOT_PLAIN_TENSOR)
         self.params += t is not value and value.is_parameter
         self.grads += value.requires_grad
         shape, stride, dtype = t.shape, t.stride, t.dtype
         if bits := math_bit_view(t):
-            raise Fallback(f"a tensor is a {bits} view: its bytes are not its values")
+            raise Fallback(Reason.MATH_BIT_VIEW, bits=bits)
         if not inert.contiguous(shape, stride):
-            raise Fallback("a tensor is a non-contiguous view")
+            raise Fallback(Reason.NON_CONTIGUOUS)
         width = DTYPES[dtype].itemsize
         key, offset = t.storage.key, t.offset
         self.keys.add(key)
@@ -255,7 +255,7 @@ class _PtLocator:
 def _st_locate(value: Any) -> tuple[str, tuple[int, ...], int, int, Any]:
     span = value.stored_span if is_record(value) else None
     if span is None:
-        raise Fallback("not a safetensors tensor")
+        raise Fallback(Reason.NOT_SAFETENSORS_TENSOR)
     return value.dtype, value.shape, *span, id(value)
 
 

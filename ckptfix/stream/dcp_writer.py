@@ -35,7 +35,7 @@ from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter
 from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
 from ckptfix.formats.torchzip.reader import TorchZip, stand_ins, tensor_record
 from ckptfix.stream.copy import SHARE_MIN, Copier, Job
-from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.fallback import Fallback, Reason
 from ckptfix.stream.folder_torch import Sink, finish_pieces, piece_checks
 from ckptfix.stream.folders import VerifyInTurn, copied_ranges, prepare, write_made
 
@@ -49,15 +49,13 @@ def dcp_items(obj: Any) -> list[Item]:
     :class:`Fallback` where an object holds a tensor or an object only torch rebuilds (a tuple of tensors, a custom
     class: DCP pickles them whole)."""
     if not isinstance(obj, dict):
-        raise Fallback(f"the checkpoint is a {type(obj).__name__}, not a dict")
+        raise Fallback(Reason.NOT_A_DICT, kind=type(obj).__name__)
     items = flatten(obj, is_tensor=is_streamable)
     for item in items:
         if not is_streamable(item.value) and any(
             is_streamable(o) or isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(item.value)
         ):
-            raise Fallback(
-                f"the checkpoint holds a {type(item.value).__name__} of tensors or objects, which the torch path builds"
-            )
+            raise Fallback(Reason.CONTAINER_OF_TENSORS, kind=type(item.value).__name__)
     return items
 
 
@@ -117,7 +115,7 @@ def _object_pickle(item: Item) -> bytes:
     try:
         return pickling.dump(item.value)
     except TypeError as e:
-        raise Fallback(f"'{item.fqn}': {e}") from e
+        raise Fallback(Reason.UNPICKLABLE_ENTRY, name=item.fqn, error=e) from e
 
 
 def _layout(

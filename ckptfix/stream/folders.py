@@ -42,7 +42,7 @@ from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
 from ckptfix.stream.casting import CastTensor, cast_records, write_cast
 from ckptfix.stream.copy import start_writeback
-from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.fallback import Fallback, Reason
 from ckptfix.stream.progress import progress_bar
 from ckptfix.stream.rows import RowsTensor, rows_of, rows_ranges
 from ckptfix.stream.single import copyable_tensor
@@ -227,7 +227,7 @@ def prepare(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> None:
                 _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
     elif isinstance(t, (inert.InertParameter, inert.InertTensor)):  # a .pt's: only torch zips hold strided views
         if not copyable_tensor(t).is_contiguous():
-            raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
+            raise Fallback(Reason.STRIDED_VIEW_TO_DCP)
     elif is_record(t):  # a safetensors tensor, a ZeRO run's pieces: the files its bytes are copied from
         for path, _, _ in t.byte_ranges() or ():
             files.fd(path)
@@ -366,7 +366,7 @@ def open_tree(
 
             tree, kind = file_tree(src, found.name, files, allowed=allowed)
         elif found.name == "folder" and found.kind != "hf":  # a folder no stream here describes: its loader reads it
-            raise Fallback(f"a {found.kind} checkpoint is read by its loader")
+            raise Fallback(Reason.READ_BY_LOADER, kind=found.kind)
         else:
             tree, kind = _shards_tree(src)
     except BaseException:
@@ -378,7 +378,7 @@ def open_tree(
 def _dcp_tree(src: str, files: DataFiles, *, allowed: frozenset[str]) -> tuple[Any, str]:
     tree, why = dcp_tree(src, files.fd, allowed=allowed)
     if why is not None:
-        raise Fallback(why)
+        raise why
     return tree, "dcp"
 
 
@@ -402,11 +402,11 @@ def _zero_tree(
 def _shards_tree(src: str) -> tuple[Any, str]:
     folder = describe(src)
     if not folder.flat:
-        raise Fallback("an accelerate folder is read file by file")
+        raise Fallback(Reason.ACCELERATE_FOLDER)
     room_for_files(len(folder.files), source=src)
     for path in folder.files:
         if detect_format(path) != "safetensors":
-            raise Fallback(f"shard {os.path.basename(path)} is a torch file")
+            raise Fallback(Reason.TORCH_SHARD, shard=os.path.basename(path))
     # a tensor under two names of a shard is one record of it, read from that shard
     shards = ((path, tree_from_header(read_header(path), source=path)) for path in folder.files)
     return merge_shards(folder, shards), "shards"
@@ -429,9 +429,9 @@ def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed
     (row-major, contiguous) are."""
     z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
     if order := foreign_byte_order(z):  # torch's DCP reader torch.loads each chunk, which swaps its bytes
-        raise Fallback(f"chunk of '{key}' is {order}: its bytes are not its values")
+        raise Fallback(Reason.CHUNK_BYTE_ORDER, key=key, order=order)
     if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
-        raise Fallback(f"chunk of '{key}' is a {bits} view: its bytes are not its values")
+        raise Fallback(Reason.CHUNK_MATH_BIT_VIEW, key=key, bits=bits)
     rec = z.archive.storage(t.storage.key)
     files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
     files.checks.setdefault(c.span.path, []).extend(

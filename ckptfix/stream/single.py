@@ -20,7 +20,7 @@ from ckptfix.formats.safetensors.file import StTensor, losses_note, tree_from_he
 from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.torchio.opaque import describe
 from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
-from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.fallback import Fallback, Reason
 
 
 def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) -> tuple[Any, str]:
@@ -30,12 +30,12 @@ def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) 
         return tree_from_header(read_header(src), source=src), "safetensors"
     z = describe(files.fd(src), src, allowed=allowed)  # an entry of refused globals kept opaque: carry() refuses it
     if order := foreign_byte_order(z):
-        raise Fallback(f"input is {order}; safetensors is little-endian")
+        raise Fallback(Reason.BYTE_ORDER_TO_SAFETENSORS, order=order)
     files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
     located = _PtRecords(src, z)
     tree = map_tree(z.tree, located, leaf=(inert.InertTensor, inert.InertParameter))
     if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(tree)):
-        raise Fallback("the checkpoint holds objects other than tensors, which the torch path builds")
+        raise Fallback(Reason.OBJECTS)
     files.losses = located.losses
     if not z.archive.crc_stored:
         files.notes.append(f"{NO_CRC} in the input")
@@ -47,10 +47,10 @@ def copyable_tensor(value: TensorRecord) -> inert.InertTensor:
     Parameter without hooks or state, a tensor without hooks, extra state or a conj/neg bit; else
     :class:`Fallback`."""
     if value.parameter_state:
-        raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
+        raise Fallback(Reason.PARAMETER_HOOKS)
     t = value.zip_tensor
     if t is None or not values_as_stored(t):
-        raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
+        raise Fallback(Reason.TENSOR_HOOKS_OR_BITS)
     return t  # type: ignore[no-any-return]
 
 
@@ -68,7 +68,7 @@ class _PtRecords:
         param = value.is_parameter
         t = copyable_tensor(value)
         if not t.is_contiguous():
-            raise Fallback("a tensor is a non-contiguous view, which the torch path makes contiguous")
+            raise Fallback(Reason.NON_CONTIGUOUS_TO_TORCH)
         width, nbytes = DTYPES[t.dtype].itemsize, math.prod(t.shape) * DTYPES[t.dtype].itemsize
         rec = self.z.archive.storage(t.storage.key)  # present and in bounds
         ident = t.identity()

@@ -41,7 +41,7 @@ from ckptfix.formats.torchzip.archive import NO_CRC, stored_crc
 from ckptfix.formats.torchzip.reader import TorchZip
 from ckptfix.stream.casting import cast_records
 from ckptfix.stream.dcp_writer import dcp_items, write_dcp_folder
-from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.fallback import Fallback, Reason
 from ckptfix.stream.folders import VerifyInTurn, open_tree, prepare
 from ckptfix.transforms.checkpoint import Conversion
 
@@ -138,7 +138,7 @@ def _open(
         tree, kind, files, _ = open_tree(src, allow_globals=allow_globals, optimizer=optimizer)
         return tree, kind, files, None
     if in_fmt not in ("safetensors", "torch-zip"):
-        raise Fallback(f"input is a {in_fmt} file")
+        raise Fallback(Reason.INPUT_FORMAT, fmt=in_fmt)
     files = DataFiles()
     try:
         fd = files.fd(src)
@@ -146,7 +146,7 @@ def _open(
             return tree_from_header(read_header(src), source=src), "safetensors", files, None
         z = describe(fd, src, allowed=allowed)
         if order := foreign_byte_order(z):
-            raise Fallback(f"input is {order}")
+            raise Fallback(Reason.BYTE_ORDER, order=order)
         files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
         return z.tree, "pt", files, z
     except BaseException:

@@ -14,14 +14,14 @@ from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter, stored_crc
 from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
 from ckptfix.formats.torchzip.reader import TorchZip
 from ckptfix.stream.copy import SHARE_MIN, Job, new_tuple
-from ckptfix.stream.fallback import Fallback
+from ckptfix.stream.fallback import Fallback, Reason
 
 
 def _dump(tree: Any) -> tuple[bytes, list[str]]:
     try:
         return pickling.dump_ordered(tree)
     except TypeError as e:
-        raise Fallback(str(e)) from e
+        raise Fallback(Reason.UNPICKLABLE, error=e) from e
 
 
 @dataclass

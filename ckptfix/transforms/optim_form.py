@@ -18,18 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptfix.errors import UsageError
+from ckptfix.notes import Kind, Level, Note, always
 
 NAMES, INDICES = "names", "indices"
 FORMS = (NAMES, INDICES)
 # Buffers a state dict holds beside the parameters, which no optimizer steps: BatchNorm's running statistics.
 _BUFFER_SUFFIXES = (".running_mean", ".running_var", ".num_batches_tracked")
 _FLOATING = ("float16", "bfloat16", "float32", "float64")
-RESUME_LOSES = "a resume loses"  # in a note said whatever the verbosity: the output loads, and binds less
-# Said whatever the verbosity too: names taken from the model's order (proven, but by the count alone), and an
-# optimizer a DCP folder keeps by index, which an FSDP2 job's set_optimizer_state_dict does not bind.
+# Notes said whatever the verbosity (:class:`~ckptfix.notes.Level`): what a resume loses (the output loads, and binds
+# less), names taken from the model's order (proven, but by the count alone), and an optimizer a DCP folder keeps by
+# index, which an FSDP2 job's set_optimizer_state_dict does not bind.
+RESUME_LOSES = "a resume loses"
 BY_MODEL_ORDER = "in the model's parameter order"
 BY_INDEX = "stays keyed by index"
-SAID = (RESUME_LOSES, BY_MODEL_ORDER, BY_INDEX)
 NAMES_FORM = "set_optimizer_state_dict's form"
 HOW_TO_NAME = (
     "to key it by name (FSDP2), pass --optimizer-factory MOD:FN, the function the run built its optimizer "
@@ -112,10 +113,11 @@ def restore_indices(osd: Mapping[str, Any], *, where: str) -> tuple[dict[str, An
         return dict(osd), f"{where}: holds state keys both as strings and as ints; kept as they are"
     out = {**osd, "state": state}
     if unbound:
-        return out, (
+        return out, always(
             f"{where}: {len(unbound)} state key(s) (e.g. {unbound[0]!r}) are not parameters its "
             f"param_groups name; optimizer.load_state_dict binds none of them, so {RESUME_LOSES} their "
-            f"moments and steps"
+            f"moments and steps",
+            kind=Kind.LOSS,
         )
     if restored:
         return out, f"{where}: {restored} state key(s) put back as the ints its param_groups name (DCP stores strings)"
@@ -152,10 +154,10 @@ def to_names(osd: Mapping[str, Any], params: Parameters | str | None, *, where: 
         )
     recorded = [n for g in osd["param_groups"] for n in g.get("param_names", ())]
     if len(recorded) == len(ids) and all(isinstance(n, str) for n in recorded):
-        names, origin = recorded, "its param_groups' param_names"
+        names, origin, level = recorded, "its param_groups' param_names", Level.VERBOSE
         shapes = _shapes_by_name(params if isinstance(params, Parameters) else None, names, where=where)
     else:
-        names, shapes, origin = _proven_order(osd, params, where=where)
+        names, shapes, origin, level = _proven_order(osd, params, where=where)
     if len(set(names)) != len(names):
         raise UsageError(f"{where}: a parameter name appears twice in {origin}; the names are not a mapping")
     groups, state, at = [], {}, 0
@@ -179,15 +181,16 @@ def to_names(osd: Mapping[str, Any], params: Parameters | str | None, *, where: 
                 f"--optimizer-form indices"
             )
         state[names[key]] = value
-    note = f"{where}: keyed by parameter name ({NAMES_FORM}), names from {origin}"
+    note = Note(f"{where}: keyed by parameter name ({NAMES_FORM}), names from {origin}", level=level)
     return {**osd, "state": state, "param_groups": groups}, note
 
 
 def _proven_order(
     osd: Mapping[str, Any], params: Parameters | str | None, *, where: str
-) -> tuple[list[str], list[tuple[int, ...]], str]:
+) -> tuple[list[str], list[tuple[int, ...]], str, Level]:
     """The names of ``osd``'s parameters in its order (and their shapes, and where from) where ``params`` proves
-    them: built by the job's own optimizer function with the same groups, or the model's order for one group."""
+    them: built by the job's own optimizer function with the same groups, or the model's order for one group (said
+    whatever the verbosity: proven by the count alone)."""
     groups, count = osd["param_groups"], len(order(osd))
     if isinstance(params, Parameters) and params.groups is not None:
         if len(params.groups) != len(groups):
@@ -202,7 +205,7 @@ def _proven_order(
                     f"of {params.origin} holds {size}; pass the function the run built its optimizer "
                     f"with"
                 )
-        return list(params.names), list(params.shapes), params.origin
+        return list(params.names), list(params.shapes), params.origin, Level.VERBOSE
     if len(groups) != 1:
         raise UsageError(
             f"{where}: its {len(groups)} param groups record no param_names, and the model's order "
@@ -218,7 +221,7 @@ def _proven_order(
             f"write it with --optimizer-form indices"
         )
     origin = f"{params.origin}, {BY_MODEL_ORDER} (its one param group holds every parameter)"
-    return list(params.names), list(params.shapes), origin
+    return list(params.names), list(params.shapes), origin, Level.ALWAYS
 
 
 def to_indices(osd: Mapping[str, Any], *, where: str) -> dict[str, Any]:
@@ -389,8 +392,10 @@ def reform(
                     raise
                 why = str(e).removeprefix(f"{where}: ")
                 notes.append(
-                    f"{where}: {BY_INDEX} (optimizer.load_state_dict's form), which an FSDP2 job's "
-                    f"set_optimizer_state_dict does not bind: {why}"
+                    always(
+                        f"{where}: {BY_INDEX} (optimizer.load_state_dict's form), which an FSDP2 job's "
+                        f"set_optimizer_state_dict does not bind: {why}"
+                    )
                 )
         if not dcp_out:  # a DCP folder stores each key apart: nothing stays shared
             osd, note = unshare_steps(osd, identity=identity, copy=copy, where=where)

@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.dcp.reader import DcpTensor, nest, read_dcp
 from ckptfix.formats.hf.folder import room_for_files
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.torchzip.reader import read_torch_zip
 
 
-def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) -> tuple[Any, str | None]:
+def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) -> tuple[Any, Fallback | None]:
     """The checkpoint of DCP folder ``src`` with a :class:`DcpTensor` for each tensor and its small values read
     (``fd_of`` opens each data file once); or None and why the torch path must rebuild it."""
     d = read_dcp(src)
@@ -23,6 +24,6 @@ def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) 
             fd_of(span.path), span.path, allowed=allowed, verify=True, start=span.offset, end=span.offset + span.length
         )
         if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
-            return None, f"value '{key}' holds tensors or objects, which the torch path rebuilds"
+            return None, Fallback(Reason.DCP_VALUE_REBUILT, key=key)
         flat[key] = z.tree
     return nest(flat, d.paths), None

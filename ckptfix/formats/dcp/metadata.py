@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.pickles import pickling
 from ckptfix.formats.pickles.inert import Global, Inert, make_global
 
@@ -62,7 +62,7 @@ def flatten(tree: dict[Any, Any], *, is_tensor: Callable[[Any], bool]) -> list[I
 
     for item in visit((), tree):
         if item.fqn in seen:
-            raise Fallback(f"two entries flatten to the DCP name '{item.fqn}'")
+            raise Fallback(Reason.DCP_NAME_TWICE, fqn=item.fqn)
         seen.add(item.fqn)
         items.append(item)
     return items

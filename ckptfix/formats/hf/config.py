@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ckptfix.errors import FormatError, UsageError
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.strict_json import Said, json_object
+from ckptfix.notes import always
 
 CONFIG = "config.json"
 # what save_pretrained and a tokenizer's save_pretrained write beside the weights (copied when present)
@@ -107,7 +108,10 @@ def _side_files(places: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
             files.append(path)
         else:
             left_out.append(
-                f"left out {name}: {why}; copy the file into the folder, or pass --config-from a folder that holds it"
+                always(
+                    f"left out {name}: {why}; copy the file into the folder, or pass --config-from a folder that "
+                    f"holds it"
+                )
             )
     return tuple(files), tuple(left_out)
 

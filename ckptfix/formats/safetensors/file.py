@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.pickles.inert import gc_paused
@@ -374,10 +374,10 @@ def plan_safetensors(obj: Any, *, out: str, locate: Any, keep_offsets: bool = Fa
     seen: dict[Any, str] = {}
     for key, value in state.items():
         if not is_tensor(value):
-            raise Fallback(f"key '{key}' holds a {type(value).__name__}, not a tensor")
+            raise Fallback(Reason.NOT_A_TENSOR, key=key, kind=type(value).__name__)
         dtype, shape, src, nbytes, ident = locate(value)
         if safetensors_code(dtype) is None:
-            raise Fallback(f"key '{key}' has dtype {dtype}, which the fast path does not write to safetensors")
+            raise Fallback(Reason.DTYPE_NOT_IN_SAFETENSORS, key=key, dtype=dtype)
         if nbytes > 0 and ident in seen:
             aliases[key] = seen[ident]
             continue

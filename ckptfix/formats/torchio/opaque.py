@@ -30,6 +30,7 @@ from ckptfix.errors import CkptfixError
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
+from ckptfix.notes import always
 
 # What a record builds, where its function's name would mislead (numpy pickles an array as a call of _reconstruct).
 _BUILDS = {
@@ -226,7 +227,7 @@ def carry(obj: Any, *, out_fmt: str, source: str, notes: list[str]) -> Any:
     for key, value in obj.items():
         out[key] = value.records if isinstance(value, OpaqueEntry) else value
     _copy_attrs(obj, out)
-    notes.append(KEPT + "; ".join(f"'{e.name}' ({_kept(e)})" for e in found))
+    notes.append(always(KEPT + "; ".join(f"'{e.name}' ({_kept(e)})" for e in found)))
     return out
 
 
