@@ -167,7 +167,7 @@ def _dcp_claims(probe: Probe) -> bool:
 
 
 def _dcp_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.dcp.reader import load_dcp
+    from ckptfix.formats.dcp.load import load_dcp
 
     return load_dcp(os.fspath(path), allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify)
 
@@ -538,7 +538,7 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
     """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
     set replace the one already there (a file output is replaced whatever it says: its check came before)."""
     if fmt == "dcp":
-        from ckptfix.formats.dcp.reader import save_dcp
+        from ckptfix.formats.dcp.writer import save_dcp
 
         save_dcp(obj, os.fspath(path), overwrite=overwrite)
     elif shard_size is not None:

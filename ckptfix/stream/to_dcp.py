@@ -28,7 +28,8 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import foreign_byte_order
-from ckptfix.formats.dcp.reader import DcpTensor, chunk_region, rows, save_dcp
+from ckptfix.formats.dcp.reader import DcpTensor, chunk_region, rows
+from ckptfix.formats.dcp.writer import save_dcp
 from ckptfix.formats.deepspeed.run import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.files import DataFiles
