@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
+from ckptfix.formats.copyable import Fallback, foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
-from ckptfix.formats.output.crc import check_crc
+from ckptfix.formats.output.crc import Check, check_crc
 from ckptfix.formats.pickles import inert, unpickling
-from ckptfix.formats.records import Holder, TensorRecord
+from ckptfix.formats.records import FileTable, Holder, TensorRecord
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
 
@@ -133,6 +133,62 @@ class DcpTensor(TensorRecord):
         kind = "row" if all(rows(self.entry, c) for c in self.entry.chunks) else "block"
         files, n = sorted({os.path.basename(c.span.path) for c in self.entry.chunks}), len(self.entry.chunks)
         return "chunking", f"{n} {kind} chunk{'s' * (n != 1)} in {', '.join(files)}"
+
+    streams_bytes: ClassVar[bool] = True
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        """Its chunks' archives parsed to find where its bytes lie, their pickles checked, their records' CRCs
+        queued (q, k and v of one fused tensor: its chunks parsed and checked once)."""
+        for c in self.entry.chunks:
+            if id(c) not in files.located:
+                _locate(c, files, entry=self.entry, key=self.key, allowed=allowed)
+
+    def stored_ranges(self, files: FileTable) -> list[tuple[str, int, int]] | None:
+        """Row chunks (sorted by offsets: rows in order, tiling checked) as runs; None when some are blocks."""
+        entry, item = self.entry, DTYPES[self.entry.dtype].itemsize
+        if entry.nbytes == 0:
+            return []
+        if not all(rows(entry, c) for c in entry.chunks):
+            return None
+        return [(c.span.path, files.located[id(c)][1], math.prod(c.sizes) * item) for c in entry.chunks]
+
+    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
+        from ckptfix.formats.safetensors.file import tensor_bytes
+
+        write(tensor_bytes(self.gathered(files)))
+        return "gathered"
+
+    def gathered(self, files: FileTable) -> Any:
+        """The full tensor of chunks that are blocks: the bounded buffer, one tensor, never the whole folder."""
+        import torch
+
+        entry = self.entry
+        dtype = getattr(torch, entry.dtype)
+        full = torch.empty(entry.shape, dtype=dtype)
+        for c in entry.chunks:
+            fd, at = files.located[id(c)]
+            buf = bytearray(math.prod(c.sizes) * DTYPES[entry.dtype].itemsize)
+            if not buf:
+                continue
+            os.preadv(fd, [buf], at)
+            chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
+        return full
+
+
+def _locate(c: Chunk, files: FileTable, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
+    """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
+    (row-major, contiguous) are."""
+    z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
+    if order := foreign_byte_order(z):  # torch's DCP reader torch.loads each chunk, which swaps its bytes
+        raise Fallback(f"chunk of '{key}' is {order}: its bytes are not its values")
+    if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
+        raise Fallback(f"chunk of '{key}' is a {bits} view: its bytes are not its values")
+    rec = z.archive.storage(t.storage.key)
+    files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
+    files.checks.setdefault(c.span.path, []).extend(
+        Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)
+        for r in z.archive.records
+    )
 
 
 @dataclass(frozen=True)

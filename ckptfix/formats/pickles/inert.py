@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.copyable import values_as_stored
+from ckptfix.formats.copyable import Fallback, parameter_hooks_or_state, values_as_stored
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
 from ckptfix.formats.raw import RawTensor
-from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
+from ckptfix.formats.records import FileTable, Holder, TensorRecord, torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import MAX_DEPTH
 
@@ -324,6 +324,13 @@ class InertTensor(Inert, TensorRecord):
     def is_contiguous(self) -> bool:
         return contiguous(self.shape, self.stride)
 
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        """Copied as its bytes only where they are its values, laid out in order (DCP's writer keeps a view)."""
+        if not values_as_stored(self):
+            raise Fallback("a tensor carries hooks, extra state or a conj/neg bit, which the torch path rebuilds")
+        if not self.is_contiguous():
+            raise Fallback("a tensor is a strided view, which torch's DCP writer keeps as it is")
+
     def read(self, holder: Holder) -> Any:
         """Only the bytes the view reaches (a state dict of views into one flat buffer reads each view once)."""
         import torch
@@ -452,6 +459,11 @@ class InertParameter(Inert, TensorRecord):
 
     def file_span(self, holder: Holder) -> tuple[int, int] | None:
         return self.data.file_span(holder)
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        if parameter_hooks_or_state(self):
+            raise Fallback("a Parameter carries hooks or state, which the torch path rebuilds")
+        self.data.prepare_copy(files, allowed=allowed)
 
 
 def tensor_of(value: Any) -> InertTensor:

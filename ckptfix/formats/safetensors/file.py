@@ -501,6 +501,7 @@ class StTensor(TensorRecord):
     contiguous tensor of a ``.pt`` file, read as one by the streaming path)."""
 
     on_demand: ClassVar[bool] = True
+    streams_bytes: ClassVar[bool] = True
 
     dtype: str
     shape: tuple[int, ...]
