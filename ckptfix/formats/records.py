@@ -45,7 +45,7 @@ class Spec:
 
 
 class Holder(Protocol):
-    """What a record's bytes are read through: the opened checkpoint that holds it (``ckptfix.reading.Opened``),
+    """What a record's bytes are read through: the opened checkpoint that holds it (``ckptfix.formats.opened.Opened``),
     which owns the open files and remembers which zip records' CRCs were checked."""
 
     @property
@@ -96,7 +96,9 @@ class FileTable(Protocol):
     located: dict[int, tuple[int, int]]  # id(chunk) -> (fd, offset of its bytes)
     checks: dict[str, list[Any]]  # path -> the zip records' CRC checks (``ckptfix.formats.output.crc.Check``)
 
-    def fd(self, path: str) -> int: ...
+    def fd(self, path: str) -> int: ...  # the local descriptor (copy_file_range, reflinks)
+
+    def read(self, path: str, offset: int, length: int) -> bytearray: ...  # through the storage seam
 
 
 class TensorRecord:

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.rankfile import rank_file_note, rank_file_refusal, refuse_rank_file
 from ckptfix.formats.records import FolderRecords
 
 if TYPE_CHECKING:
     from ckptfix.formats.opened import Opened, OpenOptions
-from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain, sharded_error
 from ckptfix.formats.safety.depth import deep
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -262,7 +262,7 @@ def _torch_zip_claims(probe: Probe) -> bool:
 
 
 def _torch_zip_open(path: str, options: OpenOptions) -> Opened:
-    from ckptfix.formats.torchzip.opener import open_torch_zip
+    from ckptfix.formats.torchio.opener import open_torch_zip
 
     return open_torch_zip(path, options)
 
@@ -308,7 +308,7 @@ def _safetensors_claims(probe: Probe) -> bool:
 
 
 def _safetensors_open(path: str, options: OpenOptions) -> Opened:
-    from ckptfix.formats.safetensors.opener import open_safetensors
+    from ckptfix.formats.torchio.opener import open_safetensors
 
     return open_safetensors(path, options)
 
@@ -382,57 +382,6 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
     # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
     Format("folder", "hf", _hf_claims, _hf_load, open=_hf_open, called="transformers weights (an index or model file)"),
 )
-
-
-# -- one rank's file of a sharded run, told by its content --------------------------------------------------
-
-
-def refuse_rank_file(
-    obj: Any, *, source: str, model: bool = True, flat: bool = False, instead: str | None = None
-) -> None:
-    """One rank's share of a sharded run, read where a whole checkpoint is wanted: refused, naming what to pass.
-
-    Its content says so, not its container (any torch file, even a .safetensors file's keys, may be one), so every
-    input read whole is asked, here: with ``flat``, FSDP1 flat parameters in a model entry; a lone DeepSpeed ZeRO-3
-    module file (``[0]`` placeholders); with ``model`` (a model is wanted, no entry named), a lone ZeRO optimizer
-    file. ``instead`` is what DeepSpeed's refusal advises, ``{folder}`` standing for the run's folder."""
-    from ckptfix.formats.deepspeed.files import refuse_optimizer_partition, refuse_placeholders
-
-    if flat:
-        from ckptfix.formats.fsdp.ranks import refuse_flat_params
-
-        refuse_flat_params(obj, source=source)
-    if instead is None:
-        refuse_placeholders(obj, source=source)
-    else:
-        refuse_placeholders(obj, source=source, instead=instead)
-    if model:
-        refuse_optimizer_partition(obj, source=source)
-
-
-def rank_kind(needs: Iterable[str], *, source: str) -> str:
-    """Which kind of file a torch file is, from the globals its pickle needs outside the allowlist (its one read,
-    with the sharded-tensor classes read as records: :data:`RANK_GLOBALS`): ``dtensor`` (one rank's file of an
-    FSDP2 or tensor-parallel run), ``sharded-tensor`` (an FSDP1 rank file: SHARDED_STATE_DICT, or LOCAL_STATE_DICT's
-    flat parameters) or ``""`` (full tensors). A rank file's first bytes are any torch zip's: its pickle says."""
-    sharded = explain(needs, source=source)
-    return sharded.kind if sharded is not None else ""
-
-
-RANK_GLOBALS = DTENSOR_GLOBALS | SHARDED_TENSOR_GLOBALS  # what a merge's first read takes as records, for rank_kind
-
-
-def rank_file_refusal(kind: str, *, source: str) -> FormatError:
-    """The refusal of a file :func:`rank_kind` calls ``kind``, read where full tensors are wanted (what the plain
-    read raises for it), naming how to reassemble the run."""
-    return sharded_error(kind, source=source)
-
-
-def rank_file_note(obj: Any, *, source: str) -> str | None:
-    """What to say of a rank's file converted on its own (a ZeRO-1/2 module file: the training dtype's weights)."""
-    from ckptfix.formats.deepspeed.files import lone_module_note
-
-    return lone_module_note(obj, source=source)
 
 
 def refuse_remote(path: str) -> None:
@@ -622,7 +571,6 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
 __all__ = [
     "FORMATS",
     "OUTPUT_FORMATS",
-    "RANK_GLOBALS",
     "Format",
     "Probe",
     "ReadOptions",
@@ -635,7 +583,6 @@ __all__ = [
     "output_format",
     "rank_file_note",
     "rank_file_refusal",
-    "rank_kind",
     "read",
     "refuse_rank_file",
     "resolve_output",

@@ -166,12 +166,9 @@ class DcpTensor(TensorRecord):
         dtype = getattr(torch, entry.dtype)
         full = torch.empty(entry.shape, dtype=dtype)
         for c in entry.chunks:
-            fd, at = files.located[id(c)]
-            buf = bytearray(math.prod(c.sizes) * DTYPES[entry.dtype].itemsize)
-            if not buf:
-                continue
-            os.preadv(fd, [buf], at)
-            chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
+            if n := math.prod(c.sizes) * DTYPES[entry.dtype].itemsize:
+                buf = files.read(c.span.path, files.located[id(c)][1], n)
+                chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
         return full
 
 

@@ -1,19 +1,23 @@
-"""A torch zip file opened as its checked inert description (its registry row's ``open``): the pickle read once,
-every tensor an :class:`~ckptfix.formats.pickles.inert.InertTensor` record read on demand through the open file;
-:class:`~ckptfix.formats.opened.Undescribed` where the description cannot stand in for what torch loads."""
+"""A single checkpoint file opened as its checked description (the torch zip and safetensors rows' ``open``): every
+tensor a record read on demand through the open file. A torch zip's pickle is read once, and what kind of ``.pt`` it
+is (a rank file of a sharded run, with ``ranks``) is decided here; :class:`~ckptfix.formats.opened.Undescribed` where
+the description cannot stand in for what torch loads. A safetensors file's header gives its records; ``verify`` reads
+it through (it has no checksums: what is checked is that every byte is there)."""
 
 from __future__ import annotations
 
 import os
 from collections import Counter
 
+from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import foreign_byte_order, not_as_stored, torch_rebuilt
 from ckptfix.formats.opened import Opened, OpenOptions, Undescribed
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.safetensors.file import read_header, tree_from_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain
 from ckptfix.formats.torchio.opaque import describe, entries, wrapped
-from ckptfix.formats.torchio.torchfile import file_identity
+from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
 from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
 
 _RANK_GLOBALS = DTENSOR_GLOBALS | SHARDED_TENSOR_GLOBALS  # a merge's first read takes them as records (rank files)
@@ -46,9 +50,7 @@ def _describe(fd: int, source: str, options: OpenOptions) -> Opened:
     else:
         z = describe(fd, source, allowed=allowed, verify=options.verify, keep=options.opaque)
         if options.opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
-            from ckptfix.formats.fsdp.ranks import explain as explain_shards
-
-            if sharded := explain_shards({n for e in entries(z.tree) for n in e.needs}, source=source):
+            if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
                 raise sharded
     return Opened(
         source=source,
@@ -96,3 +98,31 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
         if any(isinstance(k, inert.StorageRef) for k in kids):
             return "a raw storage outside any tensor"
     return None
+
+
+_CHUNK = 1 << 24
+
+
+def open_safetensors(source: str, options: OpenOptions) -> Opened:
+    fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        before = file_identity(fd)
+        header = read_header(source)
+        if file_identity(fd) != before:
+            raise changed_while_reading(source)
+        if options.verify:
+            _read_through(fd, header.data_start, os.fstat(fd).st_size, source=source)
+        tree = tree_from_header(header, source=source)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Opened(source=source, fmt="safetensors", tree=tree, fd=fd, before=before)
+
+
+def _read_through(fd: int, start: int, end: int, *, source: str) -> None:
+    at = start
+    while at < end:
+        n = len(os.pread(fd, min(_CHUNK, end - at), at))
+        if n == 0:
+            raise FormatError(f"{source}: ends before byte {end}; it is truncated, re-download or re-save it")
+        at += n
