@@ -49,9 +49,10 @@ def _describe(fd: int, source: str, options: OpenOptions) -> Opened:
         z, kind = first
     else:
         z = describe(fd, source, allowed=allowed, verify=options.verify, keep=options.opaque)
-        if options.opaque:  # shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
-            if sharded := explain({n for e in entries(z.tree) for n in e.needs}, source=source):
-                raise sharded
+        # with opaque, shards of a sharded tensor are never passed off as unbuilt entries: say what the file is
+        needs = {n for e in entries(z.tree) for n in e.needs} if options.opaque else set()
+        if sharded := explain(needs, source=source):
+            raise sharded
     return Opened(
         source=source,
         fmt="torch-zip",
