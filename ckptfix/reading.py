@@ -4,10 +4,11 @@
 instead of, its tensor bytes. :func:`open_checkpoint` gives the checked inert description the format readers build
 (:func:`~.torchzip.read_torch_zip`, the safetensors header) without importing torch; :meth:`Opened.tensor`
 then reads one tensor into memory of its own, its zip record's CRC checked, so memory follows the tensors in use,
-not the file. A folder (transformers shards and their index, an accelerate ``save_state`` folder, a DCP folder) is
-opened the same way, file by file (:class:`OpenedFolder`). Files the description cannot serve (legacy torch files,
-``unsafe=True``, quantized or sparse tensors, big-endian data when bytes are needed) are loaded the usual way, and
-``note`` says why.
+not the file. Each format is opened by its registry row's ``open`` (:func:`~.registry.open_format`, the one call
+``convert``'s streams make too), which returns one :class:`~ckptfix.formats.opened.Opened`: a folder (transformers
+shards, an accelerate folder, DCP, DeepSpeed, Megatron-Core) as an :class:`OpenedFolder`. What no description can
+serve (legacy torch files, ``unsafe=True``, quantized or sparse tensors, big-endian data when bytes are needed) is
+loaded the usual way, and ``note`` says why.
 """
 
 from __future__ import annotations
