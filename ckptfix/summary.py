@@ -190,7 +190,8 @@ def summarize(
         summary["devices"] = ckpt.locations
     if verify:
         parts = folder.parts if folder else [ckpt]
-        zips = (folder is not None and folder.dcp is not None) or all(p.fmt == "torch-zip" for p in parts)
+        # a folder read through its one table (DCP, DeepSpeed, Megatron) has no parts: its data files are zips
+        zips = all(p.fmt == "torch-zip" for p in parts)
         summary["verified"] = "crc" if zips and not unsafe and ckpt.crc_stored else "read"
     return summary
 

@@ -30,6 +30,10 @@ class Reason(enum.Enum):
     ACCELERATE_FOLDER = "an accelerate folder is read file by file"
     TORCH_SHARD = "shard {shard} is a torch file"
     BIG_ENDIAN_RANK_FILE = "a big-endian rank file, whose bytes torch swaps"
+    FOREIGN_FILE = "a {order} file, whose bytes torch swaps"  # inspect/diff/merge/load: torch swaps them
+    RAW_STORAGE = "a raw storage outside any tensor"
+    TORCH_REBUILT_TENSOR = "{call}(...): a quantized, sparse or subclass tensor"
+    NOT_AS_STORED = "{why}"  # not_as_stored's words (below): hooks or extra state, or which math bits
     # what the checkpoint holds beside tensors
     NOT_A_DICT = "the checkpoint is a {kind}, not a dict"
     OBJECTS = "the checkpoint holds objects other than tensors, which the torch path builds"

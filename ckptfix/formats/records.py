@@ -45,7 +45,7 @@ class Spec:
 
 
 class Holder(Protocol):
-    """What a record's bytes are read through: the opened checkpoint that holds it (``ckptfix.reading.Opened``),
+    """What a record's bytes are read through: the opened checkpoint that holds it (``ckptfix.formats.opened.Opened``),
     which owns the open files and remembers which zip records' CRCs were checked."""
 
     @property
@@ -114,6 +114,18 @@ class RunReader(Protocol):
         """The bytes of ``runs`` (file descriptor, offset, length), in order, as a tensor of ``dtype`` and
         ``shape`` in memory of its own (then cast to ``cast``)."""
         ...
+
+
+class FileTable(Protocol):
+    """What a record's bytes are copied through into an output (``ckptfix.formats.files.DataFiles``): each data file
+    opened once, where each DCP chunk's bytes lie once its archive is parsed, and the CRC checks still to run."""
+
+    located: dict[int, tuple[int, int]]  # id(chunk) -> (fd, offset of its bytes)
+    checks: dict[str, list[Any]]  # path -> the zip records' CRC checks (``ckptfix.formats.output.crc.Check``)
+
+    def fd(self, path: str) -> int: ...  # the local descriptor (copy_file_range, reflinks)
+
+    def read(self, path: str, offset: int, length: int) -> bytearray: ...  # through the storage seam
 
 
 class TensorRecord:
@@ -241,6 +253,38 @@ class TensorRecord:
         cast = self.dtype if self.stored_dtype != self.dtype else None
         return reader.runs(runs, self.stored_dtype, tuple(self.shape), key=key, cast=cast)
 
+    # -- writing its bytes into an output (the streams, ckptfix.stream.folders): each record answers for itself --
+
+    # a stream writes its bytes into a .safetensors output (a DCP tensor, a safetensors byte range, a ZeRO run's
+    # pieces, a cast or rows of one); any other record there is refused, naming what to write instead
+    streams_bytes: ClassVar[bool] = False
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        """Check what can be checked before its bytes are queued (the first byte written), and open the files they
+        are copied from (the copy thread only reads the table): by default the files of :meth:`byte_ranges`."""
+        for path, _, _ in self.byte_ranges() or ():
+            files.fd(path)
+
+    def stored_ranges(self, files: FileTable) -> list[tuple[str, int, int]] | None:
+        """Once prepared, the runs ``(path, offset, length)`` that make it up in order, in :attr:`stored_dtype`;
+        None when they are not runs of files (blocks to gather, a cast)."""
+        return self.byte_ranges()
+
+    def output_ranges(self, files: FileTable) -> list[tuple[str, int, int]] | None:
+        """The runs whose copy, in order, is its bytes in the output; None when they are made in memory
+        (:meth:`write_made`): a cast, a ZeRO buffer cast as zero_to_fp32 casts, a DCP tensor of blocks."""
+        return None if self.stored_dtype != self.dtype else self.stored_ranges(files)
+
+    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
+        """Its bytes, made in memory where :meth:`output_ranges` is None, written through ``write``; what was done:
+        ``cast`` (a block at a time) or ``gathered``."""
+        raise AssertionError(f"{type(self).__name__}: its bytes are runs of files, never made in memory")
+
+    def gathered(self, files: FileTable) -> Any:
+        """Once prepared, the whole tensor in memory (a torch tensor) from the files of ``files``, where its bytes
+        are not runs of files: a DCP tensor of blocks, rows of one."""
+        raise AssertionError(f"{type(self).__name__}: only a tensor of blocks is gathered")
+
 
 def is_record(value: object) -> bool:
     """True for a tensor record of any reader or writer (not for a real tensor)."""
@@ -354,6 +398,7 @@ class FolderRecords:
 
 
 __all__ = [
+    "FileTable",
     "FolderRecords",
     "Holder",
     "RunReader",

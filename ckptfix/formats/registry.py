@@ -4,8 +4,8 @@ Each :class:`Format` says whether it claims a path (from its first bytes, or a f
 it; :func:`detect` asks them in order (a file: the first claim reads it; a folder: every folder format is asked,
 and a folder two of them claim is refused naming both). The output format is decided by OUT's extension
 (:func:`output_format`).
-Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
-records also with ``records`` and ``describe``) and its tests.
+Adding an input format is its package, one :data:`FORMATS` row (its claim, its loader, its ``open`` that every
+command reads through; a folder format also ``describe``) and its tests.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ import stat
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.rankfile import rank_file_note, rank_file_refusal, refuse_rank_file
 from ckptfix.formats.records import FolderRecords
-from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain, sharded_error
+
+if TYPE_CHECKING:
+    from ckptfix.formats.opened import Opened, OpenOptions
 from ckptfix.formats.safety.depth import deep
 
 TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -61,10 +64,13 @@ class Format:
     ``validate_checkpoint_id`` does); it may refuse a path that looks like the format but cannot be read as
     one. ``load`` reads it into torch tensors.
 
-    A folder format whose tensors are records (``inspect``, ``diff`` and ``convert``'s stream read them without
-    torch) says how here, and nowhere else: ``records(path, allow_globals)`` gives its :class:`FolderRecords`;
-    ``describe(summary)`` what ``inspect`` says of it: the words for its format, and lines of its own (escaped by
-    the renderer). Without ``records`` its loader reads it, tensors and all.
+    ``open(path, options)`` opens it as tensor records (:class:`~ckptfix.formats.opened.Opened`: the records, one
+    table of open files, notes), what ``inspect``, ``diff``, ``merge``, ``load`` and every stream read through
+    (:func:`open_format` asks it); it raises :class:`~ckptfix.formats.opened.Undescribed` where the records cannot
+    stand in for what ``load`` gives. A folder format whose records are DCP chunks may give ``records(path,
+    allow_globals)`` (its :class:`FolderRecords`) instead of ``open``. ``describe(summary)`` is what ``inspect``
+    says of a folder format: the words for its format, and lines of its own (escaped by the renderer). With
+    neither ``open`` nor ``records`` its loader reads it, tensors and all.
 
     A folder format says in ``called`` what its folders are (in a refusal naming two formats), and in ``beside``
     the folder kinds whose claim its folders meet by design (a Megatron folder is a DCP folder too): then it alone
@@ -75,6 +81,7 @@ class Format:
     claims: Callable[[Probe], bool]
     load: Callable[[PathLike, ReadOptions], Any]
     records: Callable[[str, tuple[str, ...]], FolderRecords] | None = None
+    open: Callable[[str, OpenOptions], Opened] | None = None
     describe: Callable[[dict[str, Any]], tuple[str, list[str]]] | None = None
     called: str = ""  # what a folder of it is, in a refusal that names two formats
     beside: tuple[str, ...] = ()  # folder kinds whose claim its folders meet by design (read as this one)
@@ -126,6 +133,24 @@ def folder_format(kind: str) -> Format | None:
     return next((f for f in FORMATS if f.name == "folder" and f.kind == kind), None)
 
 
+def open_format(found: Format, source: str, options: OpenOptions) -> Opened:
+    """``source`` (of format ``found``) opened as tensor records by its row: its ``open``, or its ``records`` read
+    through the folder's one table; :class:`~ckptfix.formats.opened.Undescribed` for a row with neither (its loader
+    reads it, tensors and all)."""
+    if found.open is not None:
+        return found.open(source, options)
+    if found.records is not None:
+        from ckptfix.formats.dcp.opener import open_records
+
+        records = found.records
+        return open_records(source, options, read=lambda: records(source, options.allow_globals), kind=found.kind)
+    from ckptfix.formats.copyable import Fallback, Reason
+    from ckptfix.formats.opened import Undescribed
+
+    kind = found.kind
+    raise Undescribed(Fallback(Reason.READ_BY_LOADER, kind=kind), note=f"a {kind} checkpoint, read by its loader")
+
+
 def detect_format(path: PathLike) -> str:
     """``torch-zip``, ``torch-legacy``, ``safetensors`` or ``folder``, from the first bytes of the file.
 
@@ -166,8 +191,14 @@ def _dcp_claims(probe: Probe) -> bool:
     return is_dcp(probe.path)
 
 
+def _dcp_open(path: str, options: OpenOptions) -> Opened:
+    from ckptfix.formats.dcp.opener import open_dcp
+
+    return open_dcp(path, options)
+
+
 def _dcp_load(path: PathLike, options: ReadOptions) -> Any:
-    from ckptfix.formats.dcp.reader import load_dcp
+    from ckptfix.formats.dcp.load import load_dcp
 
     return load_dcp(os.fspath(path), allow_globals=options.allow_globals, mmap=options.mmap, verify=options.verify)
 
@@ -186,10 +217,10 @@ def _megatron_load(path: PathLike, options: ReadOptions) -> Any:
     return load_megatron(os.fspath(path), allow_globals=options.allow_globals)
 
 
-def _megatron_records(path: str, allow_globals: tuple[str, ...]) -> FolderRecords:
-    from ckptfix.formats.megatron.reader import records
+def _megatron_open(path: str, options: OpenOptions) -> Opened:
+    from ckptfix.formats.megatron.opener import open_megatron
 
-    return records(path, allow_globals=allow_globals)
+    return open_megatron(path, options)
 
 
 def _megatron_describe(summary: dict[str, Any]) -> tuple[str, list[str]]:
@@ -204,6 +235,12 @@ def _deepspeed_claims(probe: Probe) -> bool:
     from ckptfix.formats.deepspeed.files import is_deepspeed
 
     return is_deepspeed(probe.path)
+
+
+def _deepspeed_open(path: str, options: OpenOptions) -> Opened:
+    from ckptfix.formats.deepspeed.opener import open_run
+
+    return open_run(path, options)
 
 
 def _deepspeed_load(path: PathLike, options: ReadOptions) -> Any:
@@ -223,6 +260,12 @@ def _torch_zip_claims(probe: Probe) -> bool:
             f"pass the folder {folder}"
         )
     return True
+
+
+def _torch_zip_open(path: str, options: OpenOptions) -> Opened:
+    from ckptfix.formats.torchio.opener import open_torch_zip
+
+    return open_torch_zip(path, options)
 
 
 def _legacy_claims(probe: Probe) -> bool:
@@ -265,6 +308,12 @@ def _safetensors_claims(probe: Probe) -> bool:
     return False
 
 
+def _safetensors_open(path: str, options: OpenOptions) -> Opened:
+    from ckptfix.formats.torchio.opener import open_safetensors
+
+    return open_safetensors(path, options)
+
+
 def _safetensors_load(path: PathLike, options: ReadOptions) -> Any:
     from ckptfix.formats.safetensors.file import load_safetensors
 
@@ -278,6 +327,12 @@ def _hf_claims(probe: Probe) -> bool:
     from ckptfix.formats.hf.folder import weight_files
 
     return bool(weight_files(probe.path))
+
+
+def _hf_open(path: str, options: OpenOptions) -> Opened:
+    from ckptfix.formats.hf.opener import open_hf
+
+    return open_hf(path, options, detect_format=detect_format)
 
 
 def _hf_load(path: PathLike, options: ReadOptions) -> Any:
@@ -300,77 +355,34 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         "megatron",
         _megatron_claims,
         _megatron_load,
-        _megatron_records,
-        _megatron_describe,
+        open=_megatron_open,
+        describe=_megatron_describe,
         called="a Megatron checkpoint (metadata.json)",
         beside=("dcp",),
     ),
-    Format("folder", "dcp", _dcp_claims, _dcp_load, called="a torch.distributed.checkpoint (DCP) folder (.metadata)"),
+    Format(
+        "folder",
+        "dcp",
+        _dcp_claims,
+        _dcp_load,
+        open=_dcp_open,
+        called="a torch.distributed.checkpoint (DCP) folder (.metadata)",
+    ),
     Format(
         "folder",
         "deepspeed",
         _deepspeed_claims,
         _deepspeed_load,
+        open=_deepspeed_open,
         called="a DeepSpeed run (latest, rank files)",
         beside=("hf",),
     ),
-    Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),
+    Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip"), open=_torch_zip_open),
     Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
-    Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load),
+    Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load, open=_safetensors_open),
     # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
-    Format("folder", "hf", _hf_claims, _hf_load, called="transformers weights (an index or model file)"),
+    Format("folder", "hf", _hf_claims, _hf_load, open=_hf_open, called="transformers weights (an index or model file)"),
 )
-
-
-# -- one rank's file of a sharded run, told by its content --------------------------------------------------
-
-
-def refuse_rank_file(
-    obj: Any, *, source: str, model: bool = True, flat: bool = False, instead: str | None = None
-) -> None:
-    """One rank's share of a sharded run, read where a whole checkpoint is wanted: refused, naming what to pass.
-
-    Its content says so, not its container (any torch file, even a .safetensors file's keys, may be one), so every
-    input read whole is asked, here: with ``flat``, FSDP1 flat parameters in a model entry; a lone DeepSpeed ZeRO-3
-    module file (``[0]`` placeholders); with ``model`` (a model is wanted, no entry named), a lone ZeRO optimizer
-    file. ``instead`` is what DeepSpeed's refusal advises, ``{folder}`` standing for the run's folder."""
-    from ckptfix.formats.deepspeed.files import refuse_optimizer_partition, refuse_placeholders
-
-    if flat:
-        from ckptfix.formats.fsdp.ranks import refuse_flat_params
-
-        refuse_flat_params(obj, source=source)
-    if instead is None:
-        refuse_placeholders(obj, source=source)
-    else:
-        refuse_placeholders(obj, source=source, instead=instead)
-    if model:
-        refuse_optimizer_partition(obj, source=source)
-
-
-def rank_kind(needs: Iterable[str], *, source: str) -> str:
-    """Which kind of file a torch file is, from the globals its pickle needs outside the allowlist (its one read,
-    with the sharded-tensor classes read as records: :data:`RANK_GLOBALS`): ``dtensor`` (one rank's file of an
-    FSDP2 or tensor-parallel run), ``sharded-tensor`` (an FSDP1 rank file: SHARDED_STATE_DICT, or LOCAL_STATE_DICT's
-    flat parameters) or ``""`` (full tensors). A rank file's first bytes are any torch zip's: its pickle says."""
-    sharded = explain(needs, source=source)
-    return sharded.kind if sharded is not None else ""
-
-
-RANK_GLOBALS = DTENSOR_GLOBALS | SHARDED_TENSOR_GLOBALS  # what a merge's first read takes as records, for rank_kind
-
-
-def rank_file_refusal(kind: str, *, source: str) -> FormatError:
-    """The refusal of a file :func:`rank_kind` calls ``kind``, read where full tensors are wanted (what the plain
-    read raises for it), naming how to reassemble the run."""
-    return sharded_error(kind, source=source)
-
-
-def rank_file_note(obj: Any, *, source: str) -> str | None:
-    """What to say of a rank's file converted on its own (a ZeRO-1/2 module file: the training dtype's weights)."""
-    from ckptfix.formats.deepspeed.files import lone_module_note
-
-    return lone_module_note(obj, source=source)
 
 
 def refuse_remote(path: str) -> None:
@@ -539,7 +551,7 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
     """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
     set replace the one already there (a file output is replaced whatever it says: its check came before)."""
     if fmt == "dcp":
-        from ckptfix.formats.dcp.reader import save_dcp
+        from ckptfix.formats.dcp.writer import save_dcp
 
         save_dcp(obj, os.fspath(path), overwrite=overwrite)
     elif shard_size is not None:
@@ -561,7 +573,6 @@ def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, 
 __all__ = [
     "FORMATS",
     "OUTPUT_FORMATS",
-    "RANK_GLOBALS",
     "Format",
     "Probe",
     "ReadOptions",
@@ -570,10 +581,10 @@ __all__ = [
     "detect_format",
     "folder_format",
     "load",
+    "open_format",
     "output_format",
     "rank_file_note",
     "rank_file_refusal",
-    "rank_kind",
     "read",
     "refuse_rank_file",
     "resolve_output",

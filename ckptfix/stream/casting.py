@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.records import RunReader, TensorRecord
+from ckptfix.formats.records import FileTable, RunReader, TensorRecord
 from ckptfix.transforms.checkpoint import Conversion, is_tensor, replace_model_tensors
 
 _BLOCK = 1 << 24  # bytes of the input cast at once: 16 MiB in, at most 32 MiB out (float16 to float32)
@@ -55,6 +55,28 @@ class CastTensor(TensorRecord):
         import torch
 
         return self.source.read_runs(reader, key=key).to(getattr(torch, self.dtype))
+
+    streams_bytes: ClassVar[bool] = True
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        self.source.prepare_copy(files, allowed=allowed)
+
+    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
+        """Its bytes cast a block at a time from its source's runs (a DCP tensor of blocks gathered first); a
+        source whose reader casts (a ZeRO half-precision buffer) is read through that cast first."""
+        src = self.source
+        via = src.dtype if src.stored_dtype != src.dtype else None
+        pieces = src.stored_ranges(files)
+        write_cast(
+            write,
+            self,
+            stored=src.stored_dtype,
+            via=via,
+            pieces=pieces,
+            fd_of=files.fd,
+            whole=lambda: src.gathered(files),
+        )
+        return "cast"
 
 
 def is_floating(dtype: str) -> bool:

@@ -10,7 +10,6 @@ tensor's bytes straight from the files that hold them.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -18,38 +17,27 @@ from collections.abc import Callable
 from typing import Any, BinaryIO
 
 from ckptfix.errors import FormatError, OutputError
-from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
-from ckptfix.formats.dcp.chunks import dcp_tree
-from ckptfix.formats.dcp.reader import Chunk, DcpTensor, TensorEntry, chunk_record, chunk_region, rows
-from ckptfix.formats.deepspeed.run import ZeroTensor, describe_run, read_zero_tensor
-from ckptfix.formats.dtypes import DTYPES, safetensors_code
+from ckptfix.formats.dtypes import safetensors_code
 from ckptfix.formats.files import DataFiles
-from ckptfix.formats.hf.folder import describe, merge_shards, room_for_files
+from ckptfix.formats.opened import OpenedFolder, OpenOptions
 from ckptfix.formats.output.atomic import Worker, atomic_output
 from ckptfix.formats.output.crc import Check, Verifier
-from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import is_record
-from ckptfix.formats.registry import detect, detect_format
+from ckptfix.formats.records import TensorRecord, is_record
+from ckptfix.formats.registry import detect, folder_format, open_format
 from ckptfix.formats.safetensors.file import (
-    StTensor,
     encode_header,
-    read_header,
     split_checkpoint,
     tensor_bytes,
-    tree_from_header,
 )
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
-from ckptfix.stream.casting import CastTensor, cast_records, write_cast
+from ckptfix.stream.casting import cast_records
 from ckptfix.stream.copy import start_writeback
-from ckptfix.stream.fallback import Fallback, Reason
 from ckptfix.stream.progress import progress_bar
-from ckptfix.stream.rows import RowsTensor, rows_of, rows_ranges
-from ckptfix.stream.single import copyable_tensor
 from ckptfix.transforms.checkpoint import Conversion, is_tensor
 
 _COPY = 1 << 26
-Stored = DcpTensor | StTensor | ZeroTensor | CastTensor | RowsTensor  # a record whose bytes a folder stream writes
+Stored = TensorRecord  # a record whose bytes a folder stream writes (its class says so: ``streams_bytes``)
 
 
 def convert_folder(
@@ -216,21 +204,10 @@ def _record_size(t: Any) -> tuple[int, Any]:
 
 
 def prepare(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> None:
-    """Check what can be checked before ``t``'s bytes are queued (the first byte written): its data files opened
-    (the copy thread only reads the table), a DCP tensor's chunk archives parsed, their pickles checked and their
-    records' CRCs queued, a .pt tensor's kind (a strided view: :class:`Fallback`, as torch's DCP writer keeps it)."""
-    if isinstance(t, CastTensor | RowsTensor):
-        prepare(t.source, files, allowed=allowed)
-    elif isinstance(t, DcpTensor):  # DCP's own: its chunks' archives are parsed to find where its bytes lie
-        for c in t.entry.chunks:
-            if id(c) not in files.located:  # q, k and v of one fused tensor: its chunks parsed and checked once
-                _locate(c, files, entry=t.entry, key=t.key, allowed=allowed)
-    elif isinstance(t, (inert.InertParameter, inert.InertTensor)):  # a .pt's: only torch zips hold strided views
-        if not copyable_tensor(t).is_contiguous():
-            raise Fallback(Reason.STRIDED_VIEW_TO_DCP)
-    elif is_record(t):  # a safetensors tensor, a ZeRO run's pieces: the files its bytes are copied from
-        for path, _, _ in t.byte_ranges() or ():
-            files.fd(path)
+    """Check what can be checked before ``t``'s bytes are queued (the first byte written): the record answers
+    (:meth:`~ckptfix.formats.records.TensorRecord.prepare_copy`: its files opened, a DCP tensor's chunk archives
+    parsed, a .pt tensor's kind checked)."""
+    t.prepare_copy(files, allowed=allowed)
 
 
 class VerifyInTurn:
@@ -347,73 +324,31 @@ def open_tree(
 ) -> tuple[Any, str, DataFiles, frozenset[str]]:
     """:func:`folder_tree` with the data files left open for reading its tensors, and the allowlist to read
     them with; the caller closes them (``files.close()``). ``optimizer`` (a DeepSpeed run only): the tree is
-    ``{"model": state dict, "optimizer": the consolidated optimizer state dict}``."""
+    ``{"model": state dict, "optimizer": the consolidated optimizer state dict}``. A folder is opened by its format's
+    one opener (its registry row's ``open``, as ``inspect`` opens it); :class:`Fallback` where it does not describe it
+    as records a stream copies."""
     allowed = allowlist.allowed_names(allow_globals, source=src)
-    files = DataFiles()
-    try:
-        found = detect(src)
-        if found.records is not None:  # the registry row says how it is read as records
-            got = found.records(src, allow_globals)
-            room_for_files(len(got.files), source=src)  # each data file stays open until the end
-            files.notes.extend(got.notes)
-            tree, kind = got.tree, got.kind
-        elif found.kind == "dcp":
-            tree, kind = _dcp_tree(src, files, allowed=allowed)
-        elif found.kind == "deepspeed":
-            tree, kind = _zero_tree(src, files, allow_globals=allow_globals, optimizer=optimizer)
-        elif found.name in ("safetensors", "torch-zip"):
-            from ckptfix.stream.single import file_tree  # one file: cast or sharded a tensor at a time
+    found = detect(src)
+    if found.name in ("safetensors", "torch-zip"):
+        from ckptfix.stream.single import file_tree  # one file: cast or sharded a tensor at a time
 
+        files = DataFiles()
+        try:
             tree, kind = file_tree(src, found.name, files, allowed=allowed)
-        elif found.name == "folder" and found.kind != "hf":  # a folder no stream here describes: its loader reads it
-            raise Fallback(Reason.READ_BY_LOADER, kind=found.kind)
-        else:
-            tree, kind = _shards_tree(src)
-    except BaseException:
-        files.close()
-        raise
-    return tree, kind, files, allowed
-
-
-def _dcp_tree(src: str, files: DataFiles, *, allowed: frozenset[str]) -> tuple[Any, str]:
-    tree, why = dcp_tree(src, files.fd, allowed=allowed)
-    if why is not None:
-        raise why
-    return tree, "dcp"
-
-
-def _zero_tree(
-    src: str, files: DataFiles, *, allow_globals: tuple[str, ...], optimizer: bool = False
-) -> tuple[Any, str]:
-    """A DeepSpeed ZeRO run's consolidated state dict as :class:`ZeroTensor` records (with ``optimizer``, beside
-    its consolidated optimizer state dict); the CRC of every storage record they are read from (the flat
-    partitions; the moments too with ``optimizer``) is checked as the copy runs."""
-    from ckptfix.formats.torchzip.archive import stored_crc
-
-    run = describe_run(src, allow_globals=allow_globals, optimizer=optimizer)
-    room_for_files(len(run.files), source=src)
-    for path, records in run.records.items():
-        files.checks[path] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in records]
-    files.notes.extend(run.notes)
-    kind = f"DeepSpeed ZeRO-{run.stage} ({run.world} ranks)"
-    return ({"model": run.state, "optimizer": run.optimizer, **run.carried} if optimizer else run.state), kind
-
-
-def _shards_tree(src: str) -> tuple[Any, str]:
-    folder = describe(src)
-    if not folder.flat:
-        raise Fallback(Reason.ACCELERATE_FOLDER)
-    room_for_files(len(folder.files), source=src)
-    for path in folder.files:
-        if detect_format(path) != "safetensors":
-            raise Fallback(Reason.TORCH_SHARD, shard=os.path.basename(path))
-    # a tensor under two names of a shard is one record of it, read from that shard
-    shards = ((path, tree_from_header(read_header(path), source=path)) for path in folder.files)
-    return merge_shards(folder, shards), "shards"
+        except BaseException:
+            files.close()
+            raise
+        return tree, kind, files, allowed
+    if found.name != "folder":  # a file no stream reads (legacy torch): the transformers row says what it is not
+        found = folder_format("hf") or found
+    options = OpenOptions(allow_globals=allow_globals, optimizer=optimizer, stream=True)
+    opened = open_format(found, src, options)
+    assert isinstance(opened, OpenedFolder)  # a folder's opener gives one
+    return opened.tree, opened.label, opened.table, allowed
 
 
 def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]:
-    if not isinstance(t, Stored):
+    if not (is_record(t) and t.streams_bytes):
         what = "a tensor stored as bytes" if is_tensor(t) else type(t).__name__
         raise OutputError(f"{out}: key '{key}' holds {what}, not a tensor; write a .pt file")
     if safetensors_code(t.dtype) is None:
@@ -422,22 +357,6 @@ def _stored(out: str, key: str, t: Any) -> tuple[str, str, tuple[int, ...], int]
             f"write a .pt file"
         )
     return key, t.dtype, t.shape, _record_size(t)[0]
-
-
-def _locate(c: Chunk, files: DataFiles, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
-    """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
-    (row-major, contiguous) are."""
-    z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
-    if order := foreign_byte_order(z):  # torch's DCP reader torch.loads each chunk, which swaps its bytes
-        raise Fallback(Reason.CHUNK_BYTE_ORDER, key=key, order=order)
-    if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
-        raise Fallback(Reason.CHUNK_MATH_BIT_VIEW, key=key, bits=bits)
-    rec = z.archive.storage(t.storage.key)
-    files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
-    files.checks.setdefault(c.span.path, []).extend(
-        Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)
-        for r in z.archive.records
-    )
 
 
 def _write_tensor(out: BinaryIO, t: Stored, files: DataFiles) -> str:
@@ -471,58 +390,14 @@ def value_bytes(t: Any, files: DataFiles, *, allowed: frozenset[str]) -> bytes:
 
 def copied_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
     """The byte ranges whose copy, in order, is ``t``'s bytes in the output; None when they are made in memory
-    (:func:`write_made`): a cast, a ZeRO buffer cast as zero_to_fp32 casts, a DCP tensor of blocks."""
-    return None if t.stored_dtype != t.dtype else byte_ranges(t, files)  # a cast record has no byte ranges
+    (:func:`write_made`)."""
+    return t.output_ranges(files)
 
 
 def write_made(out: Any, t: Stored, files: DataFiles) -> str:
     """``t``'s bytes, made in memory where :func:`copied_ranges` says so, written through ``out.write``; what was
     done: ``cast`` (a block at a time) or ``gathered``."""
-    if isinstance(t, CastTensor):
-        write_cast_record(out.write, t, files)
-        return "cast"
-    if isinstance(t, ZeroTensor):  # a half-precision buffer, cast as zero_to_fp32 does
-        from ckptfix.formats.safetensors.file import tensor_bytes
-
-        out.write(tensor_bytes(read_zero_tensor(t, files.fd)))
-        return "gathered"
-    if isinstance(t, RowsTensor):
-        from ckptfix.formats.safetensors.file import tensor_bytes
-
-        out.write(tensor_bytes(_whole(t, files)))
-        return "gathered"
-    _gather(out, t, files)  # type: ignore[arg-type]  # only a DCP tensor of blocks has no byte ranges
-    return "gathered"
-
-
-def byte_ranges(t: Stored, files: DataFiles) -> list[tuple[str, int, int]] | None:
-    """The byte ranges (path, offset, length) that make up ``t`` in order, in its stored dtype (a DeepSpeed
-    buffer before its cast to float32); None when its DCP chunks are blocks, to be gathered (or for a cast)."""
-    if isinstance(t, RowsTensor):
-        return rows_ranges(t, byte_ranges(t.source, files))
-    if not isinstance(t, DcpTensor):
-        return t.byte_ranges()
-    entry, item = t.entry, DTYPES[t.entry.dtype].itemsize
-    if entry.nbytes == 0:
-        return []
-    if not all(rows(entry, c) for c in entry.chunks):  # sorted by offsets: rows in order, tiling checked
-        return None
-    return [(c.span.path, files.located[id(c)][1], math.prod(c.sizes) * item) for c in entry.chunks]
-
-
-def write_cast_record(write: Callable[[bytes | memoryview], Any], t: CastTensor, files: DataFiles) -> None:
-    """``t``'s bytes, cast a block at a time from its source's byte ranges (a DCP tensor of blocks gathered)."""
-    src = t.source  # a record whose reader casts (a ZeRO half-precision buffer) is read through that cast first
-    via = src.dtype if src.stored_dtype != src.dtype else None
-    write_cast(
-        write,
-        t,
-        stored=src.stored_dtype,
-        via=via,
-        pieces=byte_ranges(src, files),
-        fd_of=files.fd,
-        whole=lambda: _whole(src, files),
-    )
+    return t.write_made(out.write, files)
 
 
 def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
@@ -545,39 +420,9 @@ def _copy(fd: int, at: int, n: int, out: BinaryIO) -> None:
     os.lseek(dst, pos, os.SEEK_SET)
 
 
-def _whole(t: Any, files: DataFiles) -> Any:
-    """A DCP tensor of blocks gathered, or the rows of one (:class:`RowsTensor`)."""
-    return rows_of(t, _whole(t.source, files)) if isinstance(t, RowsTensor) else _gathered(t, files)
-
-
-def _gather(out: BinaryIO, t: DcpTensor, files: DataFiles) -> None:
-    from ckptfix.formats.safetensors.file import tensor_bytes
-
-    out.write(tensor_bytes(_gathered(t, files)))
-
-
-def _gathered(t: DcpTensor, files: DataFiles) -> Any:
-    """The full tensor of DCP chunks that are blocks: the bounded buffer, one tensor, never the whole folder."""
-    import torch
-
-    entry = t.entry
-    dtype = getattr(torch, entry.dtype)
-    full = torch.empty(entry.shape, dtype=dtype)
-    for c in entry.chunks:
-        fd, at = files.located[id(c)]
-        buf = bytearray(math.prod(c.sizes) * DTYPES[entry.dtype].itemsize)
-        if not buf:
-            continue
-        os.preadv(fd, [buf], at)
-        chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
-    return full
-
-
 __all__ = [
-    "byte_ranges",
     "convert_folder",
     "folder_tree",
     "open_tree",
     "prepare",
-    "write_cast_record",
 ]

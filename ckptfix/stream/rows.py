@@ -10,11 +10,12 @@ tensor of blocks), the source is gathered (one tensor in memory) and its rows ta
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ckptfix.formats.dtypes import DTYPES
-from ckptfix.formats.records import TensorRecord, is_record
+from ckptfix.formats.records import FileTable, TensorRecord, is_record
 
 
 @dataclass(eq=False)
@@ -36,6 +37,23 @@ class RowsTensor(TensorRecord):
     @property
     def row_bytes(self) -> int:
         return int(math.prod(tuple(self.source.shape)[1:])) * DTYPES[self.dtype].itemsize
+
+    streams_bytes: ClassVar[bool] = True
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        self.source.prepare_copy(files, allowed=allowed)
+
+    def stored_ranges(self, files: FileTable) -> list[tuple[str, int, int]] | None:
+        return rows_ranges(self, self.source.stored_ranges(files))
+
+    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
+        from ckptfix.formats.safetensors.file import tensor_bytes
+
+        write(tensor_bytes(self.gathered(files)))
+        return "gathered"
+
+    def gathered(self, files: FileTable) -> Any:
+        return rows_of(self, self.source.gathered(files))
 
 
 def take_rows(t: Any, spans: list[tuple[int, int]]) -> Any:

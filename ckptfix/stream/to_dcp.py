@@ -28,7 +28,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import foreign_byte_order
-from ckptfix.formats.dcp.reader import save_dcp
+from ckptfix.formats.dcp.writer import save_dcp
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
 from ckptfix.formats.output.linux import libc

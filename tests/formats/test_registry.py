@@ -119,7 +119,7 @@ def _prefix(path: object) -> str:
 
 def _toy_folder_load(p: object, options: ReadOptions) -> dict[str, torch.Tensor]:
     """A folder format's loader: a DCP folder's tensors, renamed by the prefix its toy.json names."""
-    from ckptfix.formats.dcp.reader import load_dcp
+    from ckptfix.formats.dcp.load import load_dcp
 
     return {_prefix(p) + k: v for k, v in load_dcp(str(p), allow_globals=options.allow_globals).items()}
 

@@ -9,7 +9,6 @@ chunk's archive with the same reader and rules as a ``.pt`` file.
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import os
@@ -19,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.copyable import foreign_byte_order, math_bit_view
+from ckptfix.formats.copyable import Fallback, Reason, foreign_byte_order, math_bit_view
 from ckptfix.formats.dtypes import DTYPES, nbytes, shape_problem
-from ckptfix.formats.output.crc import check_crc
+from ckptfix.formats.output.crc import Check, check_crc
 from ckptfix.formats.pickles import inert, unpickling
-from ckptfix.formats.records import Holder, RunReader, TensorRecord
+from ckptfix.formats.records import FileTable, Holder, RunReader, TensorRecord
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.reader import TorchZip, read_torch_zip
 
@@ -149,6 +148,59 @@ class DcpTensor(TensorRecord):
         kind = "row" if all(rows(self.entry, c) for c in self.entry.chunks) else "block"
         files, n = sorted({os.path.basename(c.span.path) for c in self.entry.chunks}), len(self.entry.chunks)
         return "chunking", f"{n} {kind} chunk{'s' * (n != 1)} in {', '.join(files)}"
+
+    streams_bytes: ClassVar[bool] = True
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        """Its chunks' archives parsed to find where its bytes lie, their pickles checked, their records' CRCs
+        queued (q, k and v of one fused tensor: its chunks parsed and checked once)."""
+        for c in self.entry.chunks:
+            if id(c) not in files.located:
+                _locate(c, files, entry=self.entry, key=self.key, allowed=allowed)
+
+    def stored_ranges(self, files: FileTable) -> list[tuple[str, int, int]] | None:
+        """Row chunks (sorted by offsets: rows in order, tiling checked) as runs; None when some are blocks."""
+        entry, item = self.entry, DTYPES[self.entry.dtype].itemsize
+        if entry.nbytes == 0:
+            return []
+        if not all(rows(entry, c) for c in entry.chunks):
+            return None
+        return [(c.span.path, files.located[id(c)][1], math.prod(c.sizes) * item) for c in entry.chunks]
+
+    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
+        from ckptfix.formats.safetensors.file import tensor_bytes
+
+        write(tensor_bytes(self.gathered(files)))
+        return "gathered"
+
+    def gathered(self, files: FileTable) -> Any:
+        """The full tensor of chunks that are blocks: the bounded buffer, one tensor, never the whole folder."""
+        import torch
+
+        entry = self.entry
+        dtype = getattr(torch, entry.dtype)
+        full = torch.empty(entry.shape, dtype=dtype)
+        for c in entry.chunks:
+            if n := math.prod(c.sizes) * DTYPES[entry.dtype].itemsize:
+                buf = files.read(c.span.path, files.located[id(c)][1], n)
+                chunk_region(full, c).copy_(torch.frombuffer(buf, dtype=dtype).reshape(c.sizes))
+        return full
+
+
+def _locate(c: Chunk, files: FileTable, *, entry: TensorEntry, key: str, allowed: frozenset[str]) -> None:
+    """Parse the chunk's archive (its pickle checked now, its records' CRCs queued) and record where its bytes
+    (row-major, contiguous) are."""
+    z, t = chunk_record(c, files.fd, entry=entry, key=key, allowed=allowed)
+    if order := foreign_byte_order(z):  # torch's DCP reader torch.loads each chunk, which swaps its bytes
+        raise Fallback(Reason.CHUNK_BYTE_ORDER, key=key, order=order)
+    if bits := math_bit_view(t):  # dcp.save pickles a conj or neg view as torch.save does: bit and all
+        raise Fallback(Reason.CHUNK_MATH_BIT_VIEW, key=key, bits=bits)
+    rec = z.archive.storage(t.storage.key)
+    files.located[id(c)] = (files.fd(c.span.path), rec.data_offset + t.offset * DTYPES[entry.dtype].itemsize)
+    files.checks.setdefault(c.span.path, []).extend(
+        Check(f"{r.name} (chunk of '{key}' at {list(c.offsets)})", r.data_offset, r.size, r.crc)
+        for r in z.archive.records
+    )
 
 
 @dataclass(frozen=True)
@@ -474,67 +526,6 @@ def spans_of(d: Dcp) -> Iterator[Span]:
     yield from d.values.values()
 
 
-def load_dcp(root: str, *, allow_globals: Any = (), mmap: bool = True, verify: bool = True) -> Any:
-    """The checkpoint a DCP folder holds, as the nested dict ``dcp.save`` was given, with full (unsharded) tensors.
-
-    Each chunk is read like a ``.pt`` file (structure, pickle allowlist, CRCs); a tensor stored whole is used
-    as it is mapped, a chunked one is assembled into one tensor.
-    """
-    import torch
-
-    from ckptfix.formats.hf.folder import room_for_files
-    from ckptfix.formats.torchio.materialize import map_file, materialize
-    from ckptfix.formats.torchio.torchfile import changed_while_reading, file_identity
-
-    d = read_dcp(root)
-    allowed = allowlist.allowed_names(list(allow_globals), source=root)
-    room_for_files(2 * len(d.files), source=root)  # a descriptor and a mapping (which holds its own) per file
-    files: dict[str, tuple[int, tuple[int, ...], Any]] = {}
-
-    def item(span: Span) -> Any:
-        if span.path not in files:
-            fd = os.open(span.path, os.O_RDONLY)
-            files[span.path] = (fd, file_identity(fd), None)
-        fd, identity, mapped = files[span.path]
-        z = read_torch_zip(
-            fd, span.path, allowed=allowed, verify=verify, start=span.offset, end=span.offset + span.length
-        )
-        if z.storages and foreign_byte_order(z):  # torch's DCP reader torch.loads the chunk, which swaps bytes
-            return torch.load(io.BytesIO(os.pread(fd, span.length, span.offset)), map_location="cpu", weights_only=True)
-        if mmap and mapped is None and z.storages:  # one mapping per file, shared by its chunks' tensors
-            mapped = map_file(fd)
-            files[span.path] = (fd, identity, mapped)
-        return materialize(z, fd, mmap=mmap, mapped=mapped)
-
-    try:
-        flat: dict[str, Any] = {}
-        for key, entry in d.tensors.items():
-            flat[key] = _assemble(torch, key, entry, item)
-        for key, span in d.values.items():
-            flat[key] = item(span)
-        for path, (fd, before, _) in files.items():
-            if file_identity(fd) != before:
-                raise changed_while_reading(path)
-    finally:
-        for fd, _, _ in files.values():
-            os.close(fd)
-    return nest(flat, d.paths)
-
-
-def _assemble(torch: Any, key: str, entry: TensorEntry, item: Any) -> Any:
-    return gather(torch, entry, ((c, _checked(torch, key, entry, c, item(c.span))) for c in entry.chunks))
-
-
-def _checked(torch: Any, key: str, entry: TensorEntry, c: Chunk, part: Any) -> Any:
-    if not isinstance(part, torch.Tensor) or tuple(part.shape) != c.sizes or part.dtype != getattr(torch, entry.dtype):
-        what = f"{part.dtype} {list(part.shape)}" if isinstance(part, torch.Tensor) else type(part).__name__
-        raise FormatError(
-            f"{c.span.path}: chunk of '{key}' at {list(c.offsets)} holds {what}, expected {entry.dtype} "
-            f"{list(c.sizes)}; the folder mixes two checkpoints: copy it again"
-        )
-    return part
-
-
 def gather(torch: Any, entry: TensorEntry, parts: Iterable[tuple[Chunk, Any]]) -> Any:
     """The full tensor of ``entry`` from its chunks' parts, taken one at a time as they are read: a tensor stored
     whole is its one part; the others are copied into place."""
@@ -599,59 +590,9 @@ def read_dcp_tensor(t: DcpTensor, fd_of: Callable[[str], int], *, allowed: froze
     return gather(torch, entry, ((c, part(c)) for c in entry.chunks))
 
 
-def _first_failure(e: Any) -> BaseException:
-    """The exception a ``CheckpointException`` of this one process wraps (itself when it wraps none)."""
-    for failure in e.failures.values():
-        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
-            return failure[0]
-    return e  # type: ignore[no-any-return]
-
-
-def serial_writer(path: str) -> Any:
-    """torch's ``FileSystemWriter`` for ``path`` that writes one tensor at a time, in plan order: one file, one
-    thread, and no copy-ahead (``per_thread_copy_ahead=0``), which makes it take torch's serial loader even where
-    a GPU is present (the copy-ahead loader would sort the tensors by size and hold several at once)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    return FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
-
-
 def chunk_region(full: Any, c: Chunk) -> Any:
     """The view of the full tensor ``full`` that chunk ``c`` fills."""
     region = full
     for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
         region = region.narrow(dim, o, s)
     return region
-
-
-def save_dcp(
-    obj: Any, out: str, *, overwrite: bool = False, planner: Any = None, written: Callable[[], None] | None = None
-) -> None:
-    """Write ``obj`` (a state dict or a full checkpoint) as a DCP folder that ``torch.distributed.checkpoint.load``
-    reads, e.g. to resume FSDP from a single-device or DDP checkpoint.
-
-    torch's own writer does the writing (from this one process, no process group needed) into a temporary
-    folder beside OUT, which becomes OUT only when complete. OUT must not exist or be empty; with ``overwrite``
-    it may be a DCP checkpoint folder (nothing else), which is then replaced: the old folder is renamed aside,
-    the new one renamed in, the old one removed, so a failure leaves the old checkpoint as it was.
-
-    ``planner`` (a ``SavePlanner``; torch's default without one) is handed to ``dcp.save``; ``written()`` runs once
-    the folder is written, before it is put in place (what it raises leaves nothing behind). The writer takes one
-    tensor at a time, in plan order, on every machine (:func:`serial_writer`).
-    """
-    import warnings
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from ckptfix.formats.output.atomic import staged_folder
-    from ckptfix.torchcompat import dcp_save_local
-
-    with staged_folder(out, overwrite=overwrite) as tmp:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process.*")  # that is the intent here
-            try:
-                dcp_save_local(obj, storage_writer=serial_writer(tmp), planner=planner)  # this process alone
-            except CheckpointException as e:  # DCP wraps whatever its writer raised (a read error, a signal)
-                raise _first_failure(e) from e
-        if written is not None:
-            written()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -71,7 +71,7 @@ from ckptfix.formats.deepspeed.pickles import (
 from ckptfix.formats.deepspeed.state import carried_state
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import Holder, TensorRecord, map_tree
+from ckptfix.formats.records import FileTable, Holder, TensorRecord, map_tree
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.archive import Record
 
@@ -128,6 +128,15 @@ class ZeroTensor(TensorRecord):
     def read(self, holder: Holder) -> torch.Tensor:
         """Its pieces read from the rank files ``holder`` opened, each record touched CRC-checked once."""
         return read_zero_tensor(self, holder.file_fd, verified=holder.checked_records)
+
+    streams_bytes: ClassVar[bool] = True
+
+    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
+        """A half-precision buffer, cast as zero_to_fp32 does (its CRCs are checked as the copy runs)."""
+        from ckptfix.formats.safetensors.file import tensor_bytes
+
+        write(tensor_bytes(read_zero_tensor(self, files.fd)))
+        return "gathered"
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,10 @@ from contextlib import contextmanager
 from typing import Any, ClassVar, NoReturn, cast
 
 from ckptfix.errors import FormatError
-from ckptfix.formats.copyable import parameter_hooks_or_state, values_as_stored
+from ckptfix.formats.copyable import Fallback, Reason, parameter_hooks_or_state, values_as_stored
 from ckptfix.formats.dtypes import DTYPES, QUANTIZED, STORAGE_DTYPES, nbytes, storage_itemsize
 from ckptfix.formats.raw import RawTensor
-from ckptfix.formats.records import Holder, RunReader, TensorRecord, torch_dtype
+from ckptfix.formats.records import FileTable, Holder, RunReader, TensorRecord, torch_dtype
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.depth import MAX_DEPTH
 
@@ -325,6 +325,13 @@ class InertTensor(Inert, TensorRecord):
     def is_contiguous(self) -> bool:
         return contiguous(self.shape, self.stride)
 
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        """Copied as its bytes only where they are its values, laid out in order (DCP's writer keeps a view)."""
+        if not values_as_stored(self):
+            raise Fallback(Reason.TENSOR_HOOKS_OR_BITS)
+        if not self.is_contiguous():
+            raise Fallback(Reason.STRIDED_VIEW_TO_DCP)
+
     def read(self, holder: Holder) -> Any:
         """Only the bytes the view reaches (a state dict of views into one flat buffer reads each view once)."""
         import torch
@@ -479,6 +486,11 @@ class InertParameter(Inert, TensorRecord):
 
     def read_runs(self, reader: RunReader, *, key: str) -> Any:
         return self.data.read_runs(reader, key=key)
+
+    def prepare_copy(self, files: FileTable, *, allowed: frozenset[str]) -> None:
+        if parameter_hooks_or_state(self):
+            raise Fallback(Reason.PARAMETER_HOOKS)
+        self.data.prepare_copy(files, allowed=allowed)
 
 
 def tensor_of(value: Any) -> InertTensor:

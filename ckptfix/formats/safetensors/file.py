@@ -295,6 +295,8 @@ class StTensor(TensorRecord):
     on_demand: ClassVar[bool] = True
     streamable: ClassVar[bool] = True
 
+    streams_bytes: ClassVar[bool] = True
+
     dtype: str
     shape: tuple[int, ...]
     start: int
