@@ -53,6 +53,15 @@ class ReadOptions:
 
 
 @dataclass(frozen=True)
+class WriteOptions:
+    """How :func:`write` writes: ``shard_size`` (bytes) splits a file format's state dict into transformers shards
+    beside OUT, with OUT's index; ``overwrite`` lets a folder or a shard set replace the one already there."""
+
+    shard_size: int | None = None
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
 class Format:
     """One input format: ``name`` is the family that code and ``--json`` use (``torch-zip``, ``torch-legacy``,
     ``safetensors``, ``folder``), ``kind`` the format itself (``dcp``, ``deepspeed``, ``hf`` …).
@@ -68,7 +77,11 @@ class Format:
 
     A folder format says in ``called`` what its folders are (in a refusal naming two formats), and in ``beside``
     the folder kinds whose claim its folders meet by design (a Megatron folder is a DCP folder too): then it alone
-    reads them."""
+    reads them.
+
+    A format written as OUT says so here too: ``output`` is its name as :func:`output_format` and ``--format``
+    give it (``torch``, ``safetensors``, ``dcp``), ``write(obj, path, options)`` writes it (:func:`write` asks no
+    other place), and a folder format's ``wrote`` is what a conversion's "wrote" line calls its folder."""
 
     name: str
     kind: str
@@ -78,6 +91,9 @@ class Format:
     describe: Callable[[dict[str, Any]], tuple[str, list[str]]] | None = None
     called: str = ""  # what a folder of it is, in a refusal that names two formats
     beside: tuple[str, ...] = ()  # folder kinds whose claim its folders meet by design (read as this one)
+    output: str = ""  # its name as OUT's format (output_format's), when it is written
+    write: Callable[[Any, PathLike, WriteOptions], None] | None = None
+    wrote: str = ""  # a folder format's words for the folder written ("DCP folder")
 
 
 def detect(path: PathLike) -> Format:
@@ -293,6 +309,38 @@ def _json_text(probe: Probe) -> bool:
     return probe.head.lstrip().startswith(b"{")
 
 
+def _dcp_write(obj: Any, path: PathLike, options: WriteOptions) -> None:
+    from ckptfix.formats.dcp.reader import save_dcp
+
+    save_dcp(obj, os.fspath(path), overwrite=options.overwrite)  # a folder: never split into shards
+
+
+def _file_write(save: Callable[[Any, PathLike], None]) -> Callable[[Any, PathLike, WriteOptions], None]:
+    """A file format's writer: one file, or with ``shard_size`` transformers shards of it beside OUT."""
+
+    def write_file(obj: Any, path: PathLike, options: WriteOptions) -> None:
+        if options.shard_size is None:
+            save(obj, path)
+            return
+        from ckptfix.formats.hf.folder import save_sharded
+
+        save_sharded(obj, path, limit=options.shard_size, write=save, overwrite=options.overwrite)
+
+    return write_file
+
+
+def _save_torch(obj: Any, path: PathLike) -> None:
+    from ckptfix.formats.torchio.torchfile import save_torch
+
+    save_torch(obj, path)
+
+
+def _save_safetensors(obj: Any, path: PathLike) -> None:
+    from ckptfix.formats.safetensors.file import save_safetensors
+
+    save_safetensors(obj, path)
+
+
 FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to claim a file reads it
     # a Megatron torch_dist folder is a DCP folder too; HF Trainer saves the model beside a DeepSpeed run's tag folder
     Format(
@@ -305,7 +353,16 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         called="a Megatron checkpoint (metadata.json)",
         beside=("dcp",),
     ),
-    Format("folder", "dcp", _dcp_claims, _dcp_load, called="a torch.distributed.checkpoint (DCP) folder (.metadata)"),
+    Format(
+        "folder",
+        "dcp",
+        _dcp_claims,
+        _dcp_load,
+        called="a torch.distributed.checkpoint (DCP) folder (.metadata)",
+        output="dcp",
+        write=_dcp_write,
+        wrote="DCP folder",
+    ),
     Format(
         "folder",
         "deepspeed",
@@ -314,11 +371,33 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         called="a DeepSpeed run (latest, rank files)",
         beside=("hf",),
     ),
-    Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip")),
+    Format(
+        "torch-zip",
+        "torch-zip",
+        _torch_zip_claims,
+        _torch_load("torch-zip"),
+        output="torch",
+        write=_file_write(_save_torch),
+    ),
     Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
-    Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load),
+    Format(
+        "safetensors",
+        "safetensors",
+        _safetensors_claims,
+        _safetensors_load,
+        output="safetensors",
+        write=_file_write(_save_safetensors),
+    ),
     # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
-    Format("folder", "hf", _hf_claims, _hf_load, called="transformers weights (an index or model file)"),
+    Format(
+        "folder",
+        "hf",
+        _hf_claims,
+        _hf_load,
+        called="transformers weights (an index or model file)",
+        output="hf",  # written by ckptfix.export_hf, which makes the folder from_pretrained loads
+        wrote="transformers folder",
+    ),
 )
 
 
@@ -440,9 +519,10 @@ def resolve_output(
 def describe_output(path: PathLike, *, fmt: str, shard_size: int | None) -> str:
     """What a conversion wrote, for its "wrote" line (``DCP folder``, ``3 safetensors shards and their index``);
     ``""`` for one file OUT named by its extension."""
-    if fmt in ("dcp", "hf"):
-        return {"dcp": "DCP folder", "hf": "transformers folder"}[fmt]
-    out, what = os.fspath(path), "safetensors" if fmt == "safetensors" else "torch"
+    row = _output_row(fmt)
+    if row.wrote:  # a folder format
+        return row.wrote
+    out, what = os.fspath(path), row.output
     if shard_size is None:
         return ""
     from ckptfix.formats.hf.folder import shard_set
@@ -526,35 +606,34 @@ def save(obj: Any, path: PathLike, *, shard_size: int | None = None, overwrite: 
 
     >>> ckptfix.save({"model": model.state_dict(), "epoch": 3}, "run/last.pt")
     """
-    if shard_size is not None and output_format(path) == "dcp":
-        path = os.path.join(path, "model.safetensors")  # a folder of shards, named as transformers names them
-    fmt = output_format(path)
-    if fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
+    row = _output_row(output_format(path))
+    if shard_size is not None and row.wrote:  # a folder OUT: the shards in it, named as transformers names them
+        path = os.path.join(path, "model.safetensors")
+        row = _output_row(output_format(path))
+    if not row.wrote and shard_size is None:  # a folder's writer and the shard writer check their folders themselves
         check_output(path)
-    write(obj, path, fmt=fmt, shard_size=shard_size, overwrite=overwrite)
+    _write(row, obj, path, WriteOptions(shard_size=shard_size, overwrite=overwrite))
 
 
 def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, overwrite: bool = False) -> None:
-    """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
-    set replace the one already there (a file output is replaced whatever it says: its check came before)."""
-    if fmt == "dcp":
-        from ckptfix.formats.dcp.reader import save_dcp
+    """:func:`save` to an output already checked, in format ``fmt`` (a row's ``output``); ``overwrite`` lets a DCP
+    folder or a shard set replace the one already there (a file output is replaced whatever it says: its check came
+    before)."""
+    _write(_output_row(fmt), obj, path, WriteOptions(shard_size=shard_size, overwrite=overwrite))
 
-        save_dcp(obj, os.fspath(path), overwrite=overwrite)
-    elif shard_size is not None:
-        from ckptfix.formats.hf.folder import save_sharded
 
-        save_sharded(
-            obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt), overwrite=overwrite
-        )
-    elif fmt == "safetensors":
-        from ckptfix.formats.safetensors.file import save_safetensors
+def _output_row(fmt: str) -> Format:
+    """The row of the format written as ``fmt`` (:func:`output_format`'s name for it)."""
+    found = next((f for f in FORMATS if f.output == fmt), None)
+    if found is None:  # a caller's slip: fmt comes from output_format or resolve_output
+        raise ValueError(f"fmt={fmt!r}: not an output format; use output_format(path)")
+    return found
 
-        save_safetensors(obj, path)
-    else:
-        from ckptfix.formats.torchio.torchfile import save_torch
 
-        save_torch(obj, path)
+def _write(row: Format, obj: Any, path: PathLike, options: WriteOptions) -> None:
+    if row.write is None:  # a caller's slip: hf folders are written by ckptfix.export_hf
+        raise ValueError(f"fmt={row.output!r}: ckptfix.export_hf writes it, not registry.write")
+    row.write(obj, path, options)
 
 
 __all__ = [
@@ -564,6 +643,7 @@ __all__ = [
     "Format",
     "Probe",
     "ReadOptions",
+    "WriteOptions",
     "describe_output",
     "detect",
     "detect_format",
