@@ -3,30 +3,37 @@
 Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
 it; :func:`detect` asks them in order (a file: the first claim reads it; a folder: every folder format is asked,
 and a folder two of them claim is refused naming both). The output format is decided by OUT's extension
-(:func:`output_format`).
+(:func:`~ckptfix.formats.paths.output_format`), and written by the row whose ``output`` it is (:func:`write`).
 Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
-records also with ``records`` and ``describe``) and its tests.
+records also with ``records`` and ``describe``) and its tests; an output format, its writer
+(:mod:`ckptfix.formats.output.writers`) in its row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import stat
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.errors import FormatError, OutputError
+from ckptfix.errors import FormatError
 from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.output.writers import WriteOptions, dcp_write, file_writer, save_safetensors, save_torch
+from ckptfix.formats.paths import (
+    ONE_SHARD,
+    OUTPUT_FORMATS,
+    SAFETENSORS_EXTENSIONS,
+    TORCH_EXTENSIONS,
+    output_format,
+    refuse_remote,
+    resolve_output,
+)
 from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain, sharded_error
 from ckptfix.formats.safety.depth import deep
-
-TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
-SAFETENSORS_EXTENSIONS = (".safetensors",)
 
 
 @dataclass(frozen=True)
@@ -50,15 +57,6 @@ class ReadOptions:
     verify: bool = True
     model_only: bool = False
     opaque: bool = False  # a torch zip's entries needing globals outside the allowlist kept unbuilt
-
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """How :func:`write` writes: ``shard_size`` (bytes) splits a file format's state dict into transformers shards
-    beside OUT, with OUT's index; ``overwrite`` lets a folder or a shard set replace the one already there."""
-
-    shard_size: int | None = None
-    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -309,38 +307,6 @@ def _json_text(probe: Probe) -> bool:
     return probe.head.lstrip().startswith(b"{")
 
 
-def _dcp_write(obj: Any, path: PathLike, options: WriteOptions) -> None:
-    from ckptfix.formats.dcp.reader import save_dcp
-
-    save_dcp(obj, os.fspath(path), overwrite=options.overwrite)  # a folder: never split into shards
-
-
-def _file_write(save: Callable[[Any, PathLike], None]) -> Callable[[Any, PathLike, WriteOptions], None]:
-    """A file format's writer: one file, or with ``shard_size`` transformers shards of it beside OUT."""
-
-    def write_file(obj: Any, path: PathLike, options: WriteOptions) -> None:
-        if options.shard_size is None:
-            save(obj, path)
-            return
-        from ckptfix.formats.hf.folder import save_sharded
-
-        save_sharded(obj, path, limit=options.shard_size, write=save, overwrite=options.overwrite)
-
-    return write_file
-
-
-def _save_torch(obj: Any, path: PathLike) -> None:
-    from ckptfix.formats.torchio.torchfile import save_torch
-
-    save_torch(obj, path)
-
-
-def _save_safetensors(obj: Any, path: PathLike) -> None:
-    from ckptfix.formats.safetensors.file import save_safetensors
-
-    save_safetensors(obj, path)
-
-
 FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to claim a file reads it
     # a Megatron torch_dist folder is a DCP folder too; HF Trainer saves the model beside a DeepSpeed run's tag folder
     Format(
@@ -360,7 +326,7 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         _dcp_load,
         called="a torch.distributed.checkpoint (DCP) folder (.metadata)",
         output="dcp",
-        write=_dcp_write,
+        write=dcp_write,
         wrote="DCP folder",
     ),
     Format(
@@ -377,7 +343,7 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         _torch_zip_claims,
         _torch_load("torch-zip"),
         output="torch",
-        write=_file_write(_save_torch),
+        write=file_writer(save_torch),
     ),
     Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
     Format(
@@ -386,7 +352,7 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         _safetensors_claims,
         _safetensors_load,
         output="safetensors",
-        write=_file_write(_save_safetensors),
+        write=file_writer(save_safetensors),
     ),
     # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
     Format(
@@ -450,70 +416,6 @@ def rank_file_note(obj: Any, *, source: str) -> str | None:
     from ckptfix.formats.deepspeed.files import lone_module_note
 
     return lone_module_note(obj, source=source)
-
-
-def refuse_remote(path: str) -> None:
-    """An ``s3://``, ``gs://``, ``hf://`` or ``https://`` address is said to be one, not called a missing file."""
-    if _REMOTE.match(path):
-        raise FormatError(
-            f"{path}: remote paths are not read yet; download the file first (aws s3 cp, gsutil cp, "
-            f"huggingface-cli download, curl -O) and pass the local copy"
-        )
-
-
-_REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def output_format(path: PathLike) -> str:
-    """``torch`` or ``safetensors`` from OUT's extension; ``dcp`` for a folder (ending in ``/`` or existing)."""
-    refuse_remote(os.fspath(path))
-    if os.fspath(path).endswith(os.sep) or os.path.isdir(path):
-        return "dcp"
-    name = os.fspath(path).lower()
-    if name.endswith(SAFETENSORS_EXTENSIONS):
-        return "safetensors"
-    if name.endswith(TORCH_EXTENSIONS):
-        return "torch"
-    raise OutputError(
-        f"{os.fspath(path)}: unknown output extension; use {', '.join(TORCH_EXTENSIONS)} (torch) or .safetensors, "
-        f"or end it with / for a DCP folder"
-    )
-
-
-OUTPUT_FORMATS = ("hf", "dcp", "safetensors", "pt")  # what --format names
-_FOLDER_FILES = {"safetensors": "model.safetensors", "pt": "model.pt"}  # a folder's one file, as transformers names it
-ONE_SHARD = 1 << 62  # a shard size no checkpoint reaches: one file, written by the shard writer (folder made, swapped)
-
-
-def resolve_output(
-    path: PathLike, *, fmt: str | None = None, shard_size: int | None = None
-) -> tuple[str, str, int | None]:
-    """Where and in what format a conversion writes OUT: (the path its writer takes, ``torch``, ``safetensors``,
-    ``dcp`` or ``hf``, the shard size). A folder OUT (ending in ``/`` or existing) gets ``fmt`` (``hf``, ``dcp``,
-    ``safetensors``, ``pt``: ``model.safetensors`` or ``model.pt`` in it, written as one shard, by the shard
-    writer that makes the folder; or their shards); without ``fmt`` a DCP folder, or transformers shards with
-    ``shard_size``. A file OUT's extension must agree with ``fmt``."""
-    from ckptfix.errors import UsageError
-
-    out = os.fspath(path)
-    if fmt is not None and fmt not in OUTPUT_FORMATS:
-        raise UsageError(f"format={fmt!r}: unknown output format; choose one of {', '.join(OUTPUT_FORMATS)}")
-    named_file = out.lower().endswith(SAFETENSORS_EXTENSIONS + TORCH_EXTENSIONS) and not os.path.isdir(out)
-    found = "dcp" if fmt in ("hf", "dcp") and not named_file else output_format(path)
-    if found != "dcp":  # a file
-        if fmt in ("hf", "dcp"):
-            raise UsageError(f"{out}: --format {fmt} writes a folder; end OUT with / (or name an existing folder)")
-        if fmt is not None and {"pt": "torch"}.get(fmt, fmt) != found:
-            raise UsageError(f"{out}: its extension says {found}, --format says {fmt}; change one")
-        return out, found, shard_size
-    if fmt == "dcp" and shard_size is not None:
-        raise UsageError("--shard-size writes transformers shards, --format dcp a DCP folder; drop one")
-    if fmt in (None, "dcp"):
-        shards = os.path.join(out, "model.safetensors"), "safetensors", shard_size
-        return shards if shard_size is not None else (out, "dcp", None)
-    if fmt == "hf":
-        return out, "hf", shard_size
-    return os.path.join(out, _FOLDER_FILES[fmt]), {"pt": "torch"}.get(fmt, fmt), shard_size or ONE_SHARD
 
 
 def describe_output(path: PathLike, *, fmt: str, shard_size: int | None) -> str:
@@ -636,10 +538,13 @@ def _write(row: Format, obj: Any, path: PathLike, options: WriteOptions) -> None
     row.write(obj, path, options)
 
 
-__all__ = [
+__all__ = [  # OUT's paths are formats.paths', named here too, where every command has asked for them
     "FORMATS",
+    "ONE_SHARD",
     "OUTPUT_FORMATS",
     "RANK_GLOBALS",
+    "SAFETENSORS_EXTENSIONS",
+    "TORCH_EXTENSIONS",
     "Format",
     "Probe",
     "ReadOptions",
@@ -655,6 +560,7 @@ __all__ = [
     "rank_kind",
     "read",
     "refuse_rank_file",
+    "refuse_remote",
     "resolve_output",
     "save",
     "write",
