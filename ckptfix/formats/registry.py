@@ -6,7 +6,7 @@ and a folder two of them claim is refused naming both). The output format is dec
 (:func:`~ckptfix.formats.paths.output_format`), and written by the row whose ``output`` it is (:func:`write`).
 Adding an input format is its module, one :data:`FORMATS` row (with its claim and loader; a folder format read as
 records also with ``records`` and ``describe``) and its tests; an output format, its writer
-(:mod:`ckptfix.formats.output.writers`) in its row.
+(:mod:`ckptfix.formats.writers`) in its row.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.output.atomic import PathLike, check_output
-from ckptfix.formats.output.writers import WriteOptions, dcp_write, file_writer, save_safetensors, save_torch
 from ckptfix.formats.paths import (
     ONE_SHARD,
     OUTPUT_FORMATS,
@@ -34,6 +33,7 @@ from ckptfix.formats.paths import (
 from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain, sharded_error
 from ckptfix.formats.safety.depth import deep
+from ckptfix.formats.writers import WriteOptions, dcp_write, file_writer, save_safetensors, save_torch
 
 
 @dataclass(frozen=True)
