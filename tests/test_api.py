@@ -86,13 +86,14 @@ def test_layers_import_only_downwards(index: int) -> None:
 # (file names and a lone rank file's refusal, which opaque entries give) sit below the folder formats. A module
 # may import its own floor and those below it, never one above.
 FORMATS_FLOORS = [
-    ["ckptfix.formats.registry"],
+    ["ckptfix.formats.registry", "ckptfix.formats.writers"],
     ["ckptfix.formats.dcp", "ckptfix.formats.deepspeed", "ckptfix.formats.fsdp", "ckptfix.formats.megatron",
-     "ckptfix.formats.hf", "ckptfix.formats.files"],
+     "ckptfix.formats.hf", "ckptfix.formats.rankfile", "ckptfix.formats.torchio.opener"],
+    ["ckptfix.formats.opened", "ckptfix.formats.files"],
     ["ckptfix.formats.torchio"],
     ["ckptfix.formats.torchzip", "ckptfix.formats.legacy", "ckptfix.formats.safetensors"],
     ["ckptfix.formats.pickles"],
-    ["ckptfix.formats.output"],
+    ["ckptfix.formats.output", "ckptfix.formats.paths"],
     ["ckptfix.formats.safety", "ckptfix.formats.hf.index"],
     ["ckptfix.formats.dtypes", "ckptfix.formats.records", "ckptfix.formats.raw", "ckptfix.formats.strict_json",
      "ckptfix.formats.safety.depth", "ckptfix.formats.deepspeed.files", "ckptfix.formats.copyable"],

@@ -285,6 +285,19 @@ class TensorRecord:
         are not runs of files: a DCP tensor of blocks, rows of one."""
         raise AssertionError(f"{type(self).__name__}: only a tensor of blocks is gathered")
 
+    # -- a sharded run's tensor (FSDP rank files): what a merge assembles from every rank's piece ---------------
+
+    def rank_piece(self) -> TensorRecord | None:
+        """The record of one rank's piece that a merge of a sharded run's rank files checks against every other
+        rank's and assembles into the tensor this record stands for: itself for a DTensor or a ShardedTensor, the
+        flat parameter for a parameter cut from one; None (the default) for a tensor stored whole."""
+        return None
+
+    def from_piece(self, full: Any) -> Any:
+        """Its tensor, given ``full``, the tensor its :meth:`rank_piece` assembles into: that tensor itself (the
+        default), or the part of it this record is (a parameter cut from a flat parameter)."""
+        return full
+
 
 def is_record(value: object) -> bool:
     """True for a tensor record of any reader or writer (not for a real tensor)."""

@@ -3,33 +3,40 @@
 Each :class:`Format` says whether it claims a path (from its first bytes, or a folder's listing) and how to load
 it; :func:`detect` asks them in order (a file: the first claim reads it; a folder: every folder format is asked,
 and a folder two of them claim is refused naming both). The output format is decided by OUT's extension
-(:func:`output_format`).
+(:func:`~ckptfix.formats.paths.output_format`), and written by the row whose ``output`` it is (:func:`write`).
 Adding an input format is its package, one :data:`FORMATS` row (its claim, its loader, its ``open`` that every
-command reads through; a folder format also ``describe``) and its tests.
+command reads through; a folder format also ``describe``) and its tests; an output format, its writer
+(:mod:`ckptfix.formats.writers`) in its row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import stat
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptfix.errors import FormatError, OutputError
+from ckptfix.errors import FormatError
 from ckptfix.formats.output.atomic import PathLike, check_output
+from ckptfix.formats.paths import (
+    ONE_SHARD,
+    OUTPUT_FORMATS,
+    SAFETENSORS_EXTENSIONS,
+    TORCH_EXTENSIONS,
+    output_format,
+    refuse_remote,
+    resolve_output,
+)
 from ckptfix.formats.rankfile import rank_file_note, rank_file_refusal, refuse_rank_file
 from ckptfix.formats.records import FolderRecords
 
 if TYPE_CHECKING:
     from ckptfix.formats.opened import Opened, OpenOptions
 from ckptfix.formats.safety.depth import deep
-
-TORCH_EXTENSIONS = (".pt", ".pth", ".bin", ".ckpt", ".tar")
-SAFETENSORS_EXTENSIONS = (".safetensors",)
+from ckptfix.formats.writers import WriteOptions, dcp_write, file_writer, save_safetensors, save_torch
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,11 @@ class Format:
 
     A folder format says in ``called`` what its folders are (in a refusal naming two formats), and in ``beside``
     the folder kinds whose claim its folders meet by design (a Megatron folder is a DCP folder too): then it alone
-    reads them."""
+    reads them.
+
+    A format written as OUT says so here too: ``output`` is its name as :func:`output_format` and ``--format``
+    give it (``torch``, ``safetensors``, ``dcp``), ``write(obj, path, options)`` writes it (:func:`write` asks no
+    other place), and a folder format's ``wrote`` is what a conversion's "wrote" line calls its folder."""
 
     name: str
     kind: str
@@ -85,6 +96,9 @@ class Format:
     describe: Callable[[dict[str, Any]], tuple[str, list[str]]] | None = None
     called: str = ""  # what a folder of it is, in a refusal that names two formats
     beside: tuple[str, ...] = ()  # folder kinds whose claim its folders meet by design (read as this one)
+    output: str = ""  # its name as OUT's format (output_format's), when it is written
+    write: Callable[[Any, PathLike, WriteOptions], None] | None = None
+    wrote: str = ""  # a folder format's words for the folder written ("DCP folder")
 
 
 def detect(path: PathLike) -> Format:
@@ -367,6 +381,9 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         _dcp_load,
         open=_dcp_open,
         called="a torch.distributed.checkpoint (DCP) folder (.metadata)",
+        output="dcp",
+        write=dcp_write,
+        wrote="DCP folder",
     ),
     Format(
         "folder",
@@ -377,84 +394,46 @@ FORMATS: tuple[Format, ...] = (  # in the order they are asked: the first to cla
         called="a DeepSpeed run (latest, rank files)",
         beside=("hf",),
     ),
-    Format("torch-zip", "torch-zip", _torch_zip_claims, _torch_load("torch-zip"), open=_torch_zip_open),
+    Format(
+        "torch-zip",
+        "torch-zip",
+        _torch_zip_claims,
+        _torch_load("torch-zip"),
+        open=_torch_zip_open,
+        output="torch",
+        write=file_writer(save_torch),
+    ),
     Format("torch-legacy", "torch-legacy", _legacy_claims, _torch_load("torch-legacy")),
-    Format("safetensors", "safetensors", _safetensors_claims, _safetensors_load, open=_safetensors_open),
+    Format(
+        "safetensors",
+        "safetensors",
+        _safetensors_claims,
+        _safetensors_load,
+        open=_safetensors_open,
+        output="safetensors",
+        write=file_writer(save_safetensors),
+    ),
     # transformers shards with their index, accelerate folders; last: a folder no row claims is its to explain
-    Format("folder", "hf", _hf_claims, _hf_load, open=_hf_open, called="transformers weights (an index or model file)"),
+    Format(
+        "folder",
+        "hf",
+        _hf_claims,
+        _hf_load,
+        open=_hf_open,
+        called="transformers weights (an index or model file)",
+        output="hf",  # written by ckptfix.export_hf, which makes the folder from_pretrained loads
+        wrote="transformers folder",
+    ),
 )
-
-
-def refuse_remote(path: str) -> None:
-    """An ``s3://``, ``gs://``, ``hf://`` or ``https://`` address is said to be one, not called a missing file."""
-    if _REMOTE.match(path):
-        raise FormatError(
-            f"{path}: remote paths are not read yet; download the file first (aws s3 cp, gsutil cp, "
-            f"huggingface-cli download, curl -O) and pass the local copy"
-        )
-
-
-_REMOTE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def output_format(path: PathLike) -> str:
-    """``torch`` or ``safetensors`` from OUT's extension; ``dcp`` for a folder (ending in ``/`` or existing)."""
-    refuse_remote(os.fspath(path))
-    if os.fspath(path).endswith(os.sep) or os.path.isdir(path):
-        return "dcp"
-    name = os.fspath(path).lower()
-    if name.endswith(SAFETENSORS_EXTENSIONS):
-        return "safetensors"
-    if name.endswith(TORCH_EXTENSIONS):
-        return "torch"
-    raise OutputError(
-        f"{os.fspath(path)}: unknown output extension; use {', '.join(TORCH_EXTENSIONS)} (torch) or .safetensors, "
-        f"or end it with / for a DCP folder"
-    )
-
-
-OUTPUT_FORMATS = ("hf", "dcp", "safetensors", "pt")  # what --format names
-_FOLDER_FILES = {"safetensors": "model.safetensors", "pt": "model.pt"}  # a folder's one file, as transformers names it
-ONE_SHARD = 1 << 62  # a shard size no checkpoint reaches: one file, written by the shard writer (folder made, swapped)
-
-
-def resolve_output(
-    path: PathLike, *, fmt: str | None = None, shard_size: int | None = None
-) -> tuple[str, str, int | None]:
-    """Where and in what format a conversion writes OUT: (the path its writer takes, ``torch``, ``safetensors``,
-    ``dcp`` or ``hf``, the shard size). A folder OUT (ending in ``/`` or existing) gets ``fmt`` (``hf``, ``dcp``,
-    ``safetensors``, ``pt``: ``model.safetensors`` or ``model.pt`` in it, written as one shard, by the shard
-    writer that makes the folder; or their shards); without ``fmt`` a DCP folder, or transformers shards with
-    ``shard_size``. A file OUT's extension must agree with ``fmt``."""
-    from ckptfix.errors import UsageError
-
-    out = os.fspath(path)
-    if fmt is not None and fmt not in OUTPUT_FORMATS:
-        raise UsageError(f"format={fmt!r}: unknown output format; choose one of {', '.join(OUTPUT_FORMATS)}")
-    named_file = out.lower().endswith(SAFETENSORS_EXTENSIONS + TORCH_EXTENSIONS) and not os.path.isdir(out)
-    found = "dcp" if fmt in ("hf", "dcp") and not named_file else output_format(path)
-    if found != "dcp":  # a file
-        if fmt in ("hf", "dcp"):
-            raise UsageError(f"{out}: --format {fmt} writes a folder; end OUT with / (or name an existing folder)")
-        if fmt is not None and {"pt": "torch"}.get(fmt, fmt) != found:
-            raise UsageError(f"{out}: its extension says {found}, --format says {fmt}; change one")
-        return out, found, shard_size
-    if fmt == "dcp" and shard_size is not None:
-        raise UsageError("--shard-size writes transformers shards, --format dcp a DCP folder; drop one")
-    if fmt in (None, "dcp"):
-        shards = os.path.join(out, "model.safetensors"), "safetensors", shard_size
-        return shards if shard_size is not None else (out, "dcp", None)
-    if fmt == "hf":
-        return out, "hf", shard_size
-    return os.path.join(out, _FOLDER_FILES[fmt]), {"pt": "torch"}.get(fmt, fmt), shard_size or ONE_SHARD
 
 
 def describe_output(path: PathLike, *, fmt: str, shard_size: int | None) -> str:
     """What a conversion wrote, for its "wrote" line (``DCP folder``, ``3 safetensors shards and their index``);
     ``""`` for one file OUT named by its extension."""
-    if fmt in ("dcp", "hf"):
-        return {"dcp": "DCP folder", "hf": "transformers folder"}[fmt]
-    out, what = os.fspath(path), "safetensors" if fmt == "safetensors" else "torch"
+    row = _output_row(fmt)
+    if row.wrote:  # a folder format
+        return row.wrote
+    out, what = os.fspath(path), row.output
     if shard_size is None:
         return ""
     from ckptfix.formats.hf.folder import shard_set
@@ -539,43 +518,46 @@ def save(obj: Any, path: PathLike, *, shard_size: int | None = None, overwrite: 
 
     >>> ckptfix.save({"model": model.state_dict(), "epoch": 3}, "run/last.pt")
     """
-    if shard_size is not None and output_format(path) == "dcp":
-        path = os.path.join(path, "model.safetensors")  # a folder of shards, named as transformers names them
-    fmt = output_format(path)
-    if fmt != "dcp" and shard_size is None:  # the DCP and shard writers check their folders themselves
+    row = _output_row(output_format(path))
+    if shard_size is not None and row.wrote:  # a folder OUT: the shards in it, named as transformers names them
+        path = os.path.join(path, "model.safetensors")
+        row = _output_row(output_format(path))
+    if not row.wrote and shard_size is None:  # a folder's writer and the shard writer check their folders themselves
         check_output(path)
-    write(obj, path, fmt=fmt, shard_size=shard_size, overwrite=overwrite)
+    _write(row, obj, path, WriteOptions(shard_size=shard_size, overwrite=overwrite))
 
 
 def write(obj: Any, path: PathLike, *, fmt: str, shard_size: int | None = None, overwrite: bool = False) -> None:
-    """:func:`save` to an output already checked, in format ``fmt``; ``overwrite`` lets a DCP folder or a shard
-    set replace the one already there (a file output is replaced whatever it says: its check came before)."""
-    if fmt == "dcp":
-        from ckptfix.formats.dcp.writer import save_dcp
-
-        save_dcp(obj, os.fspath(path), overwrite=overwrite)
-    elif shard_size is not None:
-        from ckptfix.formats.hf.folder import save_sharded
-
-        save_sharded(
-            obj, path, limit=shard_size, write=lambda sub, file: write(sub, file, fmt=fmt), overwrite=overwrite
-        )
-    elif fmt == "safetensors":
-        from ckptfix.formats.safetensors.file import save_safetensors
-
-        save_safetensors(obj, path)
-    else:
-        from ckptfix.formats.torchio.torchfile import save_torch
-
-        save_torch(obj, path)
+    """:func:`save` to an output already checked, in format ``fmt`` (a row's ``output``); ``overwrite`` lets a DCP
+    folder or a shard set replace the one already there (a file output is replaced whatever it says: its check came
+    before)."""
+    _write(_output_row(fmt), obj, path, WriteOptions(shard_size=shard_size, overwrite=overwrite))
 
 
-__all__ = [
+def _output_row(fmt: str) -> Format:
+    """The row of the format written as ``fmt`` (:func:`output_format`'s name for it)."""
+    found = next((f for f in FORMATS if f.output == fmt), None)
+    if found is None:  # a caller's slip: fmt comes from output_format or resolve_output
+        raise ValueError(f"fmt={fmt!r}: not an output format; use output_format(path)")
+    return found
+
+
+def _write(row: Format, obj: Any, path: PathLike, options: WriteOptions) -> None:
+    if row.write is None:  # a caller's slip: hf folders are written by ckptfix.export_hf
+        raise ValueError(f"fmt={row.output!r}: ckptfix.export_hf writes it, not registry.write")
+    row.write(obj, path, options)
+
+
+__all__ = [  # OUT's paths are formats.paths', named here too, where every command has asked for them
     "FORMATS",
+    "ONE_SHARD",
     "OUTPUT_FORMATS",
+    "SAFETENSORS_EXTENSIONS",
+    "TORCH_EXTENSIONS",
     "Format",
     "Probe",
     "ReadOptions",
+    "WriteOptions",
     "describe_output",
     "detect",
     "detect_format",
@@ -587,6 +569,7 @@ __all__ = [
     "rank_file_refusal",
     "read",
     "refuse_rank_file",
+    "refuse_remote",
     "resolve_output",
     "save",
     "write",

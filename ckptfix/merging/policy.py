@@ -21,10 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.diffing import json_number, same_bytes, tensor_diff
 from ckptfix.errors import AverageError, MergeError, UsageError
-from ckptfix.formats.fsdp.flatparams import FlatSliceRecord
-from ckptfix.formats.fsdp.ranks import DTensorRecord, ShardedTensorRecord
 from ckptfix.formats.raw import as_tensor
-from ckptfix.formats.records import spec
+from ckptfix.formats.records import is_record, spec
 from ckptfix.reading import Opened
 from ckptfix.transforms import layouts
 from ckptfix.transforms.checkpoint import apply_maps, is_tensor, model_entries, same_kind
@@ -35,8 +33,6 @@ if TYPE_CHECKING:
 
 BUFFER_STRATEGIES: tuple[str, ...] = ("pooled", "mean", "rank0")
 _MEAN, _VAR, _COUNT = "running_mean", "running_var", "num_batches_tracked"
-# one rank's part of a tensor, assembled from every rank (FlatSliceRecord: a parameter of an FSDP1 flat parameter)
-SHARD_RECORDS = (DTensorRecord, ShardedTensorRecord, FlatSliceRecord)
 
 
 @dataclass
@@ -231,6 +227,12 @@ def _floating(value: Any) -> bool:
     return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat"))
 
 
+def _from_ranks(value: Any) -> bool:
+    """Whether ``value`` is assembled from every rank's piece (a rank file's DTensor or ShardedTensor, a parameter
+    cut from an FSDP1 flat parameter): computed, never compared across ranks."""
+    return is_record(value) and value.rank_piece() is not None
+
+
 def _averaged(value: Any) -> bool:
     """Whether averaging computes ``value``'s mean: floating and complex tensors."""
     return is_tensor(value) and spec(value).dtype.startswith(("float", "bfloat", "complex"))
@@ -319,7 +321,7 @@ class Merger:
                     raise MergeError(f"{where[0]}: '{prefix}{_MEAN}' is not floating point; cannot merge statistics")
             stats = {p + s for p in prefixes for s in (_MEAN, _VAR, _COUNT)}
             computed = stats | {k for k in self.buffer_keys if k in first and _floating(first[k])}
-        computed |= {k for k, v in first.items() if isinstance(v, SHARD_RECORDS)}  # assembled from every rank
+        computed |= {k for k, v in first.items() if _from_ranks(v)}
         template: OrderedDict[str, Any] = OrderedDict(
             (k, Placeholder(*_spec_args(v)) if k in computed and is_tensor(v) else v) for k, v in first.items()
         )

@@ -12,8 +12,6 @@ FSDP1 sharded optimizer state beside the shards is found, checked and left out o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,26 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import AverageError, UsageError
 from ckptfix.formats.copyable import Fallback, Reason, foreign_byte_order
-from ckptfix.formats.fsdp.flatparams import FlatSliceRecord
-from ckptfix.formats.fsdp.fsdp1 import assemble_sharded, check_sharded, describe_fsdp1_rank, fsdp1_records
+from ckptfix.formats.fsdp.fsdp1 import check_sharded, describe_fsdp1_rank, fsdp1_records
 from ckptfix.formats.fsdp.ranks import (
     DTENSOR_GLOBALS,
     SHARDED_TENSOR_GLOBALS,
     RankFilesError,
-    ShardedPiece,
-    ShardedTensorRecord,
-    assemble,
     check_pieces,
     describe_rank,
     load_ranks,
     rank_records,
 )
 from ckptfix.formats.output.atomic import PathLike
+from ckptfix.formats.records import is_record
 from ckptfix.formats.registry import write
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.torchfile import file_identity
 from ckptfix.merging.policy import (
-    SHARD_RECORDS,
     Merger,
     MergeResult,
     merged_in_memory,
@@ -252,13 +246,7 @@ def in_rank_order(ranks: list[Rank]) -> list[Rank]:
     recorded: dict[int, Rank] = {}
     world = 0
     for rank in ranks:
-        piece = next(iter(rank.records.values())).piece
-        if isinstance(piece, ShardedPiece):
-            number, world = piece.rank, piece.world
-        else:
-            number, world = 0, math.prod(piece.mesh)
-            for coordinate, size in zip(piece.coordinate, piece.mesh, strict=True):
-                number = number * size + coordinate
+        number, world = next(iter(rank.records.values())).job_rank()
         recorded.setdefault(number, rank)
     if sorted(recorded) != list(range(world)) or len(ranks) != world:
         raise RankFilesError(
@@ -362,17 +350,15 @@ class Rank(Opened):
     """One FSDP2 rank file, described: each DTensor a :class:`~ckptfix.formats.fsdp.ranks.DTensorRecord` whose
     value is the full tensor, assembled from every rank's piece by the ranks' :class:`Ranks`."""
 
-    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> DTensorRecord / ShardedTensorRecord
-    split: dict[str, FlatSliceRecord] = field(default_factory=dict)  # FSDP1 LOCAL_STATE_DICT: each parameter
+    records: dict[str, Any] = field(default_factory=dict)  # NUL-joined key -> each rank piece (DTensor, ShardedTensor)
+    split: dict[str, Any] = field(default_factory=dict)  # FSDP1 LOCAL_STATE_DICT: each parameter cut from a piece
     ranks: Any = None
 
     def tensor(self, value: Any) -> torch.Tensor:
-        if isinstance(value, FlatSliceRecord):  # a copy: the joined flat parameter is freed when the next is built
-            flat = self.ranks.full(value.flat.key)
-            return flat.narrow(0, value.offset, math.prod(value.shape)).view(value.shape).clone()  # type: ignore[no-any-return]
-        if isinstance(value, SHARD_RECORDS):
-            return self.ranks.full(value.key)  # type: ignore[no-any-return]
-        return super().tensor(value)
+        piece = value.rank_piece() if is_record(value) else None
+        if piece is None:
+            return super().tensor(value)
+        return value.from_piece(self.ranks.full(piece.key))  # type: ignore[no-any-return]
 
 
 def _open_rank(
@@ -397,16 +383,17 @@ def _open_rank(
         os.close(fd)
         raise
     records: dict[str, Any] = {}
-    split: dict[str, FlatSliceRecord] = {}
+    split: dict[str, Any] = {}
     stack = [tree]
     while stack:  # the DTensors sit in the (nested) dicts of the checkpoint, taken in its order (the model first)
         node = stack.pop()
         inner = []
         for value in node.values() if isinstance(node, dict) else ():
-            if isinstance(value, FlatSliceRecord):  # its flat parameter is what the ranks' files must agree on
-                records[value.flat.key], split[value.key] = value.flat, value
-            elif isinstance(value, SHARD_RECORDS):
-                records[value.key] = value
+            piece = value.rank_piece() if is_record(value) else None
+            if piece is not None:  # the piece (a parameter's flat parameter) is what the ranks' files must agree on
+                records[piece.key] = piece
+                if piece is not value:
+                    split[value.key] = value
             elif isinstance(value, dict):
                 inner.append(value)
         stack.extend(reversed(inner))
@@ -428,16 +415,7 @@ class Ranks:
 
         if key != self.key:
             self.key, self.value = None, None  # the previous tensor freed before the next is built
-            parts = []
-            for rank in self.ranks:
-                piece = rank.records[key].piece
-                if isinstance(rank.records[key], ShardedTensorRecord):  # FSDP1: any number of shards per rank
-                    local = tuple((o, s, rank.tensor(t)) for o, s, t in piece.local)
-                    parts.append(dataclasses.replace(piece, local=local))
-                else:
-                    parts.append(dataclasses.replace(piece, local=rank.tensor(piece.local)))
-            first = self.ranks[0].records[key]
-            build = assemble_sharded if isinstance(first, ShardedTensorRecord) else assemble
-            self.value = build(parts, self.paths, key=key)
+            parts = [rank.records[key].read_local(rank.tensor) for rank in self.ranks]
+            self.value = self.ranks[0].records[key].full_tensor(parts, self.paths)
             self.key = key
         return self.value

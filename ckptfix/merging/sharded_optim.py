@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ckptfix.formats.fsdp.ranks import RankFilesError, ShardedTensorRecord
-from ckptfix.formats.records import map_tree, spec
+from ckptfix.formats.fsdp.ranks import RankFilesError
+from ckptfix.formats.records import is_record, map_tree, spec
 from ckptfix.transforms.checkpoint import is_tensor
 from ckptfix.writing import Placeholder
 
@@ -65,8 +65,8 @@ def _first_difference(
     a: Any, b: Any, raw_a: Callable[[Any], Any], raw_b: Callable[[Any], Any], *, path: str
 ) -> tuple[str, str] | None:
     """The first place where ``b`` differs from ``a`` (its dotted key and how), or None."""
-    if isinstance(a, ShardedTensorRecord) or isinstance(b, ShardedTensorRecord):
-        both = isinstance(a, ShardedTensorRecord) and isinstance(b, ShardedTensorRecord)
+    if _sharded(a) or _sharded(b):
+        both = _sharded(a) and _sharded(b)
         return None if both else (path, "is a ShardedTensor in one file and not in")
     if is_tensor(a) or is_tensor(b):
         if not (is_tensor(a) and is_tensor(b)):
@@ -92,6 +92,11 @@ def _first_difference(
     return None if _equal(a, b) else (path, f"is {_short(b)}, but {_short(a)} in")
 
 
+def _sharded(value: Any) -> bool:
+    """One rank's piece of a sharded tensor (in an FSDP1 file: a ShardedTensor), which ``check_sharded`` checks."""
+    return is_record(value) and value.rank_piece() is value
+
+
 def _equal(a: Any, b: Any) -> bool:
     try:
         return bool(type(a) is type(b) and a == b)
@@ -114,13 +119,13 @@ def consolidated(tree: Any, entries: Sequence[str]) -> tuple[Any, dict[str, Plac
     changed: the containers on the way are copied."""
     placeholders: dict[str, Placeholder] = {}
 
-    def full(obj: ShardedTensorRecord) -> Placeholder:
+    def full(obj: Any) -> Placeholder:
         if obj.key not in placeholders:  # one record under two names (a dict the pickle shares): one tensor
             placeholders[obj.key] = Placeholder(obj.dtype, obj.shape)
         return placeholders[obj.key]
 
     def walk(obj: Any) -> Any:
-        return map_tree(obj, full, leaf=ShardedTensorRecord, exact=False)
+        return map_tree(obj, full, leaf=_sharded, exact=False)
 
     if "" in entries:
         return walk(tree), placeholders

@@ -113,6 +113,27 @@ def test_a_new_format_is_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert detect(FIXTURES / "single.pt").kind == "torch-zip"
 
 
+def test_a_new_output_format_is_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What writing a format takes: its row's ``output`` name and ``write`` slot; registry.write asks no other place,
+    and a folder format's ``wrote`` is its "wrote" line."""
+    written: list[tuple[Any, str, registry.WriteOptions]] = []
+    toy = Format(
+        "folder",
+        "toy",
+        lambda probe: False,
+        _toy_load,
+        output="toy",
+        write=lambda obj, path, options: written.append((obj, str(path), options)),
+        wrote="toy folder",
+    )
+    monkeypatch.setattr(registry, "FORMATS", (toy, *FORMATS))
+    registry.write({"x": 1}, tmp_path / "out", fmt="toy", overwrite=True)
+    assert written == [({"x": 1}, str(tmp_path / "out"), registry.WriteOptions(overwrite=True))]
+    assert registry.describe_output(tmp_path / "out", fmt="toy", shard_size=None) == "toy folder"
+    with pytest.raises(ValueError, match="not an output format"):
+        registry.write({}, tmp_path / "out", fmt="nope")
+
+
 def _prefix(path: object) -> str:
     return str(json.loads((Path(str(path)) / "toy.json").read_bytes())["prefix"])
 

@@ -2,7 +2,7 @@
 of one rank's file passed on its own (which folder to pass instead).
 
 Which file is which rank comes from its name (what a ZeRO-1/2 file records of its partition is checked against it
-in :mod:`.deepspeed_pickles`). Nothing here reads a pickle: a lone file's rules look at the tree the caller already
+in :mod:`.pickles`). Nothing here reads a pickle: a lone file's rules look at the tree the caller already
 read.
 """
 

@@ -24,17 +24,14 @@ the shapes alone, exactly as ``zero_to_fp32.get_fp32_state_dict_from_zero_checkp
 - ZeRO-3: each rank holds ``ceil(numel / world)`` elements of every parameter, one after another across its
   groups; a parameter is its slice of rank 0, then of rank 1, …, cut to its size (the last rank's padding).
 
-Which file is which rank comes from its name (:mod:`.deepspeed_files`, which also says what to do with one rank's
-file passed alone); what a file is, from what it holds (:mod:`.deepspeed_pickles`), which checks what each file
-records of itself against its name and the run: a ZeRO-1/2 optimizer file's ``param_slice_mappings`` and partition
-lengths (its rank), every file's ``ds_config`` (stage, precision). ZeRO-3 files record nothing of their rank. The
-layout math is pure (:mod:`.deepspeed_layout`), the I/O is :func:`describe_run`.
+Which file is which rank comes from its name (:mod:`.files`, which also says what to do with one rank's file passed
+alone); what a file is, from what it holds (:mod:`.pickles`), which checks what each file records of itself against
+its name and the run: a ZeRO-1/2 optimizer file's ``param_slice_mappings`` and partition lengths (its rank), every
+file's ``ds_config`` (stage, precision). ZeRO-3 files record nothing of their rank. The layout math is pure
+(:mod:`.layout`), the records and their reading are :mod:`.tensors`, the I/O is :func:`describe_run`.
 
-The optimizer state (``describe_run(..., optimizer=True)``, :func:`load_training_state`) is laid out the same way: each
-flat group's per-element state (Adam's ``exp_avg``, ``exp_avg_sq``; under ``base_optimizer_state`` for ZeRO-1/2,
-``optimizer_state_dict`` for ZeRO-3, keyed by flat group) is partitioned exactly as its fp32 master partition
-(ZeRO-1/2 save the moments with the last rank's padding, the master without it: the same leading elements), so
-each parameter's moment is the byte ranges of its weight, read from the moment's record instead.
+The optimizer state (``describe_run(..., optimizer=True)``, :func:`load_training_state`) is laid out the same way, by
+:mod:`.optimizer`; what else the run carries (scheduler, counters, client state) by :mod:`.state`.
 """
 
 from __future__ import annotations
@@ -42,9 +39,9 @@ from __future__ import annotations
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.deepspeed.files import (
@@ -58,85 +55,25 @@ from ckptfix.formats.deepspeed.files import (
     tag_folder,
 )
 from ckptfix.formats.deepspeed.layout import Segment, layout_partitioned, layout_stage3
+from ckptfix.formats.deepspeed.optimizer import optimizer_state, optimizer_tensors
 from ckptfix.formats.deepspeed.pickles import (
     OptimFile,
     check_partitions,
     check_saved_names,
-    group_state,
     module_trees,
     optimizer_ranks,
     param_groups,
     shape_of,
 )
 from ckptfix.formats.deepspeed.state import carried_state
-from ckptfix.formats.dtypes import DTYPES
+from ckptfix.formats.deepspeed.tensors import Piece, ZeroTensor, check_bytes, piece, read_zero_tensor, tensors_in
 from ckptfix.formats.pickles import inert
-from ckptfix.formats.records import FileTable, Holder, TensorRecord, map_tree
+from ckptfix.formats.records import map_tree
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.archive import Record
 
 if TYPE_CHECKING:
-    import torch
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Bytes ``[offset, offset + nbytes)`` of ``path``, inside storage record ``record`` (CRC-checked as a whole)."""
-
-    path: str
-    offset: int
-    nbytes: int
-    record: Record
-
-
-@dataclass(eq=False)
-class ZeroTensor(TensorRecord):
-    """A consolidated tensor of a ZeRO run: its bytes are ``pieces`` in order (dtype ``stored``), cast to ``dtype``
-    where zero_to_fp32 casts (a half-precision buffer becomes float32)."""
-
-    streamable: ClassVar[bool] = True
-
-    key: str
-    stored: str
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-    origin: str  # "fp32 master", "frozen" (no master copy exists), "buffer", "optimizer state" or "run state"
-    cast: str | None = None
-
-    @property
-    def dtype(self) -> str:
-        return self.cast or self.stored
-
-    @property
-    def stored_dtype(self) -> str:
-        return self.stored
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
-
-    def identity(self) -> Hashable:
-        # tied names share the one record; the origin keeps a client_state entry apart from a parameter of its name
-        return ("zero", self.origin, self.key)
-
-    def _storage(self) -> Hashable:
-        return ("zero", self.origin, self.key)
-
-    def byte_ranges(self) -> list[tuple[str, int, int]]:
-        return [(p.path, p.offset, p.nbytes) for p in self.pieces if p.nbytes]  # in dtype ``stored``
-
-    def read(self, holder: Holder) -> torch.Tensor:
-        """Its pieces read from the rank files ``holder`` opened, each record touched CRC-checked once."""
-        return read_zero_tensor(self, holder.file_fd, verified=holder.checked_records)
-
-    streams_bytes: ClassVar[bool] = True
-
-    def write_made(self, write: Callable[[Any], Any], files: FileTable) -> str:
-        """A half-precision buffer, cast as zero_to_fp32 does (its CRCs are checked as the copy runs)."""
-        from ckptfix.formats.safetensors.file import tensor_bytes
-
-        write(tensor_bytes(read_zero_tensor(self, files.fd)))
-        return "gathered"
+    pass
 
 
 @dataclass(frozen=True)
@@ -165,30 +102,17 @@ class ZeroRun:
     notes: list[str] = field(default_factory=list)
     # with ``optimizer=True``: a torch ``optimizer.state_dict()`` of :class:`ZeroTensor` records (moments, steps)
     optimizer: dict[str, Any] | None = None
-    # with ``optimizer=True``: the run's scheduler, counters, client state and loss scaler (:mod:`.deepspeed_state`)
+    # with ``optimizer=True``: the run's scheduler, counters, client state and loss scaler (:mod:`.state`)
     carried: dict[str, Any] = field(default_factory=dict)
 
     @property
     def records(self) -> dict[str, list[Record]]:
         """The storage records the consolidated tensors are read from, per file (each once)."""
         out: dict[str, dict[str, Record]] = {}
-        for t in [*self.state.values(), *optimizer_tensors(self.optimizer), *_tensors(self.carried)]:
+        for t in [*self.state.values(), *optimizer_tensors(self.optimizer), *tensors_in(self.carried)]:
             for p in t.pieces:
                 out.setdefault(p.path, {})[p.record.name] = p.record
         return {path: list(recs.values()) for path, recs in out.items()}
-
-
-# -- reading the pickles ---------------------------------------------------------------------------------
-
-
-# -- the layout (pure) -----------------------------------------------------------------------------------
-
-
-def _piece(t: inert.InertTensor, z: Any, *, path: str, start: int, count: int) -> Piece:
-    """Elements ``[start, start + count)`` of contiguous tensor record ``t`` as a byte range of ``path``."""
-    rec = z.archive.storage(t.storage.key)
-    width = DTYPES[t.dtype].itemsize
-    return Piece(path, rec.data_offset + (t.offset + start) * width, count * width, rec)
 
 
 # -- the run ----------------------------------------------------------------------------------------------
@@ -226,7 +150,7 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     for alias, target in (main.get("shared_params") or {}).items():
         if target in state:
             state[str(alias)] = state[target]  # one tensor under two names, as zero_to_fp32 returns it
-    _check_bytes(state.values(), source=tag_dir, what="")  # the layout checked above; this is the last word on sizes
+    check_bytes(state.values(), source=tag_dir, what="")  # the layout checked above; this is the last word on sizes
     ordered: OrderedDict[str, ZeroTensor] = OrderedDict((k, state[k]) for k in module if k in state)
     ordered.update((k, v) for k, v in state.items() if k not in ordered)  # the module's order, as model.state_dict()
     files = _run_files(
@@ -253,11 +177,11 @@ def describe_run(path: str, *, allow_globals: Iterable[str] = (), optimizer: boo
     if stage == 1 and (note := _left_out(module, ordered)):
         run.notes.append(note)
     if optimizer:
-        run.optimizer = _optimizer_state(ranks, groups, layout, stage=stage, source=tag_dir)
+        run.optimizer = optimizer_state(ranks, groups, layout, stage=stage, source=tag_dir)
 
         def tensor(t: inert.InertTensor, key: str) -> ZeroTensor:
             return ZeroTensor(
-                key, t.dtype, t.shape, (_piece(t, main_zip, path=main_path, start=0, count=t.numel()),), "run state"
+                key, t.dtype, t.shape, (piece(t, main_zip, path=main_path, start=0, count=t.numel()),), "run state"
             )
 
         run.carried, left = carried_state(main, first.loss_scaler, tensor=tensor)
@@ -304,7 +228,7 @@ def _buffers(module: Mapping[str, Any], names: list[str], main_zip: Any, *, path
             raise FormatError(f"{path}: buffer '{name}' is not contiguous; the file is damaged")
         cast = "float32" if _floating(t.dtype) and t.dtype != "float32" else None  # zero_to_fp32: v.float()
         state[name] = ZeroTensor(
-            name, t.dtype, t.shape, (_piece(t, main_zip, path=path, start=0, count=t.numel()),), "buffer", cast
+            name, t.dtype, t.shape, (piece(t, main_zip, path=path, start=0, count=t.numel()),), "buffer", cast
         )
     return state
 
@@ -321,141 +245,11 @@ def _masters(
     out: dict[str, ZeroTensor] = {}
     for name, segs in layout.items():
         pieces = tuple(
-            _piece(ranks[r].groups[g][0], ranks[r].groups[g][1], path=ranks[r].path, start=s, count=n)
+            piece(ranks[r].groups[g][0], ranks[r].groups[g][1], path=ranks[r].path, start=s, count=n)
             for r, g, s, n in segs
         )
         out[name] = ZeroTensor(name, master, shapes[name], pieces, "fp32 master")
     return out
-
-
-def _check_bytes(tensors: Iterable[ZeroTensor], *, source: str, what: str) -> None:
-    """Each tensor's pieces hold exactly its shape's bytes (``what`` names the kind in the message)."""
-    for zt in tensors:
-        if sum(p.nbytes for p in zt.pieces) != math.prod(zt.shape) * DTYPES[zt.stored].itemsize:
-            raise FormatError(
-                f"{source}: {what}'{zt.key}' gets {sum(p.nbytes for p in zt.pieces)} bytes "
-                f"for shape {list(zt.shape)}; the rank files are from different runs"
-            )
-
-
-def _tensors(tree: Any) -> list[ZeroTensor]:
-    found: list[ZeroTensor] = []
-    map_tree(tree, found.append, leaf=ZeroTensor)
-    return found
-
-
-def optimizer_tensors(opt: Mapping[str, Any] | None) -> list[ZeroTensor]:
-    """The :class:`ZeroTensor` records of a laid-out optimizer state dict, in order."""
-    if not opt:
-        return []
-    return [v for s in opt["state"].values() for v in s.values() if isinstance(v, ZeroTensor)]
-
-
-def _optimizer_state(
-    ranks: list[OptimFile],
-    groups: list[list[tuple[str, tuple[int, ...]]]],
-    layout: Mapping[str, list[Segment]],
-    *,
-    stage: int,
-    source: str,
-) -> dict[str, Any]:
-    """The full torch ``optimizer.state_dict()`` of the consolidated model: each flat group's per-element state
-    (Adam's ``exp_avg``, ``exp_avg_sq``) cut exactly as its fp32 master partition is (``layout``), its scalar state
-    (``step``) given to each of its parameters, and the saved param groups' hyperparameters with parameter indices
-    numbered in param-group order, as ``torch.optim.Optimizer.state_dict()`` numbers them, and each group's
-    ``param_names`` (the run's ``param_shapes`` names; frozen parameters are in no group)."""
-    first = ranks[0]
-    bases = []
-    for o in ranks:
-        base = o.base
-        if (
-            not isinstance(base, dict)
-            or not isinstance(base.get("state"), dict)
-            or not isinstance(base.get("param_groups"), list)
-        ):
-            hint = " (an elastic checkpoint: its moments are saved unpartitioned)" if isinstance(base, list) else ""
-            raise FormatError(
-                f"{o.path}: no optimizer state dict in the ZeRO-{stage} optimizer file{hint}; its "
-                f"optimizer state cannot be consolidated: convert without --optimizer"
-            )
-        bases.append(base)
-    saved_groups = bases[0]["param_groups"]
-    order: list[int] = []  # the flat groups, in the saved param groups' order
-    for pg in saved_groups:
-        flat_ids = pg.get("params") if isinstance(pg, dict) else None
-        if not isinstance(flat_ids, list) or not all(type(i) is int for i in flat_ids):
-            raise FormatError(f"{first.path}: a saved param group without its parameter indices; the file is damaged")
-        order.extend(flat_ids)
-    if sorted(order) != list(range(len(groups))) or len(first.groups) != len(groups):
-        raise FormatError(
-            f"{first.path}: the saved param groups hold flat groups {order}, but the run has "
-            f"{len(groups)}; the file is damaged"
-        )
-    state: dict[int, dict[str, Any]] = {}
-    param_groups: list[dict[str, Any]] = []
-    index = 0
-    for pg in saved_groups:
-        # DeepSpeed's own param_names (torch >= 2.6, named groups) name its flat parameters, not the model's
-        hyper = {str(k): v for k, v in pg.items() if k not in ("params", "param_names")}
-        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(hyper)):
-            raise FormatError(
-                f"{first.path}: a param group's hyperparameters hold tensors or objects, which ckptfix "
-                f"does not carry; convert without --optimizer"
-            )
-        ids: list[int] = []
-        names: list[str] = []
-        for k in pg["params"]:
-            per_rank = [group_state(o, b, k, source=source) for o, b in zip(ranks, bases, strict=True)]
-            for name, shape in groups[k]:
-                entry: dict[str, Any] = {}
-                for key, value in per_rank[0].items():
-                    if isinstance(value, inert.InertTensor) and value.shape == ():  # Adam's step: one per parameter
-                        piece = _piece(value, first.groups[k][1], path=first.path, start=0, count=1)
-                        entry[key] = ZeroTensor(f"{name}.{key}", value.dtype, (), (piece,), "optimizer state")
-                    elif isinstance(value, inert.InertTensor):
-                        entry[key] = ZeroTensor(
-                            f"{name}.{key}",
-                            value.dtype,
-                            shape,
-                            tuple(
-                                _moment_piece(ranks, per_rank, key, r, g, s, n, group=k) for r, g, s, n in layout[name]
-                            ),
-                            "optimizer state",
-                        )
-                    else:
-                        entry[key] = value
-                state[index] = entry
-                ids.append(index)
-                names.append(name)
-                index += 1
-        # each parameter's name from the run's param_shapes (the flat order its partitions hold), as torch >= 2.6
-        # saves a named group's: the name-keyed form (optim_form.to_names) needs no guess from the model's order
-        param_groups.append({**hyper, "params": ids, "param_names": names})
-    _check_bytes(optimizer_tensors({"state": state}), source=source, what="optimizer state ")
-    return {"state": state, "param_groups": param_groups}
-
-
-def _moment_piece(
-    ranks: list[OptimFile],
-    per_rank: list[dict[str, Any]],
-    key: str,
-    r: int,
-    g: int,
-    start: int,
-    count: int,
-    *,
-    group: int,
-) -> Piece:
-    """A segment of the layout, read from rank ``r``'s per-element state ``key`` instead of its fp32 partition
-    (ZeRO-3: a parameter's slice may cross into the next flat group ``g``)."""
-    state = per_rank[r] if g == group else group_state(ranks[r], ranks[r].base, g, source=ranks[r].path)
-    t = state.get(key)
-    if not isinstance(t, inert.InertTensor) or t.shape == ():
-        raise FormatError(
-            f"{ranks[r].path}: no optimizer state '{key}' for group {g}, which rank 0 has; the rank "
-            f"files are from different runs"
-        )
-    return _piece(t, ranks[r].groups[g][1], path=ranks[r].path, start=start, count=count)
 
 
 def _floating(dtype: str) -> bool:
@@ -503,7 +297,7 @@ def _frozen(
             )
         take = min(t.numel(), left)
         if take:
-            pieces.append(_piece(t, trees[r][1], path=models[r], start=0, count=take))
+            pieces.append(piece(t, trees[r][1], path=models[r], start=0, count=take))
         left -= take
     if left or dtype is None:
         raise FormatError(
@@ -567,41 +361,13 @@ def _run_files(
     return files
 
 
-# -- reading bytes ----------------------------------------------------------------------------------------
-
-
-def read_zero_tensor(t: ZeroTensor, fd_of: Any, *, verified: set[tuple[str, str]] | None = None) -> torch.Tensor:
-    """The consolidated tensor in memory of its own: its pieces read and joined, cast where zero_to_fp32 casts.
-    ``fd_of(path)`` gives an open file; with ``verified``, each storage record touched is CRC-checked once."""
-    import torch
-
-    from ckptfix.formats.torchzip.archive import verify_records
-
-    data = bytearray(sum(p.nbytes for p in t.pieces))
-    at = 0
-    for p in t.pieces:
-        fd = fd_of(p.path)
-        if verified is not None and (p.path, p.record.name) not in verified:
-            verify_records(fd, p.path, [p.record])
-            verified.add((p.path, p.record.name))
-        view = memoryview(data)[at : at + p.nbytes]
-        done = 0
-        while done < p.nbytes:
-            n = os.preadv(fd, [view[done:]], p.offset + done)
-            if n == 0:
-                raise FormatError(f"{p.path}: ends inside '{t.key}'; it is truncated: copy the run folder again")
-            done += n
-        at += p.nbytes
-    stored = getattr(torch, t.stored)
-    out = torch.frombuffer(data, dtype=torch.uint8).view(stored) if data else torch.empty(0, dtype=stored)
-    out = out.reshape(t.shape)
-    return out.to(getattr(torch, t.cast)) if t.cast else out
+# -- the run in memory ------------------------------------------------------------------------------------
 
 
 def load_training_state(path: str, *, allow_globals: Iterable[str] = (), verify: bool = True) -> dict[str, Any]:
     """What a ZeRO run holds beyond the model, in memory: under ``optimizer`` the consolidated optimizer state dict
     (what ``torch.optim.Optimizer.state_dict()`` returns for the plain model with the same param groups), beside
-    it the run's carried entries (:mod:`.deepspeed_state`)."""
+    it the run's carried entries (:mod:`.state`)."""
     run = describe_run(path, allow_globals=allow_globals, optimizer=True)
     assert run.optimizer is not None  # optimizer=True
     fds: dict[str, int] = {}

@@ -56,6 +56,15 @@ class FlatSliceRecord(TensorRecord):
     offset: int
     key: str = ""  # its path in the checkpoint, parts joined by NUL
 
+    # -- a parameter cut from a flat parameter, in a merge of the run's rank files (TensorRecord.rank_piece) -----
+
+    def rank_piece(self) -> ShardedTensorRecord:
+        return self.flat  # what the ranks' files must agree on, and what is assembled
+
+    def from_piece(self, full: Any) -> Any:
+        # a copy: the joined flat parameter is freed when the next is built
+        return full.narrow(0, self.offset, math.prod(self.shape)).view(self.shape).clone()
+
 
 def plan(model: Any, prefixes: Iterable[str], *, source: str) -> ParamOwners:
     """Which of ``model``'s parameters each FSDP unit (at ``prefixes``) flattens, and the full state dict's keys.

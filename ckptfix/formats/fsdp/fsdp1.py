@@ -205,27 +205,3 @@ def check_sharded(ranks: list[dict[str, ShardedPiece]], paths: Sequence[str]) ->
                     f"{path}: '{name}': rank {p.rank}'s local shards are not those the metadata places on it; the "
                     f"file is damaged"
                 )
-
-
-def assemble_sharded(parts: list[ShardedPiece], paths: Sequence[str], *, key: str) -> Any:
-    """The full tensor ``key`` from every rank's pieces (``local`` tensors real, in the order of ``paths``), after
-    :func:`check_sharded`: each local tensor must have its shard's shape and the tensor's dtype."""
-    import torch
-
-    name, first = key.replace("\0", "."), parts[0]
-    dtype = getattr(torch, first.dtype)
-    for p, path in zip(parts, paths, strict=True):  # before the full tensor is allocated: the shards, read from
-        for _, sizes, local in p.local:  # the files, tile it, so its size is bounded by theirs
-            if tuple(local.shape) != sizes or local.dtype != dtype:
-                raise RankFilesError(
-                    f"{path}: '{name}' local shard is {local.dtype} {list(local.shape)} where its metadata says "
-                    f"{first.dtype} {list(sizes)}; the file is damaged"
-                )
-    out = torch.empty(first.shape, dtype=dtype)
-    for p in parts:
-        for offsets, sizes, local in p.local:
-            target = out
-            for dim, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
-                target = target.narrow(dim, o, s)
-            target.copy_(local)
-    return out

@@ -10,11 +10,12 @@ the placements are all that reassembly needs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,6 +257,29 @@ class DTensorRecord(TensorRecord):
     def spread(self) -> tuple[str, str]:
         return "sharding", self.sharding
 
+    # -- one rank's piece, in a merge of the run's rank files (TensorRecord.rank_piece) -------------------------
+
+    def rank_piece(self) -> DTensorRecord:
+        return self
+
+    def job_rank(self) -> tuple[int, int]:
+        """This file's rank and the job's world size: its coordinate on the mesh, numbered row-major as
+        ``init_device_mesh`` numbers the ranks."""
+        assert self.piece is not None  # every DTensorRecord of a rank file holds its piece
+        number = 0
+        for coordinate, size in zip(self.piece.coordinate, self.piece.mesh, strict=True):
+            number = number * size + coordinate
+        return number, math.prod(self.piece.mesh)
+
+    def read_local(self, read: Callable[[Any], Any]) -> Piece:
+        """Its piece with the local tensor read (``read``: its rank file's reader)."""
+        assert self.piece is not None
+        return dataclasses.replace(self.piece, local=read(self.piece.local))
+
+    def full_tensor(self, parts: list[Piece], paths: Sequence[str]) -> Any:
+        """The full tensor from every rank's :meth:`read_local` piece, in the order of ``paths``."""
+        return assemble(parts, paths, key=self.key)
+
 
 def placement(values: Iterable[Any]) -> dict[str, Any] | None:
     """What ``inspect`` says of a rank file's place in its run: the first DTensor's mesh coordinate and sharding
@@ -328,8 +352,6 @@ def _swap_pieces(obj: Any, pieces: dict[str, Piece], *, source: str, path: str =
 
 
 def _with_locals(z: Any, tree: Any, pieces: dict[str, Piece]) -> Any:
-    import dataclasses
-
     if not isinstance(tree, dict):
         raise FormatError("a rank file's checkpoint is not a dict")
     tree[_LOCAL] = {k: p.local for k, p in pieces.items()}
@@ -442,6 +464,49 @@ class ShardedTensorRecord(TensorRecord):
     key: str = ""  # its path in the checkpoint, parts joined by NUL
     piece: ShardedPiece | None = None
 
+    # -- one rank's piece, in a merge of the run's rank files (TensorRecord.rank_piece) -------------------------
+
+    def rank_piece(self) -> ShardedTensorRecord:
+        return self
+
+    def job_rank(self) -> tuple[int, int]:
+        """This file's global rank and the job's world size, as the ShardedTensor records them."""
+        assert self.piece is not None  # every ShardedTensorRecord of a rank file holds its piece
+        return self.piece.rank, self.piece.world
+
+    def read_local(self, read: Callable[[Any], Any]) -> ShardedPiece:
+        """Its piece with each of this rank's shards read (any number of them; ``read``: its file's reader)."""
+        assert self.piece is not None
+        return dataclasses.replace(self.piece, local=tuple((o, s, read(t)) for o, s, t in self.piece.local))
+
+    def full_tensor(self, parts: list[ShardedPiece], paths: Sequence[str]) -> Any:
+        """The full tensor from every rank's :meth:`read_local` piece, in the order of ``paths``."""
+        return assemble_sharded(parts, paths, key=self.key)
+
+
+def assemble_sharded(parts: list[ShardedPiece], paths: Sequence[str], *, key: str) -> Any:
+    """The full tensor ``key`` from every rank's pieces (``local`` tensors real, in the order of ``paths``), after
+    :func:`~.fsdp1.check_sharded`: each local tensor must have its shard's shape and the tensor's dtype."""
+    import torch
+
+    name, first = key.replace("\0", "."), parts[0]
+    dtype = getattr(torch, first.dtype)
+    for p, path in zip(parts, paths, strict=True):  # before the full tensor is allocated: the shards, read from
+        for _, sizes, local in p.local:  # the files, tile it, so its size is bounded by theirs
+            if tuple(local.shape) != sizes or local.dtype != dtype:
+                raise RankFilesError(
+                    f"{path}: '{name}' local shard is {local.dtype} {list(local.shape)} where its metadata says "
+                    f"{first.dtype} {list(sizes)}; the file is damaged"
+                )
+    out = torch.empty(first.shape, dtype=dtype)
+    for p in parts:
+        for offsets, sizes, local in p.local:
+            target = out
+            for dim, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
+                target = target.narrow(dim, o, s)
+            target.copy_(local)
+    return out
+
 
 __all__ = [
     "DTENSOR_GLOBALS",
@@ -451,6 +516,7 @@ __all__ = [
     "ShardedCheckpointError",
     "ShardedTensorRecord",
     "assemble",
+    "assemble_sharded",
     "check_pieces",
     "describe_rank",
     "explain",

@@ -227,7 +227,7 @@ def test_fsdp1_local_shards_not_where_the_metadata_places_them_are_refused() -> 
         fsdp1.check_sharded(ranks, ["rank0.pt", "rank1.pt"])
     parts = [_fsdp1_piece(0, layout, [((0, 0), (2, 2), torch.zeros(2, 3))])]
     with pytest.raises(shards.RankFilesError, match=r"local shard is torch.float32 \[2, 3\] where its metadata says"):
-        fsdp1.assemble_sharded(parts, ["rank0.pt"], key="w")
+        shards.assemble_sharded(parts, ["rank0.pt"], key="w")
 
 
 def test_an_fsdp1_tensor_of_a_huge_size_is_refused_before_memory_is_taken() -> None:
@@ -235,7 +235,7 @@ def test_an_fsdp1_tensor_of_a_huge_size_is_refused_before_memory_is_taken() -> N
     layout = [((0,), (2**44,), 0)]
     parts = [_fsdp1_piece(0, layout, [((0,), (2**44,), torch.zeros(2))], shape=(2**44,))]
     with pytest.raises(shards.RankFilesError, match=r"local shard is torch.float32 \[2\] where its metadata says"):
-        fsdp1.assemble_sharded(parts, ["rank0.pt"], key="w")
+        shards.assemble_sharded(parts, ["rank0.pt"], key="w")
 
 
 class _Kept:

@@ -39,7 +39,7 @@ def _ranks(run: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_one_rank_file_is_said_to_be_shards_not_a_model(run: Path) -> None:
-    with pytest.raises(ShardedCheckpointError, match=r"holds DTensor shards .*formats\.folders\.fsdp\.load_ranks"):
+    with pytest.raises(ShardedCheckpointError, match=r"holds DTensor shards .*formats\.fsdp\.ranks\.load_ranks"):
         ckptfix.load(run / "rank0.pt")
 
 
