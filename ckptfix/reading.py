@@ -32,7 +32,7 @@ from ckptfix.formats.folders.dcp import DcpTensor
 from ckptfix.formats.folders.hf import FolderTensor
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.output.crc import check_crc
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.records import FolderRecords, Holder, is_record, layout, map_tree, spec
 from ckptfix.formats.registry import RANK_GLOBALS, Format, detect, detect_format, rank_kind, read
 from ckptfix.formats.safety import allowlist
@@ -298,7 +298,7 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> str | None:
         return None
     if need_bytes and (order := foreign_byte_order(opened.zip)):
         return f"a {order} file, whose bytes torch swaps"
-    for obj in inert.walk(opened.tree):
+    for obj in inert_trees.walk(opened.tree):
         if isinstance(obj, inert.InertTensor) and (why := not_as_stored(obj)):
             return why
         if type(obj) is inert.Inert and torch_rebuilt(obj.func.module):
@@ -407,7 +407,7 @@ def _open_folder(
         each = {"allow_globals": allow_globals, "need_bytes": need_bytes, "verify": verify}
         opened.tree = _shards(opened, folder, each) if folder.flat else _accelerate(opened, folder, each, opaque)
         for i, part in enumerate(opened.parts):
-            for obj in inert.walk(part.tree):
+            for obj in inert_trees.walk(part.tree):
                 if is_record(obj):  # a tensor record of a part: read from that part
                     opened.owner.setdefault(id(obj), i)
     except BaseException:
@@ -543,7 +543,7 @@ def _open_records(source: str, found: Format, *, allow_globals: tuple[str, ...],
 
 def _spans(tree: Any) -> set[Any]:
     """The data-file spans (chunk archives) of the DCP tensor records in ``tree``."""
-    return {c.span for v in inert.walk(tree) if isinstance(v, DcpTensor) for c in v.entry.chunks}
+    return {c.span for v in inert_trees.walk(tree) if isinstance(v, DcpTensor) for c in v.entry.chunks}
 
 
 def _verified(opened: OpenedFolder, spans: set[Any], data: list[str], *, verify: bool) -> OpenedFolder:

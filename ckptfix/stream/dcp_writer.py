@@ -35,7 +35,7 @@ from ckptfix.formats.folders.dcp_metadata import Item, Stored, TensorMeta, flatt
 from ckptfix.formats.folders.deepspeed import ZeroTensor
 from ckptfix.formats.output.atomic import staged_folder
 from ckptfix.formats.output.crc import crc32_combine
-from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.pickles import inert, inert_trees, pickling
 from ckptfix.stream.copy import SHARE_MIN, Copier, Job
 from ckptfix.stream.fallback import Fallback
 from ckptfix.stream.folder_torch import Sink, finish_pieces, piece_checks
@@ -56,7 +56,7 @@ def dcp_items(obj: Any, *, tensors: tuple[type, ...] = TENSORS) -> list[Item]:
     items = flatten(obj, is_tensor=lambda v: isinstance(v, tensors))
     for item in items:
         if not isinstance(item.value, tensors) and any(
-            isinstance(o, (*tensors, inert.Inert, inert.StorageRef)) for o in inert.walk(item.value)
+            isinstance(o, (*tensors, inert.Inert, inert.StorageRef)) for o in inert_trees.walk(item.value)
         ):
             raise Fallback(
                 f"the checkpoint holds a {type(item.value).__name__} of tensors or objects, which the torch path builds"

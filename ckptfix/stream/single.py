@@ -16,7 +16,7 @@ from ckptfix.formats.copyable import foreign_byte_order, parameter_hooks_or_stat
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.folders.datafiles import DataFiles
 from ckptfix.formats.output.crc import Check
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.records import map_tree
 from ckptfix.formats.torchio.opaque import describe
 from ckptfix.stream.fallback import Fallback
@@ -33,7 +33,7 @@ def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) 
     files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
     located = _PtRecords(src, z)
     tree = map_tree(z.tree, located, leaf=(inert.InertTensor, inert.InertParameter))
-    if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(tree)):
+    if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(tree)):
         raise Fallback("the checkpoint holds objects other than tensors, which the torch path builds")
     files.losses = located.losses
     if not z.archive.crc_stored:

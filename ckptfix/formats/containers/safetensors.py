@@ -29,7 +29,7 @@ from ckptfix.formats.containers.ziparchive import BLOCK
 from ckptfix.formats.copyable import Fallback
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code, shape_problem
 from ckptfix.formats.output.atomic import PathLike, atomic_output
-from ckptfix.formats.pickles.inert import gc_paused
+from ckptfix.formats.pickles.inert_trees import gc_paused
 from ckptfix.formats.raw import RawTensor, resolved
 from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
 from ckptfix.formats.strict_json import Said, json_object

@@ -9,7 +9,7 @@ from typing import Any
 from ckptfix.formats.containers.torchzip import read_torch_zip
 from ckptfix.formats.folders.dcp import DcpTensor, nest, read_dcp
 from ckptfix.formats.folders.hf import room_for_files
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 
 
 def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) -> tuple[Any, str | None]:
@@ -22,7 +22,7 @@ def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) 
         z = read_torch_zip(
             fd_of(span.path), span.path, allowed=allowed, verify=True, start=span.offset, end=span.offset + span.length
         )
-        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
+        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(z.tree)):
             return None, f"value '{key}' holds tensors or objects, which the torch path rebuilds"
         flat[key] = z.tree
     return nest(flat, d.paths), None

@@ -71,7 +71,7 @@ from ckptfix.formats.folders.deepspeed_pickles import (
     shape_of,
 )
 from ckptfix.formats.folders.deepspeed_state import carried_state
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.records import Holder, TensorRecord, map_tree
 from ckptfix.formats.safety import allowlist
 
@@ -386,7 +386,7 @@ def _optimizer_state(
     for pg in saved_groups:
         # DeepSpeed's own param_names (torch >= 2.6, named groups) name its flat parameters, not the model's
         hyper = {str(k): v for k, v in pg.items() if k not in ("params", "param_names")}
-        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(hyper)):
+        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(hyper)):
             raise FormatError(
                 f"{first.path}: a param group's hyperparameters hold tensors or objects, which ckptfix "
                 f"does not carry; convert without --optimizer"
