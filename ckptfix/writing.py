@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
-from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.pickles import inert, inert_trees, pickling
 from ckptfix.formats.records import TensorRecord, identity, is_record, map_tree, spec
 from ckptfix.formats.safetensors.file import plan_safetensors, tensor_bytes
 from ckptfix.formats.torchzip.archive import Record, ZipWriter, stored_crc
@@ -177,7 +177,7 @@ class _TorchZip(StreamedWriter):
             self.pickle = pickling.dump(self.tree)
         except TypeError as e:
             raise Fallback(Reason.UNPICKLABLE, error=e) from e
-        self.storages = {ref.key: ref for ref in inert.walk(self.tree) if isinstance(ref, inert.StorageRef)}
+        self.storages = {ref.key: ref for ref in inert_trees.walk(self.tree) if isinstance(ref, inert.StorageRef)}
         self.written: set[str] = set()
 
     def start(self) -> None:

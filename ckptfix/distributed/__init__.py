@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -95,40 +95,13 @@ def load_for_ddp(
     >>> extras = ckptfix.load_for_ddp(model, "run/last.pt")      # every rank, before DDP(model)
     >>> optimizer.load_state_dict(extras["optimizer"]); start = extras["epoch"] + 1
     """
-    allowed = sorted(allow_globals)
-    session = protocol.open_session(
-        group,
-        src=src,
-        timeout=timeout,
-        call="load_for_ddp",
-        path=os.fspath(path),
-        # Every rank must make the same broadcasts in the same pieces: these are agreed on before anything else.
-        options={
-            "strict": strict,
-            "broadcast_model": broadcast_model,
-            "entry": entry,
-            "strip_prefixes": list(strip_prefixes),
-            "bucket_mb": bucket_mb,
-            "allow_globals": allowed,
-        },
-    )
-    if not broadcast_model and src != session.ranks[0]:
-        raise DistributedError(
-            f"broadcast_model=False needs src to be the group's first rank {session.ranks[0]} (DDP syncs from "
-            f"there), got src={src}; keep broadcast_model=True"
-        )
+    options = _Options(strict, broadcast_model, entry, list(strip_prefixes), bucket_mb, sorted(allow_globals))
+    session = _start(group, path, src=src, timeout=timeout, options=options)
     if session.is_src:
-        plan, extras = _prepare_source(
-            model, path, strict=strict, allowed=allowed, session=session, entry=entry, strips=list(strip_prefixes)
-        )
+        plan, extras = _prepare_source(model, path, options, session)
     else:
-        plan = _prepare_receiver(model, strict=strict, allowed=allowed, session=session)
-    try:
-        _transfer(plan, session, broadcast_model=broadcast_model, bucket_mb=bucket_mb)
-    except Exception as e:
-        if session.failed:  # the error every rank raises, already agreed on
-            raise
-        session.fail("transfer", e)
+        plan, extras = _prepare_receiver(model, options, session), {}
+    _transfer(plan, session, options)
     session.finish()
     if session.is_src:
         return extras
@@ -136,20 +109,39 @@ def load_for_ddp(
     return result
 
 
-def _prepare_source(
-    model: torch.nn.Module,
-    path: PathLike,
-    *,
-    strict: bool,
-    allowed: list[str],
-    session: protocol.Session,
-    entry: str | None,
-    strips: list[str],
-) -> tuple[_Plan, dict[str, Any]]:
-    try:
-        plan, extras = _read_on_source(
-            model, path, strict=strict, allowed=allowed, session=session, entry=entry, strips=strips
+@dataclass(frozen=True)
+class _Options:
+    """The arguments every rank must agree on before anything else: they decide which rank broadcasts what, in
+    which pieces. Given positionally, in this order (the order the ranks compare them in)."""
+
+    strict: bool
+    broadcast_model: bool
+    entry: str | None
+    strip_prefixes: list[str]
+    bucket_mb: float
+    allow_globals: list[str]  # sorted
+
+
+def _start(group: Any, path: PathLike, *, src: int, timeout: float | timedelta, options: _Options) -> protocol.Session:
+    """The ``start`` phase: every rank agrees on the arguments; then a ``broadcast_model=False`` that DDP would
+    not make up for is refused."""
+    session = protocol.open_session(
+        group, src=src, timeout=timeout, call="load_for_ddp", path=os.fspath(path), options=asdict(options)
+    )
+    if not options.broadcast_model and src != session.ranks[0]:
+        raise DistributedError(
+            f"broadcast_model=False needs src to be the group's first rank {session.ranks[0]} (DDP syncs from "
+            f"there), got src={src}; keep broadcast_model=True"
         )
+    return session
+
+
+def _prepare_source(
+    model: torch.nn.Module, path: PathLike, options: _Options, session: protocol.Session
+) -> tuple[_Plan, dict[str, Any]]:
+    """The source's ``status`` phase (its read, or its failure, announced) and its part of the ``check`` phase."""
+    try:
+        plan, extras = _read_on_source(model, path, options, session)
     except Exception as e:
         session.fail("status", e)
     session.announce(wire.dumps((plan.manifest, plan.skeleton, plan.extra_entries)))
@@ -157,8 +149,11 @@ def _prepare_source(
     return plan, extras
 
 
-def _prepare_receiver(model: torch.nn.Module, *, strict: bool, allowed: list[str], session: protocol.Session) -> _Plan:
-    received = _check_receiver(model, session.hear(), strict=strict, allowed=allowed, session=session)
+def _prepare_receiver(model: torch.nn.Module, options: _Options, session: protocol.Session) -> _Plan:
+    """A receiver's ``status`` phase (the source's payload heard) and its part of the ``check`` phase."""
+    received = _check_receiver(
+        model, session.hear(), strict=options.strict, allowed=options.allow_globals, session=session
+    )
     session.agree(received if isinstance(received, Exception) else None)
     if isinstance(received, Exception):  # agree() raised it on every rank already; this is for mypy
         raise received
@@ -177,7 +172,17 @@ class _Plan:
     extra_tensors: list[torch.Tensor] = field(default_factory=list)  # the source's, or a receiver's new ones
 
 
-def _transfer(plan: _Plan, session: protocol.Session, *, broadcast_model: bool, bucket_mb: float) -> None:
+def _transfer(plan: _Plan, session: protocol.Session, options: _Options) -> None:
+    """The ``transfer`` phase's broadcasts: a failure on any rank is raised alike on every rank."""
+    try:
+        _broadcast(plan, session, broadcast_model=options.broadcast_model, bucket_mb=options.bucket_mb)
+    except Exception as e:
+        if session.failed:  # the error every rank raises, already agreed on
+            raise
+        session.fail("transfer", e)
+
+
+def _broadcast(plan: _Plan, session: protocol.Session, *, broadcast_model: bool, bucket_mb: float) -> None:
     import torch
 
     bucket_bytes = max(1, int(bucket_mb * 2**20))
@@ -208,29 +213,49 @@ def _layout_prefix(own: Mapping[str, Any]) -> str:
 
 
 def _read_on_source(
-    model: torch.nn.Module,
-    path: PathLike,
-    *,
-    strict: bool,
-    allowed: list[str],
-    session: protocol.Session,
-    entry: str | None,
-    strips: list[str],
+    model: torch.nn.Module, path: PathLike, options: _Options, session: protocol.Session
 ) -> tuple[_Plan, dict[str, Any]]:
     """Load, convert, check and apply the checkpoint on the source; refuse entries that cannot travel."""
-    from ckptfix.formats import registry
-    from ckptfix.formats.torchio import opaque
-    from ckptfix.loading.model import adapt_to_model, model_state_of, primary_entry, ready_to_load
-
     source = os.fspath(path)
     _check_device(model, session)
+    obj, adapted = _read_adapted(model, path, options, source=source)
+    extras = _extras(obj, options.entry, source=source)
+    entries: list[buckets.Entry] = []
+    tensors: list[torch.Tensor] = []
+    skeleton = buckets.strip_tensors(extras, entries, tensors)
+    # Before the model changes and before any rank is told to go on: a refusal here reaches every rank as is.
+    wire.check_sendable(skeleton, entries, tensors, source=source, allowed=options.allow_globals)
+    model.load_state_dict(adapted, strict=options.strict)
+    own = model.state_dict()
+    prefix = _layout_prefix(own)
+    # The manifest names keys in the single layout, so a rank whose model is wrapped differently still fits.
+    manifest = [buckets.Entry.of(key[len(prefix) :], own[key]) for key in adapted if key in own]
+    return _Plan(own, prefix, manifest, skeleton, entries, tensors), extras
+
+
+def _read_adapted(
+    model: torch.nn.Module, path: PathLike, options: _Options, *, source: str
+) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """The checkpoint as read, and its model state converted to ``model``'s layout and checked against it."""
+    from ckptfix.formats import registry
+    from ckptfix.formats.torchio import opaque
+    from ckptfix.loading.model import adapt_to_model, model_state_of, ready_to_load
+
     # entries needing globals outside the allowlist stay unbuilt (not returned); the model entry must not be one
-    obj = registry.read(path, fmt=registry.detect_format(path), allow_globals=allowed, opaque=True)
-    opaque.require(obj, wanted=[entry] if entry else None, source=source)
-    state = model_state_of(obj, source=source, entry=entry)
-    adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=strips)
-    report.raise_if_failed(strict=strict)
-    adapted = ready_to_load(adapted, report, strict=strict)  # tied keys added; wrong shapes dropped unless strict
+    obj = registry.read(path, fmt=registry.detect_format(path), allow_globals=options.allow_globals, opaque=True)
+    opaque.require(obj, wanted=[options.entry] if options.entry else None, source=source)
+    state = model_state_of(obj, source=source, entry=options.entry)
+    adapted, report = adapt_to_model(state, model, source=source, strip_prefixes=options.strip_prefixes)
+    report.raise_if_failed(strict=options.strict)
+    # ready to load: tied keys added, wrong shapes dropped unless strict
+    return obj, ready_to_load(adapted, report, strict=options.strict)
+
+
+def _extras(obj: Mapping[str, Any], entry: str | None, *, source: str) -> dict[str, Any]:
+    """The checkpoint's entries besides the model's (none for a bare state dict), less those left unbuilt."""
+    from ckptfix.formats.torchio import opaque
+    from ckptfix.loading.model import primary_entry
+
     primary = entry or primary_entry(obj)
     extras = {k: v for k, v in obj.items() if k != primary and not isinstance(v, opaque.OpaqueEntry)} if primary else {}
     left = opaque.not_loaded(obj)
@@ -239,19 +264,9 @@ def _read_on_source(
             f"{source}: left out of the returned entries, not built: "
             + "; ".join(f"'{name}' ({what})" for name, what in left.items())
             + ". Pass allow_globals= for its classes if you trust the file",
-            stacklevel=5,  # the caller of load_for_ddp, past the depth wrapper
+            stacklevel=6,  # the caller of load_for_ddp: past _read_on_source, _prepare_source and the depth wrapper
         )
-    entries: list[buckets.Entry] = []
-    tensors: list[torch.Tensor] = []
-    skeleton = buckets.strip_tensors(extras, entries, tensors)
-    # Before the model changes and before any rank is told to go on: a refusal here reaches every rank as is.
-    wire.check_sendable(skeleton, entries, tensors, source=source, allowed=allowed)
-    model.load_state_dict(adapted, strict=strict)
-    own = model.state_dict()
-    prefix = _layout_prefix(own)
-    # The manifest names keys in the single layout, so a rank whose model is wrapped differently still fits.
-    manifest = [buckets.Entry.of(key[len(prefix) :], own[key]) for key in adapted if key in own]
-    return _Plan(own, prefix, manifest, skeleton, entries, tensors), extras
+    return extras
 
 
 def _check_receiver(

@@ -21,7 +21,7 @@ from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, math_bi
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.output.crc import Check
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.records import is_record, map_tree
 from ckptfix.formats.registry import detect_format, output_format
 from ckptfix.formats.safetensors.file import (
@@ -84,7 +84,7 @@ def fast_convert(
         out_fmt = output_format(dst)
         check_output(dst, inputs=(src,))
     in_fmt = in_fmt or detect_format(src)
-    with open(source, "rb") as f, inert.gc_paused():  # a million records: nothing to collect, only to rescan
+    with open(source, "rb") as f, inert_trees.gc_paused():  # a million records: nothing to collect, only to rescan
         fd = f.fileno()
         before = file_identity(fd)
         inp: TorchZip | None = None
@@ -119,7 +119,7 @@ def fast_convert(
 
 
 def _check_writable(tree: Any) -> None:
-    for obj in inert.records(tree):
+    for obj in inert_trees.records(tree):
         # a conj or neg bit is kept as it is in a .pt output (the .safetensors locator refuses it)
         if type(obj) is inert.InertTensor and hooks_or_state(obj):
             raise Fallback(Reason.HOOKS_OR_METADATA)

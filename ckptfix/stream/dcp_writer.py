@@ -29,7 +29,7 @@ from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.atomic import staged_folder
 from ckptfix.formats.output.crc import crc32_combine
-from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.pickles import inert, inert_trees, pickling
 from ckptfix.formats.records import is_streamable
 from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter
 from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
@@ -53,7 +53,7 @@ def dcp_items(obj: Any) -> list[Item]:
     items = flatten(obj, is_tensor=is_streamable)
     for item in items:
         if not is_streamable(item.value) and any(
-            is_streamable(o) or isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(item.value)
+            is_streamable(o) or isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(item.value)
         ):
             raise Fallback(Reason.CONTAINER_OF_TENSORS, kind=type(item.value).__name__)
     return items

@@ -14,7 +14,7 @@ from ckptfix.formats.copyable import foreign_byte_order, values_as_stored
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.crc import Check
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.records import TensorRecord, is_record, map_tree
 from ckptfix.formats.safetensors.file import StTensor, losses_note, tree_from_header
 from ckptfix.formats.safetensors.header import read_header
@@ -34,7 +34,7 @@ def file_tree(src: str, fmt: str, files: DataFiles, *, allowed: frozenset[str]) 
     files.checks[src] = [Check(r.name, r.data_offset, r.size, stored_crc(r)) for r in z.archive.records]
     located = _PtRecords(src, z)
     tree = map_tree(z.tree, located, leaf=(inert.InertTensor, inert.InertParameter))
-    if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(tree)):
+    if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(tree)):
         raise Fallback(Reason.OBJECTS)
     files.losses = located.losses
     if not z.archive.crc_stored:

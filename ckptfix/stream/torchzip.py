@@ -9,7 +9,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.output.crc import Check
-from ckptfix.formats.pickles import inert, pickling
+from ckptfix.formats.pickles import inert_trees, pickling
 from ckptfix.formats.torchzip.archive import ALIGN, BLOCK, ZipWriter, stored_crc
 from ckptfix.formats.torchzip.layout import storage_name, write_head, write_tail
 from ckptfix.formats.torchzip.reader import TorchZip
@@ -39,7 +39,7 @@ class ZipCopy:
         return sum(j.length for j in self.jobs)
 
 
-@inert.gc_paused()  # a record, a job and a check per storage: nothing to collect, only to rescan
+@inert_trees.gc_paused()  # a record, a job and a check per storage: nothing to collect, only to rescan
 def plan_torch_to_torch(inp: TorchZip, tree: Any, dst_fd: int) -> ZipCopy:
     """Lay out the new archive: a new data.pkl, then every kept record with its bytes copied verbatim.
 
@@ -97,7 +97,7 @@ class Source:
     length: int
 
 
-@inert.gc_paused()
+@inert_trees.gc_paused()
 def plan_new_torch(
     tree: Any, sources: list[Source], dst_fd: int, *, src_fd: int | None = None, source: str = "input"
 ) -> ZipCopy:

@@ -127,86 +127,108 @@ def _wrapper_states(state: dict[str, Any], scratch: Path) -> dict[str, dict[str,
 
 def generate(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Train the runs, write every fixture and the manifest into ``out_dir``; returns the manifest."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any] = {}  # each fixture's manifest record, by file name
+    loaded: dict[str, Any] = {}  # each trained checkpoint read once, for its probe and the files made from it
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        _write_trained(out, scratch, files, loaded)
+        _write_drifted(out, scratch, files, loaded)
+        _write_wrapped(out, scratch, files, loaded["single.pt"]["model"])
+        _write_resaved(out, files, loaded)
+    return _write_manifest(out, command=COMMAND, platform=platform_info(), files=files)
+
+
+def _write_trained(out: Path, scratch: Path, files: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """The checkpoints of the plain training runs (:data:`_TRAINED`), copied as the trainer wrote them."""
+    import torch
+
+    for name, argv, written, prefix in _TRAINED:
+        run_dir = scratch / name
+        _train(argv, run_dir)
+        (out / name).write_bytes((run_dir / written).read_bytes())
+        loaded[name] = _torch_load(out / name)
+        how = {"mode": argv[1], "options": [*_RUN, *argv], "torch": str(torch.__version__)}
+        files[name] = _record(
+            out / name,
+            how=how,
+            layout="ddp" if prefix else "single",
+            entry="model",
+            probe=reference_probe(loaded[name]["model"], prefix),
+        )
+
+
+def _write_drifted(out: Path, scratch: Path, files: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Per-rank files with drifted BatchNorm statistics, saved wrapped as many DDP scripts do."""
+    import torch
+
+    drift_dir = scratch / "drift"
+    _train(_DRIFT, drift_dir)
+    how = {"mode": "ddp", "options": [*_RUN, *_DRIFT], "torch": str(torch.__version__)}
+    for name, written in (
+        ("ddp_wrapped.pt", "checkpoint.pt"),
+        ("ddp_rank0.pt", "checkpoint.rank0.pt"),
+        ("ddp_rank1.pt", "checkpoint.rank1.pt"),
+    ):
+        (out / name).write_bytes((drift_dir / written).read_bytes())
+        loaded[name] = _torch_load(out / name)
+        files[name] = _record(
+            out / name,
+            how=how,
+            layout="ddp",
+            entry="model",
+            probe=reference_probe(loaded[name]["model"], "module."),
+        )
+
+
+def _write_wrapped(out: Path, scratch: Path, files: dict[str, Any], single: dict[str, Any]) -> None:
+    """The state dicts of the real wrappers (compile, DDP(compile), compile(DDP)) around single.pt's model."""
+    import torch
+
+    import ckptfix
+
+    single_how = {"mode": "single", "from": "single.pt", "torch": str(torch.__version__)}
+    for layout, state in _wrapper_states(single, scratch).items():
+        name = f"{layout.replace('-', '_')}.pt"
+        ckptfix.save(state, out / name)
+        how = {**single_how, "how": f"state_dict() of the real wrappers ({layout}) around single.pt's model"}
+        files[name] = _record(
+            out / name, how=how, layout=layout, entry="", probe=reference_probe(state, _WRAPPER_PREFIX[layout])
+        )
+
+
+def _write_resaved(out: Path, files: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Trained checkpoints saved again the ways other tools save them: safetensors, the legacy torch format, the
+    ImageNet example's layout."""
     import torch
 
     import ckptfix
     from ckptfix.formats.output.atomic import atomic_output
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files: dict[str, Any] = {}
-    loaded: dict[str, Any] = {}  # each trained checkpoint read once, for its probe and the files made from it
-    with tempfile.TemporaryDirectory() as tmp:
-        scratch = Path(tmp)
-        for name, argv, written, prefix in _TRAINED:
-            run_dir = scratch / name
-            _train(argv, run_dir)
-            (out / name).write_bytes((run_dir / written).read_bytes())
-            loaded[name] = _torch_load(out / name)
-            how = {"mode": argv[1], "options": [*_RUN, *argv], "torch": str(torch.__version__)}
-            files[name] = _record(
-                out / name,
-                how=how,
-                layout="ddp" if prefix else "single",
-                entry="model",
-                probe=reference_probe(loaded[name]["model"], prefix),
-            )
+    ddp = loaded["ddp_wrapped.pt"]
+    name = "ddp_wrapped.safetensors"
+    ckptfix.save(dict(ddp["model"]), out / name)
+    how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ckptfix.save of its model entry"}
+    files[name] = _record(out / name, how=how, layout="ddp", entry="", probe=files["ddp_wrapped.pt"]["probe"])
 
-        # Per-rank files with drifted BatchNorm statistics, saved wrapped as many DDP scripts do.
-        drift_dir = scratch / "drift"
-        _train(_DRIFT, drift_dir)
-        how = {"mode": "ddp", "options": [*_RUN, *_DRIFT], "torch": str(torch.__version__)}
-        for name, written in (
-            ("ddp_wrapped.pt", "checkpoint.pt"),
-            ("ddp_rank0.pt", "checkpoint.rank0.pt"),
-            ("ddp_rank1.pt", "checkpoint.rank1.pt"),
-        ):
-            (out / name).write_bytes((drift_dir / written).read_bytes())
-            loaded[name] = _torch_load(out / name)
-            files[name] = _record(
-                out / name,
-                how=how,
-                layout="ddp",
-                entry="model",
-                probe=reference_probe(loaded[name]["model"], "module."),
-            )
+    # The pre-1.6 torch.save format (not a zip), as old DataParallel scripts wrote it.
+    name = "legacy_dp.pt"
+    with atomic_output(out / name) as f:
+        torch.save(loaded["dp_wrapped.pt"], f, _use_new_zipfile_serialization=False)
+    how = {"mode": "dp", "from": "dp_wrapped.pt", "how": "torch.save(..., _use_new_zipfile_serialization=False)"}
+    files[name] = _record(out / name, how=how, layout="ddp", entry="model", probe=files["dp_wrapped.pt"]["probe"])
 
-        single_how = {"mode": "single", "from": "single.pt", "torch": str(torch.__version__)}
-        for layout, state in _wrapper_states(loaded["single.pt"]["model"], scratch).items():
-            name = f"{layout.replace('-', '_')}.pt"
-            ckptfix.save(state, out / name)
-            how = {**single_how, "how": f"state_dict() of the real wrappers ({layout}) around single.pt's model"}
-            files[name] = _record(
-                out / name, how=how, layout=layout, entry="", probe=reference_probe(state, _WRAPPER_PREFIX[layout])
-            )
-
-        ddp = loaded["ddp_wrapped.pt"]
-        name = "ddp_wrapped.safetensors"
-        ckptfix.save(dict(ddp["model"]), out / name)
-        how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ckptfix.save of its model entry"}
-        files[name] = _record(out / name, how=how, layout="ddp", entry="", probe=files["ddp_wrapped.pt"]["probe"])
-
-        # The pre-1.6 torch.save format (not a zip), as old DataParallel scripts wrote it.
-        name = "legacy_dp.pt"
-        with atomic_output(out / name) as f:
-            torch.save(loaded["dp_wrapped.pt"], f, _use_new_zipfile_serialization=False)
-        how = {"mode": "dp", "from": "dp_wrapped.pt", "how": "torch.save(..., _use_new_zipfile_serialization=False)"}
-        files[name] = _record(out / name, how=how, layout="ddp", entry="model", probe=files["dp_wrapped.pt"]["probe"])
-
-        # The PyTorch ImageNet example's layout: state_dict + args as an argparse.Namespace.
-        name = "namespace_args.pt"
-        args = argparse.Namespace(arch="ckptfix-cnn", lr=0.05, batch_size=32, epochs=1, workers=0)
-        obj = {"epoch": ddp["epoch"], "arch": "ckptfix-cnn", "state_dict": ddp["model"], "best_acc1": 0.5}
-        obj |= {"optimizer": ddp["optimizer"], "args": args}
-        with atomic_output(out / name) as f:
-            torch.save(obj, f)
-        how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ImageNet-example layout, args=argparse.Namespace"}
-        files[name] = _record(
-            out / name, how=how, layout="ddp", entry="state_dict", probe=files["ddp_wrapped.pt"]["probe"]
-        )
-        files[name]["allow_globals"] = ["argparse.Namespace"]
-
-    return _write_manifest(out, command=COMMAND, platform=platform_info(), files=files)
+    # The PyTorch ImageNet example's layout: state_dict + args as an argparse.Namespace.
+    name = "namespace_args.pt"
+    args = argparse.Namespace(arch="ckptfix-cnn", lr=0.05, batch_size=32, epochs=1, workers=0)
+    obj = {"epoch": ddp["epoch"], "arch": "ckptfix-cnn", "state_dict": ddp["model"], "best_acc1": 0.5}
+    obj |= {"optimizer": ddp["optimizer"], "args": args}
+    with atomic_output(out / name) as f:
+        torch.save(obj, f)
+    how = {"mode": "ddp", "from": "ddp_wrapped.pt", "how": "ImageNet-example layout, args=argparse.Namespace"}
+    files[name] = _record(out / name, how=how, layout="ddp", entry="state_dict", probe=files["ddp_wrapped.pt"]["probe"])
+    files[name]["allow_globals"] = ["argparse.Namespace"]
 
 
 def _write_manifest(out: Path, *, command: str, platform: dict[str, str], files: dict[str, Any]) -> dict[str, Any]:

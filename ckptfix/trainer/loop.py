@@ -243,15 +243,40 @@ def _build(config: TrainConfig, env: Env) -> tuple[nn.Module, nn.Module, dict[st
 
 
 def _train(config: TrainConfig, env: Env) -> TrainResult:
+    out = Path(config.out)
+    # Every rank: on a multi-node run, per-rank files land on each node's own disk.
+    out.mkdir(parents=True, exist_ok=True)
+    run, extra = _prepare(config, env)
+    start_epoch, step = _restore(run.optimizer, extra, steps_per_epoch=len(run.loader))
+    _log_start(config, env, run, start_epoch=start_epoch, step=step)
+    loss_value, accuracy, step = _epochs(config, env, run, start_epoch=start_epoch, step=step)
+    if config.epochs <= start_epoch:
+        log(env, f"nothing to do: {start_epoch} epochs are done and --epochs is {config.epochs}")
+    else:
+        log(env, f"saved {out / CHECKPOINT_NAME}")
+    return TrainResult(out / CHECKPOINT_NAME, config.epochs, step, loss_value, accuracy, env.rank, env.world_size)
+
+
+@dataclass
+class _Run:
+    """What the epochs of one training job work with."""
+
+    model: nn.Module  # the plain model: evaluated and (in the single layout) saved
+    wrapped: nn.Module  # what the steps run (DataParallel, DDP, or the model itself)
+    optimizer: torch.optim.Optimizer
+    sampler: Any  # a DistributedSampler
+    loader: Any  # a DataLoader over the training set
+    val_set: Any
+    schedule: _Schedule
+
+
+def _prepare(config: TrainConfig, env: Env) -> tuple[_Run, dict[str, Any]]:
+    """The model (resumed and wrapped), the data, the schedule and the optimizer; the resumed checkpoint's entries."""
     import torch
-    import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
     from ckptfix.trainer.data import VAL_SEED, make_dataset
 
-    out = Path(config.out)
-    # Every rank: on a multi-node run, per-rank files land on each node's own disk.
-    out.mkdir(parents=True, exist_ok=True)
     model, wrapped, extra = _build(config, env)
     train_set = make_dataset(config.samples)
     val_set = make_dataset(config.val_samples, seed=VAL_SEED)
@@ -266,36 +291,53 @@ def _train(config: TrainConfig, env: Env) -> TrainResult:
     optimizer = torch.optim.SGD(
         model.parameters(), lr=schedule.base_lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
+    return _Run(model, wrapped, optimizer, sampler, loader, val_set, schedule), extra
+
+
+def _restore(optimizer: torch.optim.Optimizer, extra: dict[str, Any], *, steps_per_epoch: int) -> tuple[int, int]:
+    """The optimizer and RNG state of a resumed checkpoint restored; the epoch and global step to go on from."""
     start_epoch, step = 0, 0
     if extra:
         if "optimizer" in extra:
             optimizer.load_state_dict(extra["optimizer"])
         start_epoch = int(extra.get("epoch", 0))
-        step = int(extra.get("step", start_epoch * len(loader)))
+        step = int(extra.get("step", start_epoch * steps_per_epoch))
         _set_rng_state(extra.get("rng"))
+    return start_epoch, step
+
+
+def _log_start(config: TrainConfig, env: Env, run: _Run, *, start_epoch: int, step: int) -> None:
+    import torch
 
     where = f"{env.world_size} processes, {env.backend} backend" if config.mode == "ddp" else "1 process"
     if config.mode == "dp" and env.device == "cuda":
         where += f", batch split over {torch.cuda.device_count()} GPUs"
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for p in run.model.parameters())
     log(env, f"mode {config.mode} ({where}) on {env.device}; {params} params")
     log(
         env,
         f"batch size {config.batch_size} per process, global batch {config.batch_size * env.world_size}; "
-        f"{len(loader)} steps/epoch",
+        f"{len(run.loader)} steps/epoch",
     )
-    lr_note = f" (= {config.lr} x {scale}, linear scaling)" if config.scale_lr else ""
-    log(env, f"lr {schedule.base_lr:g}{lr_note}; warm-up {schedule.warmup_steps} steps")
+    lr_note = f" (= {config.lr} x {env.world_size}, linear scaling)" if config.scale_lr else ""
+    log(env, f"lr {run.schedule.base_lr:g}{lr_note}; warm-up {run.schedule.warmup_steps} steps")
     if config.resume:
         log(env, f"resumed from {config.resume} at epoch {start_epoch}, step {step}")
 
+
+def _epochs(config: TrainConfig, env: Env, run: _Run, *, start_epoch: int, step: int) -> tuple[float, float, int]:
+    """Train from ``start_epoch`` to ``--epochs``, saving after each; the last epoch's loss and val accuracy (NaN
+    if none ran) and the global step reached."""
+    import torch
+    import torch.distributed as dist
+
     loss_value, accuracy = float("nan"), float("nan")
     for epoch in range(start_epoch, config.epochs):
-        sampler.set_epoch(epoch)
+        run.sampler.set_epoch(epoch)
         started = time.perf_counter()
         totals = torch.zeros(2, dtype=torch.float64, device=env.device)
-        for batch in loader:
-            step = _step(wrapped, optimizer, batch, env=env, schedule=schedule, step=step, totals=totals)
+        for batch in run.loader:
+            step = _step(run.wrapped, run.optimizer, batch, env=env, schedule=run.schedule, step=step, totals=totals)
             if config.log_every and step % config.log_every == 0:
                 log(env, f"step {step} loss {float(totals[0] / totals[1]):.4f} (epoch mean so far)")
         if config.mode == "ddp":
@@ -304,15 +346,11 @@ def _train(config: TrainConfig, env: Env) -> TrainResult:
         if env.is_main:
             # The plain module, not the wrapper: DDP's forward may start a buffer broadcast the other
             # ranks would never join.
-            accuracy = evaluate(model, val_set, device=env.device)
+            accuracy = evaluate(run.model, run.val_set, device=env.device)
         took = time.perf_counter() - started
         log(env, f"epoch {epoch + 1}/{config.epochs} loss {loss_value:.4f} val acc {accuracy:.3f} ({took:.1f}s)")
-        _save(config, env, model, wrapped, optimizer, epoch=epoch + 1, step=step)
-    if config.epochs <= start_epoch:
-        log(env, f"nothing to do: {start_epoch} epochs are done and --epochs is {config.epochs}")
-    else:
-        log(env, f"saved {out / CHECKPOINT_NAME}")
-    return TrainResult(out / CHECKPOINT_NAME, config.epochs, step, loss_value, accuracy, env.rank, env.world_size)
+        _save(config, env, run.model, run.wrapped, run.optimizer, epoch=epoch + 1, step=step)
+    return loss_value, accuracy, step
 
 
 @dataclass(frozen=True)

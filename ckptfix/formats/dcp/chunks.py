@@ -9,7 +9,7 @@ from typing import Any
 from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.dcp.reader import DcpTensor, nest, read_dcp
 from ckptfix.formats.hf.folder import room_for_files
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.torchzip.reader import read_torch_zip
 
 
@@ -23,7 +23,7 @@ def dcp_tree(src: str, fd_of: Callable[[str], int], *, allowed: frozenset[str]) 
         z = read_torch_zip(
             fd_of(span.path), span.path, allowed=allowed, verify=True, start=span.offset, end=span.offset + span.length
         )
-        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(z.tree)):
+        if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(z.tree)):
             return None, Fallback(Reason.DCP_VALUE_REBUILT, key=key)
         flat[key] = z.tree
     return nest(flat, d.paths), None

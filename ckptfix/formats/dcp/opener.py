@@ -13,7 +13,7 @@ from ckptfix.formats.dcp.reader import METADATA, DcpTensor, Span
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.hf.folder import room_for_files
 from ckptfix.formats.opened import OpenedFolder, OpenOptions, Undescribed
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert_trees
 from ckptfix.formats.records import FolderRecords
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchzip.reader import read_torch_zip
@@ -71,7 +71,7 @@ def open_records(source: str, options: OpenOptions, *, read: Callable[[], Folder
 
 def chunk_spans(tree: Any) -> set[Span]:
     """The data-file spans (chunk archives) of the DCP tensor records in ``tree``."""
-    return {c.span for v in inert.walk(tree) if isinstance(v, DcpTensor) for c in v.entry.chunks}
+    return {c.span for v in inert_trees.walk(tree) if isinstance(v, DcpTensor) for c in v.entry.chunks}
 
 
 def verify_chunks(opened: OpenedFolder, spans: set[Span], data: list[str], *, verify: bool) -> OpenedFolder:

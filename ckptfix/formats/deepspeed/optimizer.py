@@ -16,7 +16,7 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.deepspeed.layout import Segment
 from ckptfix.formats.deepspeed.pickles import OptimFile, group_state
 from ckptfix.formats.deepspeed.tensors import Piece, ZeroTensor, check_bytes, piece
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 
 Groups = list[list[tuple[str, tuple[int, ...]]]]  # each flat group's parameters: (name, shape), in flat order
 
@@ -97,7 +97,7 @@ def _hyperparameters(pg: dict[str, Any], *, source: str) -> dict[str, Any]:
     """A saved param group's hyperparameters: plain values only (its ``params`` renumbered by the caller)."""
     # DeepSpeed's own param_names (torch >= 2.6, named groups) name its flat parameters, not the model's
     hyper = {str(k): v for k, v in pg.items() if k not in ("params", "param_names")}
-    if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert.walk(hyper)):
+    if any(isinstance(o, (inert.Inert, inert.StorageRef)) for o in inert_trees.walk(hyper)):
         raise FormatError(
             f"{source}: a param group's hyperparameters hold tensors or objects, which ckptfix "
             f"does not carry; convert without --optimizer"

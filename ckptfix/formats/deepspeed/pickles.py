@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.deepspeed.files import MODEL_FILE, OPTIM_FILE
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.safety import allowlist
 
 
@@ -282,7 +282,7 @@ def group_state(o: OptimFile, base: Mapping[str, Any], k: int, *, source: str) -
                     f"the fp32 partition has {list(flat.shape)}; the file is damaged"
                 )
             value = t
-        elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert.walk(value)):
+        elif any(isinstance(x, (inert.Inert, inert.StorageRef)) for x in inert_trees.walk(value)):
             raise FormatError(f"{o.path}: optimizer state '{key}' of group {k} holds objects ckptfix does not carry")
         out[str(key)] = value
     return out

@@ -26,7 +26,7 @@ from ckptfix.formats.fsdp.ranks import (
     object_state,
     owner,
 )
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.safety.allowlist import SHARDED_TENSOR_GLOBALS, ShardedCheckpointError
 
 
@@ -126,7 +126,7 @@ def _refuse_sharded_elsewhere(tree: Any, *, source: str) -> None:
     """A ShardedTensor the walk above did not reach (in a list, a tuple, an object) would be written as it is: one
     rank's shards in a file said to be merged. FSDP1 saves them in dicts only."""
     for name, value in tree.items() if isinstance(tree, dict) else [("", tree)]:
-        if any(sharded_piece(obj, key=str(name), source=source) for obj in inert.walk(value)):
+        if any(sharded_piece(obj, key=str(name), source=source) for obj in inert_trees.walk(value)):
             where = f"'{name}' holds" if name != "" else "holds"
             raise RankFilesError(
                 f"{source}: {where} a ShardedTensor inside a list, tuple or object, where FSDP1 saves them in dicts "

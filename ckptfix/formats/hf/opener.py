@@ -15,7 +15,7 @@ from ckptfix.errors import UnsafeCheckpointError
 from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.hf.folder import _MODEL_FILE, Folder, FolderTensor, describe, merge_shards, room_for_files
 from ckptfix.formats.opened import Opened, OpenedFolder, OpenOptions
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert_trees
 from ckptfix.formats.records import is_record, map_tree
 from ckptfix.formats.safetensors.file import read_header, tree_from_header
 from ckptfix.formats.safety import allowlist
@@ -46,7 +46,7 @@ def open_hf(source: str, options: OpenOptions, *, detect_format: Callable[[str],
         else:
             opened.tree = _accelerate(opened, folder, options, detect_format=detect_format)
         for i, part in enumerate(opened.parts):
-            for obj in inert.walk(part.tree):
+            for obj in inert_trees.walk(part.tree):
                 if is_record(obj):  # a tensor record of a part: read from that part
                     opened.owner.setdefault(id(obj), i)
     except BaseException:

@@ -16,9 +16,9 @@ from ckptfix.formats.pickles.inert import (
     InertParameter,
     InertTensor,
     StorageRef,
-    gc_paused,
     make_global,
 )
+from ckptfix.formats.pickles.inert_trees import gc_paused
 from ckptfix.formats.pickles.unpickling import CheckedOrderedDict
 
 _PUT = [b"q" + bytes([i]) for i in range(256)]

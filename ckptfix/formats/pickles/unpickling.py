@@ -18,20 +18,16 @@ from typing import IO, Any, ClassVar, cast
 from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats.dtypes import storage_itemsize
 from ckptfix.formats.pickles.inert import (
-    LEAVES,
     Frozen,
     Global,
     Inert,
     InertParameter,
     InertTensor,
     StorageRef,
-    children_of,
-    gc_paused,
-    is_container,
     make_global,
-    measure,
     nested_class,
 )
+from ckptfix.formats.pickles.inert_trees import LEAVES, children_of, gc_paused, is_container, measure
 from ckptfix.formats.safety import allowlist, opscan
 
 _BASE_NODES = 10_000_000  # plus 8 per pickle byte: the tree's size with shared references counted each time

@@ -20,7 +20,7 @@ from ckptfix.errors import FormatError, OutputError
 from ckptfix.formats.copyable import Fallback, Reason
 from ckptfix.formats.dtypes import DTYPES, FROM_SAFETENSORS, safetensors_code
 from ckptfix.formats.output.atomic import PathLike, atomic_output
-from ckptfix.formats.pickles.inert import gc_paused
+from ckptfix.formats.pickles.inert_trees import gc_paused
 from ckptfix.formats.raw import RawTensor, resolved
 from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
 from ckptfix.formats.safetensors.header import META_KEY, Header, all_storable, unstorable

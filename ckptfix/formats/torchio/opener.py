@@ -12,7 +12,7 @@ from collections import Counter
 from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import Fallback, Reason, foreign_byte_order, not_as_stored, torch_rebuilt
 from ckptfix.formats.opened import Opened, OpenOptions, Undescribed
-from ckptfix.formats.pickles import inert
+from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.safetensors.file import read_header, tree_from_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain
@@ -90,7 +90,7 @@ def _torch_only(opened: Opened, *, need_bytes: bool) -> Fallback | None:
     assert opened.zip is not None  # a torch zip's
     if need_bytes and (order := foreign_byte_order(opened.zip)):
         return Fallback(Reason.FOREIGN_FILE, order=order)
-    for obj in inert.walk(opened.tree):
+    for obj in inert_trees.walk(opened.tree):
         if isinstance(obj, inert.InertTensor) and (why := not_as_stored(obj)):
             return Fallback(Reason.NOT_AS_STORED, why=why)
         if type(obj) is inert.Inert and torch_rebuilt(obj.func.module):

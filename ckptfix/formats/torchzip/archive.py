@@ -203,8 +203,53 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int,
     """Every central directory entry, checked against its local header.
 
     One loop without a call per entry beyond what each must do: a checkpoint of a million small tensors has a
-    million of them.
+    million of them. Only a record that breaks a rule, or needs its zip64 sizes, costs a call more.
     """
+    entries = _central_entries(cd, count, path=path, cd_offset=cd_offset)
+    headers = _LocalHeaders(fd, path, sorted([e[0][16] + base for e in entries]))
+    unpack_local = _LOCAL.unpack_from
+    records: list[Record] = []
+    for fields, start in entries:
+        made, needed, flags, method, mtime, mdate, crc, csize, usize, name_len, extra_len, comment_len = fields[1:13]
+        iattr, eattr, offset = fields[14:]
+        raw_name = cd[start : start + name_len]
+        try:
+            name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
+        except UnicodeDecodeError as e:
+            raise damaged(path, f"a record name is not valid UTF-8 ({e})") from e
+        if usize == _U32 or csize == _U32 or offset == _U32:
+            extra = cd[start + name_len : start + name_len + extra_len]
+            usize, csize, offset = _zip64_sizes(extra, usize, csize, offset, name=name, path=path)
+        offset += base
+        if method != 0 or csize != usize or flags & 0x1 or needed > _MAX_VERSION:
+            raise _refusal(path, name, method=method, compressed=csize != usize, flags=flags, needed=needed)
+        buf, rel = headers.buf, offset - headers.at
+        if rel < 0 or rel + _LOCAL.size > len(buf):  # not in the window read last: read the next one
+            headers.read(_LOCAL.size, offset, what=f"local header of record '{name}'")
+            buf, rel = headers.buf, 0
+        lsig, _, lflags, lmethod, _, _, _, _, _, lname_len, lextra_len = unpack_local(buf, rel)
+        if lsig != _SIG_LOCAL:
+            raise damaged(path, f"record '{name}' has no local header at byte {offset}")
+        lname = buf[rel + _LOCAL.size : rel + _LOCAL.size + lname_len]
+        if len(lname) != lname_len:
+            lname = headers.read(lname_len, offset + _LOCAL.size, what=f"name of record '{name}'")
+        # readers differ on which header they believe: any disagreement is a sign of tampering
+        if lmethod != method or (lflags & ~_FLAGS_MAY_DIFFER) != (flags & ~_FLAGS_MAY_DIFFER) or lname != raw_name:
+            raise _disagreement(path, name, flags=(lflags, flags), method=(lmethod, method), local_name=lname)
+        data_offset = offset + _LOCAL.size + lname_len + lextra_len
+        if data_offset + usize > cd_offset:
+            raise FormatError(f"{path}: record '{name}' runs past the end of the data; the file is truncated")
+        comment = cd[start + name_len + extra_len : start + name_len + extra_len + comment_len] if comment_len else b""
+        records.append(
+            Record(
+                name, offset, data_offset, usize, crc, method, flags, made, needed, mtime, mdate, iattr, eattr, comment
+            )
+        )
+    return records
+
+
+def _central_entries(cd: bytes, count: int, *, path: str, cd_offset: int) -> list[tuple[tuple[int, ...], int]]:
+    """The fields of each of the ``count`` central directory entries, and where its name starts in ``cd``."""
     entries: list[tuple[tuple[int, ...], int]] = []
     unpack_central = _CENTRAL.unpack_from
     pos, cd_len = 0, len(cd)
@@ -216,82 +261,43 @@ def _parse_central(fd: int, cd: bytes, count: int, *, path: str, cd_offset: int,
             raise damaged(path, f"bad central directory entry at byte {cd_offset + pos}")
         entries.append((fields, pos + _CENTRAL.size))
         pos += _CENTRAL.size + fields[10] + fields[11] + fields[12]
-    headers = _LocalHeaders(fd, path, sorted([e[0][16] + base for e in entries]))
-    unpack_local = _LOCAL.unpack_from
-    records: list[Record] = []
-    for fields, start in entries:
-        (
-            _sig,
-            made,
-            needed,
-            flags,
-            method,
-            mtime,
-            mdate,
-            crc,
-            csize,
-            usize,
-            name_len,
-            extra_len,
-            comment_len,
-            _disk,
-            iattr,
-            eattr,
-            offset,
-        ) = fields
-        raw_name = cd[start : start + name_len]
-        try:
-            name = raw_name.decode("utf-8" if flags & FLAG_UTF8 else "cp437")
-        except UnicodeDecodeError as e:
-            raise damaged(path, f"a record name is not valid UTF-8 ({e})") from e
-        if usize == _U32 or csize == _U32 or offset == _U32:
-            wide = [v for v in (usize, csize, offset) if v == _U32]
-            try:
-                values = iter(_zip64_fields(cd[start + name_len : start + name_len + extra_len], len(wide)))
-            except ValueError as e:
-                raise damaged(path, f"record '{name}' lacks its zip64 sizes") from e
-            usize = next(values) if usize == _U32 else usize
-            csize = next(values) if csize == _U32 else csize
-            offset = next(values) if offset == _U32 else offset
-        offset += base
-        if method != 0 or csize != usize:
-            raise FormatError(
-                f"{path}: record '{name}' is compressed; torch.save never compresses, so the file was altered; "
-                f"refusing it before decompressing"
-            )
-        if flags & 0x1:
-            raise FormatError(f"{path}: record '{name}' is encrypted; refusing it")
-        if needed > _MAX_VERSION:
-            raise damaged(path, f"record '{name}' needs zip version {needed / 10:.1f}")
-        buf, rel = headers.buf, offset - headers.at
-        if rel < 0 or rel + _LOCAL.size > len(buf):  # not in the window read last: read the next one
-            headers.read(_LOCAL.size, offset, what=f"local header of record '{name}'")
-            buf, rel = headers.buf, 0
-        lsig, _lneeded, lflags, lmethod, _time, _date, _crc, _csize, _usize, lname_len, lextra_len = unpack_local(
-            buf, rel
+    return entries
+
+
+def _zip64_sizes(extra: bytes, usize: int, csize: int, offset: int, *, name: str, path: str) -> tuple[int, int, int]:
+    """The sizes and header offset with each one the central entry marks as wide (0xFFFFFFFF) read from ``extra``."""
+    wide = [v for v in (usize, csize, offset) if v == _U32]
+    try:
+        values = iter(_zip64_fields(extra, len(wide)))
+    except ValueError as e:
+        raise damaged(path, f"record '{name}' lacks its zip64 sizes") from e
+    usize = next(values) if usize == _U32 else usize
+    csize = next(values) if csize == _U32 else csize
+    offset = next(values) if offset == _U32 else offset
+    return usize, csize, offset
+
+
+def _refusal(path: str, name: str, *, method: int, compressed: bool, flags: int, needed: int) -> FormatError:
+    """The first rule a record breaks of those torch.save never does: compressed, encrypted, a zip past 6.3."""
+    if method != 0 or compressed:
+        return FormatError(
+            f"{path}: record '{name}' is compressed; torch.save never compresses, so the file was altered; "
+            f"refusing it before decompressing"
         )
-        if lsig != _SIG_LOCAL:
-            raise damaged(path, f"record '{name}' has no local header at byte {offset}")
-        lname = buf[rel + _LOCAL.size : rel + _LOCAL.size + lname_len]
-        if len(lname) != lname_len:
-            lname = headers.read(lname_len, offset + _LOCAL.size, what=f"name of record '{name}'")
-        # readers differ on which header they believe: any disagreement is a sign of tampering
-        if lmethod != method or (lflags & ~_FLAGS_MAY_DIFFER) != (flags & ~_FLAGS_MAY_DIFFER) or lname != raw_name:
-            raise damaged(
-                path,
-                f"record '{name}': local header disagrees with the central directory (flags {lflags:#x} vs "
-                f"{flags:#x}, method {lmethod} vs {method}, name {lname!r})",
-            )
-        data_offset = offset + _LOCAL.size + lname_len + lextra_len
-        if data_offset + usize > cd_offset:
-            raise FormatError(f"{path}: record '{name}' runs past the end of the data; the file is truncated")
-        comment = cd[start + name_len + extra_len : start + name_len + extra_len + comment_len] if comment_len else b""
-        records.append(
-            Record(
-                name, offset, data_offset, usize, crc, method, flags, made, needed, mtime, mdate, iattr, eattr, comment
-            )
-        )
-    return records
+    if flags & 0x1:
+        return FormatError(f"{path}: record '{name}' is encrypted; refusing it")
+    return damaged(path, f"record '{name}' needs zip version {needed / 10:.1f}")
+
+
+def _disagreement(
+    path: str, name: str, *, flags: tuple[int, int], method: tuple[int, int], local_name: bytes
+) -> FormatError:
+    """A local header that says otherwise than its central entry (``flags`` and ``method``: local, central)."""
+    return damaged(
+        path,
+        f"record '{name}': local header disagrees with the central directory (flags {flags[0]:#x} vs "
+        f"{flags[1]:#x}, method {method[0]} vs {method[1]}, name {local_name!r})",
+    )
 
 
 class _LocalHeaders:

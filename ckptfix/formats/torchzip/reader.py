@@ -18,7 +18,7 @@ from typing import Any
 from ckptfix.errors import FormatError
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.crc import check_crc
-from ckptfix.formats.pickles import inert, unpickling
+from ckptfix.formats.pickles import inert, inert_trees, unpickling
 from ckptfix.formats.torchzip.archive import (
     Archive,
     Record,
@@ -59,7 +59,7 @@ def read_torch_zip(
 ) -> TorchZip:
     """Parse and check the archive (the file, or its ``start:end`` span) and its pickle; with ``verify`` also
     every record's CRC. ``as_data``, ``refused``, ``plain``, ``records``: see :func:`.unpickling.load`."""
-    with inert.gc_paused():  # a record per storage, then the tree: nothing to collect, only to rescan
+    with inert_trees.gc_paused():  # a record per storage, then the tree: nothing to collect, only to rescan
         archive = read_archive(fd, path, start=start, end=end)
         pkl = _pickle_record(archive, path)
         data = os.pread(fd, pkl.size, pkl.data_offset)
