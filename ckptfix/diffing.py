@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import LayoutError
+from ckptfix.formats.opened import Opened, in_memory
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
 from ckptfix.formats.raw import as_tensor, resolved
@@ -16,7 +17,7 @@ from ckptfix.formats.registry import read
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import opaque
 from ckptfix.formats.torchio.opaque import OpaqueEntry
-from ckptfix.reading import Opened, in_memory, open_checkpoint
+from ckptfix.reading import open_checkpoint
 from ckptfix.transforms import layouts
 from ckptfix.transforms.checkpoint import apply_maps, get_entry, is_state_dict, is_tensor, model_entries
 
@@ -220,7 +221,7 @@ def compare(
     strip_prefixes: Iterable[str] = (),
 ) -> DiffReport:
     """The comparison behind :func:`diff` and :func:`diff_files`, on two opened checkpoints."""
-    from ckptfix.formats.registry import refuse_rank_file
+    from ckptfix.formats.rankfile import refuse_rank_file
 
     for side in (a, b):  # a lone ZeRO-3 module file: [0] placeholders would compare as weights
         refuse_rank_file(side.tree, source=side.source, model=False)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptfix.conversion.plan import plan_reading
 from ckptfix.formats.legacy.reader import check_legacy
-from ckptfix.formats.opened import Opened, OpenedFolder, OpenOptions, Undescribed, in_memory
+from ckptfix.formats.opened import Opened, OpenOptions, Undescribed
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.records import layout, spec
 from ckptfix.formats.registry import detect, open_format, read
@@ -93,4 +93,4 @@ def open_checkpoint(
     return Opened(source=source, fmt=fmt, tree=obj, note=reason, locations=locations, crc_stored=crc_stored)
 
 
-__all__ = ["Opened", "OpenedFolder", "in_memory", "open_checkpoint", "stored_bytes"]
+__all__ = ["open_checkpoint", "stored_bytes"]

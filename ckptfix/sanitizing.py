@@ -119,8 +119,9 @@ def sanitize(src: PathLike, dst: PathLike, *, overwrite: bool = False) -> Saniti
     >>> result = ckptfix.sanitize("epoch_12.pth", "epoch_12.clean.pth")
     >>> [str(d) for d in result.dropped]   # ["message_hub['log_scalars']['train/loss']: mmengine... (...)"]
     """
-    from ckptfix.formats.deepspeed.run import CONVERT_THE_RUN
-    from ckptfix.formats.registry import output_format, refuse_rank_file
+    from ckptfix.formats.deepspeed.files import CONVERT_THE_RUN
+    from ckptfix.formats.paths import output_format
+    from ckptfix.formats.rankfile import refuse_rank_file
 
     source = os.fspath(src)
     fmt = detect_format(src)

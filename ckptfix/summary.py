@@ -14,14 +14,15 @@ from typing import Any
 
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.fsdp.ranks import flat_param_keys, placement
+from ckptfix.formats.opened import OpenedFolder
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.pickles import inert
+from ckptfix.formats.rankfile import rank_file_refusal
 from ckptfix.formats.records import identity, is_record, spec, storage_of
-from ckptfix.formats.registry import rank_file_refusal
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio.opaque import OpaqueEntry
 from ckptfix.keytree import groups as key_groups
-from ckptfix.reading import OpenedFolder, open_checkpoint, stored_bytes
+from ckptfix.reading import open_checkpoint, stored_bytes
 from ckptfix.transforms import layouts
 from ckptfix.transforms.checkpoint import get_entry, is_tensor, model_entries
 
@@ -157,7 +158,7 @@ def summarize(
     A DeepSpeed run folder has ``deepspeed``; one DeepSpeed module file on its own has ``deepspeed_module_file``
     (a ZeRO-3 one's ``placeholders``: the keys whose ``[0]`` tensors are no weights, and the ``folder`` to pass).
     """
-    from ckptfix.formats.deepspeed.run import lone_module_summary
+    from ckptfix.formats.deepspeed.files import lone_module_summary
 
     source = os.fspath(path)
     with open_checkpoint(

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar
 
 from ckptfix.formats.copyable import Fallback, Reason
+from ckptfix.formats.opened import Opened
 from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.output.crc import check_crc
 from ckptfix.formats.pickles import inert, inert_trees, pickling
@@ -26,7 +27,6 @@ from ckptfix.formats.records import TensorRecord, identity, is_record, map_tree,
 from ckptfix.formats.safetensors.file import plan_safetensors, tensor_bytes
 from ckptfix.formats.torchzip.archive import Record, ZipWriter, stored_crc
 from ckptfix.formats.torchzip.layout import NewStorages, storage_name, write_head, write_tail
-from ckptfix.reading import Opened
 from ckptfix.transforms.checkpoint import is_tensor
 
 if TYPE_CHECKING:

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckptfix.formats.copyable import Fallback
+from ckptfix.formats.opened import in_memory
 from ckptfix.formats.records import map_tree
-from ckptfix.reading import in_memory, open_checkpoint
+from ckptfix.reading import open_checkpoint
 from ckptfix.writing import Placeholder, streamed_writer
 from tests.hostile import parse_st
 

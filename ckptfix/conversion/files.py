@@ -19,15 +19,9 @@ from ckptfix.conversion.plan import STREAM_TENSORS, TENSORS_TO_TORCH, TO_DCP, Pl
 from ckptfix.conversion.run import run_conversion
 from ckptfix.errors import UsageError
 from ckptfix.formats.output.atomic import PathLike, check_output, check_output_folder
-from ckptfix.formats.registry import (
-    describe_output,
-    detect,
-    rank_file_note,
-    read,
-    refuse_rank_file,
-    resolve_output,
-    write,
-)
+from ckptfix.formats.paths import resolve_output
+from ckptfix.formats.rankfile import rank_file_note, refuse_rank_file
+from ckptfix.formats.registry import describe_output, detect, read, write
 from ckptfix.formats.safetensors.file import losses_note
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import devices, opaque
@@ -167,7 +161,7 @@ def convert_file(
     index file. ``dst`` ending in ``/`` (or an existing empty folder) gets a DCP folder; ``shard_size`` (bytes)
     writes transformers shards of at most that size beside ``dst`` (or in it, when it is a folder). ``format``
     (``hf``, ``dcp``, ``safetensors``, ``pt``) chooses a folder ``dst``'s format instead
-    (:func:`~ckptfix.formats.registry.resolve_output`); ``result.wrote`` then says what the folder holds.
+    (:func:`~ckptfix.formats.paths.resolve_output`); ``result.wrote`` then says what the folder holds.
 
     An existing output is refused unless ``overwrite=True``, then replaced so that a failure leaves it as it was:
     a file atomically; a DCP folder (only one that holds nothing but a DCP checkpoint) and a shard set (the

@@ -37,7 +37,8 @@ from ckptfix.exporting.model import (
 )
 from ckptfix.formats.hf.config import CONFIG, SIDE_FILES, ConfigFolder, find_config, write_side_files
 from ckptfix.formats.output.atomic import PathLike, check_apart, fsync_dir, set_aside
-from ckptfix.formats.registry import ONE_SHARD, Format, detect, detect_format, read, resolve_output
+from ckptfix.formats.paths import ONE_SHARD, resolve_output
+from ckptfix.formats.registry import Format, detect, detect_format, read
 from ckptfix.formats.safety.depth import deep
 from ckptfix.notes import Level, Note, always
 from ckptfix.signature import strict_keywords

@@ -23,14 +23,9 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.output.atomic import PathLike, check_output
 from ckptfix.formats.paths import (
     ONE_SHARD,
-    OUTPUT_FORMATS,
-    SAFETENSORS_EXTENSIONS,
-    TORCH_EXTENSIONS,
     output_format,
     refuse_remote,
-    resolve_output,
 )
-from ckptfix.formats.rankfile import rank_file_note, rank_file_refusal, refuse_rank_file
 from ckptfix.formats.records import FolderRecords
 
 if TYPE_CHECKING:
@@ -548,12 +543,8 @@ def _write(row: Format, obj: Any, path: PathLike, options: WriteOptions) -> None
     row.write(obj, path, options)
 
 
-__all__ = [  # OUT's paths are formats.paths', named here too, where every command has asked for them
+__all__ = [
     "FORMATS",
-    "ONE_SHARD",
-    "OUTPUT_FORMATS",
-    "SAFETENSORS_EXTENSIONS",
-    "TORCH_EXTENSIONS",
     "Format",
     "Probe",
     "ReadOptions",
@@ -564,13 +555,7 @@ __all__ = [  # OUT's paths are formats.paths', named here too, where every comma
     "folder_format",
     "load",
     "open_format",
-    "output_format",
-    "rank_file_note",
-    "rank_file_refusal",
     "read",
-    "refuse_rank_file",
-    "refuse_remote",
-    "resolve_output",
     "save",
     "write",
 ]

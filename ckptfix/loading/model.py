@@ -108,7 +108,7 @@ def model_state_of(obj: Any, *, source: str, entry: str | None = None) -> Mappin
     :class:`~ckptfix.formats.fsdp.ranks.ShardedCheckpointError` for FSDP1 flat parameters (one rank's slices).
     """
     from ckptfix.formats.fsdp.ranks import refuse_flat_params
-    from ckptfix.formats.registry import refuse_rank_file
+    from ckptfix.formats.rankfile import refuse_rank_file
 
     refuse_rank_file(obj, source=source, model=not entry)
     state = _model_state(obj, source=source, entry=entry)
@@ -220,8 +220,9 @@ def _place(
 ) -> KeyReport | None:
     """:func:`load_into` from the file's description, each tensor read into the model's own; None when the file is
     one that torch must load (legacy, quantized or sparse tensors, a folder)."""
+    from ckptfix.formats.opened import OpenedFolder
     from ckptfix.loading import placing
-    from ckptfix.reading import OpenedFolder, open_checkpoint
+    from ckptfix.reading import open_checkpoint
 
     name = os.fspath(path)
     with open_checkpoint(path, allow_globals=allow_globals, need_bytes=True, opaque=True) as opened:

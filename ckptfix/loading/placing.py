@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
+from ckptfix.formats.opened import Opened
 from ckptfix.formats.output.atomic import Worker, wait_all
 from ckptfix.formats.records import is_record
 from ckptfix.formats.torchzip.archive import verify_records
-from ckptfix.reading import Opened
 
 if TYPE_CHECKING:
     import torch

@@ -403,7 +403,7 @@ def free_name(path: str, tag: str) -> str:
     >>> free_name("fixtures/ddp_wrapped.pt", "single")
     'ddp_wrapped.single.pt'
     """
-    from ckptfix.formats.registry import SAFETENSORS_EXTENSIONS, TORCH_EXTENSIONS
+    from ckptfix.formats.paths import SAFETENSORS_EXTENSIONS, TORCH_EXTENSIONS
 
     name = os.path.basename(os.path.normpath(path))
     stem, ext = (name, "") if os.path.isdir(path) else os.path.splitext(name)

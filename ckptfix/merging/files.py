@@ -32,15 +32,16 @@ from ckptfix.conversion.plan import STREAM_MERGE, Plan
 from ckptfix.conversion.run import run
 from ckptfix.errors import MergeError
 from ckptfix.formats.fsdp.ranks import refuse_flat_params
+from ckptfix.formats.opened import Opened, in_memory
 from ckptfix.formats.output.atomic import PathLike, check_output
-from ckptfix.formats.registry import detect_format, output_format, read, write
+from ckptfix.formats.paths import output_format
+from ckptfix.formats.registry import detect_format, read, write
 from ckptfix.formats.safety.depth import deep
 from ckptfix.formats.torchio import opaque
 from ckptfix.merging import rank_files
 from ckptfix.merging.policy import BUFFER_STRATEGIES as BUFFER_STRATEGIES
 from ckptfix.merging.policy import Divergence as Divergence
 from ckptfix.merging.policy import Merger, MergeResult, check_options, merged_in_memory, stream_merged, weights_of
-from ckptfix.reading import Opened, in_memory
 from ckptfix.writing import streamed_writer
 
 __all__ = ["BUFFER_STRATEGIES", "Divergence", "MergeResult", "merge", "merge_files", "plan_merge"]

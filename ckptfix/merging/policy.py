@@ -5,7 +5,7 @@ BatchNorm statistics are merged by the buffer strategy: ``pooled`` (means averag
 the variances plus the variance of the means, as if the ranks' data shards had been one batch), ``mean``, or
 ``rank0``; ``num_batches_tracked`` is kept, or the maximum when ranks differ. Averaging (``weights``) makes every
 floating tensor the weighted mean, accumulated in float64, and takes the rest from the last input. Inputs are
-:class:`~ckptfix.reading.Opened` (files, folders, rank files whose shards read as full tensors, or objects in
+:class:`~ckptfix.formats.opened.Opened` (files, folders, rank files whose shards read as full tensors, or objects in
 memory); :class:`Merger` reads one key from every input at a time and hands each result on, to memory
 (:func:`merged_in_memory`) or to a streaming writer (:func:`stream_merged`).
 """
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.diffing import json_number, same_bytes, tensor_diff
 from ckptfix.errors import AverageError, MergeError, UsageError
+from ckptfix.formats.opened import Opened
 from ckptfix.formats.raw import as_tensor
 from ckptfix.formats.records import is_record, spec
-from ckptfix.reading import Opened
 from ckptfix.transforms import layouts
 from ckptfix.transforms.checkpoint import apply_maps, is_tensor, model_entries, same_kind
 from ckptfix.writing import Placeholder
@@ -285,8 +285,8 @@ class Merger:
             self.result.warnings.append(
                 f"only one input ({labels[0]}): nothing to merge, the output is a converted copy"
             )
-        from ckptfix.formats.deepspeed.run import CONVERT_THE_RUN
-        from ckptfix.formats.registry import refuse_rank_file
+        from ckptfix.formats.deepspeed.files import CONVERT_THE_RUN
+        from ckptfix.formats.rankfile import refuse_rank_file
 
         for opened in inputs:  # lone ZeRO rank files: [0] placeholders, flat slices; the run's folder is the whole
             refuse_rank_file(opened.tree, source=opened.source, instead=CONVERT_THE_RUN)

@@ -29,6 +29,7 @@ from ckptfix.formats.fsdp.ranks import (
     load_ranks,
     rank_records,
 )
+from ckptfix.formats.opened import Opened, in_memory
 from ckptfix.formats.output.atomic import PathLike
 from ckptfix.formats.records import is_record
 from ckptfix.formats.registry import write
@@ -52,7 +53,7 @@ from ckptfix.merging.sharded_optim import (
     outside_entries,
     without,
 )
-from ckptfix.reading import Opened, in_memory, open_checkpoint
+from ckptfix.reading import open_checkpoint
 from ckptfix.transforms.checkpoint import model_entries
 from ckptfix.writing import Placeholder, streamed_writer
 

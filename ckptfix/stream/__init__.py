@@ -21,9 +21,10 @@ from ckptfix.formats.copyable import foreign_byte_order, hooks_or_state, math_bi
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.output.atomic import PathLike, atomic_output, check_output
 from ckptfix.formats.output.crc import Check
+from ckptfix.formats.paths import output_format
 from ckptfix.formats.pickles import inert, inert_trees
 from ckptfix.formats.records import is_record, map_tree
-from ckptfix.formats.registry import detect_format, output_format
+from ckptfix.formats.registry import detect_format
 from ckptfix.formats.safetensors.file import (
     losses_note,
     plan_safetensors,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfix.formats.dcp.reader import DcpTensor
-from ckptfix.formats.deepspeed.run import ZeroTensor
+from ckptfix.formats.deepspeed.tensors import ZeroTensor
 from ckptfix.formats.dtypes import DTYPES
 from ckptfix.formats.files import DataFiles
 from ckptfix.formats.output.atomic import atomic_output

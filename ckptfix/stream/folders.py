@@ -24,11 +24,8 @@ from ckptfix.formats.output.atomic import Worker, atomic_output
 from ckptfix.formats.output.crc import Check, Verifier
 from ckptfix.formats.records import TensorRecord, is_record
 from ckptfix.formats.registry import detect, folder_format, open_format
-from ckptfix.formats.safetensors.file import (
-    encode_header,
-    split_checkpoint,
-    tensor_bytes,
-)
+from ckptfix.formats.safetensors.file import split_checkpoint, tensor_bytes
+from ckptfix.formats.safetensors.header import encode_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import carry
 from ckptfix.stream.casting import cast_records

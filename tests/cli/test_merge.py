@@ -15,8 +15,8 @@ from click.testing import CliRunner, Result
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import AverageError
+from ckptfix.formats.opened import Opened
 from ckptfix.merging.files import merge_files
-from ckptfix.reading import Opened
 from tests.assertions import assert_same
 from tests.inputs import _hf, _refused
 from tests.models import ScaledHead, SmallNet

@@ -18,8 +18,9 @@ from ckptfix.conversion.files import convert_file
 from ckptfix.diffing import diff_files
 from ckptfix.errors import CkptfixError, FormatError
 from ckptfix.formats import registry
+from ckptfix.formats.rankfile import rank_file_refusal
 from ckptfix.formats.records import FolderRecords
-from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format, rank_file_refusal
+from ckptfix.formats.registry import FORMATS, Format, ReadOptions, detect, detect_format
 from ckptfix.formats.safety.allowlist import ShardedCheckpointError
 from ckptfix.reading import open_checkpoint
 from tests import sharded_writers

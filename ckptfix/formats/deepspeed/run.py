@@ -45,13 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import FormatError
 from ckptfix.formats.deepspeed.files import (
-    CONVERT_THE_RUN,
     is_deepspeed,
-    lone_module_note,
-    lone_module_summary,
     rank_files,
-    refuse_optimizer_partition,
-    refuse_placeholders,
     tag_folder,
 )
 from ckptfix.formats.deepspeed.layout import Segment, layout_partitioned, layout_stage3
@@ -418,19 +413,10 @@ def load_run(path: str, *, allow_globals: Iterable[str] = (), verify: bool = Tru
 
 
 __all__ = [
-    "CONVERT_THE_RUN",
-    "Piece",
     "RunFile",
     "ZeroRun",
-    "ZeroTensor",
     "describe_run",
     "is_deepspeed",
     "load_run",
     "load_training_state",
-    "lone_module_note",
-    "lone_module_summary",
-    "optimizer_tensors",
-    "read_zero_tensor",
-    "refuse_optimizer_partition",
-    "refuse_placeholders",
 ]

@@ -17,7 +17,8 @@ from ckptfix.formats.hf.folder import _MODEL_FILE, Folder, FolderTensor, describ
 from ckptfix.formats.opened import Opened, OpenedFolder, OpenOptions
 from ckptfix.formats.pickles import inert_trees
 from ckptfix.formats.records import is_record, map_tree
-from ckptfix.formats.safetensors.file import read_header, tree_from_header
+from ckptfix.formats.safetensors.file import tree_from_header
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.torchio.opaque import OpaqueEntry, wrap
 from ckptfix.formats.torchio.torchfile import file_identity

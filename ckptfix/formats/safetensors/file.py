@@ -23,11 +23,7 @@ from ckptfix.formats.output.atomic import PathLike, atomic_output
 from ckptfix.formats.pickles.inert_trees import gc_paused
 from ckptfix.formats.raw import RawTensor, resolved
 from ckptfix.formats.records import Holder, TensorRecord, torch_dtype
-from ckptfix.formats.safetensors.header import META_KEY, Header, all_storable, unstorable
-
-# re-exported: ckptfix.reading and stream.folders take a file's header and its records from this one module
-from ckptfix.formats.safetensors.header import encode_header as encode_header
-from ckptfix.formats.safetensors.header import read_header as read_header
+from ckptfix.formats.safetensors.header import META_KEY, Header, all_storable, encode_header, read_header, unstorable
 from ckptfix.formats.torchzip.archive import BLOCK
 from ckptfix.transforms.checkpoint import is_state_dict, is_tensor, model_entries
 

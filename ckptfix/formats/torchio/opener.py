@@ -13,7 +13,8 @@ from ckptfix.errors import FormatError
 from ckptfix.formats.copyable import Fallback, Reason, foreign_byte_order, not_as_stored, torch_rebuilt
 from ckptfix.formats.opened import Opened, OpenOptions, Undescribed
 from ckptfix.formats.pickles import inert, inert_trees
-from ckptfix.formats.safetensors.file import read_header, tree_from_header
+from ckptfix.formats.safetensors.file import tree_from_header
+from ckptfix.formats.safetensors.header import read_header
 from ckptfix.formats.safety import allowlist
 from ckptfix.formats.safety.allowlist import DTENSOR_GLOBALS, SHARDED_TENSOR_GLOBALS, explain
 from ckptfix.formats.torchio.opaque import describe, entries, wrapped
