@@ -428,6 +428,7 @@ def _umask() -> int:
     return mask
 
 
+@quiet_transformers()  # transformers' own warnings on loading are not ckptfix's to print
 def verify_export(
     folder: str,
     source: str,
@@ -448,38 +449,6 @@ def verify_export(
     what was compared and the largest difference. Raises :class:`MismatchError` when transformers
     reports a missing, unexpected or mismatched key, or the logits are not equal. ``fmt``: ``source``'s format
     (detected where not given)."""
-    with quiet_transformers():
-        return _verify(
-            folder,
-            source,
-            found,
-            exported,
-            entry=entry,
-            rules=rules,
-            strip_prefixes=strip_prefixes,
-            allow=allow,
-            unsafe=unsafe,
-            dtype=dtype,
-            premap=premap,
-            fmt=fmt,
-        )
-
-
-def _verify(
-    folder: str,
-    source: str,
-    found: ConfigFolder,
-    exported: Exported,
-    *,
-    entry: str | None,
-    rules: list[Any],
-    strip_prefixes: Iterable[str],
-    allow: tuple[str, ...],
-    unsafe: bool,
-    dtype: str | None,
-    premap: Any = None,
-    fmt: str | None = None,
-) -> str:
     import torch
 
     from ckptfix.exporting.model import model_class
